@@ -1,0 +1,1 @@
+"""The `unweight` command line: parses, calls one library function per command, renders."""

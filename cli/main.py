@@ -1,0 +1,197 @@
+"""`unweight` commands: thin typer functions, one library call each, errors as one-line messages."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Callable, Optional
+
+import typer
+from rich.console import Console
+
+import unweight
+from unweight.errors import DestinationError, FormatError, SourceError, UnweightError
+
+app = typer.Typer(
+    name="unweight",
+    help="Lossless compression of LLM checkpoints: smaller files, bit-exact weights.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+out = Console(width=None if sys.stdout.isatty() else 200)  # pipes get full rows, not 80 columns
+err = Console(stderr=True)
+
+Threads = Annotated[Optional[int], typer.Option("--threads", "-t", min=0, help="CPU threads (default: all; 0 = all).")]
+AsJson = Annotated[bool, typer.Option("--json", help="Print the result as JSON instead of a table.")]
+Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")]
+
+EXIT_FAILED = 1  # bad input, corrupt file, or verification found a difference
+EXIT_INTERRUPTED = 130
+
+
+def _run(fn: Callable[[], int | None]) -> None:
+    """Run a command body, turning library errors into one line on stderr and an exit code."""
+    try:
+        code = fn() or 0
+    except (SourceError, DestinationError, FormatError, UnweightError) as e:
+        err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        raise typer.Exit(EXIT_FAILED) from None
+    except ValueError as e:  # invalid option values from the library's dataclasses
+        err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        raise typer.Exit(EXIT_FAILED) from None
+    except OSError as e:
+        where = f"{e.filename}: " if e.filename else ""
+        err.print(f"[bold red]error:[/] {where}{e.strerror or e}", highlight=False, soft_wrap=True)
+        raise typer.Exit(EXIT_FAILED) from None
+    except KeyboardInterrupt:
+        err.print("interrupted: partial output was removed")
+        raise typer.Exit(EXIT_INTERRUPTED) from None
+    raise typer.Exit(code)
+
+
+def _progress(verb: str, quiet: bool):
+    from .render import BarProgress
+
+    return BarProgress(err, verb, enabled=not quiet and err.is_terminal)
+
+
+@app.command()
+def compress(
+    src: Annotated[str, typer.Argument(help="Local model folder, .safetensors file, or Hub repo id (org/name).")],
+    dst: Annotated[Path, typer.Argument(help="Output folder (must not exist).")],
+    revision: Annotated[Optional[str], typer.Option(help="Hub revision (branch, tag or commit) when SRC is a repo id.")] = None,
+    threads: Threads = None,
+    verify: Annotated[bool, typer.Option("--verify/--no-verify", help="Decode every tensor again before writing it.")] = True,
+    precision: Annotated[int, typer.Option(min=10, max=15, help="rANS frequency precision in bits.")] = 14,
+    chunk: Annotated[int, typer.Option(help="Elements per independently decodable chunk (multiple of 8).")] = 65536,
+    as_json: AsJson = False,
+    quiet: Quiet = False,
+) -> None:
+    """Compress a Hugging Face checkpoint into a folder that mirrors it.
+
+    Every *.safetensors file becomes an Unweight container of the same name; the shard index,
+    config and tokenizer files are kept. Nothing appears at DST unless the whole run succeeds.
+
+    Examples:
+
+        unweight compress ./Llama-3.1-8B ./llama-uw
+
+        unweight compress meta-llama/Llama-3.1-8B ./llama-uw --revision main --json
+    """
+
+    def body() -> None:
+        with _progress("compressing", quiet or as_json) as bar:
+            report = unweight.compress(src, dst, threads=threads, verify=verify, precision=precision, chunk=chunk, revision=revision, progress=bar)
+        if as_json:
+            out.print_json(json.dumps(report.to_json()))
+            return
+        from .render import compress_table
+
+        out.print(compress_table(report))
+        for f in report.skipped_files:
+            err.print(f"note: skipped {f} (pickle; the safetensors files carry the weights)")
+
+    _run(body)
+
+
+@app.command()
+def decompress(
+    src: Annotated[Path, typer.Argument(help="Compressed folder or container file.")],
+    dst: Annotated[Path, typer.Argument(help="Output folder (must not exist).")],
+    threads: Threads = None,
+    quiet: Quiet = False,
+) -> None:
+    """Write the original safetensors files back, byte for byte.
+
+    Example:
+
+        unweight decompress ./llama-uw ./llama-bf16
+    """
+
+    def body() -> None:
+        with _progress("decompressing", quiet) as bar:
+            n = unweight.decompress(src, dst, threads=threads, progress=bar)
+        out.print(f"wrote {n} tensors to {dst}")
+
+    _run(body)
+
+
+@app.command()
+def verify(
+    path: Annotated[Path, typer.Argument(help="Compressed folder or container file.")],
+    against: Annotated[Optional[Path], typer.Option("--against", help="The original folder or file to compare with.")] = None,
+    threads: Threads = None,
+    as_json: AsJson = False,
+    quiet: Quiet = False,
+) -> None:
+    """Decode every tensor and check it: against its stored CRC-32, and with --against, against
+    the original bytes, dtypes and shapes. Exit 0 only if everything matches.
+
+    Examples:
+
+        unweight verify ./llama-uw
+
+        unweight verify ./llama-uw --against ./Llama-3.1-8B
+    """
+
+    def body() -> int:
+        with _progress("verifying", quiet or as_json) as bar:
+            report = unweight.verify(path, against, threads=threads, progress=bar)
+        if as_json:
+            out.print_json(json.dumps(report.to_json()))
+        elif report.ok:
+            what = "identical to the original" if against else "checksums OK"
+            out.print(f"OK: {report.checked_tensors} tensors ({report.checked_bytes / 1e6:,.1f} MB) in {report.checked_files} files, {what}")
+        else:
+            err.print(f"[bold red]MISMATCH:[/] {report.mismatches[0]}", highlight=False, soft_wrap=True)
+            if len(report.mismatches) > 1:
+                err.print(f"... and {len(report.mismatches) - 1} more")
+        return 0 if report.ok else EXIT_FAILED
+
+    _run(body)
+
+
+@app.command()
+def inspect(
+    path: Annotated[Path, typer.Argument(help="Compressed folder or container file.")],
+    as_json: AsJson = False,
+    plot: Annotated[Optional[Path], typer.Option("--plot", help="Write exponent histograms to this PNG (needs matplotlib).")] = None,
+    threads: Threads = None,
+) -> None:
+    """Per tensor: codec, sizes, bits/weight, exponent entropy and the gap to the order-0 bound.
+
+    Example:
+
+        unweight inspect ./llama-uw --plot exponents.png
+    """
+
+    def body() -> None:
+        stats = unweight.inspect(path, threads=threads)
+        if plot is not None:
+            from unweight.plotting import plot_exponents
+
+            plot_exponents(stats, plot)
+        if as_json:
+            out.print_json(json.dumps([s.to_json() for s in stats]))
+            return
+        from .render import inspect_table
+
+        out.print(inspect_table(stats))
+        if plot is not None:
+            out.print(f"wrote {plot}")
+
+    _run(body)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    try:
+        app()
+    except BrokenPipeError:  # `unweight inspect ... | head`
+        sys.stderr.close()
+
+
+if __name__ == "__main__":
+    main()

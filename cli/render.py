@@ -1,0 +1,67 @@
+"""Rendering library results for the terminal (rich tables, progress bars) and as JSON."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+from rich.table import Table
+
+from unweight.report import CompressReport, Totals
+
+
+class BarProgress:
+    """The library's Progress protocol drawn as one rich bar (bytes of original tensors)."""
+
+    def __init__(self, console: Console, verb: str, enabled: bool = True):
+        self._bar = Progress(
+            TextColumn(f"[bold]{verb}[/]"),
+            BarColumn(),
+            DownloadColumn(),
+            TransferSpeedColumn(),
+            TimeRemainingColumn(),
+            TextColumn("{task.description}", style="dim"),
+            console=console,
+            transient=True,
+            disable=not enabled,
+        )
+        self._task = None
+
+    def __enter__(self) -> "BarProgress":
+        self._bar.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._bar.__exit__(*exc)
+
+    def start(self, total_bytes: int) -> None:
+        self._task = self._bar.add_task("", total=total_bytes)
+
+    def advance(self, label: str, nbytes: int) -> None:
+        short = label if len(label) <= 48 else "…" + label[-47:]
+        self._bar.update(self._task, advance=nbytes, description=short)
+
+
+def _row(label: str, t: Totals) -> list[str]:
+    return [label, f"{t.tensors:,}", f"{t.original_bytes / 1e6:,.2f}", f"{t.stored_bytes / 1e6:,.2f}", f"{100 * t.saving:.2f} %", f"{t.bits_per_weight:.3f}"]
+
+
+def compress_table(report: CompressReport) -> Table:
+    table = Table(title=f"{report.source} → {report.destination}  ({report.seconds:.1f} s)")
+    for col in ("tensors", "count", "original MB", "stored MB", "saving", "bits/weight"):
+        table.add_column(col, justify="left" if col == "tensors" else "right")
+    for cls, t in report.by_class().items():
+        table.add_row(*_row(cls, t))
+    for dtype, t in report.by_dtype().items():
+        table.add_row(*_row(f"dtype {dtype}", t), style="dim")
+    table.add_row(*_row("total", report.totals()), style="bold")
+    return table
+
+
+def inspect_table(stats: list) -> Table:
+    table = Table(title="per-tensor statistics")
+    for col in ("tensor", "dtype", "shape", "codec", "original KB", "stored KB", "bits/w", "exp H", "order-0 bound", "gap"):
+        table.add_column(col, justify="left" if col in ("tensor", "dtype", "codec") else "right")
+    f = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+    for s in stats:
+        table.add_row(s.name, s.dtype, "x".join(map(str, s.shape)) or "()", s.codec, f"{s.original_bytes / 1e3:,.1f}", f"{s.stored_bytes / 1e3:,.1f}", f"{s.bits_per_weight:.3f}", f(s.exponent_entropy), f(s.order0_bound), f(s.gap_to_bound))
+    return table

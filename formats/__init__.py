@@ -1,0 +1,29 @@
+"""Unweight's container format: a safetensors file with a manifest (see SPEC.md).
+
+This layer knows bytes, headers and manifests; it knows nothing of codecs. It depends only on
+the standard library and numpy.
+"""
+
+from .container import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    ContainerReader,
+    ContainerWriter,
+    TensorEntry,
+)
+from .dtypes import DTYPE_SIZES
+from .errors import FormatError
+from .safetensors_file import SafetensorsFile, TensorInfo, write_safetensors
+
+__all__ = [
+    "DTYPE_SIZES",
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "ContainerReader",
+    "ContainerWriter",
+    "FormatError",
+    "SafetensorsFile",
+    "TensorEntry",
+    "TensorInfo",
+    "write_safetensors",
+]

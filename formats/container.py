@@ -1,0 +1,238 @@
+"""The Unweight container (SPEC.md §1-2): streams in a safetensors file, described by a manifest.
+
+`ContainerReader` validates the container-level rules (format name and version, manifest shape,
+stream references) and hands out streams as uint8 views; what a codec's streams mean is checked by
+the codec layer. `ContainerWriter` streams data to a side file and assembles the final file on
+`finish()`, renaming it into place only when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .dtypes import tensor_nbytes
+from .errors import FormatError
+from .safetensors_file import SafetensorsFile, encode_header
+
+FORMAT_NAME = "unweight"
+FORMAT_VERSION = "1.0"
+SUPPORTED_MAJOR = 1
+_VERSION_RE = re.compile(r"^(\d{1,4})\.(\d{1,4})$")
+
+
+@dataclass(frozen=True, slots=True)
+class TensorEntry:
+    """One original tensor as the manifest describes it."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    codec: str
+    params: dict[str, Any]
+    streams: dict[str, str]  # role -> stream name
+    crc32: int
+
+    @property
+    def nbytes(self) -> int:
+        return tensor_nbytes(self.dtype, self.shape)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"dtype": self.dtype, "shape": list(self.shape), "codec": self.codec}
+        if self.params:
+            out["params"] = self.params
+        out["streams"] = self.streams
+        out["crc32"] = self.crc32
+        return out
+
+
+def _entry_from_json(path: str, name: str, obj: Any) -> TensorEntry:
+    def bad(msg: str) -> FormatError:
+        return FormatError(path, msg, name)
+
+    if not isinstance(obj, dict):
+        raise bad("manifest entry is not an object")
+    for key in ("dtype", "shape", "codec", "streams", "crc32"):
+        if key not in obj:
+            raise bad(f"manifest entry lacks {key!r}")
+    shape = obj["shape"]
+    if not isinstance(shape, list):
+        raise bad(f"shape {shape!r} is not a list")
+    try:
+        tensor_nbytes(obj["dtype"], shape)
+    except ValueError as e:
+        raise bad(str(e)) from None
+    if not isinstance(obj["codec"], str):
+        raise bad("codec is not a string")
+    params = obj.get("params", {})
+    if not isinstance(params, dict):
+        raise bad("params is not an object")
+    streams = obj["streams"]
+    if not isinstance(streams, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in streams.items()):
+        raise bad("streams must map role names to stream names")
+    crc = obj["crc32"]
+    if not isinstance(crc, int) or isinstance(crc, bool) or not 0 <= crc < 1 << 32:
+        raise bad(f"crc32 {crc!r} is not a 32-bit unsigned integer")
+    return TensorEntry(name, obj["dtype"], tuple(shape), obj["codec"], params, dict(streams), crc)
+
+
+class ContainerReader:
+    """An open Unweight container: `tensors` (the manifest) and `stream(name)` (zero-copy bytes)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.fspath(path)
+        self._file = SafetensorsFile(self.path)
+        try:
+            self._validate()
+        except BaseException:
+            self._file.close()
+            raise
+
+    def _validate(self) -> None:
+        meta = self._file.metadata or {}
+        if meta.get("format") != FORMAT_NAME:
+            raise FormatError(self.path, "not an Unweight container (a plain safetensors file? its metadata has no format=unweight)")
+        version = meta.get("format_version", "")
+        m = _VERSION_RE.match(version)
+        if not m:
+            raise FormatError(self.path, f"format_version {version!r} is not MAJOR.MINOR")
+        if int(m.group(1)) != SUPPORTED_MAJOR:
+            raise FormatError(self.path, f"format version {version} is not supported (this reader knows {SUPPORTED_MAJOR}.x); upgrade unweight")
+        self.format_version = version
+        try:
+            manifest = json.loads(meta.get("unweight", ""))
+        except json.JSONDecodeError as e:
+            raise FormatError(self.path, f"manifest is not valid JSON ({e})") from None
+        if not isinstance(manifest, dict) or not isinstance(manifest.get("tensors"), dict):
+            raise FormatError(self.path, "manifest has no 'tensors' object")
+        self.tensors: dict[str, TensorEntry] = {
+            name: _entry_from_json(self.path, name, obj) for name, obj in manifest["tensors"].items()
+        }
+        src = manifest.get("source_header")
+        if src is not None and not isinstance(src, str):
+            raise FormatError(self.path, "source_header is neither a string nor null")
+        self.source_header: str | None = src
+        # Every stream referenced exactly once, every reference resolves.
+        used: dict[str, str] = {}
+        for entry in self.tensors.values():
+            for role, stream in entry.streams.items():
+                if stream not in self._file.tensors:
+                    raise FormatError(self.path, f"stream {stream!r} (role {role!r}) is missing", entry.name)
+                if stream in used:
+                    raise FormatError(self.path, f"stream {stream!r} is also used by tensor {used[stream]!r}", entry.name)
+                used[stream] = entry.name
+                if self._file.tensors[stream].dtype != "U8" or len(self._file.tensors[stream].shape) != 1:
+                    raise FormatError(self.path, f"stream {stream!r} is not a 1-D U8 tensor", entry.name)
+        unused = set(self._file.tensors) - set(used)
+        if unused:
+            raise FormatError(self.path, f"stream {sorted(unused)[0]!r} belongs to no tensor")
+
+    def stream(self, name: str) -> np.ndarray:
+        return self._file.bytes_of(name)
+
+    def streams_of(self, entry: TensorEntry) -> dict[str, np.ndarray]:
+        return {role: self._file.bytes_of(s) for role, s in entry.streams.items()}
+
+    @property
+    def file_size(self) -> int:
+        return os.path.getsize(self.path)
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> "ContainerReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+@dataclass
+class ContainerWriter:
+    """Builds a container at `path`; nothing appears at `path` until `finish()` succeeds.
+
+    Streams are appended to a side file as they are added (so a shard never sits in memory whole);
+    `finish()` writes the header, copies the data after it, fsyncs and renames into place.
+    """
+
+    path: str
+    _entries: list[TensorEntry] = field(default_factory=list)
+    _streams: list[tuple[str, int, int]] = field(default_factory=list)
+    _names: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.path = os.fspath(self.path)
+        self._partial = f"{self.path}.partial"
+        self._data_path = f"{self.path}.data.partial"
+        self._data = open(self._data_path, "wb")
+        self._size = 0
+
+    def add(self, entry: TensorEntry, streams: dict[str, bytes | np.ndarray]) -> None:
+        """Record one tensor: its manifest entry and the bytes of each of its streams by role."""
+        if entry.name in {e.name for e in self._entries}:
+            raise ValueError(f"tensor {entry.name!r} added twice")
+        if set(streams) != set(entry.streams):
+            raise ValueError(f"tensor {entry.name!r}: stream roles {sorted(streams)} != {sorted(entry.streams)}")
+        for role, blob in streams.items():
+            name = entry.streams[role]
+            if name in self._names:
+                raise ValueError(f"stream name {name!r} is used twice (a tensor name collides with a stream name)")
+            self._names.add(name)
+            view = memoryview(np.ascontiguousarray(blob).reshape(-1).view(np.uint8) if isinstance(blob, np.ndarray) else blob).cast("B")
+            self._data.write(view)
+            self._streams.append((name, self._size, self._size + view.nbytes))
+            self._size += view.nbytes
+        self._entries.append(entry)
+
+    def finish(self, source_header: str | None = None) -> int:
+        """Assemble the file; returns its size in bytes."""
+        manifest = {
+            "tensors": {e.name: e.to_json() for e in self._entries},
+            "source_header": source_header,
+        }
+        metadata = {
+            "format": FORMAT_NAME,
+            "format_version": FORMAT_VERSION,
+            "unweight": json.dumps(manifest, separators=(",", ":")),
+        }
+        head = encode_header(((n, "U8", [e - b], b, e) for n, b, e in self._streams), metadata)
+        self._data.close()
+        with open(self._partial, "wb") as out, open(self._data_path, "rb") as data:
+            out.write(struct.pack("<Q", len(head)))
+            out.write(head)
+            shutil.copyfileobj(data, out, 16 << 20)
+            out.flush()
+            os.fsync(out.fileno())
+        os.remove(self._data_path)
+        os.replace(self._partial, self.path)
+        return 8 + len(head) + self._size
+
+    def abort(self) -> None:
+        """Remove everything this writer created."""
+        self._data.close()
+        for p in (self._data_path, self._partial):
+            try:
+                os.remove(p)
+            except FileNotFoundError:
+                pass
+
+    def __enter__(self) -> "ContainerWriter":
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is not None:
+            self.abort()

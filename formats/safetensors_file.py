@@ -1,0 +1,185 @@
+"""A validating, memory-mapped safetensors reader and a streaming safetensors writer.
+
+Both the checkpoints we compress and our own containers are safetensors files, so both are read
+through `SafetensorsFile`, which trusts nothing in the header (SPEC.md §4, rules 1-3).
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+from typing import BinaryIO, Iterable
+
+import numpy as np
+
+from .dtypes import tensor_nbytes
+from .errors import FormatError
+
+MAX_HEADER_BYTES = 64 << 20  # 64 MiB: real headers are kilobytes, a hostile one can claim exabytes
+HEADER_ALIGN = 8
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    """One header entry: where a tensor's bytes lie in the data section."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int  # offset into the data section
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+def parse_header(path: str, raw: bytes, data_len: int) -> tuple[dict[str, TensorInfo], dict[str, str] | None]:
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise FormatError(path, f"header is not valid UTF-8 JSON ({e.__class__.__name__}: {e})") from None
+    if not isinstance(header, dict):
+        raise FormatError(path, "header is not a JSON object")
+    metadata = header.pop("__metadata__", None)
+    if metadata is not None and (
+        not isinstance(metadata, dict)
+        or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())
+    ):
+        raise FormatError(path, "__metadata__ must map strings to strings")
+    tensors: dict[str, TensorInfo] = {}
+    for name, entry in header.items():
+        if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+            raise FormatError(path, "header entry must have exactly dtype, shape, data_offsets", name)
+        dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+        if not isinstance(shape, list):
+            raise FormatError(path, f"shape {shape!r} is not a list", name)
+        try:
+            nbytes = tensor_nbytes(dtype, shape)
+        except ValueError as e:
+            raise FormatError(path, str(e), name) from None
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+        ):
+            raise FormatError(path, f"data_offsets {offsets!r} is not a pair of integers", name)
+        begin, end = offsets
+        if not 0 <= begin <= end <= data_len:
+            raise FormatError(path, f"data_offsets {offsets} lie outside the {data_len}-byte data section", name)
+        if end - begin != nbytes:
+            raise FormatError(path, f"data_offsets span {end - begin} bytes but {dtype}{shape} needs {nbytes}", name)
+        tensors[name] = TensorInfo(name, dtype, tuple(shape), begin, end)
+    # Rule 3: the entries tile the data section, no gaps and no overlaps.
+    cursor = 0
+    for t in sorted(tensors.values(), key=lambda t: (t.begin, t.end)):
+        if t.begin != cursor:
+            what = "overlaps the previous tensor" if t.begin < cursor else f"leaves a gap at byte {cursor}"
+            raise FormatError(path, f"data_offsets [{t.begin}, {t.end}] {what}", t.name)
+        cursor = t.end
+    if cursor != data_len:
+        raise FormatError(path, f"tensors cover {cursor} bytes but the data section has {data_len}")
+    return tensors, metadata
+
+
+class SafetensorsFile:
+    """A safetensors file, validated on open and memory-mapped; tensors come out as uint8 views.
+
+    Use as a context manager, or call `close()`; views taken from it die with the mapping.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.fspath(path)
+        try:
+            self._file: BinaryIO = open(self.path, "rb")
+        except OSError as e:
+            raise FormatError(self.path, f"cannot open: {e.strerror}") from None
+        try:
+            self._open()
+        except BaseException:
+            self._file.close()
+            raise
+
+    def _open(self) -> None:
+        size = os.fstat(self._file.fileno()).st_size
+        if size < 8:
+            raise FormatError(self.path, f"file is {size} bytes, too short to be safetensors (truncated?)")
+        (n,) = struct.unpack("<Q", self._file.read(8))
+        if n > MAX_HEADER_BYTES:
+            raise FormatError(self.path, f"header claims {n} bytes, over the {MAX_HEADER_BYTES}-byte cap")
+        if 8 + n > size:
+            raise FormatError(self.path, f"header claims {n} bytes but the file has {size - 8} after the length (truncated?)")
+        self.header_text = self._file.read(n).decode("utf-8", errors="replace")
+        raw = self.header_text.encode("utf-8")
+        self.data_start = 8 + n
+        self.tensors, self.metadata = parse_header(self.path, raw, size - self.data_start)
+        self._mmap = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
+        self._buf = np.frombuffer(self._mmap, dtype=np.uint8)
+
+    def bytes_of(self, name: str) -> np.ndarray:
+        """The raw bytes of tensor `name`, a read-only uint8 view into the mapping (no copy)."""
+        t = self.tensors[name]
+        return self._buf[self.data_start + t.begin : self.data_start + t.end]
+
+    def close(self) -> None:
+        buf = getattr(self, "_buf", None)
+        self._buf = None
+        if buf is not None:
+            del buf
+            try:
+                self._mmap.close()
+            except BufferError:
+                pass  # a caller still holds a view; the mapping goes when it does
+        self._file.close()
+
+    def __enter__(self) -> "SafetensorsFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def encode_header(entries: Iterable[tuple[str, str, list[int], int, int]], metadata: dict[str, str] | None) -> bytes:
+    """The padded header bytes (without the 8-byte length) for (name, dtype, shape, begin, end) rows."""
+    header: dict = {}
+    if metadata is not None:
+        header["__metadata__"] = metadata
+    for name, dtype, shape, begin, end in entries:
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [begin, end]}
+    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    return raw + b" " * (-len(raw) % HEADER_ALIGN)
+
+
+def write_safetensors(
+    out: BinaryIO,
+    entries: list[tuple[str, str, list[int]]],
+    data: Iterable[bytes | memoryview | np.ndarray],
+    metadata: dict[str, str] | None = None,
+    header_text: str | None = None,
+) -> None:
+    """Write a safetensors file to the open binary `out`, streaming one tensor at a time.
+
+    `entries` are (name, dtype, shape) in data order and `data` yields each one's bytes in that
+    order, so a caller can decode lazily. With `header_text`, that exact header is written instead
+    of one built from `entries` (a byte-identical reconstruction): the caller has checked that it
+    lists the same tensors and that `entries` follow its offsets.
+    """
+    if header_text is None:
+        rows, cursor = [], 0
+        for name, dtype, shape in entries:
+            n = tensor_nbytes(dtype, shape)
+            rows.append((name, dtype, shape, cursor, cursor + n))
+            cursor += n
+        head = encode_header(rows, metadata)
+    else:
+        head = header_text.encode("utf-8")
+    out.write(struct.pack("<Q", len(head)))
+    out.write(head)
+    for (name, dtype, shape), blob in zip(entries, data, strict=True):
+        view = np.ascontiguousarray(blob).reshape(-1).view(np.uint8) if isinstance(blob, np.ndarray) else memoryview(blob).cast("B")
+        if len(view) != tensor_nbytes(dtype, shape):
+            raise ValueError(f"tensor {name!r}: got {len(view)} bytes for {dtype}{list(shape)}")
+        out.write(view.data if isinstance(view, np.ndarray) else view)

@@ -1,0 +1,1 @@
+"""GPU runtime (compressed linears, kernels): arrives with the serving-layout issue."""

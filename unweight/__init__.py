@@ -1,0 +1,113 @@
+"""Unweight: lossless LLM weight compression.
+
+    import unweight
+    unweight.compress("path/or/hub-id", "out-dir")          # a compressed mirror of the folder
+    ckpt = unweight.open("out-dir")                          # lazy, mmap-backed reader
+    w = ckpt.get_tensor("model.layers.0.mlp.up_proj.weight")
+    unweight.decompress("out-dir", "restored")               # bit-identical safetensors back
+    assert unweight.verify("out-dir", against="path").ok
+
+This module is the public facade; nothing heavy happens at import time.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+from .errors import CorruptDataError, DestinationError, FormatError, SourceError, UnweightError
+
+if TYPE_CHECKING:
+    from .checkpoint import Progress
+    from .reader import CompressedCheckpoint
+    from .report import CompressReport, VerifyReport
+
+__version__ = "0.1.0"
+
+
+def compress(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    *,
+    threads: int | None = None,
+    verify: bool = True,
+    precision: int | None = None,
+    chunk: int | None = None,
+    revision: str | None = None,
+    progress: "Progress | None" = None,
+) -> "CompressReport":
+    """Compress a Hugging Face checkpoint (local folder, .safetensors file or Hub repo id) into
+    the folder `dst`, which must not exist. Returns the per-tensor report."""
+    from .checkpoint import compress as _compress
+    from .codec import CodecOptions
+
+    kw = {k: v for k, v in {"precision": precision, "chunk": chunk}.items() if v is not None}
+    options = CodecOptions(threads=threads, verify=verify, **kw)
+    if not os.path.exists(src) and _looks_like_repo_id(str(src)):
+        from unweight.cli.hub import resolve_source  # the only Hub (network) code lives in cli/
+
+        src = resolve_source(str(src), revision)
+    return _compress(src, dst, options, progress)
+
+
+def _looks_like_repo_id(s: str) -> bool:
+    parts = s.split("/")
+    return len(parts) == 2 and all(parts) and not s.startswith((".", "/", "~"))
+
+
+def decompress(src: str | os.PathLike, dst: str | os.PathLike, *, threads: int | None = None, progress: "Progress | None" = None) -> int:
+    """Write bit-identical safetensors files of a compressed folder into `dst` (must not exist)."""
+    from .checkpoint import decompress as _decompress
+
+    return _decompress(src, dst, threads, progress)
+
+
+def verify(path: str | os.PathLike, against: str | os.PathLike | None = None, *, threads: int | None = None, progress: "Progress | None" = None) -> "VerifyReport":
+    """Decode every tensor and check checksums; with `against`, compare with the original bytes."""
+    from .checkpoint import verify as _verify
+
+    return _verify(path, against, threads, progress)
+
+
+def inspect(path: str | os.PathLike, *, threads: int | None = None):
+    """Per-tensor statistics (codec, sizes, exponent entropy, order-0 bound)."""
+    from .inspection import inspect as _inspect
+
+    return _inspect(path, threads)
+
+
+def open(path: str | os.PathLike, *, threads: int | None = None) -> "CompressedCheckpoint":  # noqa: A001
+    """A lazy reader of a compressed folder or file: `.keys()`, `.get_tensor(name)`."""
+    from .reader import CompressedCheckpoint
+
+    return CompressedCheckpoint(path, threads)
+
+
+def save_file(tensors: dict, path: str | os.PathLike, *, threads: int | None = None, verify: bool = True) -> int:
+    """Compress a dict of torch tensors (any dtype; 0-d, empty and non-contiguous work) into one
+    container file, like safetensors.torch.save_file; returns the file size."""
+    from .tensors import save_file as _save
+
+    return _save(tensors, path, threads=threads, verify=verify)
+
+
+def load_file(path: str | os.PathLike, *, threads: int | None = None) -> dict:
+    """All tensors of a container file as a dict of torch tensors (bit-exact)."""
+    with open(path, threads=threads) as ckpt:
+        return {name: ckpt.get_tensor(name) for name in ckpt.keys()}
+
+
+__all__ = [
+    "CorruptDataError",
+    "DestinationError",
+    "FormatError",
+    "SourceError",
+    "UnweightError",
+    "compress",
+    "decompress",
+    "inspect",
+    "load_file",
+    "open",
+    "save_file",
+    "verify",
+]

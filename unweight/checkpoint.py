@@ -1,0 +1,341 @@
+"""Whole checkpoints: compress, decompress and verify Hugging Face folders (sharded or not).
+
+A compressed checkpoint mirrors its source folder: every `*.safetensors` file becomes an Unweight
+container of the same name, and every other file (config, tokenizer, the shard index) is copied as
+is: the index stays valid because shard file names and tensor names do not change. Outputs are built in a hidden sibling
+folder and renamed into place at the end, so an interrupted run never leaves a folder that looks
+complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator, Protocol
+
+import numpy as np
+
+from unweight.codec import CodecOptions, decode_tensor, encode_tensor
+from unweight.errors import DestinationError, FormatError, SourceError
+from unweight.formats import ContainerReader, ContainerWriter, SafetensorsFile, write_safetensors
+from unweight.formats.safetensors_file import parse_header
+
+from .report import CompressReport, TensorReport, VerifyReport
+
+INDEX_NAME = "model.safetensors.index.json"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+SKIP_DIRS = {".git", ".cache", "__pycache__"}
+
+
+class Progress(Protocol):
+    """What the library reports while it works (the CLI draws bars from it; None ignores it)."""
+
+    def start(self, total_bytes: int) -> None: ...
+
+    def advance(self, label: str, nbytes: int) -> None: ...
+
+
+class _NoProgress:
+    def start(self, total_bytes: int) -> None:
+        pass
+
+    def advance(self, label: str, nbytes: int) -> None:
+        pass
+
+
+def _walk(root: Path) -> list[Path]:
+    """Files under root (relative paths, sorted), skipping VCS and cache folders."""
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS)
+        for f in sorted(filenames):
+            out.append((Path(dirpath) / f).relative_to(root))
+    return out
+
+
+def _check_source(src: Path) -> tuple[list[Path], list[Path], list[Path]]:
+    """(safetensors files, other files to copy, skipped pickle files) of a source folder."""
+    if not src.exists():
+        raise SourceError(f"{src}: no such file or folder")
+    if src.is_file():
+        if src.suffix != ".safetensors":
+            raise SourceError(_pickle_message(src) if src.suffix in PICKLE_SUFFIXES else f"{src}: not a .safetensors file or a model folder")
+        return [Path(src.name)], [], []
+    files = _walk(src)
+    tensors = [f for f in files if f.suffix == ".safetensors"]
+    pickles = [f for f in files if f.suffix in PICKLE_SUFFIXES]
+    if not tensors:
+        if pickles:
+            raise SourceError(_pickle_message(src / pickles[0]))
+        raise SourceError(f"{src}: no *.safetensors files in this folder")
+    others = [f for f in files if f.suffix != ".safetensors" and f not in pickles]
+    index = src / INDEX_NAME
+    if index.exists():
+        _check_index(index, src)
+    return tensors, others, pickles
+
+
+def _pickle_message(path: Path) -> str:
+    return (
+        f"{path}: pickle checkpoint refused: loading pickle can run arbitrary code, and its bytes are "
+        "not a stable tensor layout; convert it to safetensors first (transformers: "
+        "model.save_pretrained(dir, safe_serialization=True))"
+    )
+
+
+def _check_index(index: Path, root: Path) -> dict:
+    try:
+        data = json.loads(index.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise SourceError(f"{index}: not valid JSON ({e})") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise SourceError(f"{index}: no weight_map of tensor name -> shard file")
+    for shard in sorted(set(weight_map.values())):
+        if not (index.parent / shard).is_file():
+            raise SourceError(f"{index}: shard {shard!r} is listed but missing")
+        if ".." in Path(shard).parts or Path(shard).is_absolute():
+            raise SourceError(f"{index}: shard path {shard!r} leaves the folder")
+    return data
+
+
+@contextmanager
+def _staging(dst: Path) -> Iterator[Path]:
+    """A hidden sibling folder that becomes `dst` only if the block finishes."""
+    if dst.exists():
+        raise DestinationError(f"{dst}: already exists; choose a new destination or remove it first")
+    parent = dst.parent if str(dst.parent) else Path(".")
+    if not parent.is_dir():
+        raise DestinationError(f"{parent}: the destination's parent folder does not exist")
+    tmp = parent / f".{dst.name}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+        os.replace(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def compress(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    options: CodecOptions | None = None,
+    progress: Progress | None = None,
+) -> CompressReport:
+    """Compress a local Hugging Face folder (or one .safetensors file) into `dst`.
+
+    `dst` must not exist. With options.verify (the default) every tensor is decoded again and
+    compared with its original bytes before it is written.
+    """
+    options = options or CodecOptions()
+    progress = progress or _NoProgress()
+    src, dst = Path(src), Path(dst)
+    t0 = time.perf_counter()
+    tensor_files, others, pickles = _check_source(src)
+    root = src if src.is_dir() else src.parent
+    report = CompressReport(str(src), str(dst), skipped_files=[str(p) for p in pickles])
+    if src.is_file() and dst.suffix == ".safetensors":
+        raise DestinationError(f"{dst}: the destination is a folder; drop the .safetensors suffix")
+    sources = [SafetensorsFile(root / f) for f in tensor_files]
+    try:
+        progress.start(sum(t.nbytes for s in sources for t in s.tensors.values()))
+        with _staging(dst) as tmp:
+            for rel, sf in zip(tensor_files, sources):
+                (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+                _compress_file(sf, tmp / rel, str(rel), options, progress, report)
+                report.files_written += 1
+                report.file_bytes_in += os.path.getsize(sf.path)
+                report.file_bytes_out += os.path.getsize(tmp / rel)
+            for rel in others:
+                (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(root / rel, tmp / rel)  # the shard index stays valid as it is
+                report.copied_files.append(str(rel))
+    finally:
+        for sf in sources:
+            sf.close()
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def _compress_file(sf: SafetensorsFile, out: Path, rel: str, options: CodecOptions, progress: Progress, report: CompressReport) -> None:
+    with ContainerWriter(str(out)) as writer:
+        for info in sorted(sf.tensors.values(), key=lambda t: t.begin):
+            entry, streams = encode_tensor(info.name, info.dtype, info.shape, sf.bytes_of(info.name), options)
+            writer.add(entry, streams)
+            stored = sum(len(s) for s in streams.values())
+            report.tensors.append(TensorReport(rel, info.name, info.dtype, list(info.shape), entry.codec, info.nbytes, stored))
+            progress.advance(f"{rel}: {info.name}", info.nbytes)
+        writer.finish(source_header=sf.header_text)
+
+
+def containers_of(path: str | os.PathLike) -> tuple[Path, list[Path], list[Path]]:
+    """(root, container files, other files) of a compressed folder or single container file."""
+    path = Path(path)
+    if not path.exists():
+        raise SourceError(f"{path}: no such file or folder")
+    if path.is_file():
+        return path.parent, [Path(path.name)], []
+    files = _walk(path)
+    containers = [f for f in files if f.suffix == ".safetensors"]
+    if not containers:
+        raise SourceError(f"{path}: no compressed *.safetensors files in this folder")
+    return path, containers, [f for f in files if f.suffix != ".safetensors"]
+
+
+def decompress(src: str | os.PathLike, dst: str | os.PathLike, threads: int | None = None, progress: Progress | None = None) -> int:
+    """Write the original safetensors files (byte-identical where the source header was kept) and
+    copy the other files; returns the number of tensors written."""
+    progress = progress or _NoProgress()
+    root, containers, others = containers_of(src)
+    dst = Path(dst)
+    readers = [ContainerReader(root / c) for c in containers]
+    count = 0
+    try:
+        progress.start(sum(e.nbytes for r in readers for e in r.tensors.values()))
+        with _staging(dst) as tmp:
+            for rel, reader in zip(containers, readers):
+                (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+                count += _decompress_file(reader, tmp / rel, str(rel), threads, progress)
+            for rel in others:
+                (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(root / rel, tmp / rel)
+    finally:
+        for r in readers:
+            r.close()
+    return count
+
+
+def _source_layout(reader: ContainerReader) -> list[str]:
+    """Tensor names in the order of the source file's data, after checking that the stored source
+    header describes exactly the manifest's tensors (SPEC.md §2)."""
+    if reader.source_header is None:
+        return sorted(reader.tensors)
+    raw = reader.source_header.encode("utf-8")
+    data_len = sum(e.nbytes for e in reader.tensors.values())
+    try:
+        infos, _ = parse_header(reader.path, raw, data_len)
+    except FormatError as e:
+        raise FormatError(reader.path, f"stored source header is invalid: {e.reason}", e.tensor) from None
+    if set(infos) != set(reader.tensors):
+        odd = sorted(set(infos) ^ set(reader.tensors))[0]
+        raise FormatError(reader.path, "stored source header and manifest list different tensors", odd)
+    for name, info in infos.items():
+        e = reader.tensors[name]
+        if (info.dtype, info.shape) != (e.dtype, e.shape):
+            raise FormatError(reader.path, f"source header says {info.dtype}{list(info.shape)}, manifest {e.dtype}{list(e.shape)}", name)
+    return [t.name for t in sorted(infos.values(), key=lambda t: t.begin)]
+
+
+def _decompress_file(reader: ContainerReader, out: Path, rel: str, threads: int | None, progress: Progress) -> int:
+    order = _source_layout(reader)
+    entries = [reader.tensors[n] for n in order]
+
+    def blobs() -> Iterator[np.ndarray]:
+        for e in entries:
+            data = decode_one(reader, e.name, threads)
+            progress.advance(f"{rel}: {e.name}", e.nbytes)
+            yield data
+
+    partial = Path(f"{out}.partial")
+    try:
+        with open(partial, "wb") as f:
+            write_safetensors(
+                f,
+                [(e.name, e.dtype, list(e.shape)) for e in entries],
+                blobs(),
+                metadata=None,
+                header_text=reader.source_header,
+            )
+        os.replace(partial, out)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    return len(entries)
+
+
+def decode_one(reader: ContainerReader, name: str, threads: int | None = None) -> np.ndarray:
+    """One tensor's original bytes; FormatError subclasses name the file and tensor on damage."""
+    entry = reader.tensors[name]
+    try:
+        return decode_tensor(entry, reader.streams_of(entry), threads)
+    except FormatError as e:
+        raise type(e)(reader.path, e.reason, name) from None
+
+
+def verify(path: str | os.PathLike, against: str | os.PathLike | None = None, threads: int | None = None, progress: Progress | None = None) -> VerifyReport:
+    """Decode every tensor and check its CRC-32; with `against` (the original folder or file),
+    also compare every tensor's bytes, dtype and shape, and every copied file's bytes."""
+    progress = progress or _NoProgress()
+    root, containers, others = containers_of(path)
+    report = VerifyReport()
+    orig_root = None
+    if against is not None:
+        against = Path(against)
+        if not against.exists():
+            raise SourceError(f"{against}: no such file or folder")
+        orig_root = against if against.is_dir() else against.parent
+        if against.is_file():
+            containers = [c for c in containers if c.name == against.name] or containers
+    readers = [ContainerReader(root / c) for c in containers]
+    try:
+        progress.start(sum(e.nbytes for r in readers for e in r.tensors.values()))
+        for rel, reader in zip(containers, readers):
+            original = None
+            if orig_root is not None:
+                opath = orig_root / rel
+                if not opath.exists():
+                    report.mismatches.append(f"{rel}: missing from {orig_root}")
+                    continue
+                original = SafetensorsFile(opath)
+            try:
+                _verify_file(reader, original, str(rel), threads, progress, report)
+            finally:
+                if original is not None:
+                    original.close()
+            report.checked_files += 1
+    finally:
+        for r in readers:
+            r.close()
+    if orig_root is not None and Path(path).is_dir():
+        for rel in others:
+            o = orig_root / rel
+            if not o.exists() or o.read_bytes() != (root / rel).read_bytes():
+                report.mismatches.append(f"{rel}: differs from {o}")
+        for rel in _walk(orig_root):
+            if rel.suffix == ".safetensors" and not (root / rel).exists():
+                report.mismatches.append(f"{rel}: in {orig_root} but not compressed")
+    return report
+
+
+def _verify_file(reader: ContainerReader, original: SafetensorsFile | None, rel: str, threads: int | None, progress: Progress, report: VerifyReport) -> None:
+    if original is not None:
+        missing = sorted(set(original.tensors) - set(reader.tensors))
+        extra = sorted(set(reader.tensors) - set(original.tensors))
+        for name in missing:
+            report.mismatches.append(f"{rel}: tensor {name!r} is missing from the compressed file")
+        for name in extra:
+            report.mismatches.append(f"{rel}: tensor {name!r} is not in the original")
+    for name, entry in reader.tensors.items():
+        try:
+            data = decode_one(reader, name, threads)  # CRC-32 checked inside
+        except FormatError as e:
+            report.mismatches.append(str(e))
+            continue
+        if original is not None and name in original.tensors:
+            o = original.tensors[name]
+            if (o.dtype, o.shape) != (entry.dtype, entry.shape):
+                report.mismatches.append(f"{rel}: tensor {name!r} is {entry.dtype}{list(entry.shape)}, the original {o.dtype}{list(o.shape)}")
+            else:
+                ob = original.bytes_of(name)
+                if not np.array_equal(ob, data):
+                    first = int(np.flatnonzero(ob != data)[0])
+                    report.mismatches.append(f"{rel}: tensor {name!r} differs from the original at byte {first}")
+        report.checked_tensors += 1
+        report.checked_bytes += entry.nbytes
+        progress.advance(f"{rel}: {name}", entry.nbytes)

@@ -1,0 +1,172 @@
+"""rANS frequency tables: quantising counts, the `table` stream (SPEC.md §3.3), decode slot tables."""
+
+from __future__ import annotations
+
+import heapq
+import math
+
+import numpy as np
+from numba import njit
+
+MAX_VARINT_BYTES = 5
+
+
+class TableError(ValueError):
+    """The `table` stream does not describe a valid frequency table."""
+
+
+def quantize(counts: np.ndarray, precision: int) -> np.ndarray:
+    """Scale symbol counts to integer frequencies summing to 2**precision.
+
+    Every symbol that occurs gets at least 1. Rounding is fixed greedily, one unit at a time, where
+    it costs the fewest coded bits (count · log2 of the frequency ratio): deterministic, and within
+    a hair of the ideal cross-entropy for the precisions used here.
+    """
+    counts = np.asarray(counts, dtype=np.int64)
+    total = int(counts.sum())
+    target = 1 << precision
+    present = np.flatnonzero(counts)
+    if total == 0:
+        raise ValueError("cannot build a frequency table for no symbols")
+    if len(present) > target:
+        raise ValueError(f"{len(present)} symbols do not fit precision {precision}")
+    freq = np.zeros(len(counts), dtype=np.int64)
+    freq[present] = np.maximum(1, counts[present] * target // total)
+    diff = target - int(freq.sum())
+    if diff > 0:  # hand out units where they save the most bits
+        heap = [(-c * math.log2((freq[s] + 1) / freq[s]), s) for s in present for c in (int(counts[s]),)]
+        heapq.heapify(heap)
+        for _ in range(diff):
+            _, s = heapq.heappop(heap)
+            freq[s] += 1
+            c = int(counts[s])
+            heapq.heappush(heap, (-c * math.log2((freq[s] + 1) / freq[s]), s))
+    elif diff < 0:  # take units back where they cost the least
+        heap = [(int(counts[s]) * math.log2(freq[s] / (freq[s] - 1)), s) for s in present if freq[s] > 1]
+        heapq.heapify(heap)
+        for _ in range(-diff):
+            _, s = heapq.heappop(heap)
+            freq[s] -= 1
+            if freq[s] > 1:
+                heapq.heappush(heap, (int(counts[s]) * math.log2(freq[s] / (freq[s] - 1)), s))
+    assert int(freq.sum()) == target
+    return freq
+
+
+def _put_varint(out: bytearray, v: int) -> None:
+    while True:
+        b = v & 0x7F
+        v >>= 7
+        if v:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return
+
+
+def serialize(freq: np.ndarray) -> bytes:
+    """The `table` stream: varints lo, count, then the frequencies of symbols lo .. lo+count-1."""
+    nz = np.flatnonzero(freq)
+    lo, hi = int(nz[0]), int(nz[-1]) + 1
+    out = bytearray()
+    for v in (lo, hi - lo, *freq[lo:hi].tolist()):
+        _put_varint(out, int(v))
+    return bytes(out)
+
+
+@njit(nogil=True, cache=True)
+def _read_varints(data, out):
+    """Parse LEB128 varints from data into out; returns the count, or -1 (truncated), -2 (too
+    long), -3 (more than out can hold)."""
+    pos = 0
+    k = 0
+    while pos < len(data):
+        v = np.int64(0)
+        shift = 0
+        done = False
+        for _ in range(MAX_VARINT_BYTES):
+            if pos >= len(data):
+                return -1
+            b = np.int64(data[pos])
+            pos += 1
+            v |= (b & 0x7F) << shift
+            shift += 7
+            if b < 0x80:
+                done = True
+                break
+        if not done:
+            return -2
+        if k >= len(out):
+            return -3
+        out[k] = v
+        k += 1
+    return k
+
+
+def parse(blob: bytes | np.ndarray, sym_bits: int, precision: int) -> np.ndarray:
+    """Read and check a `table` stream; returns frequencies for all 2**sym_bits symbols."""
+    nsym = 1 << sym_bits
+    vals = np.empty(nsym + 2, dtype=np.int64)
+    k = _read_varints(np.frombuffer(bytes(blob), dtype=np.uint8), vals)
+    if k == -1:
+        raise TableError("table stream ends inside a varint")
+    if k == -2:
+        raise TableError(f"varint longer than {MAX_VARINT_BYTES} bytes")
+    if k == -3:
+        raise TableError(f"table holds more than {nsym} frequencies")
+    if k < 2:
+        raise TableError("table stream is too short")
+    lo, count = int(vals[0]), int(vals[1])
+    if lo + count > nsym:
+        raise TableError(f"symbols {lo}..{lo + count - 1} exceed the {nsym}-symbol alphabet")
+    if k != 2 + count:
+        raise TableError(f"table declares {count} frequencies but holds {k - 2}")
+    freq = np.zeros(nsym, dtype=np.int64)
+    freq[lo : lo + count] = vals[2:k]
+    total = int(freq.sum())
+    if total != 1 << precision:
+        raise TableError(f"frequencies sum to {total}, not 2^{precision}")
+    return freq
+
+
+@njit(nogil=True, cache=True)
+def _fill_slots(freq, raw_bits, rotate, slots, dec_f, dec_b, dec_top):
+    q = 0
+    for sym in range(len(freq)):
+        f = freq[sym]
+        top = sym << raw_bits
+        if rotate:  # rotate right by one in 16 bits; the symbol part has a zero low bit
+            top >>= 1
+        for i in range(f):
+            slots[q] = (f << 32) | (i << 16) | sym
+            dec_f[q] = f
+            dec_b[q] = i
+            dec_top[q] = top
+            q += 1
+
+
+def decode_slots(freq: np.ndarray, precision: int, raw_bits: int, rotate: bool) -> tuple[np.ndarray, ...]:
+    """Slot tables for the decoders; freq must sum to 2**precision (parse() checks it).
+
+    Returns `slots` (int64: (f << 32) | ((q - c) << 16) | symbol, for the checked path; int64 so
+    numba never mixes signed and unsigned arithmetic) and, for the 16-bit fast path, its columns
+    as uint16: frequency, bias, output top bits, plus the output bits of each raw field value.
+    """
+    size = 1 << precision
+    slots = np.empty(size, dtype=np.int64)
+    dec_f = np.empty(size, dtype=np.uint16)
+    dec_b = np.empty(size, dtype=np.uint16)
+    dec_top = np.empty(size, dtype=np.uint16)
+    _fill_slots(np.asarray(freq, dtype=np.int64), raw_bits, rotate, slots, dec_f, dec_b, dec_top)
+    r = np.arange(1 << min(raw_bits, 16), dtype=np.int64)
+    if rotate:
+        r = (r >> 1) | ((r & 1) << 15)
+    return slots, dec_f, dec_b, dec_top, r.astype(np.uint16)
+
+
+def encode_tables(freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(frequency, cumulative frequency) per symbol, int64, for the encoder."""
+    freq = np.asarray(freq, dtype=np.int64)
+    cum = np.concatenate(([0], np.cumsum(freq)[:-1])).astype(np.int64)
+    return freq, cum
+

@@ -1,0 +1,35 @@
+"""Running GIL-free kernels over ranges of chunks on a shared thread pool."""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from functools import lru_cache
+from typing import Callable
+
+
+def default_threads() -> int:
+    """Threads to use when the caller says 0 or None: the CPUs this process may run on."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
+@lru_cache(maxsize=8)
+def _pool(threads: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=threads, thread_name_prefix="unweight")
+
+
+def map_chunk_ranges(fn: Callable[[int, int], None], nchunks: int, threads: int | None) -> None:
+    """Call fn(c0, c1) over [0, nchunks) split into about 4 ranges per thread; wait for all."""
+    threads = threads or default_threads()
+    parts = min(nchunks, threads * 4) if threads > 1 else 1
+    if parts <= 1:
+        if nchunks:
+            fn(0, nchunks)
+        return
+    bounds = [nchunks * i // parts for i in range(parts + 1)]
+    futures = [_pool(threads).submit(fn, a, b) for a, b in zip(bounds, bounds[1:]) if a < b]
+    for f in futures:
+        f.result()

@@ -1,0 +1,176 @@
+"""The `rans` codec (SPEC.md §3.3): split each element into an entropy-coded symbol and raw bits.
+
+For BF16 the symbol is the exponent plus the two high mantissa bits, whose joint entropy carries
+nearly all the redundancy of trained weights (measured on all-MiniLM-L6-v2: 34.06 % saving at
+precision 14 against an order-0 bound of 34.16 %; docs/compression.md); the sign and the five low
+mantissa bits are stored as they are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from unweight.errors import CorruptDataError
+
+from . import freq_table
+from .parallel import map_chunk_ranges
+from .rans_kernels import LANES, OK, STATUS_TEXT, decode_chunks, encode_chunks, histogram
+
+SYM_BITS_MAX = 10
+PRECISION_RANGE = (10, 15)
+CHUNK_RANGE = (1024, 1 << 22)
+DEFAULT_PRECISION = 14
+DEFAULT_CHUNK = 1 << 16
+UINT_OF_BITS = {8: np.uint8, 16: np.uint16, 32: np.uint32}
+
+
+@dataclass(frozen=True, slots=True)
+class RansParams:
+    """Codec parameters, validated on construction (they may come from a hostile file)."""
+
+    word_bits: int
+    rotate: bool
+    sym_bits: int
+    precision: int = DEFAULT_PRECISION
+    chunk: int = DEFAULT_CHUNK
+
+    def __post_init__(self) -> None:
+        for key in ("word_bits", "sym_bits", "precision", "chunk"):
+            v = getattr(self, key)
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise ValueError(f"{key} {v!r} is not an integer")
+        if self.word_bits not in UINT_OF_BITS:
+            raise ValueError(f"word_bits {self.word_bits!r} is not 8, 16 or 32")
+        if not isinstance(self.rotate, bool):
+            raise ValueError(f"rotate {self.rotate!r} is not a boolean")
+        if self.sym_bits != min(SYM_BITS_MAX, self.word_bits):
+            raise ValueError(f"sym_bits {self.sym_bits!r} must be {min(SYM_BITS_MAX, self.word_bits)} for word_bits {self.word_bits}")
+        lo, hi = PRECISION_RANGE
+        if not lo <= self.precision <= hi:
+            raise ValueError(f"precision {self.precision!r} is outside {lo}..{hi}")
+        lo, hi = CHUNK_RANGE
+        if not (lo <= self.chunk <= hi and self.chunk % LANES == 0):
+            raise ValueError(f"chunk {self.chunk!r} is not a multiple of {LANES} in {lo}..{hi}")
+
+    @classmethod
+    def for_word(cls, word_bits: int, rotate: bool, precision: int = DEFAULT_PRECISION, chunk: int = DEFAULT_CHUNK) -> "RansParams":
+        return cls(word_bits, rotate, min(SYM_BITS_MAX, word_bits), precision, chunk)
+
+    @classmethod
+    def from_json(cls, obj: dict) -> "RansParams":
+        keys = {"word_bits", "rotate", "sym_bits", "precision", "chunk"}
+        if set(obj) != keys:
+            raise ValueError(f"rans params must be exactly {sorted(keys)}, got {sorted(obj)}")
+        return cls(**obj)
+
+    def to_json(self) -> dict:
+        return {"word_bits": self.word_bits, "rotate": self.rotate, "sym_bits": self.sym_bits, "precision": self.precision, "chunk": self.chunk}
+
+    @property
+    def raw_bits(self) -> int:
+        return self.word_bits - self.sym_bits
+
+    def raw_len(self, n: int) -> int:
+        return -(-n // 4) * self.raw_bits // 2  # 4R bits = R/2 bytes per group of four
+
+    def nchunks(self, n: int) -> int:
+        return -(-n // self.chunk)
+
+
+def symbol_counts(values: np.ndarray, p: RansParams, threads: int | None = None) -> np.ndarray:
+    """How often each symbol occurs in `values` (1-D unsigned ints of p.word_bits bits)."""
+    n = len(values)
+    nchunks = p.nchunks(n)
+    partial: list[np.ndarray] = []
+
+    def work(c0: int, c1: int) -> None:
+        counts = np.zeros(1 << p.sym_bits, dtype=np.int64)
+        histogram(values, p.word_bits, p.raw_bits, p.rotate, c0 * p.chunk, min(c1 * p.chunk, n), counts)
+        partial.append(counts)
+
+    map_chunk_ranges(work, nchunks, threads)
+    return np.sum(partial, axis=0) if partial else np.zeros(1 << p.sym_bits, dtype=np.int64)
+
+
+def encode(values: np.ndarray, p: RansParams, threads: int | None = None, counts: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """Encode a non-empty 1-D array of unsigned ints; returns the streams by role."""
+    n = len(values)
+    if n == 0:
+        raise ValueError("the rans codec needs at least one element")
+    if counts is None:
+        counts = symbol_counts(values, p, threads)
+    freq = freq_table.quantize(counts, p.precision)
+    f, cum = freq_table.encode_tables(freq)
+    rcp = 1.0 / np.maximum(f, 1)
+    nchunks = p.nchunks(n)
+    scratch = np.empty(nchunks * p.chunk, dtype=np.uint16)
+    nwords = np.zeros(nchunks, dtype=np.int64)
+    states = np.zeros(nchunks * LANES, dtype=np.int64)
+    raw = np.zeros(p.raw_len(n), dtype=np.uint8)
+
+    def work(c0: int, c1: int) -> None:
+        encode_chunks(values, p.word_bits, p.raw_bits, p.rotate, n, p.chunk, c0, c1, f, cum, rcp, p.precision, scratch, nwords, states, raw)
+
+    map_chunk_ranges(work, nchunks, threads)
+    offsets = np.zeros(nchunks + 1, dtype="<u8")
+    np.cumsum(nwords, out=offsets[1:])
+    words = np.empty(int(offsets[-1]), dtype="<u2")
+    for c in range(nchunks):
+        end = (c + 1) * p.chunk
+        words[offsets[c] : offsets[c + 1]] = scratch[end - nwords[c] : end]
+    index = np.concatenate([offsets.view(np.uint8), states.astype("<u4").view(np.uint8)])
+    table = np.frombuffer(freq_table.serialize(freq), dtype=np.uint8)
+    return {"table": table, "raw": raw, "words": words.view(np.uint8), "index": index}
+
+
+def _as_u16(blob: np.ndarray) -> np.ndarray:
+    """A little-endian uint16 view of a byte stream, copied only when it is misaligned."""
+    blob = np.asarray(blob, dtype=np.uint8)
+    if blob.ctypes.data % 2:
+        blob = blob.copy()
+    return blob.view("<u2")
+
+
+def decode(streams: dict[str, np.ndarray], p: RansParams, n: int, threads: int | None = None) -> np.ndarray:
+    """Decode n elements (1-D unsigned ints of p.word_bits bits); raises ValueError if corrupt."""
+    if n == 0:
+        raise ValueError("the rans codec needs at least one element")
+    try:
+        freq = freq_table.parse(streams["table"], p.sym_bits, p.precision)
+    except freq_table.TableError as e:
+        raise ValueError(f"table: {e}") from None
+    slots, dec_f, dec_b, dec_top, raw_map = freq_table.decode_slots(freq, p.precision, p.raw_bits, p.rotate)
+    nchunks = p.nchunks(n)
+    index, words, raw = streams["index"], streams["words"], streams["raw"]
+    want = 8 * (nchunks + 1) + 4 * LANES * nchunks
+    if len(index) != want:
+        raise ValueError(f"index stream has {len(index)} bytes, {nchunks} chunks need {want}")
+    if len(words) % 2:
+        raise ValueError(f"words stream has an odd length ({len(words)} bytes)")
+    if len(raw) != p.raw_len(n):
+        raise ValueError(f"raw stream has {len(raw)} bytes, {n} elements need {p.raw_len(n)}")
+    offsets_u = np.frombuffer(index[: 8 * (nchunks + 1)].tobytes(), dtype="<u8")
+    if offsets_u[0] != 0 or offsets_u[-1] != len(words) // 2 or np.any(offsets_u[1:] < offsets_u[:-1]):
+        raise ValueError("chunk offsets do not rise from 0 to the word count")
+    offsets = offsets_u.astype(np.int64)
+    states = np.frombuffer(index[8 * (nchunks + 1) :].tobytes(), dtype="<u4").astype(np.int64)
+    R = p.raw_bits
+    if R and n % 4:  # the padding bits of the last raw group must be zero
+        if np.unpackbits(raw[-(R // 2) :], bitorder="little")[(n % 4) * R :].any():
+            raise ValueError("padding bits of the raw stream are not zero")
+    out = np.empty(n, dtype=UINT_OF_BITS[p.word_bits])
+    status = np.zeros(nchunks, dtype=np.int8)
+    words_u16 = _as_u16(words)
+    raw_u8 = np.asarray(raw, dtype=np.uint8)
+
+    def work(c0: int, c1: int) -> None:
+        decode_chunks(words_u16, offsets, states, slots, dec_f, dec_b, dec_top, raw_map, p.precision, raw_u8, p.word_bits, R, p.rotate, n, p.chunk, c0, c1, out, status)
+
+    map_chunk_ranges(work, nchunks, threads)
+    bad = np.flatnonzero(status != OK)
+    if len(bad):
+        c = int(bad[0])
+        raise CorruptDataError(None, STATUS_TEXT[int(status[c])].format(c=c))
+    return out

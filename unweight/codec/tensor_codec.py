@@ -1,0 +1,152 @@
+"""One tensor in, a manifest entry and its streams out (and back): codec choice and checks.
+
+Codecs (SPEC.md §3): `rans` for floats of 1, 2 or 4 bytes and for 1-byte integers, `zstd` for the
+rest, `raw` when nothing pays. Every tensor carries the CRC-32 of its original bytes, checked on
+every decode.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+import zstandard
+
+from unweight.errors import CorruptDataError
+from unweight.formats import TensorEntry
+from unweight.formats.dtypes import DTYPE_SIZES, FLOAT_DTYPES, tensor_nbytes
+
+from . import rans
+
+CODECS = ("raw", "zstd", "rans")
+ROLES = {"raw": ("data",), "zstd": ("data",), "rans": ("table", "raw", "words", "index")}
+SMALL_TENSOR_BYTES = 1 << 18  # below this, every candidate is tried and the smallest kept
+SMALL_PRECISIONS = (10, 12, 14)
+
+
+@dataclass(frozen=True, slots=True)
+class CodecOptions:
+    """How to compress; validated on construction."""
+
+    precision: int = rans.DEFAULT_PRECISION
+    chunk: int = rans.DEFAULT_CHUNK
+    zstd_level: int = 10
+    threads: int | None = None  # None or 0: all CPUs
+    verify: bool = True  # decode each tensor again before accepting it
+
+    def __post_init__(self) -> None:
+        rans.RansParams.for_word(16, True, self.precision, self.chunk)  # raises ValueError if bad
+        if not 1 <= self.zstd_level <= 22:
+            raise ValueError(f"zstd_level {self.zstd_level!r} is outside 1..22")
+        if self.threads is not None and self.threads < 0:
+            raise ValueError(f"threads {self.threads!r} is negative")
+
+
+def _rans_word(dtype: str) -> tuple[int, bool] | None:
+    """(word bits, rotate) if the rans codec applies to this dtype, else None."""
+    size = DTYPE_SIZES[dtype]
+    if dtype in FLOAT_DTYPES and size in (1, 2, 4):
+        return 8 * size, True
+    if size == 1:  # U8, I8, BOOL: byte-wise entropy coding
+        return 8, False
+    return None
+
+
+def _stream_names(name: str, codec: str) -> dict[str, str]:
+    return {role: f"{name}#{role}" for role in ROLES[codec]}
+
+
+def _zstd_encode(data: np.ndarray, level: int) -> np.ndarray:
+    blob = zstandard.ZstdCompressor(level=level, write_content_size=True).compress(memoryview(data))
+    return np.frombuffer(blob, dtype=np.uint8)
+
+
+def _zstd_decode(blob: np.ndarray, nbytes: int) -> np.ndarray:
+    params = zstandard.get_frame_parameters(memoryview(blob))
+    if params.content_size != nbytes:
+        raise ValueError(f"zstd frame declares {params.content_size} bytes, the tensor has {nbytes}")
+    out = zstandard.ZstdDecompressor().decompress(memoryview(blob), max_output_size=nbytes)
+    if len(out) != nbytes:
+        raise ValueError(f"zstd frame holds {len(out)} bytes, the tensor has {nbytes}")
+    return np.frombuffer(out, dtype=np.uint8)
+
+
+def _candidates(dtype: str, data: np.ndarray, opts: CodecOptions):
+    """Yield (codec, params-json, streams) for each codec worth trying on this tensor."""
+    nbytes = len(data)
+    if nbytes == 0:
+        yield "raw", {}, {"data": data}
+        return
+    small = nbytes <= SMALL_TENSOR_BYTES
+    word = _rans_word(dtype)
+    if word is not None:
+        values = data.view(rans.UINT_OF_BITS[word[0]])
+        precisions = sorted({*SMALL_PRECISIONS, opts.precision}) if small else (opts.precision,)
+        counts = None
+        for precision in precisions:
+            p = rans.RansParams.for_word(word[0], word[1], precision, opts.chunk)
+            if counts is None:
+                counts = rans.symbol_counts(values, p, opts.threads)
+            yield "rans", p.to_json(), rans.encode(values, p, opts.threads, counts)
+    if word is None or small:
+        yield "zstd", {}, {"data": _zstd_encode(data, opts.zstd_level)}
+    yield "raw", {}, {"data": data}
+
+
+def encode_tensor(name: str, dtype: str, shape: tuple[int, ...], data: np.ndarray, opts: CodecOptions) -> tuple[TensorEntry, dict[str, np.ndarray]]:
+    """Compress one tensor given as its original bytes (uint8, C order); picks the smallest codec.
+
+    With opts.verify, the chosen encoding is decoded again and compared byte for byte.
+    """
+    data = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    if len(data) != tensor_nbytes(dtype, shape):
+        raise ValueError(f"tensor {name!r}: {len(data)} bytes given for {dtype}{list(shape)}")
+    crc = zlib.crc32(memoryview(data))
+    best = None
+    for codec, params, streams in _candidates(dtype, data, opts):
+        size = sum(len(s) for s in streams.values())
+        if best is None or size < best[0]:
+            best = (size, codec, params, streams)
+    _, codec, params, streams = best
+    entry = TensorEntry(name, dtype, tuple(shape), codec, params, _stream_names(name, codec), crc)
+    if opts.verify and codec != "raw":
+        again = decode_tensor(entry, streams, opts.threads)
+        if not np.array_equal(again, data):
+            raise AssertionError(f"tensor {name!r}: {codec} round trip is not bit-exact (a bug; please report it)")
+    return entry, streams
+
+
+def check_entry(entry: TensorEntry, streams: dict[str, np.ndarray]) -> None:
+    """Codec-level validation of a manifest entry against its streams (SPEC.md §4 rule 5)."""
+    if entry.codec not in ROLES:
+        raise ValueError(f"unknown codec {entry.codec!r} (this version knows {', '.join(CODECS)}); upgrade unweight")
+    if set(streams) != set(ROLES[entry.codec]):
+        raise ValueError(f"codec {entry.codec} needs streams {sorted(ROLES[entry.codec])}, found {sorted(streams)}")
+    if entry.codec == "raw" and len(streams["data"]) != entry.nbytes:
+        raise ValueError(f"raw data has {len(streams['data'])} bytes, the tensor has {entry.nbytes}")
+    if entry.codec in ("raw", "zstd") and entry.params:
+        raise ValueError(f"codec {entry.codec} takes no params")
+
+
+def decode_tensor(entry: TensorEntry, streams: dict[str, np.ndarray], threads: int | None = None, verify: bool = True) -> np.ndarray:
+    """The original bytes of one tensor (uint8, C order). Raises CorruptDataError on any damage."""
+    try:
+        check_entry(entry, streams)
+        if entry.codec == "raw":
+            out = np.asarray(streams["data"], dtype=np.uint8)
+        elif entry.codec == "zstd":
+            out = _zstd_decode(streams["data"], entry.nbytes)
+        else:
+            p = rans.RansParams.from_json(entry.params)
+            word = _rans_word(entry.dtype)
+            if word != (p.word_bits, p.rotate):
+                raise ValueError(f"rans params word_bits={p.word_bits} rotate={p.rotate} do not fit dtype {entry.dtype}")
+            out = rans.decode(streams, p, entry.numel, threads).view(np.uint8)
+    except CorruptDataError as e:
+        raise CorruptDataError(None, e.reason, entry.name) from None
+    except (ValueError, TypeError, zstandard.ZstdError) as e:
+        raise CorruptDataError(None, str(e), entry.name) from None
+    if verify and zlib.crc32(memoryview(out)) != entry.crc32:
+        raise CorruptDataError(None, "decoded bytes fail the CRC-32 check (the file is damaged)", entry.name)
+    return out

