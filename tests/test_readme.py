@@ -1,0 +1,17 @@
+"""The README's Python example, run verbatim on the real MiniLM folder."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def test_readme_python_example(minilm_dir, tmp_path, monkeypatch):
+    code = re.search(r"```python\n(.*?)```", README.read_text(), re.S).group(1)
+    (tmp_path / "path" / "to").mkdir(parents=True)
+    (tmp_path / "path" / "to" / "model").symlink_to(minilm_dir)
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, str(README), "exec"), {})
+    assert (tmp_path / "model-restored" / "model.safetensors").read_bytes() == (minilm_dir / "model.safetensors").read_bytes()
