@@ -25,7 +25,7 @@ from .safetensors_file import SafetensorsFile, encode_header
 FORMAT_NAME = "unweight"
 FORMAT_VERSION = "1.0"
 SUPPORTED_MAJOR = 1
-_VERSION_RE = re.compile(r"^(\d{1,4})\.(\d{1,4})$")
+_VERSION_RE = re.compile(r"([0-9]{1,4})\.([0-9]{1,4})")
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +107,7 @@ class ContainerReader:
         if meta.get("format") != FORMAT_NAME:
             raise FormatError(self.path, "not an Unweight container (a plain safetensors file? its metadata has no format=unweight)")
         version = meta.get("format_version", "")
-        m = _VERSION_RE.match(version)
+        m = _VERSION_RE.fullmatch(version) if isinstance(version, str) else None
         if not m:
             raise FormatError(self.path, f"format_version {version!r} is not MAJOR.MINOR")
         if int(m.group(1)) != SUPPORTED_MAJOR:
@@ -115,7 +115,7 @@ class ContainerReader:
         self.format_version = version
         try:
             manifest = json.loads(meta.get("unweight", ""))
-        except json.JSONDecodeError as e:
+        except (ValueError, RecursionError) as e:  # JSONDecodeError, too-long integers, deep nesting
             raise FormatError(self.path, f"manifest is not valid JSON ({e})") from None
         if not isinstance(manifest, dict) or not isinstance(manifest.get("tensors"), dict):
             raise FormatError(self.path, "manifest has no 'tensors' object")

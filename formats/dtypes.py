@@ -33,11 +33,11 @@ MAX_TENSOR_BYTES = 1 << 48
 
 def tensor_nbytes(dtype: str, shape: list[int] | tuple[int, ...]) -> int:
     """Exact byte size of a tensor; raises ValueError on an unknown dtype or absurd size."""
-    if dtype not in DTYPE_SIZES:
+    if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
         raise ValueError(f"unknown dtype {dtype!r}")
     n = DTYPE_SIZES[dtype]
     for d in shape:
-        if not isinstance(d, int) or isinstance(d, bool) or d < 0:
+        if not isinstance(d, int) or isinstance(d, bool) or not 0 <= d <= MAX_TENSOR_BYTES:
             raise ValueError(f"bad dimension {d!r} in shape {list(shape)}")
         n *= d
         if n > MAX_TENSOR_BYTES:

@@ -40,7 +40,7 @@ class TensorInfo:
 def parse_header(path: str, raw: bytes, data_len: int) -> tuple[dict[str, TensorInfo], dict[str, str] | None]:
     try:
         header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
         raise FormatError(path, f"header is not valid UTF-8 JSON ({e.__class__.__name__}: {e})") from None
     if not isinstance(header, dict):
         raise FormatError(path, "header is not a JSON object")
@@ -112,8 +112,11 @@ class SafetensorsFile:
             raise FormatError(self.path, f"header claims {n} bytes, over the {MAX_HEADER_BYTES}-byte cap")
         if 8 + n > size:
             raise FormatError(self.path, f"header claims {n} bytes but the file has {size - 8} after the length (truncated?)")
-        self.header_text = self._file.read(n).decode("utf-8", errors="replace")
-        raw = self.header_text.encode("utf-8")
+        raw = self._file.read(n)
+        try:
+            self.header_text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise FormatError(self.path, f"header is not valid UTF-8 ({e.reason} at byte {e.start})") from None
         self.data_start = 8 + n
         self.tensors, self.metadata = parse_header(self.path, raw, size - self.data_start)
         self._mmap = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)

@@ -63,13 +63,26 @@ def _zstd_encode(data: np.ndarray, level: int) -> np.ndarray:
 
 
 def _zstd_decode(blob: np.ndarray, nbytes: int) -> np.ndarray:
+    """Exactly one frame of exactly `nbytes`; memory follows the bytes actually produced, never
+    the size a hostile frame claims."""
     params = zstandard.get_frame_parameters(memoryview(blob))
     if params.content_size != nbytes:
         raise ValueError(f"zstd frame declares {params.content_size} bytes, the tensor has {nbytes}")
-    out = zstandard.ZstdDecompressor().decompress(memoryview(blob), max_output_size=nbytes)
-    if len(out) != nbytes:
-        raise ValueError(f"zstd frame holds {len(out)} bytes, the tensor has {nbytes}")
-    return np.frombuffer(out, dtype=np.uint8)
+    reader = zstandard.ZstdDecompressor().stream_reader(memoryview(blob), read_across_frames=False)
+    pieces, size = [], 0
+    while size <= nbytes:
+        piece = reader.read(1 << 20)
+        if not piece:
+            break
+        pieces.append(piece)
+        size += len(piece)
+    if size != nbytes:
+        raise ValueError(f"zstd frame holds {size} bytes, the tensor has {nbytes}")
+    tail = zstandard.ZstdDecompressor().decompressobj()
+    tail.decompress(memoryview(blob))
+    if tail.unused_data:
+        raise ValueError(f"{len(tail.unused_data)} stray bytes after the zstd frame")
+    return np.frombuffer(b"".join(pieces), dtype=np.uint8)
 
 
 def _candidates(dtype: str, data: np.ndarray, opts: CodecOptions):
@@ -147,6 +160,8 @@ def decode_tensor(entry: TensorEntry, streams: dict[str, np.ndarray], threads: i
         raise CorruptDataError(None, e.reason, entry.name) from None
     except (ValueError, TypeError, zstandard.ZstdError) as e:
         raise CorruptDataError(None, str(e), entry.name) from None
+    except MemoryError:
+        raise CorruptDataError(None, f"{entry.nbytes} bytes do not fit in memory", entry.name) from None
     if verify and zlib.crc32(memoryview(out)) != entry.crc32:
         raise CorruptDataError(None, "decoded bytes fail the CRC-32 check (the file is damaged)", entry.name)
     return out
