@@ -165,25 +165,28 @@ class ContainerReader:
 class ContainerWriter:
     """Builds a container at `path`; nothing appears at `path` until `finish()` succeeds.
 
-    Streams are appended to a side file as they are added (so a shard never sits in memory whole);
+    Streams are appended to side files as they are added (so a shard never sits in memory whole);
     `finish()` writes the header, copies the data after it, fsyncs and renames into place.
     """
 
     path: str
     _entries: list[TensorEntry] = field(default_factory=list)
-    _streams: list[tuple[str, int, int]] = field(default_factory=list)
+    _streams: list[tuple[str, int, int, int]] = field(default_factory=list)  # name, part, begin, end
     _names: set[str] = field(default_factory=set)
+    _tensor_names: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.path = os.fspath(self.path)
         self._partial = f"{self.path}.partial"
-        self._data_path = f"{self.path}.data.partial"
-        self._data = open(self._data_path, "wb")
-        self._size = 0
+        # Even-length streams go first in the file, odd-length ones after: every even-length
+        # stream then starts at an even offset, so readers can view uint16 streams without a copy.
+        self._data_paths = (f"{self.path}.even.partial", f"{self.path}.odd.partial")
+        self._data = [open(p, "wb") for p in self._data_paths]
+        self._sizes = [0, 0]
 
     def add(self, entry: TensorEntry, streams: dict[str, bytes | np.ndarray]) -> None:
         """Record one tensor: its manifest entry and the bytes of each of its streams by role."""
-        if entry.name in {e.name for e in self._entries}:
+        if entry.name in self._tensor_names:
             raise ValueError(f"tensor {entry.name!r} added twice")
         if set(streams) != set(entry.streams):
             raise ValueError(f"tensor {entry.name!r}: stream roles {sorted(streams)} != {sorted(entry.streams)}")
@@ -193,9 +196,11 @@ class ContainerWriter:
                 raise ValueError(f"stream name {name!r} is used twice (a tensor name collides with a stream name)")
             self._names.add(name)
             view = memoryview(np.ascontiguousarray(blob).reshape(-1).view(np.uint8) if isinstance(blob, np.ndarray) else blob).cast("B")
-            self._data.write(view)
-            self._streams.append((name, self._size, self._size + view.nbytes))
-            self._size += view.nbytes
+            part = view.nbytes % 2
+            self._data[part].write(view)
+            self._streams.append((name, part, self._sizes[part], self._sizes[part] + view.nbytes))
+            self._sizes[part] += view.nbytes
+        self._tensor_names.add(entry.name)
         self._entries.append(entry)
 
     def finish(self, source_header: str | None = None) -> int:
@@ -209,22 +214,29 @@ class ContainerWriter:
             "format_version": FORMAT_VERSION,
             "unweight": json.dumps(manifest, separators=(",", ":")),
         }
-        head = encode_header(((n, "U8", [e - b], b, e) for n, b, e in self._streams), metadata)
-        self._data.close()
-        with open(self._partial, "wb") as out, open(self._data_path, "rb") as data:
+        shift = (0, self._sizes[0])
+        rows = ((n, "U8", [e - b], b + shift[part], e + shift[part]) for n, part, b, e in self._streams)
+        head = encode_header(rows, metadata)
+        for f in self._data:
+            f.close()
+        with open(self._partial, "wb") as out:
             out.write(struct.pack("<Q", len(head)))
             out.write(head)
-            shutil.copyfileobj(data, out, 16 << 20)
+            for path in self._data_paths:
+                with open(path, "rb") as data:
+                    shutil.copyfileobj(data, out, 16 << 20)
             out.flush()
             os.fsync(out.fileno())
-        os.remove(self._data_path)
+        for path in self._data_paths:
+            os.remove(path)
         os.replace(self._partial, self.path)
-        return 8 + len(head) + self._size
+        return 8 + len(head) + sum(self._sizes)
 
     def abort(self) -> None:
         """Remove everything this writer created."""
-        self._data.close()
-        for p in (self._data_path, self._partial):
+        for f in self._data:
+            f.close()
+        for p in (*self._data_paths, self._partial):
             try:
                 os.remove(p)
             except FileNotFoundError:

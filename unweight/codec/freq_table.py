@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from functools import lru_cache
 
 import numpy as np
 from numba import njit
@@ -33,15 +34,12 @@ def quantize(counts: np.ndarray, precision: int) -> np.ndarray:
     freq = np.zeros(len(counts), dtype=np.int64)
     freq[present] = np.maximum(1, counts[present] * target // total)
     diff = target - int(freq.sum())
-    if diff > 0:  # hand out units where they save the most bits
-        heap = [(-c * math.log2((freq[s] + 1) / freq[s]), s) for s in present for c in (int(counts[s]),)]
-        heapq.heapify(heap)
-        for _ in range(diff):
-            _, s = heapq.heappop(heap)
-            freq[s] += 1
-            c = int(counts[s])
-            heapq.heappush(heap, (-c * math.log2((freq[s] + 1) / freq[s]), s))
-    elif diff < 0:  # take units back where they cost the least
+    while diff > 0:  # hand out units where they save the most bits, at most one per symbol a pass
+        gain = counts[present] * np.log2((freq[present] + 1) / freq[present])
+        take = present[np.argsort(-gain, kind="stable")[:diff]]
+        freq[take] += 1
+        diff -= len(take)
+    if diff < 0:  # take units back where they cost the least (rare: only after the max(1, .) bumps)
         heap = [(int(counts[s]) * math.log2(freq[s] / (freq[s] - 1)), s) for s in present if freq[s] > 1]
         heapq.heapify(heap)
         for _ in range(-diff):
@@ -53,25 +51,27 @@ def quantize(counts: np.ndarray, precision: int) -> np.ndarray:
     return freq
 
 
-def _put_varint(out: bytearray, v: int) -> None:
-    while True:
-        b = v & 0x7F
-        v >>= 7
-        if v:
-            out.append(b | 0x80)
-        else:
-            out.append(b)
-            return
+@njit(nogil=True, cache=True)
+def _write_varints(vals, out):
+    """LEB128-encode vals into out (large enough: 5 bytes each); returns the byte count."""
+    k = 0
+    for v in vals:
+        while v >= 0x80:
+            out[k] = (v & 0x7F) | 0x80
+            v >>= 7
+            k += 1
+        out[k] = v
+        k += 1
+    return k
 
 
 def serialize(freq: np.ndarray) -> bytes:
     """The `table` stream: varints lo, count, then the frequencies of symbols lo .. lo+count-1."""
     nz = np.flatnonzero(freq)
     lo, hi = int(nz[0]), int(nz[-1]) + 1
-    out = bytearray()
-    for v in (lo, hi - lo, *freq[lo:hi].tolist()):
-        _put_varint(out, int(v))
-    return bytes(out)
+    vals = np.concatenate(([lo, hi - lo], np.asarray(freq[lo:hi], dtype=np.int64)))
+    out = np.empty(MAX_VARINT_BYTES * len(vals), dtype=np.uint8)
+    return out[: _write_varints(vals, out)].tobytes()
 
 
 @njit(nogil=True, cache=True)
@@ -130,7 +130,7 @@ def parse(blob: bytes | np.ndarray, sym_bits: int, precision: int) -> np.ndarray
 
 
 @njit(nogil=True, cache=True)
-def _fill_slots(freq, raw_bits, rotate, slots, dec_f, dec_b, dec_top):
+def _fill_slots(freq, raw_bits, rotate, slots, dec_fb, dec_top):
     q = 0
     for sym in range(len(freq)):
         f = freq[sym]
@@ -139,29 +139,36 @@ def _fill_slots(freq, raw_bits, rotate, slots, dec_f, dec_b, dec_top):
             top >>= 1
         for i in range(f):
             slots[q] = (f << 32) | (i << 16) | sym
-            dec_f[q] = f
-            dec_b[q] = i
+            dec_fb[q] = f | (i << 16)
             dec_top[q] = top
             q += 1
+
+
+@lru_cache(maxsize=2)
+def _raw_pairs(rotate: bool) -> np.ndarray:
+    """Output bits of every pair of 6-bit raw fields, as a uint32 of two little-endian elements."""
+    r = np.arange(64, dtype=np.uint32)
+    if rotate:
+        r = (r >> 1) | ((r & 1) << 15)
+    pairs = r[np.arange(4096) & 63] | (r[np.arange(4096) >> 6] << 16)
+    pairs.flags.writeable = False
+    return pairs
 
 
 def decode_slots(freq: np.ndarray, precision: int, raw_bits: int, rotate: bool) -> tuple[np.ndarray, ...]:
     """Slot tables for the decoders; freq must sum to 2**precision (parse() checks it).
 
     Returns `slots` (int64: (f << 32) | ((q - c) << 16) | symbol, for the checked path; int64 so
-    numba never mixes signed and unsigned arithmetic) and, for the 16-bit fast path, its columns
-    as uint16: frequency, bias, output top bits, plus the output bits of each raw field value.
+    numba never mixes signed and unsigned arithmetic) and, for the 16-bit fast path: f | bias << 16
+    (uint32), the output top bits (uint16), and the output bits of every pair of 6-bit raw fields
+    (uint32, element pairs little-endian).
     """
     size = 1 << precision
     slots = np.empty(size, dtype=np.int64)
-    dec_f = np.empty(size, dtype=np.uint16)
-    dec_b = np.empty(size, dtype=np.uint16)
+    dec_fb = np.empty(size, dtype=np.uint32)
     dec_top = np.empty(size, dtype=np.uint16)
-    _fill_slots(np.asarray(freq, dtype=np.int64), raw_bits, rotate, slots, dec_f, dec_b, dec_top)
-    r = np.arange(1 << min(raw_bits, 16), dtype=np.int64)
-    if rotate:
-        r = (r >> 1) | ((r & 1) << 15)
-    return slots, dec_f, dec_b, dec_top, r.astype(np.uint16)
+    _fill_slots(np.asarray(freq, dtype=np.int64), raw_bits, rotate, slots, dec_fb, dec_top)
+    return slots, dec_fb, dec_top, _raw_pairs(rotate)
 
 
 def encode_tables(freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -141,7 +141,7 @@ def decode(streams: dict[str, np.ndarray], p: RansParams, n: int, threads: int |
         freq = freq_table.parse(streams["table"], p.sym_bits, p.precision)
     except freq_table.TableError as e:
         raise ValueError(f"table: {e}") from None
-    slots, dec_f, dec_b, dec_top, raw_map = freq_table.decode_slots(freq, p.precision, p.raw_bits, p.rotate)
+    slots, dec_fb, dec_top, raw_pairs = freq_table.decode_slots(freq, p.precision, p.raw_bits, p.rotate)
     nchunks = p.nchunks(n)
     index, words, raw = streams["index"], streams["words"], streams["raw"]
     want = 8 * (nchunks + 1) + 4 * LANES * nchunks
@@ -162,11 +162,13 @@ def decode(streams: dict[str, np.ndarray], p: RansParams, n: int, threads: int |
             raise ValueError("padding bits of the raw stream are not zero")
     out = np.empty(n, dtype=UINT_OF_BITS[p.word_bits])
     status = np.zeros(nchunks, dtype=np.int8)
+    # the 16-bit fast path ORs raw bits into element pairs
+    out32 = out[: n // 2 * 2].view(np.uint32) if p.word_bits == 16 else np.empty(0, dtype=np.uint32)
     words_u16 = _as_u16(words)
     raw_u8 = np.asarray(raw, dtype=np.uint8)
 
     def work(c0: int, c1: int) -> None:
-        decode_chunks(words_u16, offsets, states, slots, dec_f, dec_b, dec_top, raw_map, p.precision, raw_u8, p.word_bits, R, p.rotate, n, p.chunk, c0, c1, out, status)
+        decode_chunks(words_u16, offsets, states, slots, dec_fb, dec_top, raw_pairs, p.precision, raw_u8, p.word_bits, R, p.rotate, n, p.chunk, c0, c1, out, out32, status)
 
     map_chunk_ranges(work, nchunks, threads)
     bad = np.flatnonzero(status != OK)

@@ -42,12 +42,26 @@ def _rotr(w, W):
 
 @njit(nogil=True, cache=True)
 def histogram(values, W, R, rotate, start, stop, counts):
-    """Add the symbol counts of values[start:stop] to `counts` (int64, 2^S entries)."""
-    for e in range(start, stop):
-        w = np.int64(values[e])
+    """Add the symbol counts of values[start:stop] to `counts` (int64, 2^S entries). Four
+    sub-histograms, so that runs of one symbol do not serialise on a single counter."""
+    nsym = len(counts)
+    sub = np.zeros((4, nsym), dtype=np.int64)
+    e = start
+    while e + 4 <= stop:
+        for j in range(4):
+            w = np.int64(values[e + j])
+            if rotate:
+                w = _rotl(w, W)
+            sub[j, w >> R] += 1
+        e += 4
+    for i in range(e, stop):
+        w = np.int64(values[i])
         if rotate:
             w = _rotl(w, W)
-        counts[w >> R] += 1
+        sub[0, w >> R] += 1
+    for j in range(4):
+        for s in range(nsym):
+            counts[s] += sub[j, s]
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -66,14 +80,47 @@ def _enc(x, f, cum, rcp, P, scratch, wp):
     return (q << P) + r + cum, wp
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _put_raw(raw, v, e, R):
+    """OR the R-bit raw field v of element e into `raw` (LSB-first at bit e*R)."""
+    bit = e * R
+    while v:
+        idx = bit >> 3
+        sh = bit & 7
+        raw[idx] |= np.uint8((v << sh) & 0xFF)
+        v >>= 8 - sh
+        bit += 8 - sh
+
+
+@njit(nogil=True, cache=True)
+def _pack_raw6(values, rotate, start, stop, raw):
+    """Raw fields of elements [start, stop) of 16-bit words into 3-byte groups (start is a
+    multiple of 4; a partial last group is zero-padded). No carried state: LLVM vectorises it."""
+    full = start + ((stop - start) >> 2 << 2)
+    for g in range(start >> 2, full >> 2):
+        v = np.int64(0)
+        for j in range(4):
+            w = np.int64(values[4 * g + j])
+            r = ((w << 1) | (w >> 15)) & 63 if rotate else w & 63
+            v |= r << (6 * j)
+        raw[3 * g] = v & 0xFF
+        raw[3 * g + 1] = (v >> 8) & 0xFF
+        raw[3 * g + 2] = v >> 16
+    for e in range(full, stop):
+        w = np.int64(values[e])
+        if rotate:
+            w = _rotl(w, 16)
+        _put_raw(raw, w & 63, e, 6)
+
+
 @njit(nogil=True, cache=True)
 def encode_chunks(values, W, R, rotate, n, chunk, c0, c1, freq, cum, rcp, P, scratch, nwords, states, raw):
     """Encode chunks c0..c1-1 of `values` (unsigned W-bit integers, 1-D).
 
     Chunk c's words go to the end of scratch[c*chunk:(c+1)*chunk] (they are written backwards, so
-    the slice scratch[(c+1)*chunk - nwords[c] : (c+1)*chunk] is already in decode order); its four
-    final states to states[4c:4c+4]; the raw fields are OR-ed into `raw` (zeroed by the caller).
-    `rcp` is 1.0 / freq per symbol.
+    the slice scratch[(c+1)*chunk - nwords[c] : (c+1)*chunk] is already in decode order); its eight
+    final states to states[8c:8c+8]; the raw fields are OR-ed into `raw` (zeroed by the caller).
+    `rcp` is 1.0 / freq per symbol. Full rounds of eight elements take an unrolled path.
     """
     rmask = (1 << R) - 1
     xs = np.empty(LANES, dtype=np.int64)
@@ -81,68 +128,60 @@ def encode_chunks(values, W, R, rotate, n, chunk, c0, c1, freq, cum, rcp, P, scr
         start = c * chunk
         stop = min(start + chunk, n)
         wp = (c + 1) * chunk  # write pointer, moving down
+        if R == 6 and W == 16:
+            _pack_raw6(values, rotate, start, stop, raw)
         for lane in range(LANES):
             xs[lane] = RANS_L
         full = start + ((stop - start) // LANES) * LANES  # elements [full, stop): a partial round
-        for e in range(stop - 1, full - 1, -1):  # the partial group, generic path
+        for e in range(stop - 1, full - 1, -1):
             w = np.int64(values[e])
             if rotate:
                 w = _rotl(w, W)
             s = w >> R
-            if R > 0:  # raw field, LSB-first at bit e*R
-                v = w & rmask
-                bit = e * R
-                while v:
-                    idx = bit >> 3
-                    sh = bit & 7
-                    raw[idx] |= np.uint8((v << sh) & 0xFF)
-                    v >>= 8 - sh
-                    bit += 8 - sh
+            if R > 0 and not (R == 6 and W == 16):
+                _put_raw(raw, w & rmask, e, R)
             lane = (e - start) % LANES
             xs[lane], wp = _enc(xs[lane], freq[s], cum[s], rcp[s], P, scratch, wp)
-        for g in range(full - 4, start - 4, -4):  # full groups of four, last first, lanes 3..0
-            lb = (g - start) % LANES  # lane of element g: 0 or 4
-            x0, x1, x2, x3 = xs[lb], xs[lb + 1], xs[lb + 2], xs[lb + 3]
-            w0 = np.int64(values[g])
-            w1 = np.int64(values[g + 1])
-            w2 = np.int64(values[g + 2])
-            w3 = np.int64(values[g + 3])
-            if rotate:
-                w0 = _rotl(w0, W)
-                w1 = _rotl(w1, W)
-                w2 = _rotl(w2, W)
-                w3 = _rotl(w3, W)
-            s0 = w0 >> R
-            s1 = w1 >> R
-            s2 = w2 >> R
-            s3 = w3 >> R
-            if R == 6:
-                grp = (w0 & 63) | ((w1 & 63) << 6) | ((w2 & 63) << 12) | ((w3 & 63) << 18)
-                b = (g >> 2) * 3
-                raw[b] = grp & 0xFF
-                raw[b + 1] = (grp >> 8) & 0xFF
-                raw[b + 2] = grp >> 16
-            elif R > 0:
-                for j in range(4):
-                    v = np.int64(values[g + j])
-                    if rotate:
-                        v = _rotl(v, W)
-                    v &= rmask
-                    bit = (g + j) * R
-                    while v:
-                        idx = bit >> 3
-                        sh = bit & 7
-                        raw[idx] |= np.uint8((v << sh) & 0xFF)
-                        v >>= 8 - sh
-                        bit += 8 - sh
-            x3, wp = _enc(x3, freq[s3], cum[s3], rcp[s3], P, scratch, wp)
-            x2, wp = _enc(x2, freq[s2], cum[s2], rcp[s2], P, scratch, wp)
-            x1, wp = _enc(x1, freq[s1], cum[s1], rcp[s1], P, scratch, wp)
-            x0, wp = _enc(x0, freq[s0], cum[s0], rcp[s0], P, scratch, wp)
-            xs[lb], xs[lb + 1], xs[lb + 2], xs[lb + 3] = x0, x1, x2, x3
+        x0, x1, x2, x3, x4, x5, x6, x7 = xs[0], xs[1], xs[2], xs[3], xs[4], xs[5], xs[6], xs[7]
+        if W == 16 and R == 6:
+            for g in range(full - LANES, start - 1, -LANES):  # full rounds, last first, lanes 7..0
+                s7 = _sym16(values[g + 7], rotate)
+                s6 = _sym16(values[g + 6], rotate)
+                s5 = _sym16(values[g + 5], rotate)
+                s4 = _sym16(values[g + 4], rotate)
+                s3 = _sym16(values[g + 3], rotate)
+                s2 = _sym16(values[g + 2], rotate)
+                s1 = _sym16(values[g + 1], rotate)
+                s0 = _sym16(values[g], rotate)
+                x7, wp = _enc(x7, freq[s7], cum[s7], rcp[s7], P, scratch, wp)
+                x6, wp = _enc(x6, freq[s6], cum[s6], rcp[s6], P, scratch, wp)
+                x5, wp = _enc(x5, freq[s5], cum[s5], rcp[s5], P, scratch, wp)
+                x4, wp = _enc(x4, freq[s4], cum[s4], rcp[s4], P, scratch, wp)
+                x3, wp = _enc(x3, freq[s3], cum[s3], rcp[s3], P, scratch, wp)
+                x2, wp = _enc(x2, freq[s2], cum[s2], rcp[s2], P, scratch, wp)
+                x1, wp = _enc(x1, freq[s1], cum[s1], rcp[s1], P, scratch, wp)
+                x0, wp = _enc(x0, freq[s0], cum[s0], rcp[s0], P, scratch, wp)
+            xs[0], xs[1], xs[2], xs[3], xs[4], xs[5], xs[6], xs[7] = x0, x1, x2, x3, x4, x5, x6, x7
+        else:
+            for e in range(full - 1, start - 1, -1):
+                w = np.int64(values[e])
+                if rotate:
+                    w = _rotl(w, W)
+                s = w >> R
+                if R > 0:
+                    _put_raw(raw, w & rmask, e, R)
+                lane = (e - start) % LANES
+                xs[lane], wp = _enc(xs[lane], freq[s], cum[s], rcp[s], P, scratch, wp)
         nwords[c] = (c + 1) * chunk - wp
         for lane in range(LANES):
             states[LANES * c + lane] = xs[lane]
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _sym16(v, rotate):
+    """The 10-bit symbol of a 16-bit word: bits 14..5 after rotation, bits 15..6 without."""
+    w = np.int64(v)
+    return (w >> 5) & 0x3FF if rotate else w >> 6
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -159,7 +198,94 @@ def _raw_get(raw, e, R):
 
 
 @njit(nogil=True, cache=True)
-def decode_chunks(words, offsets, states, slots, dec_f, dec_b, dec_top, raw_map, P, raw, W, R, rotate, n, chunk, c0, c1, out, status):
+def _merge_raw6(raw, raw_pairs, g0, g1, out32):
+    """OR the raw fields of groups g0..g1-1 (four elements, three bytes each) into the output,
+    seen as uint32 pairs of elements; raw_pairs maps 12 raw bits (two fields) to their output bits.
+    Kept out of the rANS loop, where it would lengthen every round."""
+    for g in range(g0, g1):
+        b = 3 * g
+        v = np.int64(raw[b]) | (np.int64(raw[b + 1]) << 8) | (np.int64(raw[b + 2]) << 16)
+        out32[2 * g] |= raw_pairs[v & 0xFFF]
+        out32[2 * g + 1] |= raw_pairs[v >> 12]
+
+
+@njit(nogil=True, cache=True)
+def _decode_fast16(words, pos, end, xs, dec_fb, dec_top, P, e, stop, out):
+    """The branch-free 16-bit path: eight lanes, one element each per round, symbols only (the raw
+    bits are merged afterwards). Runs whole rounds while at least eight words remain; returns
+    (e, pos) and leaves the lane states in xs."""
+    um = np.uint64((1 << P) - 1)
+    x0, x1, x2, x3, x4, x5, x6, x7 = xs[0], xs[1], xs[2], xs[3], xs[4], xs[5], xs[6], xs[7]
+    while True:
+        # Each round of eight reads at most eight words: this many rounds need no checks.
+        rounds = min((stop - e) >> 3, (end - pos) >> 3)
+        if rounds <= 0:
+            break
+        for _ in range(rounds):
+            q0 = np.uint64(x0) & um
+            q1 = np.uint64(x1) & um
+            q2 = np.uint64(x2) & um
+            q3 = np.uint64(x3) & um
+            q4 = np.uint64(x4) & um
+            q5 = np.uint64(x5) & um
+            q6 = np.uint64(x6) & um
+            q7 = np.uint64(x7) & um
+            a0 = np.int64(dec_fb[q0])
+            x0 = (a0 & 0xFFFF) * (x0 >> P) + (a0 >> 16)
+            a1 = np.int64(dec_fb[q1])
+            x1 = (a1 & 0xFFFF) * (x1 >> P) + (a1 >> 16)
+            a2 = np.int64(dec_fb[q2])
+            x2 = (a2 & 0xFFFF) * (x2 >> P) + (a2 >> 16)
+            a3 = np.int64(dec_fb[q3])
+            x3 = (a3 & 0xFFFF) * (x3 >> P) + (a3 >> 16)
+            a4 = np.int64(dec_fb[q4])
+            x4 = (a4 & 0xFFFF) * (x4 >> P) + (a4 >> 16)
+            a5 = np.int64(dec_fb[q5])
+            x5 = (a5 & 0xFFFF) * (x5 >> P) + (a5 >> 16)
+            a6 = np.int64(dec_fb[q6])
+            x6 = (a6 & 0xFFFF) * (x6 >> P) + (a6 >> 16)
+            a7 = np.int64(dec_fb[q7])
+            x7 = (a7 & 0xFFFF) * (x7 >> P) + (a7 >> 16)
+            n0 = np.int64(x0 < RANS_L)
+            x0 = (x0 << (n0 << 4)) | (np.int64(words[np.uint64(pos)]) & -n0)
+            pos += n0
+            n1 = np.int64(x1 < RANS_L)
+            x1 = (x1 << (n1 << 4)) | (np.int64(words[np.uint64(pos)]) & -n1)
+            pos += n1
+            n2 = np.int64(x2 < RANS_L)
+            x2 = (x2 << (n2 << 4)) | (np.int64(words[np.uint64(pos)]) & -n2)
+            pos += n2
+            n3 = np.int64(x3 < RANS_L)
+            x3 = (x3 << (n3 << 4)) | (np.int64(words[np.uint64(pos)]) & -n3)
+            pos += n3
+            n4 = np.int64(x4 < RANS_L)
+            x4 = (x4 << (n4 << 4)) | (np.int64(words[np.uint64(pos)]) & -n4)
+            pos += n4
+            n5 = np.int64(x5 < RANS_L)
+            x5 = (x5 << (n5 << 4)) | (np.int64(words[np.uint64(pos)]) & -n5)
+            pos += n5
+            n6 = np.int64(x6 < RANS_L)
+            x6 = (x6 << (n6 << 4)) | (np.int64(words[np.uint64(pos)]) & -n6)
+            pos += n6
+            n7 = np.int64(x7 < RANS_L)
+            x7 = (x7 << (n7 << 4)) | (np.int64(words[np.uint64(pos)]) & -n7)
+            pos += n7
+            ue = np.uint64(e)
+            out[ue] = dec_top[q0]
+            out[ue + np.uint64(1)] = dec_top[q1]
+            out[ue + np.uint64(2)] = dec_top[q2]
+            out[ue + np.uint64(3)] = dec_top[q3]
+            out[ue + np.uint64(4)] = dec_top[q4]
+            out[ue + np.uint64(5)] = dec_top[q5]
+            out[ue + np.uint64(6)] = dec_top[q6]
+            out[ue + np.uint64(7)] = dec_top[q7]
+            e += 8
+    xs[0], xs[1], xs[2], xs[3], xs[4], xs[5], xs[6], xs[7] = x0, x1, x2, x3, x4, x5, x6, x7
+    return e, pos
+
+
+@njit(nogil=True, cache=True)
+def decode_chunks(words, offsets, states, slots, dec_fb, dec_top, raw_pairs, P, raw, W, R, rotate, n, chunk, c0, c1, out, out32, status):
     """Decode chunks c0..c1-1 into `out` (unsigned W-bit integers); status[c] gets OK or an error.
 
     `words` is the words stream as uint16; `slots` is freq_table.decode_slots() (checked path);
@@ -170,7 +296,6 @@ def decode_chunks(words, offsets, states, slots, dec_f, dec_b, dec_top, raw_map,
     Tails and nearly exhausted chunks take the checked path.
     """
     mask = (1 << P) - 1
-    um = np.uint64(mask)
     xs = np.empty(LANES, dtype=np.int64)
     for c in range(c0, c1):
         start = c * chunk
@@ -187,62 +312,8 @@ def decode_chunks(words, offsets, states, slots, dec_f, dec_b, dec_top, raw_map,
             continue
         e = start
         if R == 6 and W == 16:
-            x0, x1, x2, x3, x4, x5, x6, x7 = xs[0], xs[1], xs[2], xs[3], xs[4], xs[5], xs[6], xs[7]
-            while e + 8 <= stop and pos + 8 <= end:
-                q0 = np.uint64(x0) & um
-                q1 = np.uint64(x1) & um
-                q2 = np.uint64(x2) & um
-                q3 = np.uint64(x3) & um
-                q4 = np.uint64(x4) & um
-                q5 = np.uint64(x5) & um
-                q6 = np.uint64(x6) & um
-                q7 = np.uint64(x7) & um
-                x0 = np.int64(dec_f[q0]) * (x0 >> P) + np.int64(dec_b[q0])
-                x1 = np.int64(dec_f[q1]) * (x1 >> P) + np.int64(dec_b[q1])
-                x2 = np.int64(dec_f[q2]) * (x2 >> P) + np.int64(dec_b[q2])
-                x3 = np.int64(dec_f[q3]) * (x3 >> P) + np.int64(dec_b[q3])
-                x4 = np.int64(dec_f[q4]) * (x4 >> P) + np.int64(dec_b[q4])
-                x5 = np.int64(dec_f[q5]) * (x5 >> P) + np.int64(dec_b[q5])
-                x6 = np.int64(dec_f[q6]) * (x6 >> P) + np.int64(dec_b[q6])
-                x7 = np.int64(dec_f[q7]) * (x7 >> P) + np.int64(dec_b[q7])
-                n0 = np.int64(x0 < RANS_L)
-                x0 = (x0 << (n0 << 4)) | (np.int64(words[np.uint64(pos)]) & -n0)
-                pos += n0
-                n1 = np.int64(x1 < RANS_L)
-                x1 = (x1 << (n1 << 4)) | (np.int64(words[np.uint64(pos)]) & -n1)
-                pos += n1
-                n2 = np.int64(x2 < RANS_L)
-                x2 = (x2 << (n2 << 4)) | (np.int64(words[np.uint64(pos)]) & -n2)
-                pos += n2
-                n3 = np.int64(x3 < RANS_L)
-                x3 = (x3 << (n3 << 4)) | (np.int64(words[np.uint64(pos)]) & -n3)
-                pos += n3
-                n4 = np.int64(x4 < RANS_L)
-                x4 = (x4 << (n4 << 4)) | (np.int64(words[np.uint64(pos)]) & -n4)
-                pos += n4
-                n5 = np.int64(x5 < RANS_L)
-                x5 = (x5 << (n5 << 4)) | (np.int64(words[np.uint64(pos)]) & -n5)
-                pos += n5
-                n6 = np.int64(x6 < RANS_L)
-                x6 = (x6 << (n6 << 4)) | (np.int64(words[np.uint64(pos)]) & -n6)
-                pos += n6
-                n7 = np.int64(x7 < RANS_L)
-                x7 = (x7 << (n7 << 4)) | (np.int64(words[np.uint64(pos)]) & -n7)
-                pos += n7
-                g = np.uint64((e >> 2) * 3)  # two 3-byte raw groups
-                ga = np.int64(raw[g]) | (np.int64(raw[g + np.uint64(1)]) << 8) | (np.int64(raw[g + np.uint64(2)]) << 16)
-                gb = np.int64(raw[g + np.uint64(3)]) | (np.int64(raw[g + np.uint64(4)]) << 8) | (np.int64(raw[g + np.uint64(5)]) << 16)
-                ue = np.uint64(e)
-                out[ue] = dec_top[q0] | raw_map[np.uint64(ga & 63)]
-                out[ue + np.uint64(1)] = dec_top[q1] | raw_map[np.uint64((ga >> 6) & 63)]
-                out[ue + np.uint64(2)] = dec_top[q2] | raw_map[np.uint64((ga >> 12) & 63)]
-                out[ue + np.uint64(3)] = dec_top[q3] | raw_map[np.uint64(ga >> 18)]
-                out[ue + np.uint64(4)] = dec_top[q4] | raw_map[np.uint64(gb & 63)]
-                out[ue + np.uint64(5)] = dec_top[q5] | raw_map[np.uint64((gb >> 6) & 63)]
-                out[ue + np.uint64(6)] = dec_top[q6] | raw_map[np.uint64((gb >> 12) & 63)]
-                out[ue + np.uint64(7)] = dec_top[q7] | raw_map[np.uint64(gb >> 18)]
-                e += 8
-            xs[0], xs[1], xs[2], xs[3], xs[4], xs[5], xs[6], xs[7] = x0, x1, x2, x3, x4, x5, x6, x7
+            e, pos = _decode_fast16(words, pos, end, xs, dec_fb, dec_top, P, e, stop, out)
+            _merge_raw6(raw, raw_pairs, start >> 2, e >> 2, out32)
         while e < stop:  # checked path: any W and R, tails, nearly exhausted chunks
             lane = (e - start) % LANES
             x = xs[lane]

@@ -97,8 +97,10 @@ def _candidates(dtype: str, data: np.ndarray, opts: CodecOptions):
         values = data.view(rans.UINT_OF_BITS[word[0]])
         precisions = sorted({*SMALL_PRECISIONS, opts.precision}) if small else (opts.precision,)
         counts = None
+        n = len(values)
+        chunk = min(opts.chunk, max(rans.CHUNK_RANGE[0], -(-n // 8) * 8))  # one small chunk for small tensors
         for precision in precisions:
-            p = rans.RansParams.for_word(word[0], word[1], precision, opts.chunk)
+            p = rans.RansParams.for_word(word[0], word[1], precision, chunk)
             if counts is None:
                 counts = rans.symbol_counts(values, p, opts.threads)
             yield "rans", p.to_json(), rans.encode(values, p, opts.threads, counts)
