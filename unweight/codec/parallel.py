@@ -21,10 +21,15 @@ def _pool(threads: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=threads, thread_name_prefix="unweight")
 
 
+# Below this many chunks a tensor runs on the calling thread: handing a few 100-microsecond chunks
+# to the pool costs more than it saves (MiniLM's 384x384 tensors decoded slower on 2 threads).
+MIN_PARALLEL_CHUNKS = 8
+
+
 def map_chunk_ranges(fn: Callable[[int, int], None], nchunks: int, threads: int | None) -> None:
     """Call fn(c0, c1) over [0, nchunks) split into about 4 ranges per thread; wait for all."""
     threads = threads or default_threads()
-    parts = min(nchunks, threads * 4) if threads > 1 else 1
+    parts = min(nchunks, threads * 4) if threads > 1 and nchunks >= MIN_PARALLEL_CHUNKS else 1
     if parts <= 1:
         if nchunks:
             fn(0, nchunks)
