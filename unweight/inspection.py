@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from .checkpoint import containers_of, decode_one
+from .report import TensorReport
 from unweight.formats import ContainerReader
 
 # dtype -> (word dtype, exponent shift, exponent mask)
@@ -30,14 +31,9 @@ def entropy_bits(counts: np.ndarray) -> float:
 
 
 @dataclass(slots=True)
-class TensorStats:
-    file: str
-    name: str
-    dtype: str
-    shape: list[int]
-    codec: str
-    original_bytes: int
-    stored_bytes: int
+class TensorStats(TensorReport):
+    """A TensorReport plus what `inspect` measures by decoding the tensor."""
+
     bits_per_weight: float
     exponent_entropy: float | None  # bits per weight, floats only
     order0_bound: float | None  # bits per weight, entropy of whole values (1- and 2-byte dtypes)

@@ -7,7 +7,7 @@ import os
 import numpy as np
 
 from .errors import UnweightError
-from .report import CLASS_ORDER, tensor_class
+from .report import CLASS_ORDER
 
 
 def plot_exponents(stats: list, path: str | os.PathLike) -> None:
@@ -25,7 +25,7 @@ def plot_exponents(stats: list, path: str | os.PathLike) -> None:
             continue
         cls = by_dtype.setdefault(s.dtype, {})
         h = np.asarray(s.exponent_histogram, dtype=np.int64)
-        key = tensor_class(s.name)
+        key = s.tensor_class
         cls[key] = cls.get(key, np.zeros_like(h)) + h
     if not by_dtype:
         raise UnweightError("no floating-point tensors to plot")

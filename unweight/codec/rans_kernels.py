@@ -288,12 +288,11 @@ def _decode_fast16(words, pos, end, xs, dec_fb, dec_top, P, e, stop, out):
 def decode_chunks(words, offsets, states, slots, dec_fb, dec_top, raw_pairs, P, raw, W, R, rotate, n, chunk, c0, c1, out, out32, status):
     """Decode chunks c0..c1-1 into `out` (unsigned W-bit integers); status[c] gets OK or an error.
 
-    `words` is the words stream as uint16; `slots` is freq_table.decode_slots() (checked path);
-    dec_f/dec_b/dec_top are its columns as uint16 and raw_map the output bits of each 6-bit raw
-    field (the BF16/F16 fast path: out = dec_top[q] | raw_map[raw]). The fast path decodes eight
-    elements (one per lane) per step, branch-free, while at least eight words remain, so each lane
-    may read words[pos] unconditionally; uint64 indices spare numba its negative-index checks.
-    Tails and nearly exhausted chunks take the checked path.
+    `words` is the words stream as uint16; slots, dec_fb, dec_top and raw_pairs come from
+    freq_table.decode_slots(); `out32` is `out` seen as uint32 (16-bit words only). For BF16/F16,
+    _decode_fast16 decodes rounds of eight elements (one per lane), branch-free, and
+    _merge_raw6 then ORs the raw bits in; tails and nearly exhausted chunks take the checked path,
+    which also serves 8- and 32-bit words.
     """
     mask = (1 << P) - 1
     xs = np.empty(LANES, dtype=np.int64)
