@@ -66,6 +66,7 @@ def compress(
     verify: Annotated[bool, typer.Option("--verify/--no-verify", help="Decode every tensor again before writing it.")] = True,
     precision: Annotated[int, typer.Option(min=10, max=15, help="rANS frequency precision in bits.")] = 14,
     chunk: Annotated[int, typer.Option(help="Elements per independently decodable chunk (multiple of 8).")] = 65536,
+    layout: Annotated[str, typer.Option(help="archive: smallest. serving: 2-D BF16 weights as fixed-rate tiles for GPU kernels.")] = "archive",
     as_json: AsJson = False,
     quiet: Quiet = False,
 ) -> None:
@@ -79,11 +80,13 @@ def compress(
         unweight compress ./Llama-3.1-8B ./llama-uw
 
         unweight compress meta-llama/Llama-3.1-8B ./llama-uw --revision main --json
+
+        unweight compress ./Llama-3.1-8B ./llama-serving --layout serving
     """
 
     def body() -> None:
         with _progress("compressing", quiet or as_json) as bar:
-            report = unweight.compress(src, dst, threads=threads, verify=verify, precision=precision, chunk=chunk, revision=revision, progress=bar)
+            report = unweight.compress(src, dst, threads=threads, verify=verify, precision=precision, chunk=chunk, layout=layout, revision=revision, progress=bar)
         if as_json:
             out.print_json(json.dumps(report.to_json()))
             return

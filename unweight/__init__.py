@@ -33,16 +33,20 @@ def compress(
     verify: bool = True,
     precision: int | None = None,
     chunk: int | None = None,
+    layout: str = "archive",
     revision: str | None = None,
     progress: "Progress | None" = None,
 ) -> "CompressReport":
     """Compress a Hugging Face checkpoint (local folder, .safetensors file or Hub repo id) into
-    the folder `dst`, which must not exist. Returns the per-tensor report."""
+    the folder `dst`, which must not exist. Returns the per-tensor report.
+
+    layout="archive" (default) is the smallest; layout="serving" stores 2-D BF16 weights in the
+    fixed-rate tiles that GPU kernels read directly (formats/SPEC.md §3.4)."""
     from .checkpoint import compress as _compress
     from .codec import CodecOptions
 
     kw = {k: v for k, v in {"precision": precision, "chunk": chunk}.items() if v is not None}
-    options = CodecOptions(threads=threads, verify=verify, **kw)
+    options = CodecOptions(threads=threads, verify=verify, layout=layout, **kw)
     if not os.path.exists(src) and _looks_like_repo_id(str(src)):
         from unweight.cli.hub import resolve_source  # the only Hub (network) code lives in cli/
 

@@ -540,8 +540,8 @@ def manifest_shape_not_a_list(b: Bases) -> bytes:
     return _edit(b.a, _tensor_edit("weight", _set("shape", 1024)))
 
 
-def codec_unknown_tiles(b: Bases) -> bytes:
-    return _edit(b.a, _tensor_edit("weight", _set("codec", "tiles")))
+def codec_unknown_palette(b: Bases) -> bytes:
+    return _edit(b.a, _tensor_edit("weight", _set("codec", "palette")))
 
 
 def codec_raw_with_wrong_length(b: Bases) -> bytes:
@@ -921,7 +921,7 @@ CASES: dict[str, tuple[Callable[[Bases], bytes], str | None, tuple[str, ...]]] =
     "manifest_shape_too_big": (manifest_shape_too_big, "weight", CONTAINER_OPS),
     "manifest_shape_wrong": (manifest_shape_wrong, "weight", CONTAINER_OPS),
     "manifest_shape_not_a_list": (manifest_shape_not_a_list, "weight", CONTAINER_OPS),
-    "codec_unknown_tiles": (codec_unknown_tiles, "weight", CONTAINER_OPS),
+    "codec_unknown_palette": (codec_unknown_palette, "weight", CONTAINER_OPS),
     "codec_raw_with_wrong_length": (codec_raw_with_wrong_length, "bias", CONTAINER_OPS),
     "codec_zstd_with_params": (codec_zstd_with_params, "ids", CONTAINER_OPS),
     "codec_roles_of_another_codec": (codec_roles_of_another_codec, "weight", CONTAINER_OPS),

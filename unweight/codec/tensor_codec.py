@@ -17,10 +17,11 @@ from unweight.errors import CorruptDataError
 from unweight.formats import TensorEntry
 from unweight.formats.dtypes import DTYPE_SIZES, FLOAT_DTYPES, tensor_nbytes
 
-from . import rans
+from . import rans, tiles
 
-CODECS = ("raw", "zstd", "rans")
-ROLES = {"raw": ("data",), "zstd": ("data",), "rans": ("table", "raw", "words", "index")}
+CODECS = ("raw", "zstd", "rans", "tiles")
+ROLES = {"raw": ("data",), "zstd": ("data",), "rans": ("table", "raw", "words", "index"), "tiles": ("sm", "codes", "esc", "esc_index")}
+LAYOUTS = ("archive", "serving")
 SMALL_TENSOR_BYTES = 1 << 18  # below this, every candidate is tried and the smallest kept
 SMALL_PRECISIONS = (10, 12, 14)
 
@@ -34,8 +35,11 @@ class CodecOptions:
     zstd_level: int = 10
     threads: int | None = None  # None or 0: all CPUs
     verify: bool = True  # decode each tensor again before accepting it
+    layout: str = "archive"  # "serving": 2-D BF16 weights in the fixed-rate `tiles` codec
 
     def __post_init__(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout {self.layout!r} is not one of {', '.join(LAYOUTS)}")
         rans.RansParams.for_word(16, True, self.precision, self.chunk)  # raises ValueError if bad
         if not 1 <= self.zstd_level <= 22:
             raise ValueError(f"zstd_level {self.zstd_level!r} is outside 1..22")
@@ -85,9 +89,14 @@ def _zstd_decode(blob: np.ndarray, nbytes: int) -> np.ndarray:
     return np.frombuffer(b"".join(pieces), dtype=np.uint8)
 
 
-def _candidates(dtype: str, data: np.ndarray, opts: CodecOptions):
-    """Yield (codec, params-json, streams) for each codec worth trying on this tensor."""
+def _candidates(dtype: str, shape: tuple[int, ...], data: np.ndarray, opts: CodecOptions):
+    """Yield (codec, params-json, streams) for each codec worth trying on this tensor. In the
+    serving layout a 2-D BF16 weight gets `tiles` and nothing else: kernels need its fixed rate."""
     nbytes = len(data)
+    if opts.layout == "serving" and tiles.applies(dtype, shape):
+        p, streams = tiles.encode(data.view(np.uint16), shape[0], shape[1])
+        yield "tiles", p.to_json(), streams
+        return
     if nbytes == 0:
         yield "raw", {}, {"data": data}
         return
@@ -119,7 +128,7 @@ def encode_tensor(name: str, dtype: str, shape: tuple[int, ...], data: np.ndarra
         raise ValueError(f"tensor {name!r}: {len(data)} bytes given for {dtype}{list(shape)}")
     crc = zlib.crc32(memoryview(data))
     best = None
-    for codec, params, streams in _candidates(dtype, data, opts):
+    for codec, params, streams in _candidates(dtype, tuple(shape), data, opts):
         size = sum(len(s) for s in streams.values())
         if best is None or size < best[0]:
             best = (size, codec, params, streams)
@@ -142,6 +151,8 @@ def check_entry(entry: TensorEntry, streams: dict[str, np.ndarray]) -> None:
         raise ValueError(f"raw data has {len(streams['data'])} bytes, the tensor has {entry.nbytes}")
     if entry.codec in ("raw", "zstd") and entry.params:
         raise ValueError(f"codec {entry.codec} takes no params")
+    if entry.codec == "tiles" and not tiles.applies(entry.dtype, entry.shape):
+        raise ValueError(f"codec tiles is for non-empty 2-D BF16 tensors, not {entry.dtype}{list(entry.shape)}")
 
 
 def decode_tensor(entry: TensorEntry, streams: dict[str, np.ndarray], threads: int | None = None, verify: bool = True) -> np.ndarray:
@@ -152,6 +163,9 @@ def decode_tensor(entry: TensorEntry, streams: dict[str, np.ndarray], threads: i
             out = np.asarray(streams["data"], dtype=np.uint8)
         elif entry.codec == "zstd":
             out = _zstd_decode(streams["data"], entry.nbytes)
+        elif entry.codec == "tiles":
+            p = tiles.TilesParams.from_json(entry.params)
+            out = tiles.decode(streams, p, entry.shape[0], entry.shape[1]).view(np.uint8)
         else:
             p = rans.RansParams.from_json(entry.params)
             word = _rans_word(entry.dtype)

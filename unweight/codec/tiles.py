@@ -1,0 +1,166 @@
+"""The `tiles` codec (SPEC.md §3.4): the fixed-rate serving layout of 2-D BF16 weights.
+
+Every element costs exactly 11 bits plus a sparse escape: its sign+mantissa byte (`sm`), and a
+3-bit code that selects one of 7 consecutive exponents `base .. base+6` or, as 7, an escape whose
+exponent byte lies in `esc`. A kernel finds any element's bytes by arithmetic alone; an escape's
+position in `esc` is the block's entry in `esc_index` plus the escapes before it in its block.
+
+Measured on all-MiniLM-L6-v2's 2-D weights in BF16: 3.0 % of elements escape with the best
+per-tensor window; 11 + 0.24 + 0.03 bits per weight, a 29.6 % saving (docs/compression.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from numba import njit
+
+WINDOW = 7  # exponents a code can name; code 7 is the escape
+ESCAPE = 7
+BLOCK_RANGE = (8, 1 << 16)
+DEFAULT_BLOCK = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class TilesParams:
+    """Validated on construction (the values may come from a hostile file)."""
+
+    base: int  # exponent of code 0
+    block: int  # columns per escape-index block (multiple of 8)
+
+    def __post_init__(self) -> None:
+        for key in ("base", "block"):
+            v = getattr(self, key)
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise ValueError(f"{key} {v!r} is not an integer")
+        if not 0 <= self.base <= 256 - WINDOW:
+            raise ValueError(f"base {self.base} is outside 0..{256 - WINDOW}")
+        lo, hi = BLOCK_RANGE
+        if not (lo <= self.block <= hi and self.block % 8 == 0):
+            raise ValueError(f"block {self.block} is not a multiple of 8 in {lo}..{hi}")
+
+    @classmethod
+    def from_json(cls, obj: dict) -> "TilesParams":
+        if set(obj) != {"base", "block"}:
+            raise ValueError(f"tiles params must be exactly ['base', 'block'], got {sorted(obj)}")
+        return cls(**obj)
+
+    def to_json(self) -> dict:
+        return {"base": self.base, "block": self.block}
+
+
+def applies(dtype: str, shape: tuple[int, ...]) -> bool:
+    """The serving layout is for the 2-D BF16 weights that matmuls read."""
+    return dtype == "BF16" and len(shape) == 2 and shape[0] > 0 and shape[1] > 0
+
+
+def best_base(values: np.ndarray) -> int:
+    """The base whose 7-exponent window covers the most elements."""
+    hist = np.bincount((values >> 7) & 0xFF, minlength=256)
+    cover = np.convolve(hist, np.ones(WINDOW, dtype=np.int64), mode="valid")
+    return int(np.argmax(cover))
+
+
+def _blocks_per_row(cols: int, block: int) -> int:
+    return -(-cols // block)
+
+
+def stream_lengths(rows: int, cols: int, p: TilesParams) -> dict[str, int]:
+    """Byte lengths that §3.4 derives from the shape (esc is checked against esc_index instead)."""
+    n = rows * cols
+    return {"sm": n, "codes": -(-n // 8) * 3, "esc_index": 4 * (rows * _blocks_per_row(cols, p.block) + 1)}
+
+
+@njit(nogil=True, cache=True)
+def _encode(values, rows, cols, base, block, sm, codes, esc, esc_index):
+    """Fill the streams; returns the number of escapes written to esc."""
+    nb = -(-cols // block)
+    k = 0
+    for r in range(rows):
+        for j in range(cols):
+            if j % block == 0:
+                esc_index[r * nb + j // block] = k
+            p = r * cols + j
+            w = np.int64(values[p])
+            sm[p] = ((w >> 8) & 0x80) | (w & 0x7F)
+            c = ((w >> 7) & 0xFF) - base
+            if c < 0 or c >= ESCAPE:
+                esc[k] = (w >> 7) & 0xFF
+                k += 1
+                c = ESCAPE
+            g = p >> 3
+            i = p & 7
+            codes[3 * g] |= (c & 1) << i
+            codes[3 * g + 1] |= ((c >> 1) & 1) << i
+            codes[3 * g + 2] |= ((c >> 2) & 1) << i
+    esc_index[rows * nb] = k
+    return k
+
+
+def encode(values: np.ndarray, rows: int, cols: int, block: int = DEFAULT_BLOCK) -> tuple[TilesParams, dict[str, np.ndarray]]:
+    """Encode a rows × cols BF16 matrix given as uint16 (C order)."""
+    p = TilesParams(best_base(values), block)
+    lengths = stream_lengths(rows, cols, p)
+    sm = np.empty(lengths["sm"], dtype=np.uint8)
+    codes = np.zeros(lengths["codes"], dtype=np.uint8)
+    esc = np.empty(len(values), dtype=np.uint8)
+    esc_index = np.empty(lengths["esc_index"] // 4, dtype="<u4")
+    k = _encode(values, rows, cols, p.base, p.block, sm, codes, esc, esc_index)
+    return p, {"sm": sm, "codes": codes, "esc": esc[:k].copy(), "esc_index": esc_index.view(np.uint8)}
+
+
+@njit(nogil=True, cache=True)
+def _decode(sm, codes, esc, esc_index, rows, cols, base, block, out):
+    """Rebuild the matrix; returns 0, or 1 if the escapes disagree with esc_index (corrupt)."""
+    nb = -(-cols // block)
+    k = 0
+    for r in range(rows):
+        for j in range(cols):
+            if j % block == 0 and esc_index[r * nb + j // block] != k:
+                return 1
+            p = r * cols + j
+            g = p >> 3
+            i = p & 7
+            c = ((codes[3 * g] >> i) & 1) | (((codes[3 * g + 1] >> i) & 1) << 1) | (((codes[3 * g + 2] >> i) & 1) << 2)
+            if c == ESCAPE:
+                if k >= len(esc):
+                    return 1
+                e = np.int64(esc[k])
+                k += 1
+            else:
+                e = base + c
+            s = np.int64(sm[p])
+            out[p] = ((s & 0x80) << 8) | (e << 7) | (s & 0x7F)
+    if esc_index[rows * nb] != k or k != len(esc):
+        return 1
+    return 0
+
+
+def decode(streams: dict[str, np.ndarray], p: TilesParams, rows: int, cols: int) -> np.ndarray:
+    """The matrix as uint16 (C order, flattened); raises ValueError on inconsistent streams."""
+    lengths = stream_lengths(rows, cols, p)
+    for role, want in lengths.items():
+        if len(streams[role]) != want:
+            raise ValueError(f"{role} stream has {len(streams[role])} bytes, the shape needs {want}")
+    esc_index = np.frombuffer(np.asarray(streams["esc_index"], dtype=np.uint8).tobytes(), dtype="<u4").astype(np.int64)
+    codes = np.asarray(streams["codes"], dtype=np.uint8)
+    n = rows * cols
+    if n % 8 and np.unpackbits(codes[-3:], bitorder="little").reshape(3, 8)[:, n % 8 :].any():
+        raise ValueError("padding bits of the codes stream are not zero")
+    out = np.empty(n, dtype=np.uint16)
+    if _decode(np.asarray(streams["sm"], dtype=np.uint8), codes, np.asarray(streams["esc"], dtype=np.uint8), esc_index, rows, cols, p.base, p.block, out):
+        raise ValueError("escapes disagree with esc_index")
+    return out
+
+
+def decode_reference(streams: dict[str, np.ndarray], p: TilesParams, rows: int, cols: int) -> np.ndarray:
+    """Plain numpy decoder, written from SPEC.md §3.4; the oracle for the fast paths."""
+    n = rows * cols
+    sm = np.asarray(streams["sm"], dtype=np.uint16)
+    planes = np.unpackbits(np.asarray(streams["codes"], dtype=np.uint8), bitorder="little").reshape(-1, 3, 8)
+    code = (planes[:, 0] | (planes[:, 1] << 1) | (planes[:, 2] << 2)).reshape(-1)[:n].astype(np.uint16)
+    exp = p.base + code
+    escaped = code == ESCAPE
+    exp[escaped] = np.asarray(streams["esc"], dtype=np.uint16)  # escapes in row-major order
+    return ((sm & 0x80) << 8) | (exp << 7) | (sm & 0x7F)
