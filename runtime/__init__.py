@@ -1,1 +1,2 @@
-"""GPU runtime (compressed linears, kernels): arrives with the serving-layout issue."""
+"""GPU runtime: Triton kernels that read compressed weights (runtime/kernels/). The compressed
+linear layers, pipelines and autotuner of the serving-layout issue build on them."""
