@@ -59,3 +59,56 @@ def test_tiles_decode_on_gpu_large():
     v = edge_case_matrix(4096, 1024, seed=7)
     p, streams = tiles.encode(v, 4096, 1024)
     assert np.array_equal(as_u16(tiles_decode(streams, p.to_json(), 4096, 1024, device="cuda")), v)
+
+
+def weight_streams(v: np.ndarray, rows: int, cols: int, block: int, device: str = "cpu"):
+    """(params, torch streams as tiles_linear takes them, decoded BF16 weight)."""
+    p, s = tiles.encode(v, rows, cols, block)
+    w = {
+        "sm": torch.from_numpy(s["sm"]),
+        "codes": torch.from_numpy(s["codes"]),
+        "esc": torch.from_numpy(s["esc"]) if len(s["esc"]) else torch.zeros(1, dtype=torch.uint8),
+        "esc_index": torch.from_numpy(s["esc_index"].view("<u4").astype(np.int64)),
+    }
+    dense = torch.from_numpy(tiles.decode_reference(s, p, rows, cols).view(np.int16)).view(torch.bfloat16).reshape(rows, cols)
+    return p, {k: t.to(device) for k, t in w.items()}, dense.to(device)
+
+
+def finite_matrix(rows: int, cols: int, seed: int) -> np.ndarray:
+    """Trained-like BF16 weights with escapes (subnormals, large values) but no inf/NaN."""
+    v = (torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed)) * 0.02).to(torch.bfloat16)
+    v = v.view(torch.int16).numpy().view(np.uint16).ravel().copy()
+    v[::13] = 0x0001  # subnormal: below the exponent window
+    v[5::29] = 0xC200  # -32.0: above it
+    return v
+
+
+@pytest.mark.parametrize("m", [1, 3, 16, 33])
+def test_tiles_linear_matches_f_linear(m):
+    """Fused decode+matmul vs F.linear on the decoded weight, both accumulated in fp32. The weights
+    are bit-identical and products of bf16 values are exact in fp32, so only the order of the fp32
+    additions differs: |error| <= K * 2^-24 * sum_k |x_k w_k| per output (the standard bound for
+    recursive summation), which is the tolerance."""
+    rows, cols = 70, 200
+    from unweight.runtime.kernels.tiles_matmul import tiles_linear
+
+    p, w, dense = weight_streams(finite_matrix(rows, cols, seed=m), rows, cols, block=64)
+    x = torch.randn(m, cols, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+    y = tiles_linear(x, w, p.to_json(), rows, cols, out_dtype=torch.float32)
+    ref = torch.nn.functional.linear(x.float(), dense.float())
+    bound = torch.nn.functional.linear(x.float().abs(), dense.float().abs())
+    assert y.shape == (m, rows)
+    assert torch.all((y - ref).abs() <= cols * 2.0**-24 * bound)
+
+
+def test_tiles_linear_propagates_nan_and_inf_like_f_linear():
+    from unweight.runtime.kernels.tiles_matmul import tiles_linear
+
+    v = finite_matrix(8, 64, seed=9)
+    v[3] = 0x7FC0  # NaN in row 0
+    v[64 + 2] = 0x7F80  # +inf in row 1
+    p, w, dense = weight_streams(v, 8, 64, block=64)
+    x = torch.ones(2, 64, dtype=torch.bfloat16)
+    y = tiles_linear(x, w, p.to_json(), 8, 64, out_dtype=torch.float32)
+    ref = torch.nn.functional.linear(x.float(), dense.float())
+    assert torch.equal(torch.isnan(y), torch.isnan(ref)) and torch.equal(torch.isinf(y), torch.isinf(ref))

@@ -1,0 +1,118 @@
+"""Fused decompress-and-multiply: y = x @ W^T with W read from the serving layout (`tiles`).
+
+The kernel never writes BF16 weights to memory: each program walks K for a tile of W's rows,
+rebuilds the (BLOCK_N, BLOCK_K) weight tile in registers from the sign+mantissa bytes, the 3-bit
+code planes and the escapes, and accumulates in fp32. Escapes are found with a running per-row
+pointer into `esc` (from esc_index's first entry of the row) plus an exclusive prefix count within
+the tile, so the loop has no branches. Two shapes of the same kernel:
+
+- GEMV path (M < 16, decode-time batches): broadcast multiply and row sums on CUDA cores;
+- GEMM path (M >= 16): `tl.dot` on the tensor cores.
+
+The oracle in the tests is `F.linear(x.float(), W.float())` with W from the numpy decoder.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from unweight.codec import tiles
+
+
+@triton.jit
+def tiles_matmul_kernel(
+    # activations (M, K) bf16 with row stride, output (M, N) with row stride
+    x_ptr, y_ptr, M, stride_xm, stride_ym,
+    # weight W (N, K) in the serving layout: uint8 sm and codes, uint8 esc, int64 esc_index
+    sm_ptr, codes_ptr, esc_ptr, esc_index_ptr, N, K, blocks_per_row, base,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_DOT: tl.constexpr,  # tensor-core tl.dot (BLOCK_M >= 16) or broadcast-and-sum (GEMV)
+    DOT_F32: tl.constexpr,  # feed tl.dot fp32 operands (the interpreter) instead of bf16
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,) rows of x and y
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,) rows of W, columns of y
+    m_live = rm < M
+    n_live = rn < N
+    # escapes of each W row seen so far: starts at the escapes before the row
+    run = tl.load(esc_index_ptr + rn.to(tl.int64) * blocks_per_row, mask=n_live, other=0)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)  # (BLOCK_K,)
+        k_live = rk < K
+        live = n_live[:, None] & k_live[None, :]  # (BLOCK_N, BLOCK_K)
+        p = rn.to(tl.int64)[:, None] * K + rk[None, :]  # element index in W, row-major
+        sm = tl.load(sm_ptr + p, mask=live, other=0).to(tl.int32)
+        g = (p >> 3) * 3
+        i = (p & 7).to(tl.int32)
+        c0 = (tl.load(codes_ptr + g, mask=live, other=0).to(tl.int32) >> i) & 1
+        c1 = (tl.load(codes_ptr + g + 1, mask=live, other=0).to(tl.int32) >> i) & 1
+        c2 = (tl.load(codes_ptr + g + 2, mask=live, other=0).to(tl.int32) >> i) & 1
+        code = c0 | (c1 << 1) | (c2 << 2)
+        esc_i = ((code == 7) & live).to(tl.int32)
+        before = tl.cumsum(esc_i, axis=1) - esc_i  # escapes before each element in its tile row
+        e_esc = tl.load(esc_ptr + run[:, None] + before, mask=esc_i != 0, other=0).to(tl.int32)
+        run += tl.sum(esc_i, axis=1)
+        e = tl.where(esc_i != 0, e_esc, base + code)
+        bits = ((sm & 0x80) << 8) | (e << 7) | (sm & 0x7F)
+        w = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)  # (BLOCK_N, BLOCK_K) rebuilt weights
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=m_live[:, None] & k_live[None, :], other=0.0)
+        if USE_DOT:
+            if DOT_F32:  # Triton's CPU interpreter multiplies bf16 tl.dot operands wrongly (3.9)
+                acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)))
+            else:
+                acc += tl.dot(x, tl.trans(w))
+        else:
+            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    y = acc.to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], y, mask=m_live[:, None] & n_live[None, :])
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _block_m(m: int) -> int:
+    return min(64, max(1, triton.next_power_of_2(m)))
+
+
+def tiles_linear(x: torch.Tensor, weight: dict[str, torch.Tensor], params: dict, out_features: int, in_features: int, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """y = x @ W^T for W (out_features, in_features) in the serving layout, W never materialised.
+
+    `x` is (..., in_features) BF16 on the weight's device; `weight` holds the tiles streams as
+    torch tensors (uint8 sm, codes, esc; esc_index as int64 entries). Returns (..., out_features)
+    in `out_dtype` (default x's dtype), accumulated in fp32.
+    """
+    p = tiles.TilesParams.from_json(params)
+    if x.dtype != torch.bfloat16:
+        raise ValueError(f"x must be bfloat16, not {x.dtype}")
+    if x.shape[-1] != in_features:
+        raise ValueError(f"x has {x.shape[-1]} features, the weight {in_features}")
+    for role in ("sm", "codes", "esc", "esc_index"):
+        if weight[role].device != x.device:
+            raise ValueError(f"weight stream {role} is on {weight[role].device}, x on {x.device}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, in_features)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    y = torch.empty((m, out_features), dtype=out_dtype or x.dtype, device=x.device)
+    if m == 0:
+        return y.reshape(*lead, out_features)
+    use_dot = m >= 16
+    block_m = 64 if use_dot else _block_m(m)
+    block_n = 64
+    block_k = 64 if use_dot else 128
+    grid = (triton.cdiv(m, block_m), triton.cdiv(out_features, block_n))
+    tiles_matmul_kernel[grid](
+        x2, y, m, x2.stride(0), y.stride(0),
+        weight["sm"], weight["codes"], weight["esc"], weight["esc_index"], out_features, in_features,
+        -(-in_features // p.block), p.base,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=use_dot, DOT_F32=_interpreted(),
+    )
+    return y.reshape(*lead, out_features)
