@@ -1,0 +1,96 @@
+"""Choosing a pipeline per (device, layer shape, batch bucket) by timing the candidates once.
+
+The first call for a key times every candidate (one warm-up, then the median of a few runs) and
+remembers the fastest, in memory and in a JSON file (`$UNWEIGHT_CACHE/autotune.json`), written
+atomically. `UNWEIGHT_PIPELINE=name` forces one pipeline everywhere (for debugging).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+FORCE_ENV = "UNWEIGHT_PIPELINE"
+REPEATS = 3
+
+
+def batch_bucket(m: int) -> int:
+    """Rows of x rounded up to a power of two (1, 2, 4, ... 4096 and above)."""
+    return 1 << max(0, (max(m, 1) - 1).bit_length())
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu-{os.cpu_count()}"
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Autotuner:
+    """In-memory choices backed by a JSON file; safe to share between layers and threads."""
+
+    def __init__(self, path: str | os.PathLike | None = None):
+        base = Path(os.environ.get("UNWEIGHT_CACHE", Path.home() / ".cache" / "unweight"))
+        self.path = Path(path) if path is not None else base / "autotune.json"
+        self._lock = threading.Lock()
+        self._choices: dict[str, str] | None = None
+
+    def _load(self) -> dict[str, str]:
+        if self._choices is None:
+            try:
+                data = json.loads(self.path.read_text())
+                self._choices = {k: v for k, v in data.items() if isinstance(k, str) and isinstance(v, str)}
+            except (OSError, ValueError):
+                self._choices = {}  # no cache yet, or an unreadable one: tune again
+        return self._choices
+
+    def _save(self) -> None:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.partial")
+            tmp.write_text(json.dumps(self._choices, indent=1, sort_keys=True))
+            os.replace(tmp, self.path)
+        except OSError:
+            pass  # a read-only home: choices still hold for this process
+
+    def choose(self, key: str, candidates: dict[str, Callable[[], torch.Tensor]], device: torch.device) -> tuple[str, torch.Tensor | None]:
+        """(name of the pipeline to use, its output if it was just run while timing, else None)."""
+        forced = os.environ.get(FORCE_ENV)
+        if forced:
+            if forced not in candidates:
+                raise ValueError(f"{FORCE_ENV}={forced!r} is not a pipeline here; choose from {', '.join(candidates)}")
+            return forced, None
+        with self._lock:
+            known = self._load().get(key)
+        if known in candidates:
+            return known, None
+        timings, outputs = {}, {}
+        for name, run in candidates.items():
+            outputs[name] = run()  # warm-up (compiles kernels)
+            _sync(device)
+            times = []
+            for _ in range(REPEATS):
+                t0 = time.perf_counter()
+                run()
+                _sync(device)
+                times.append(time.perf_counter() - t0)
+            timings[name] = statistics.median(times)
+        best = min(timings, key=timings.get)
+        with self._lock:
+            self._load()[key] = best
+            self._save()
+        return best, outputs[best]
+
+
+DEFAULT = Autotuner()

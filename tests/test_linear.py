@@ -1,0 +1,72 @@
+"""UnweightLinear on the CPU: both pipelines agree with nn.Linear, the autotuner caches and obeys
+UNWEIGHT_PIPELINE, and resident memory is the compressed size."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from unweight.runtime.autotune import Autotuner, batch_bucket
+from unweight.runtime.linear import UnweightLinear
+
+from helpers import random_bf16
+
+
+@pytest.fixture()
+def layer(tmp_path):
+    w = random_bf16(96, 160, seed=4)
+    b = random_bf16(96, seed=5)
+    return UnweightLinear.from_weight(w, b, autotuner=Autotuner(tmp_path / "tune.json")), w, b
+
+
+def test_decoded_weight_is_bit_exact_and_not_kept(layer):
+    mod, w, _ = layer
+    assert torch.equal(mod.decoded_weight().view(torch.int16), w.view(torch.int16))
+    assert mod.stored_bytes < 0.75 * w.numel() * 2  # no hidden BF16 copy among the buffers
+    assert all(buf.dtype in (torch.uint8, torch.int64) for buf in mod.buffers())
+
+
+@pytest.mark.parametrize("pipeline", ["decode_matmul", "fused"])
+@pytest.mark.parametrize("m", [1, 5, 40])
+def test_pipelines_match_f_linear(layer, monkeypatch, pipeline, m):
+    mod, w, b = layer
+    monkeypatch.setenv("UNWEIGHT_PIPELINE", pipeline)
+    x = torch.randn(2, m, 160, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+    y = mod(x)
+    ref = F.linear(x.float(), w.float(), b.float())
+    assert y.shape == (2, m, 96) and y.dtype == torch.bfloat16
+    # y is rounded to bf16 (2^-8 relative) after fp32 accumulation in either pipeline
+    assert torch.allclose(y.float(), ref, rtol=2**-7, atol=1e-3)
+
+
+def test_autotuner_caches_choice_on_disk(layer, tmp_path, monkeypatch):
+    mod, _, _ = layer
+    monkeypatch.delenv("UNWEIGHT_PIPELINE", raising=False)
+    mod(torch.randn(3, 160).to(torch.bfloat16))
+    saved = json.loads((tmp_path / "tune.json").read_text())
+    (key, choice), = saved.items()
+    assert key.endswith(f"|96x160|m{batch_bucket(3)}") and choice in ("decode_matmul", "fused")
+    again = Autotuner(tmp_path / "tune.json")
+    assert again.choose(key, {"decode_matmul": lambda: None, "fused": lambda: None}, torch.device("cpu")) == (choice, None)
+
+
+def test_bad_forced_pipeline_and_bad_weights(layer, monkeypatch):
+    mod, _, _ = layer
+    monkeypatch.setenv("UNWEIGHT_PIPELINE", "magic")
+    with pytest.raises(ValueError, match="decode_matmul, fused"):
+        mod(torch.randn(1, 160).to(torch.bfloat16))
+    with pytest.raises(ValueError, match="2-D bfloat16"):
+        UnweightLinear.from_weight(torch.randn(4, 4))
+    from unweight.codec import tiles
+
+    p, s = tiles.encode(np.zeros(64, dtype=np.uint16), 8, 8)
+    with pytest.raises(ValueError, match="sm stream"):
+        UnweightLinear(8, 8, dict(s, sm=s["sm"][:-1]), p.to_json())
+
+
+def test_batch_buckets():
+    assert [batch_bucket(m) for m in (0, 1, 2, 3, 16, 17, 4096)] == [1, 1, 2, 4, 16, 32, 4096]
