@@ -24,6 +24,7 @@ from torch import nn
 from unweight.codec import tiles
 
 from .autotune import DEFAULT, Autotuner, batch_bucket, device_name
+from .tile_tensors import tile_tensors
 
 log = logging.getLogger(__name__)
 PIPELINES = ("decode_matmul", "fused")
@@ -36,18 +37,9 @@ class UnweightLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.params = tiles.TilesParams.from_json(params)
-        want = tiles.stream_lengths(out_features, in_features, self.params)
-        for role, n in want.items():
-            if len(streams[role]) != n:
-                raise ValueError(f"{role} stream has {len(streams[role])} bytes, a {out_features}x{in_features} weight needs {n}")
-        index = np.asarray(streams["esc_index"], dtype=np.uint8).view("<u4").astype(np.int64)
-        if index[-1] != len(streams["esc"]):
-            raise ValueError(f"esc_index counts {index[-1]} escapes, esc holds {len(streams['esc'])}")
-        self.register_buffer("sm", torch.from_numpy(np.array(streams["sm"], dtype=np.uint8)))
-        self.register_buffer("codes", torch.from_numpy(np.array(streams["codes"], dtype=np.uint8)))
-        esc = np.array(streams["esc"], dtype=np.uint8)
-        self.register_buffer("esc", torch.from_numpy(esc if len(esc) else np.zeros(1, dtype=np.uint8)))
-        self.register_buffer("esc_index", torch.from_numpy(index))
+        tiles.check(streams, self.params, out_features, in_features)  # a corrupt tile set stops here
+        for role, tensor in tile_tensors(streams).items():
+            self.register_buffer(role, tensor)
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
         self.autotuner = autotuner or DEFAULT
         self._warned: set[str] = set()
@@ -62,6 +54,28 @@ class UnweightLinear(nn.Module):
         p, streams = tiles.encode(values, out_f, in_f)
         return cls(in_f, out_f, streams, p.to_json(), bias, **kw)
 
+    @classmethod
+    def from_entry(cls, entry, streams: dict[str, np.ndarray], bias: torch.Tensor | None = None, threads: int | None = None, **kw) -> "UnweightLinear":
+        """A layer from one tensor of a compressed checkpoint. Serving-layout tensors are checked
+        and taken as they are; archive-layout ones (any codec) are transcoded at load time:
+        decoded on the CPU, then re-encoded as tiles. Errors name the tensor."""
+        from unweight.codec import decode_tensor
+        from unweight.errors import CorruptDataError
+
+        if not tiles.applies(entry.dtype, entry.shape):
+            raise ValueError(f"tensor {entry.name!r}: a linear weight must be 2-D BF16, not {entry.dtype}{list(entry.shape)}")
+        out_f, in_f = entry.shape
+        try:
+            if entry.codec == "tiles":
+                return cls(in_f, out_f, streams, entry.params, bias, **kw)
+            values = decode_tensor(entry, streams, threads).view(np.uint16)
+        except CorruptDataError:
+            raise
+        except ValueError as e:
+            raise CorruptDataError(None, str(e), entry.name) from None
+        p, tile_streams = tiles.encode(values, out_f, in_f)
+        return cls(in_f, out_f, tile_streams, p.to_json(), bias, **kw)
+
     @property
     def stored_bytes(self) -> int:
         """Resident bytes of the weight (the streams), as held on the module's device."""
@@ -75,7 +89,7 @@ class UnweightLinear(nn.Module):
         if self.sm.device.type == "cuda":
             from unweight.runtime.kernels.tiles_decode import tiles_decode
 
-            return tiles_decode(self._host_streams(), self.params.to_json(), self.out_features, self.in_features, self.sm.device)
+            return tiles_decode(self._streams(), self.params.to_json(), self.out_features, self.in_features)
         flat = tiles.decode(self._host_streams(), self.params, self.out_features, self.in_features)
         return torch.from_numpy(flat.view(np.int16)).view(torch.bfloat16).reshape(self.out_features, self.in_features)
 

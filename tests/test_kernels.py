@@ -14,6 +14,7 @@ if not torch.cuda.is_available():
 
 from unweight.codec import tiles  # noqa: E402
 from unweight.runtime.kernels.tiles_decode import tiles_decode  # noqa: E402
+from unweight.runtime.tile_tensors import tile_tensors  # noqa: E402
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -40,7 +41,8 @@ def test_tiles_decode_kernel_is_bit_exact(rows, cols, block):
     v = edge_case_matrix(rows, cols, seed=rows * cols)
     p, streams = tiles.encode(v, rows, cols, block)
     assert np.array_equal(tiles.decode_reference(streams, p, rows, cols), v)
-    out = tiles_decode(streams, p.to_json(), rows, cols, device="cuda" if torch.cuda.is_available() else "cpu")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    out = tiles_decode(tile_tensors(streams, device), p.to_json(), rows, cols)
     assert out.dtype == torch.bfloat16 and tuple(out.shape) == (rows, cols)
     assert np.array_equal(as_u16(out), v)
 
@@ -48,30 +50,25 @@ def test_tiles_decode_kernel_is_bit_exact(rows, cols, block):
 def test_tiles_decode_launcher_checks_its_inputs():
     v = edge_case_matrix(4, 24, seed=1)
     p, streams = tiles.encode(v, 4, 24, 8)
+    w = tile_tensors(streams, "cpu")
     with pytest.raises(ValueError, match="power-of-two"):
-        tiles_decode(streams, {"base": p.base, "block": 24}, 4, 24)
+        tiles_decode(w, {"base": p.base, "block": 24}, 4, 24)
     with pytest.raises(ValueError, match="sm stream"):
-        tiles_decode(dict(streams, sm=streams["sm"][:-1]), p.to_json(), 4, 24)
+        tiles_decode(dict(w, sm=w["sm"][:-1]), p.to_json(), 4, 24)
 
 
 @gpu
 def test_tiles_decode_on_gpu_large():
     v = edge_case_matrix(4096, 1024, seed=7)
     p, streams = tiles.encode(v, 4096, 1024)
-    assert np.array_equal(as_u16(tiles_decode(streams, p.to_json(), 4096, 1024, device="cuda")), v)
+    assert np.array_equal(as_u16(tiles_decode(tile_tensors(streams, "cuda"), p.to_json(), 4096, 1024)), v)
 
 
 def weight_streams(v: np.ndarray, rows: int, cols: int, block: int, device: str = "cpu"):
     """(params, torch streams as tiles_linear takes them, decoded BF16 weight)."""
     p, s = tiles.encode(v, rows, cols, block)
-    w = {
-        "sm": torch.from_numpy(s["sm"]),
-        "codes": torch.from_numpy(s["codes"]),
-        "esc": torch.from_numpy(s["esc"]) if len(s["esc"]) else torch.zeros(1, dtype=torch.uint8),
-        "esc_index": torch.from_numpy(s["esc_index"].view("<u4").astype(np.int64)),
-    }
     dense = torch.from_numpy(tiles.decode_reference(s, p, rows, cols).view(np.int16)).view(torch.bfloat16).reshape(rows, cols)
-    return p, {k: t.to(device) for k, t in w.items()}, dense.to(device)
+    return p, tile_tensors(s, device), dense.to(device)
 
 
 def finite_matrix(rows: int, cols: int, seed: int) -> np.ndarray:

@@ -63,10 +63,39 @@ def test_bad_forced_pipeline_and_bad_weights(layer, monkeypatch):
         UnweightLinear.from_weight(torch.randn(4, 4))
     from unweight.codec import tiles
 
-    p, s = tiles.encode(np.zeros(64, dtype=np.uint16), 8, 8)
+    values = np.where(np.arange(64) % 2, 0x0001, 0x3F80).astype(np.uint16)  # exponents 0 and 127:
+    p, s = tiles.encode(values, 8, 8, 8)  # one of them escapes, four per row
     with pytest.raises(ValueError, match="sm stream"):
         UnweightLinear(8, 8, dict(s, sm=s["sm"][:-1]), p.to_json())
+    codes = s["codes"].copy()
+    codes[5] = 0  # plane 2 of row 1: its escapes lose their code 7
+    with pytest.raises(ValueError, match="esc_index entry 2"):
+        UnweightLinear(8, 8, dict(s, codes=codes), p.to_json())
 
 
 def test_batch_buckets():
     assert [batch_bucket(m) for m in (0, 1, 2, 3, 16, 17, 4096)] == [1, 1, 2, 4, 16, 32, 4096]
+
+
+def test_from_entry_takes_serving_tiles_and_transcodes_archive():
+    from unweight.codec import CodecOptions, encode_tensor
+
+    w = random_bf16(64, 48, seed=8)
+    data = w.view(torch.int16).numpy().view(np.uint8).ravel()
+    for layout, codec in (("serving", "tiles"), ("archive", "rans")):
+        entry, streams = encode_tensor("w", "BF16", (64, 48), data, CodecOptions(layout=layout))
+        assert entry.codec == codec
+        mod = UnweightLinear.from_entry(entry, streams)
+        assert torch.equal(mod.decoded_weight().view(torch.int16), w.view(torch.int16))
+
+
+def test_from_entry_names_a_corrupt_tensor():
+    from unweight import CorruptDataError
+    from unweight.codec import CodecOptions, encode_tensor
+
+    values = random_bf16(32, 16, seed=2).view(torch.int16).numpy().view(np.uint8).ravel()
+    entry, streams = encode_tensor("layers.0.q.weight", "BF16", (32, 16), values, CodecOptions(layout="serving"))
+    broken = dict(streams, esc_index=np.zeros_like(streams["esc_index"]))
+    broken["esc_index"][:4] = 1  # row 0 claims an escape before its first element
+    with pytest.raises(CorruptDataError, match=r"layers\.0\.q\.weight.*esc_index entry 0"):
+        UnweightLinear.from_entry(entry, broken)

@@ -9,7 +9,6 @@ TRITON_INTERPRET=1).
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -48,28 +47,23 @@ def tiles_decode_kernel(
     tl.store(out_ptr + p, word.to(tl.int16), mask=live)
 
 
-def tiles_decode(streams: dict[str, np.ndarray | torch.Tensor], params: dict, rows: int, cols: int, device: str | torch.device = "cpu") -> torch.Tensor:
-    """The (rows, cols) BF16 matrix of a `tiles` tensor, decoded by the Triton kernel on `device`.
+def tiles_decode(weight: dict[str, torch.Tensor], params: dict, rows: int, cols: int) -> torch.Tensor:
+    """The (rows, cols) BF16 matrix of a `tiles` tensor, decoded by the Triton kernel on the device
+    that holds `weight`: uint8 tensors sm, codes, esc (at least one byte) and esc_index as int64
+    entries, as UnweightLinear keeps them.
 
-    Checks the stream lengths that SPEC.md §3.4 derives from the shape before launching (the escape
-    counts themselves are checked by the CPU decoder when the checkpoint is loaded).
+    Checks the lengths that SPEC.md §3.4 derives from the shape before launching; the escape counts
+    themselves are checked when a checkpoint is loaded (unweight.codec.tiles.check).
     """
     p = tiles.TilesParams.from_json(params)
     if p.block & (p.block - 1):
         raise ValueError(f"the Triton decoder needs a power-of-two block, not {p.block}")
     want = tiles.stream_lengths(rows, cols, p)
+    got = {"sm": weight["sm"].numel(), "codes": weight["codes"].numel(), "esc_index": 4 * weight["esc_index"].numel()}
     for role, n in want.items():
-        if len(streams[role]) != n:
-            raise ValueError(f"{role} stream has {len(streams[role])} bytes, the shape needs {n}")
-
-    def as_tensor(a, dtype=torch.uint8) -> torch.Tensor:
-        t = a if isinstance(a, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(a))
-        return t.view(dtype).to(device)
-
-    sm, codes = as_tensor(streams["sm"]), as_tensor(streams["codes"])
-    esc = as_tensor(streams["esc"]) if len(streams["esc"]) else torch.zeros(1, dtype=torch.uint8, device=device)
-    esc_index = as_tensor(np.asarray(streams["esc_index"], dtype=np.uint8).view("<u4").astype(np.int32), torch.int32)
-    out = torch.empty((rows, cols), dtype=torch.int16, device=device)
+        if got[role] != n:
+            raise ValueError(f"{role} stream has {got[role]} bytes, the shape needs {n}")
+    out = torch.empty((rows, cols), dtype=torch.int16, device=weight["sm"].device)
     nb = -(-cols // p.block)
-    tiles_decode_kernel[(rows, nb)](sm, codes, esc, esc_index, out, cols, nb, p.base, BLOCK=p.block)
+    tiles_decode_kernel[(rows, nb)](weight["sm"], weight["codes"], weight["esc"], weight["esc_index"], out, cols, nb, p.base, BLOCK=p.block)
     return out.view(torch.bfloat16)

@@ -154,6 +154,36 @@ def decode(streams: dict[str, np.ndarray], p: TilesParams, rows: int, cols: int)
     return out
 
 
+@njit(nogil=True, cache=True)
+def _check_escapes(codes, esc_index, rows, cols, block):
+    """Index of the first esc_index entry that disagrees with the codes, or -1."""
+    nb = -(-cols // block)
+    k = 0
+    for r in range(rows):
+        for j in range(cols):
+            if j % block == 0 and esc_index[r * nb + j // block] != k:
+                return r * nb + j // block
+            p = r * cols + j
+            g = p >> 3
+            i = p & 7
+            k += (codes[3 * g] >> i) & (codes[3 * g + 1] >> i) & (codes[3 * g + 2] >> i) & 1
+    return -1 if esc_index[rows * nb] == k else rows * nb
+
+
+def check(streams: dict[str, np.ndarray], p: TilesParams, rows: int, cols: int) -> None:
+    """Validate a tile set without decoding it: lengths, and every esc_index entry against the
+    codes (what a kernel trusts when it looks escapes up). Raises ValueError naming the entry."""
+    for role, want in stream_lengths(rows, cols, p).items():
+        if len(streams[role]) != want:
+            raise ValueError(f"{role} stream has {len(streams[role])} bytes, the shape needs {want}")
+    esc_index = np.frombuffer(np.asarray(streams["esc_index"], dtype=np.uint8).tobytes(), dtype="<u4").astype(np.int64)
+    bad = _check_escapes(np.asarray(streams["codes"], dtype=np.uint8), esc_index, rows, cols, p.block)
+    if bad >= 0:
+        raise ValueError(f"esc_index entry {bad} does not match the escape codes")
+    if esc_index[-1] != len(streams["esc"]):
+        raise ValueError(f"esc_index counts {esc_index[-1]} escapes, esc holds {len(streams['esc'])}")
+
+
 def decode_reference(streams: dict[str, np.ndarray], p: TilesParams, rows: int, cols: int) -> np.ndarray:
     """Plain numpy decoder, written from SPEC.md §3.4; the oracle for the fast paths."""
     n = rows * cols

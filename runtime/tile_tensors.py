@@ -1,0 +1,19 @@
+"""The serving layout's streams as the runtime holds them: torch tensors on one device."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def tile_tensors(streams: dict[str, np.ndarray], device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """uint8 sm, codes and esc (at least one byte, so kernels always get a valid pointer) and
+    esc_index widened to int64 entries (kernels add it to 64-bit element offsets)."""
+    esc = np.asarray(streams["esc"], dtype=np.uint8)
+    out = {
+        "sm": np.asarray(streams["sm"], dtype=np.uint8),
+        "codes": np.asarray(streams["codes"], dtype=np.uint8),
+        "esc": esc if len(esc) else np.zeros(1, dtype=np.uint8),
+        "esc_index": np.frombuffer(np.asarray(streams["esc_index"], dtype=np.uint8).tobytes(), dtype="<u4").astype(np.int64),
+    }
+    return {k: torch.from_numpy(np.array(v)).to(device) for k, v in out.items()}
