@@ -80,8 +80,8 @@ def finite_matrix(rows: int, cols: int, seed: int) -> np.ndarray:
     return v
 
 
-@pytest.mark.parametrize("m", [1, 3, 16, 33])
-def test_tiles_linear_matches_f_linear(m):
+@pytest.mark.parametrize("m,split_k", [(1, 1), (3, 1), (16, 1), (33, 1), (1, 2), (2, 4), (17, 3)])
+def test_tiles_linear_matches_f_linear(m, split_k):
     """Fused decode+matmul vs F.linear on the decoded weight, both accumulated in fp32. The weights
     are bit-identical and products of bf16 values are exact in fp32, so only the order of the fp32
     additions differs: |error| <= K * 2^-24 * sum_k |x_k w_k| per output (the standard bound for
@@ -91,7 +91,7 @@ def test_tiles_linear_matches_f_linear(m):
 
     p, w, dense = weight_streams(finite_matrix(rows, cols, seed=m), rows, cols, block=64)
     x = torch.randn(m, cols, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
-    y = tiles_linear(x, w, p.to_json(), rows, cols, out_dtype=torch.float32)
+    y = tiles_linear(x, w, p.to_json(), rows, cols, out_dtype=torch.float32, split_k=split_k)
     ref = torch.nn.functional.linear(x.float(), dense.float())
     bound = torch.nn.functional.linear(x.float().abs(), dense.float().abs())
     assert y.shape == (m, rows)
