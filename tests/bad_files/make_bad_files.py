@@ -74,6 +74,14 @@ def base_b_tensor() -> torch.Tensor:
     return torch.from_numpy(rng.standard_normal(1501, dtype=np.float32) * np.float32(0.05)).to(torch.bfloat16)
 
 
+def base_c_tensor() -> torch.Tensor:
+    """A 2-D BF16 weight for the serving layout, with escapes (tiny and large values)."""
+    t = base_b_tensor()[:25 * 39].reshape(25, 39).clone()  # 975 elements: the last code group is padded
+    t[::5, ::7] = 3.0e-30  # far below the exponent window
+    t[1::6, 3::11] = -40.0  # far above it
+    return t
+
+
 def _bytes_of(t: torch.Tensor) -> np.ndarray:
     return t.contiguous().reshape(-1).view(torch.uint8).numpy()
 
@@ -93,6 +101,14 @@ def make_base_a(tmp: Path) -> bytes:
     path = tmp / "a.safetensors"
     unweight.save_file(base_tensors(), path, threads=1)
     return path.read_bytes()
+
+
+def make_base_c(tmp: Path) -> bytes:
+    src = tmp / "c-src"
+    src.mkdir()
+    (src / "model.safetensors").write_bytes(plain_safetensors({"proj": base_c_tensor()}))
+    unweight.compress(src, tmp / "c-out", threads=1, layout="serving")
+    return (tmp / "c-out" / "model.safetensors").read_bytes()
 
 
 def make_base_b(tmp: Path) -> bytes:
@@ -231,6 +247,7 @@ def zstd_fcs_pos(frame: bytes) -> int:
 class Bases:
     a: bytes
     b: bytes
+    c: bytes  # serving layout: one `tiles` tensor "proj"
 
 
 def _edit(blob: bytes, fn: Callable[[Parsed], None]) -> bytes:
@@ -875,11 +892,62 @@ def source_file_truncated(b: Bases) -> bytes:
     return blob[:-10]
 
 
+# -- the serving layout (`tiles`, base C)
+
+
+def _u32(blob: bytes) -> list[int]:
+    return list(np.frombuffer(blob, dtype="<u4"))
+
+
+def _pack_u32(vals: list[int]) -> bytes:
+    return np.asarray(vals, dtype="<u4").tobytes()
+
+
+def tiles_esc_index_off_by_one(b: Bases) -> bytes:
+    return _edit(b.c, _stream_edit("proj", "esc_index", lambda x: _pack_u32([v + (i == 3) for i, v in enumerate(_u32(x))])))
+
+
+def tiles_esc_index_short(b: Bases) -> bytes:
+    return _edit(b.c, _stream_edit("proj", "esc_index", lambda x: x[:-4]))
+
+
+def tiles_esc_extra_byte(b: Bases) -> bytes:
+    return _edit(b.c, _stream_edit("proj", "esc", lambda x: x + b"\x7f"))
+
+
+def tiles_escape_code_cleared(b: Bases) -> bytes:
+    return _edit(b.c, _stream_edit("proj", "codes", lambda x: bytes(3) + x[3:]))  # element 0 escaped
+
+
+def tiles_codes_padding_bits_set(b: Bases) -> bytes:
+    return _edit(b.c, _stream_edit("proj", "codes", lambda x: x[:-1] + bytes([x[-1] | 0x80])))
+
+
+def tiles_base_out_of_range(b: Bases) -> bytes:
+    return _edit(b.c, _tensor_edit("proj", _set_param("base", 250)))
+
+
+def tiles_block_not_multiple_of_8(b: Bases) -> bytes:
+    return _edit(b.c, _tensor_edit("proj", _set_param("block", 100)))
+
+
+def tiles_on_a_1d_shape(b: Bases) -> bytes:
+    return _edit(b.c, _tensor_edit("proj", _set("shape", [975])))
+
+
 # ------------------------------------------------------------------------------------ the table
 
 CASES: dict[str, tuple[Callable[[Bases], bytes], str | None, tuple[str, ...]]] = {
     # name: (builder, tensor the error must name (None: file-level), operations that must refuse it)
     "truncated_in_data": (truncated_in_data, None, CONTAINER_OPS),
+    "tiles_esc_index_off_by_one": (tiles_esc_index_off_by_one, "proj", CONTAINER_OPS),
+    "tiles_esc_index_short": (tiles_esc_index_short, "proj", CONTAINER_OPS),
+    "tiles_esc_extra_byte": (tiles_esc_extra_byte, "proj", CONTAINER_OPS),
+    "tiles_escape_code_cleared": (tiles_escape_code_cleared, "proj", CONTAINER_OPS),
+    "tiles_codes_padding_bits_set": (tiles_codes_padding_bits_set, "proj", CONTAINER_OPS),
+    "tiles_base_out_of_range": (tiles_base_out_of_range, "proj", CONTAINER_OPS),
+    "tiles_block_not_multiple_of_8": (tiles_block_not_multiple_of_8, "proj", CONTAINER_OPS),
+    "tiles_on_a_1d_shape": (tiles_on_a_1d_shape, "proj", CONTAINER_OPS),
     "truncated_in_header": (truncated_in_header, None, CONTAINER_OPS),
     "truncated_to_5_bytes": (truncated_to_5_bytes, None, CONTAINER_OPS),
     "header_length_huge": (header_length_huge, None, CONTAINER_OPS),
@@ -977,8 +1045,10 @@ CASES: dict[str, tuple[Callable[[Bases], bytes], str | None, tuple[str, ...]]] =
 
 def _check_bases(bases: Bases) -> None:
     """The bases are what the cases assume, and an unedited parse/serialise round trip is exact."""
-    for blob in (bases.a, bases.b):
+    for blob in (bases.a, bases.b, bases.c):
         assert parse(blob).to_bytes() == blob, "header re-serialisation is not byte-identical"
+    c = parse(bases.c).manifest["tensors"]["proj"]
+    assert c["codec"] == "tiles" and len(parse(bases.c).stream(c["streams"]["esc"])) > 0, c
     a = parse(bases.a).manifest["tensors"]
     assert {k: v["codec"] for k, v in a.items()} == {"weight": "rans", "bias": "raw", "ids": "zstd"}, a
     bm = parse(bases.b).manifest
@@ -991,12 +1061,12 @@ def _check_bases(bases: Bases) -> None:
 def build_all() -> dict[str, bytes]:
     """Every case's bytes, by file stem."""
     with tempfile.TemporaryDirectory(prefix="unweight-bad-files-") as tmp:
-        bases = Bases(make_base_a(Path(tmp)), make_base_b(Path(tmp)))
+        bases = Bases(make_base_a(Path(tmp)), make_base_b(Path(tmp)), make_base_c(Path(tmp)))
     _check_bases(bases)
     out = {}
     for name, (builder, _, _) in CASES.items():
         blob = builder(bases)
-        assert blob not in (bases.a, bases.b), f"{name}: the edit changed nothing"
+        assert blob not in (bases.a, bases.b, bases.c), f"{name}: the edit changed nothing"
         out[name] = blob
     return out
 
