@@ -150,7 +150,7 @@ def main(argv=None) -> None:
                 row[f"{pname}_ms"] = ms
                 row[f"{pname}_speedup"] = base_ms / ms
                 row[f"{pname}_weight_GBps"] = stored / ms / 1e6  # compressed bytes actually read
-                cells.append(f"{base_ms / ms:>16.2f} {stored / ms / 1e6:>6.0f}")
+                cells.append(f"{base_ms / ms:>16.2f} {stored / ms / 1e6:>6.1f}")
             rows.append(row)
             print(f"{label:<14} {m:>5} {base_ms:>9.3f} " + " ".join(cells), flush=True)
 

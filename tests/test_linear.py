@@ -99,3 +99,14 @@ def test_from_entry_names_a_corrupt_tensor():
     broken["esc_index"][:4] = 1  # row 0 claims an escape before its first element
     with pytest.raises(CorruptDataError, match=r"layers\.0\.q\.weight.*esc_index entry 0"):
         UnweightLinear.from_entry(entry, broken)
+
+
+@pytest.mark.parametrize("shape", [(10, 13), (7, 8), (3, 1)])
+def test_fused_cpu_gemv_on_rows_not_aligned_to_code_groups(shape, monkeypatch, tmp_path):
+    """K % 8 != 0 puts row starts inside code groups: the element-wise path of the GEMV."""
+    monkeypatch.setenv("UNWEIGHT_PIPELINE", "fused")
+    w = random_bf16(*shape, seed=11, std=1.0)
+    w.view(torch.int16)[0, 0] = 0x0001  # an escape in the first row
+    mod = UnweightLinear.from_weight(w, autotuner=Autotuner(tmp_path / "t.json"))
+    x = torch.randn(3, shape[1], generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    assert torch.allclose(mod(x).float(), F.linear(x.float(), w.float()), rtol=2**-7, atol=1e-3)
