@@ -28,6 +28,7 @@ from .tile_tensors import tile_tensors
 
 log = logging.getLogger(__name__)
 PIPELINES = ("decode_matmul", "fused")
+MAX_TRITON_BLOCK = 4096  # the decode kernel gives one program an escape block
 
 
 class UnweightLinear(nn.Module):
@@ -86,12 +87,16 @@ class UnweightLinear(nn.Module):
 
     def decoded_weight(self) -> torch.Tensor:
         """The BF16 weight, decoded now into a temporary tensor on the module's device."""
+        block = self.params.block
         if self.sm.device.type == "cuda":
-            from unweight.runtime.kernels.tiles_decode import tiles_decode
+            if block & (block - 1) == 0 and block <= MAX_TRITON_BLOCK:
+                from unweight.runtime.kernels.tiles_decode import tiles_decode
 
-            return tiles_decode(self._streams(), self.params.to_json(), self.out_features, self.in_features)
+                return tiles_decode(self._streams(), self.params.to_json(), self.out_features, self.in_features)
+            self._note(f"escape block {block} is not a power of two <= {MAX_TRITON_BLOCK}: decoding on the CPU instead of with Triton")
         flat = tiles.decode(self._host_streams(), self.params, self.out_features, self.in_features)
-        return torch.from_numpy(flat.view(np.int16)).view(torch.bfloat16).reshape(self.out_features, self.in_features)
+        weight = torch.from_numpy(flat.view(np.int16)).view(torch.bfloat16).reshape(self.out_features, self.in_features)
+        return weight.to(self.sm.device)
 
     def _host_streams(self) -> dict[str, np.ndarray]:
         n_esc = int(self.esc_index[-1])
