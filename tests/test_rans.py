@@ -106,3 +106,20 @@ def test_corrupt_words_are_detected_not_misread():
     index[-4:] = 0  # last state of the last chunk below 2^16
     with pytest.raises(ValueError, match="state"):
         rans.decode(dict(streams, index=index), p, len(values), 1)
+
+
+def test_a_tiny_file_cannot_claim_a_huge_tensor(tmp_path):
+    """A constant tensor codes to no words at all, so a small file could declare terabytes: the
+    reader refuses sizes beyond physical memory before allocating."""
+    import unweight
+    from unweight.codec import decode_tensor
+    from unweight.formats import ContainerReader
+    import torch
+
+    path = tmp_path / "c.safetensors"
+    unweight.save_file({"c": torch.ones(20000, dtype=torch.bfloat16)}, path)
+    with ContainerReader(path) as reader:
+        entry = reader.tensors["c"]
+        huge = type(entry)(entry.name, entry.dtype, (1 << 46,), entry.codec, entry.params, entry.streams, entry.crc32)
+        with pytest.raises(unweight.CorruptDataError, match="exceed this machine's memory"):
+            decode_tensor(huge, reader.streams_of(entry))

@@ -7,6 +7,7 @@ every decode.
 
 from __future__ import annotations
 
+import os
 import zlib
 from dataclasses import dataclass
 
@@ -155,8 +156,17 @@ def check_entry(entry: TensorEntry, streams: dict[str, np.ndarray]) -> None:
         raise ValueError(f"codec tiles is for non-empty 2-D BF16 tensors, not {entry.dtype}{list(entry.shape)}")
 
 
+def _physical_memory() -> int:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # not POSIX: no cap
+        return 1 << 62
+
+
 def decode_tensor(entry: TensorEntry, streams: dict[str, np.ndarray], threads: int | None = None, verify: bool = True) -> np.ndarray:
     """The original bytes of one tensor (uint8, C order). Raises CorruptDataError on any damage."""
+    if entry.nbytes > _physical_memory():  # a small hostile file can claim a huge constant tensor
+        raise CorruptDataError(None, f"{entry.nbytes} bytes exceed this machine's memory", entry.name)
     try:
         check_entry(entry, streams)
         if entry.codec == "raw":
