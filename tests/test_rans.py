@@ -123,3 +123,21 @@ def test_a_tiny_file_cannot_claim_a_huge_tensor(tmp_path):
         huge = type(entry)(entry.name, entry.dtype, (1 << 46,), entry.codec, entry.params, entry.streams, entry.crc32)
         with pytest.raises(unweight.CorruptDataError, match="exceed this machine's memory"):
             decode_tensor(huge, reader.streams_of(entry))
+
+
+def test_division_magic_is_exact_for_every_frequency():
+    """The encoder divides x < 2^32 by each frequency with a multiply and shifts; check it against
+    integer division for every frequency up to 2^15 at random and edge numerators."""
+    from unweight.codec.rans_kernels import division_magic
+
+    d = np.arange(1, (1 << 15) + 1, dtype=np.int64)
+    magic = division_magic(d).astype(np.uint64)
+    rng = np.random.default_rng(0)
+    numerators = [np.full(len(d), v, dtype=np.int64) for v in (0, 1, (1 << 31), (1 << 32) - 1)]
+    numerators += [np.minimum(d * k - off, (1 << 32) - 1) for k in (1, 7, 1 << 17) for off in (0, 1)]
+    numerators += [rng.integers(0, 1 << 32, len(d), dtype=np.int64) for _ in range(8)]
+    for x in numerators:
+        xu = np.maximum(x, 0).astype(np.uint64)
+        t1 = (xu * (magic & np.uint64(0xFFFFFFFF))) >> np.uint64(32)
+        q = (t1 + ((xu - t1) >> ((magic >> np.uint64(32)) & np.uint64(0xFF)))) >> (magic >> np.uint64(40))
+        assert np.array_equal(q.astype(np.int64), np.maximum(x, 0) // d)

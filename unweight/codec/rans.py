@@ -16,7 +16,7 @@ from unweight.errors import CorruptDataError
 
 from . import freq_table
 from .parallel import map_chunk_ranges
-from .rans_kernels import LANES, OK, STATUS_TEXT, decode_chunks, encode_chunks, histogram
+from .rans_kernels import LANES, OK, STATUS_TEXT, decode_chunks, division_magic, encode_chunks, histogram
 
 SYM_BITS_MAX = 10
 PRECISION_RANGE = (10, 15)
@@ -103,7 +103,7 @@ def encode(values: np.ndarray, p: RansParams, threads: int | None = None, counts
         counts = symbol_counts(values, p, threads)
     freq = freq_table.quantize(counts, p.precision)
     f, cum = freq_table.encode_tables(freq)
-    rcp = 1.0 / np.maximum(f, 1)
+    magic = division_magic(f)
     nchunks = p.nchunks(n)
     scratch = np.empty(nchunks * p.chunk, dtype=np.uint16)
     nwords = np.zeros(nchunks, dtype=np.int64)
@@ -111,7 +111,7 @@ def encode(values: np.ndarray, p: RansParams, threads: int | None = None, counts
     raw = np.zeros(p.raw_len(n), dtype=np.uint8)
 
     def work(c0: int, c1: int) -> None:
-        encode_chunks(values, p.word_bits, p.raw_bits, p.rotate, n, p.chunk, c0, c1, f, cum, rcp, p.precision, scratch, nwords, states, raw)
+        encode_chunks(values, p.word_bits, p.raw_bits, p.rotate, n, p.chunk, c0, c1, f, cum, magic, p.precision, scratch, nwords, states, raw)
 
     map_chunk_ranges(work, nchunks, threads)
     offsets = np.zeros(nchunks + 1, dtype="<u8")

@@ -64,20 +64,35 @@ def histogram(values, W, R, rotate, start, stop, counts):
             counts[s] += sub[j, s]
 
 
+def division_magic(freq: np.ndarray) -> np.ndarray:
+    """Per divisor d = freq: m' = floor(2^32 (2^l - d) / d) + 1 with l = ceil(log2 d), and the
+    shifts min(l, 1) and max(l - 1, 0), packed as m' | sh1 << 32 | sh2 << 40 (int64). Symbols of
+    frequency 0 are never encoded and get 0."""
+    freq = np.asarray(freq, dtype=np.int64)
+    out = np.zeros(len(freq), dtype=np.int64)
+    nz = np.flatnonzero(freq)
+    d = freq[nz]
+    l = np.array([(int(v) - 1).bit_length() for v in d], dtype=np.int64)  # ceil(log2 d), exact
+    m = ((((1 << l) - d) << 32) // d) + 1
+    out[nz] = m | (np.minimum(l, 1) << 32) | (np.maximum(l - 1, 0) << 40)
+    return out
+
+
 @njit(nogil=True, cache=True, inline="always")
-def _enc(x, f, cum, rcp, P, scratch, wp):
+def _enc(x, f, cum, magic, P, scratch, wp):
     """Encode one symbol into state x; returns (x, wp). Branch-free renormalisation: the low word
-    is always stored at wp-1 (inside this chunk's scratch) and kept only if x needed to shrink."""
+    is always stored at wp-1 (inside this chunk's scratch) and kept only if x needed to shrink.
+    x div f is a multiply and shifts (Granlund and Montgomery, 1994), exact for x < 2^32: magic
+    packs m' (low 32 bits) and the two shifts (bits 32-39 and 40-47), see division_magic()."""
     emit = np.int64(x >= (f << (32 - P)))
     scratch[wp - 1] = x & 0xFFFF
     wp -= emit
     x >>= emit << 4
-    q = np.int64(x * rcp)  # x / f via a float64 reciprocal: exact after one correction
-    r = x - q * f
-    if r >= f:
-        q += 1
-        r -= f
-    return (q << P) + r + cum, wp
+    xu = np.uint64(x)
+    mu = np.uint64(magic)
+    t1 = (xu * (mu & np.uint64(0xFFFFFFFF))) >> np.uint64(32)
+    q = np.int64((t1 + ((xu - t1) >> ((mu >> np.uint64(32)) & np.uint64(0xFF)))) >> (mu >> np.uint64(40)))
+    return (q << P) + (x - q * f) + cum, wp
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -114,13 +129,13 @@ def _pack_raw6(values, rotate, start, stop, raw):
 
 
 @njit(nogil=True, cache=True)
-def encode_chunks(values, W, R, rotate, n, chunk, c0, c1, freq, cum, rcp, P, scratch, nwords, states, raw):
+def encode_chunks(values, W, R, rotate, n, chunk, c0, c1, freq, cum, magic, P, scratch, nwords, states, raw):
     """Encode chunks c0..c1-1 of `values` (unsigned W-bit integers, 1-D).
 
     Chunk c's words go to the end of scratch[c*chunk:(c+1)*chunk] (they are written backwards, so
     the slice scratch[(c+1)*chunk - nwords[c] : (c+1)*chunk] is already in decode order); its eight
     final states to states[8c:8c+8]; the raw fields are OR-ed into `raw` (zeroed by the caller).
-    `rcp` is 1.0 / freq per symbol. Full rounds of eight elements take an unrolled path.
+    `magic` is division_magic(freq). Full rounds of eight elements take an unrolled path.
     """
     rmask = (1 << R) - 1
     xs = np.empty(LANES, dtype=np.int64)
@@ -141,7 +156,7 @@ def encode_chunks(values, W, R, rotate, n, chunk, c0, c1, freq, cum, rcp, P, scr
             if R > 0 and not (R == 6 and W == 16):
                 _put_raw(raw, w & rmask, e, R)
             lane = (e - start) % LANES
-            xs[lane], wp = _enc(xs[lane], freq[s], cum[s], rcp[s], P, scratch, wp)
+            xs[lane], wp = _enc(xs[lane], freq[s], cum[s], magic[s], P, scratch, wp)
         x0, x1, x2, x3, x4, x5, x6, x7 = xs[0], xs[1], xs[2], xs[3], xs[4], xs[5], xs[6], xs[7]
         if W == 16 and R == 6:
             for g in range(full - LANES, start - 1, -LANES):  # full rounds, last first, lanes 7..0
@@ -153,14 +168,14 @@ def encode_chunks(values, W, R, rotate, n, chunk, c0, c1, freq, cum, rcp, P, scr
                 s2 = _sym16(values[g + 2], rotate)
                 s1 = _sym16(values[g + 1], rotate)
                 s0 = _sym16(values[g], rotate)
-                x7, wp = _enc(x7, freq[s7], cum[s7], rcp[s7], P, scratch, wp)
-                x6, wp = _enc(x6, freq[s6], cum[s6], rcp[s6], P, scratch, wp)
-                x5, wp = _enc(x5, freq[s5], cum[s5], rcp[s5], P, scratch, wp)
-                x4, wp = _enc(x4, freq[s4], cum[s4], rcp[s4], P, scratch, wp)
-                x3, wp = _enc(x3, freq[s3], cum[s3], rcp[s3], P, scratch, wp)
-                x2, wp = _enc(x2, freq[s2], cum[s2], rcp[s2], P, scratch, wp)
-                x1, wp = _enc(x1, freq[s1], cum[s1], rcp[s1], P, scratch, wp)
-                x0, wp = _enc(x0, freq[s0], cum[s0], rcp[s0], P, scratch, wp)
+                x7, wp = _enc(x7, freq[s7], cum[s7], magic[s7], P, scratch, wp)
+                x6, wp = _enc(x6, freq[s6], cum[s6], magic[s6], P, scratch, wp)
+                x5, wp = _enc(x5, freq[s5], cum[s5], magic[s5], P, scratch, wp)
+                x4, wp = _enc(x4, freq[s4], cum[s4], magic[s4], P, scratch, wp)
+                x3, wp = _enc(x3, freq[s3], cum[s3], magic[s3], P, scratch, wp)
+                x2, wp = _enc(x2, freq[s2], cum[s2], magic[s2], P, scratch, wp)
+                x1, wp = _enc(x1, freq[s1], cum[s1], magic[s1], P, scratch, wp)
+                x0, wp = _enc(x0, freq[s0], cum[s0], magic[s0], P, scratch, wp)
             xs[0], xs[1], xs[2], xs[3], xs[4], xs[5], xs[6], xs[7] = x0, x1, x2, x3, x4, x5, x6, x7
         else:
             for e in range(full - 1, start - 1, -1):
@@ -171,7 +186,7 @@ def encode_chunks(values, W, R, rotate, n, chunk, c0, c1, freq, cum, rcp, P, scr
                 if R > 0:
                     _put_raw(raw, w & rmask, e, R)
                 lane = (e - start) % LANES
-                xs[lane], wp = _enc(xs[lane], freq[s], cum[s], rcp[s], P, scratch, wp)
+                xs[lane], wp = _enc(xs[lane], freq[s], cum[s], magic[s], P, scratch, wp)
         nwords[c] = (c + 1) * chunk - wp
         for lane in range(LANES):
             states[LANES * c + lane] = xs[lane]

@@ -8,6 +8,7 @@ every decode.
 from __future__ import annotations
 
 import os
+import threading
 import zlib
 from dataclasses import dataclass
 
@@ -25,6 +26,7 @@ ROLES = {"raw": ("data",), "zstd": ("data",), "rans": ("table", "raw", "words", 
 LAYOUTS = ("archive", "serving")
 SMALL_TENSOR_BYTES = 1 << 18  # below this, every candidate is tried and the smallest kept
 SMALL_PRECISIONS = (10, 12, 14)
+TINY_TENSOR_BYTES = 1 << 13  # biases and norms: one rans precision, then zstd and raw
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,9 +64,18 @@ def _stream_names(name: str, codec: str) -> dict[str, str]:
     return {role: f"{name}#{role}" for role in ROLES[codec]}
 
 
+_local = threading.local()  # zstd contexts are costly to create and not thread-safe to share
+
+
+def _zstd_compressor(level: int) -> zstandard.ZstdCompressor:
+    cache = _local.__dict__.setdefault("compressors", {})
+    if level not in cache:
+        cache[level] = zstandard.ZstdCompressor(level=level, write_content_size=True)
+    return cache[level]
+
+
 def _zstd_encode(data: np.ndarray, level: int) -> np.ndarray:
-    blob = zstandard.ZstdCompressor(level=level, write_content_size=True).compress(memoryview(data))
-    return np.frombuffer(blob, dtype=np.uint8)
+    return np.frombuffer(_zstd_compressor(level).compress(memoryview(data)), dtype=np.uint8)
 
 
 def _zstd_decode(blob: np.ndarray, nbytes: int) -> np.ndarray:
@@ -105,7 +116,12 @@ def _candidates(dtype: str, shape: tuple[int, ...], data: np.ndarray, opts: Code
     word = _rans_word(dtype)
     if word is not None:
         values = data.view(rans.UINT_OF_BITS[word[0]])
-        precisions = sorted({*SMALL_PRECISIONS, opts.precision}) if small else (opts.precision,)
+        if nbytes <= TINY_TENSOR_BYTES:  # the table dominates: the smallest precision wins
+            precisions = (rans.PRECISION_RANGE[0],)
+        elif small:
+            precisions = sorted({*SMALL_PRECISIONS, opts.precision})
+        else:
+            precisions = (opts.precision,)
         counts = None
         n = len(values)
         chunk = min(opts.chunk, max(rans.CHUNK_RANGE[0], -(-n // 8) * 8))  # one small chunk for small tensors
