@@ -125,7 +125,8 @@ def tiles_linear(x: torch.Tensor, weight: dict[str, torch.Tensor], params: dict,
         return torch.empty((*lead, out_features), dtype=out_dtype, device=x.device)
     use_dot = m >= 16
     block_m = 64 if use_dot else _block_m(m)
-    block_n = 64
+    # GEMV: the broadcast product holds BLOCK_M x BLOCK_N x BLOCK_K fp32 values; keep it near 8K
+    block_n = 64 if use_dot else max(16, 64 // max(1, block_m // 2))
     block_k = 64 if use_dot else 128
     nb = -(-in_features // p.block)
     m_programs, n_programs = triton.cdiv(m, block_m), triton.cdiv(out_features, block_n)
