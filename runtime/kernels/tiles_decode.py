@@ -15,6 +15,8 @@ import triton.language as tl
 
 from unweight.codec import tiles
 
+from .tiles_common import bf16_bits, load_codes
+
 
 @triton.jit
 def tiles_decode_kernel(
@@ -32,18 +34,13 @@ def tiles_decode_kernel(
     live = j < cols
     p = r.to(tl.int64) * cols + j  # element index, row-major
     sm = tl.load(sm_ptr + p, mask=live, other=0).to(tl.int32)
-    g = (p >> 3) * 3
-    i = (p & 7).to(tl.int32)
-    c0 = (tl.load(codes_ptr + g, mask=live, other=0).to(tl.int32) >> i) & 1
-    c1 = (tl.load(codes_ptr + g + 1, mask=live, other=0).to(tl.int32) >> i) & 1
-    c2 = (tl.load(codes_ptr + g + 2, mask=live, other=0).to(tl.int32) >> i) & 1
-    code = c0 | (c1 << 1) | (c2 << 2)
+    code = load_codes(codes_ptr, p, live)
     escaped = (code == 7) & live
     first = tl.load(esc_index_ptr + r * blocks_per_row + b).to(tl.int64)
     before = tl.cumsum(escaped.to(tl.int32), axis=0) - escaped.to(tl.int32)  # exclusive count
     e_esc = tl.load(esc_ptr + first + before, mask=escaped, other=0).to(tl.int32)
     e = tl.where(escaped, e_esc, base + code)
-    word = ((sm & 0x80) << 8) | (e << 7) | (sm & 0x7F)
+    word = bf16_bits(sm, e)
     tl.store(out_ptr + p, word.to(tl.int16), mask=live)
 
 

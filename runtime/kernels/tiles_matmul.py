@@ -22,6 +22,8 @@ import triton.language as tl
 
 from unweight.codec import tiles
 
+from .tiles_common import bf16_bits, load_codes
+
 
 @triton.jit
 def tiles_matmul_kernel(
@@ -54,18 +56,13 @@ def tiles_matmul_kernel(
         live = n_live[:, None] & k_live[None, :]  # (BLOCK_N, BLOCK_K)
         p = rn.to(tl.int64)[:, None] * K + rk[None, :]  # element index in W, row-major
         sm = tl.load(sm_ptr + p, mask=live, other=0).to(tl.int32)
-        g = (p >> 3) * 3
-        i = (p & 7).to(tl.int32)
-        c0 = (tl.load(codes_ptr + g, mask=live, other=0).to(tl.int32) >> i) & 1
-        c1 = (tl.load(codes_ptr + g + 1, mask=live, other=0).to(tl.int32) >> i) & 1
-        c2 = (tl.load(codes_ptr + g + 2, mask=live, other=0).to(tl.int32) >> i) & 1
-        code = c0 | (c1 << 1) | (c2 << 2)
+        code = load_codes(codes_ptr, p, live)
         esc_i = ((code == 7) & live).to(tl.int32)
         before = tl.cumsum(esc_i, axis=1) - esc_i  # escapes before each element in its tile row
         e_esc = tl.load(esc_ptr + run[:, None] + before, mask=esc_i != 0, other=0).to(tl.int32)
         run += tl.sum(esc_i, axis=1)
         e = tl.where(esc_i != 0, e_esc, base + code)
-        bits = ((sm & 0x80) << 8) | (e << 7) | (sm & 0x7F)
+        bits = bf16_bits(sm, e)
         w = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)  # (BLOCK_N, BLOCK_K) rebuilt weights
         x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=m_live[:, None] & k_live[None, :], other=0.0)
         if USE_DOT:
