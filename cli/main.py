@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 
 import unweight
-from unweight.errors import DestinationError, FormatError, SourceError, UnweightError
+from unweight.errors import UnweightError
 
 app = typer.Typer(
     name="unweight",
@@ -35,10 +35,7 @@ def _run(fn: Callable[[], int | None]) -> None:
     """Run a command body, turning library errors into one line on stderr and an exit code."""
     try:
         code = fn() or 0
-    except (SourceError, DestinationError, FormatError, UnweightError) as e:
-        err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
-        raise typer.Exit(EXIT_FAILED) from None
-    except ValueError as e:  # invalid option values from the library's dataclasses
+    except (UnweightError, ValueError) as e:  # ValueError: FormatError, and bad option values
         err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
         raise typer.Exit(EXIT_FAILED) from None
     except OSError as e:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from unweight.codec import tiles
+
 
 def tile_tensors(streams: dict[str, np.ndarray], device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
     """uint8 sm, codes and esc (at least one byte, so kernels always get a valid pointer) and
@@ -14,6 +16,6 @@ def tile_tensors(streams: dict[str, np.ndarray], device: str | torch.device = "c
         "sm": np.asarray(streams["sm"], dtype=np.uint8),
         "codes": np.asarray(streams["codes"], dtype=np.uint8),
         "esc": esc if len(esc) else np.zeros(1, dtype=np.uint8),
-        "esc_index": np.frombuffer(np.asarray(streams["esc_index"], dtype=np.uint8).tobytes(), dtype="<u4").astype(np.int64),
+        "esc_index": tiles.esc_index_entries(streams["esc_index"]),
     }
     return {k: torch.from_numpy(np.array(v)).to(device) for k, v in out.items()}

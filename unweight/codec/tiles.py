@@ -72,6 +72,17 @@ def stream_lengths(rows: int, cols: int, p: TilesParams) -> dict[str, int]:
     return {"sm": n, "codes": -(-n // 8) * 3, "esc_index": 4 * (rows * _blocks_per_row(cols, p.block) + 1)}
 
 
+def esc_index_entries(blob: np.ndarray) -> np.ndarray:
+    """The esc_index stream's little-endian uint32 entries as int64 (any alignment)."""
+    return np.frombuffer(np.asarray(blob, dtype=np.uint8).tobytes(), dtype="<u4").astype(np.int64)
+
+
+def _check_lengths(streams: dict[str, np.ndarray], p: TilesParams, rows: int, cols: int) -> None:
+    for role, want in stream_lengths(rows, cols, p).items():
+        if len(streams[role]) != want:
+            raise ValueError(f"{role} stream has {len(streams[role])} bytes, the shape needs {want}")
+
+
 @njit(nogil=True, cache=True)
 def _encode(values, rows, cols, base, block, sm, codes, esc, esc_index):
     """Fill the streams; returns the number of escapes written to esc."""
@@ -139,11 +150,8 @@ def _decode(sm, codes, esc, esc_index, rows, cols, base, block, out):
 
 def decode(streams: dict[str, np.ndarray], p: TilesParams, rows: int, cols: int) -> np.ndarray:
     """The matrix as uint16 (C order, flattened); raises ValueError on inconsistent streams."""
-    lengths = stream_lengths(rows, cols, p)
-    for role, want in lengths.items():
-        if len(streams[role]) != want:
-            raise ValueError(f"{role} stream has {len(streams[role])} bytes, the shape needs {want}")
-    esc_index = np.frombuffer(np.asarray(streams["esc_index"], dtype=np.uint8).tobytes(), dtype="<u4").astype(np.int64)
+    _check_lengths(streams, p, rows, cols)
+    esc_index = esc_index_entries(streams["esc_index"])
     codes = np.asarray(streams["codes"], dtype=np.uint8)
     n = rows * cols
     if n % 8 and np.unpackbits(codes[-3:], bitorder="little").reshape(3, 8)[:, n % 8 :].any():
@@ -173,10 +181,8 @@ def _check_escapes(codes, esc_index, rows, cols, block):
 def check(streams: dict[str, np.ndarray], p: TilesParams, rows: int, cols: int) -> None:
     """Validate a tile set without decoding it: lengths, and every esc_index entry against the
     codes (what a kernel trusts when it looks escapes up). Raises ValueError naming the entry."""
-    for role, want in stream_lengths(rows, cols, p).items():
-        if len(streams[role]) != want:
-            raise ValueError(f"{role} stream has {len(streams[role])} bytes, the shape needs {want}")
-    esc_index = np.frombuffer(np.asarray(streams["esc_index"], dtype=np.uint8).tobytes(), dtype="<u4").astype(np.int64)
+    _check_lengths(streams, p, rows, cols)
+    esc_index = esc_index_entries(streams["esc_index"])
     bad = _check_escapes(np.asarray(streams["codes"], dtype=np.uint8), esc_index, rows, cols, p.block)
     if bad >= 0:
         raise ValueError(f"esc_index entry {bad} does not match the escape codes")
