@@ -185,6 +185,49 @@ def inspect(
     _run(body)
 
 
+@app.command()
+def generate(
+    model: Annotated[Path, typer.Argument(help="Compressed model folder (made by `unweight compress`).")],
+    prompt: Annotated[str, typer.Option("--prompt", "-p", help="The prompt text.")],
+    chat: Annotated[bool, typer.Option("--chat", help="Wrap the prompt as a user message in the model's chat template.")] = False,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="Most tokens to generate.")] = 256,
+    temperature: Annotated[float, typer.Option(help="0 = greedy; higher is more random.")] = 0.0,
+    top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass, in (0, 1].")] = 1.0,
+    top_k: Annotated[int, typer.Option("--top-k", help="Sample among the k best tokens (0 = all).")] = 0,
+    seed: Annotated[Optional[int], typer.Option(help="Random seed for sampling.")] = None,
+    stop: Annotated[Optional[list[str]], typer.Option(help="Stop before this string (repeatable).")] = None,
+    device: Annotated[str, typer.Option(help="cpu or cuda[:n].")] = "cpu",
+    layout: Annotated[str, typer.Option(help="auto/serving: fused kernels over tiles; archive: smallest, decoded at each use.")] = "auto",
+    threads: Threads = None,
+) -> None:
+    """Generate text from a compressed model, streaming it to the terminal, then one line of stats
+    (on stderr): prompt tokens, generated tokens, time to first token, tokens/s, resident weights.
+
+    Examples:
+
+        unweight generate ./smollm2-uw --chat --prompt "What is the capital of France?"
+
+        unweight generate ./llama-uw -p "Once upon a time" -n 64 --temperature 0.8 --seed 1
+    """
+
+    def body() -> None:
+        from unweight.runtime.sampling import SamplingParams
+
+        sampling = SamplingParams(max_new_tokens, temperature, top_p, top_k, seed, stop or [])  # bad values fail before the load
+        tok = unweight.load_tokenizer(model)
+        m = unweight.load(model, device=device, layout=layout, threads=threads)
+        g = unweight.stream(m, tok, prompt, chat=chat, **{k: getattr(sampling, k) for k in SamplingParams.__slots__})
+        for piece in g:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        from .render import generation_stats
+
+        err.print(generation_stats(g.result, m.resident_weight_bytes()), highlight=False, soft_wrap=True)
+
+    _run(body)
+
+
 def main() -> None:
     """Console-script entry point."""
     try:

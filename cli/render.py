@@ -65,3 +65,12 @@ def inspect_table(stats: list) -> Table:
     for s in stats:
         table.add_row(s.name, s.dtype, "x".join(map(str, s.shape)) or "()", s.codec, f"{s.original_bytes / 1e3:,.1f}", f"{s.stored_bytes / 1e3:,.1f}", f"{s.bits_per_weight:.3f}", f(s.exponent_entropy), f(s.order0_bound), f(s.gap_to_bound))
     return table
+
+
+def generation_stats(r, weight_bytes: int) -> str:
+    """One line: prompt tokens, generated tokens, time to first token, tokens/s, resident weights."""
+    return (
+        f"prompt {r.prompt_tokens} tokens · generated {len(r.token_ids)} ({r.finish_reason}) · "
+        f"first token {r.time_to_first_token_s * 1e3:.0f} ms · {r.decode_tokens_per_s:.1f} tokens/s · "
+        f"weights {weight_bytes / 1e6:.1f} MB resident"
+    )

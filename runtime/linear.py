@@ -9,7 +9,12 @@ autotuner:
 | `decode_matmul` | numba decode to BF16, then F.linear | Triton decode to BF16, then F.linear (cuBLAS) |
 | `fused` | numba GEMV that rebuilds each row in cache | Triton kernel that rebuilds tiles in registers |
 
-Input that a kernel cannot take (a dtype other than BF16) is cast, with the reason logged once.
+The CPU computes in fp32 (every BF16 weight is exactly an fp32 value, and CPUs without BF16 units
+are faster in fp32); CUDA computes in BF16. Input of another dtype is cast, the reason logged once.
+`rows(ids)` decodes whole rows: the embedding lookup of a (possibly tied) embedding matrix.
+
+`ArchiveLinear` is the same layer over archive-layout streams (any codec): the smallest resident
+size, decoded on the CPU at every forward. It is for memory-starved runs, not for speed.
 """
 
 from __future__ import annotations
@@ -24,11 +29,25 @@ from torch import nn
 from unweight.codec import tiles
 
 from .autotune import DEFAULT, Autotuner, batch_bucket, device_name
+from .cpu_gemv import tiles_gemv_cpu, tiles_rows_cpu
 from .tile_tensors import tile_tensors
 
 log = logging.getLogger(__name__)
 PIPELINES = ("decode_matmul", "fused")
 MAX_TRITON_BLOCK = 4096  # the decode kernel gives one program an escape block
+
+
+def compute_dtype(device: torch.device | str) -> torch.dtype:
+    """The dtype activations take on a device: fp32 on the CPU, BF16 on CUDA."""
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
+def _compute_input(x: torch.Tensor, device: torch.device, note) -> torch.Tensor:
+    want = compute_dtype(device)
+    if x.dtype != want and not (device.type == "cpu" and x.dtype == torch.bfloat16):
+        note(f"input is {x.dtype}; computing in {want}")
+        x = x.to(want)
+    return x
 
 
 class UnweightLinear(nn.Module):
@@ -85,25 +104,27 @@ class UnweightLinear(nn.Module):
     def _streams(self) -> dict[str, torch.Tensor]:
         return {"sm": self.sm, "codes": self.codes, "esc": self.esc, "esc_index": self.esc_index}
 
-    def decoded_weight(self) -> torch.Tensor:
-        """The BF16 weight, decoded now into a temporary tensor on the module's device."""
+    def decoded_weight(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """The weight, decoded now into a temporary tensor on the module's device (exact in BF16
+        or fp32)."""
+        return self.rows(None, dtype)
+
+    def rows(self, ids: torch.Tensor | None, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """Rows `ids` of the weight (all rows if None), shape (len(ids), in_features), decoded on
+        the module's device; ids must lie in [0, out_features)."""
+        if ids is not None and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.out_features):
+            raise ValueError(f"row ids must lie in [0, {self.out_features})")
         block = self.params.block
         if self.sm.device.type == "cuda":
             if block & (block - 1) == 0 and block <= MAX_TRITON_BLOCK:
                 from unweight.runtime.kernels.tiles_decode import tiles_decode
 
-                return tiles_decode(self._streams(), self.params.to_json(), self.out_features, self.in_features)
+                ids_dev = None if ids is None else ids.to(self.sm.device)
+                return tiles_decode(self._streams(), self.params.to_json(), self.out_features, self.in_features, ids_dev).to(dtype)
             self._note(f"escape block {block} is not a power of two <= {MAX_TRITON_BLOCK}: decoding on the CPU instead of with Triton")
-        flat = tiles.decode(self._host_streams(), self.params, self.out_features, self.in_features)
-        weight = torch.from_numpy(flat.view(np.int16)).view(torch.bfloat16).reshape(self.out_features, self.in_features)
-        return weight.to(self.sm.device)
-
-    def _host_streams(self) -> dict[str, np.ndarray]:
-        n_esc = int(self.esc_index[-1])
-        return {
-            "sm": self.sm.cpu().numpy(), "codes": self.codes.cpu().numpy(), "esc": self.esc.cpu().numpy()[:n_esc],
-            "esc_index": self.esc_index.cpu().numpy().astype("<u4").view(np.uint8),
-        }
+            host = {k: v.cpu() for k, v in self._streams().items()}
+            return tiles_rows_cpu(host, self.params.base, block, self.out_features, self.in_features, ids).to(device=self.sm.device, dtype=dtype)
+        return tiles_rows_cpu(self._streams(), self.params.base, block, self.out_features, self.in_features, ids).to(dtype)
 
     def _candidates(self, x: torch.Tensor) -> dict:
         if x.device.type == "cuda":
@@ -111,19 +132,15 @@ class UnweightLinear(nn.Module):
 
             fused = lambda: tiles_linear(x, self._streams(), self.params.to_json(), self.out_features, self.in_features)  # noqa: E731
         else:
-            from unweight.runtime.cpu_gemv import tiles_gemv_cpu
-
             fused = lambda: tiles_gemv_cpu(x, self._streams(), self.params.base, self.params.block, self.out_features, self.in_features).to(x.dtype)  # noqa: E731
-        return {"decode_matmul": lambda: F.linear(x, self.decoded_weight()), "fused": fused}
+        return {"decode_matmul": lambda: F.linear(x, self.decoded_weight(x.dtype)), "fused": fused}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.bfloat16:
-            self._note(f"input is {x.dtype}; computing in bfloat16 as the weight is stored")
-            x = x.to(torch.bfloat16)
+        x = _compute_input(x, self.sm.device, self._note)
         if x.device != self.sm.device:
             raise ValueError(f"input is on {x.device}, the layer on {self.sm.device}")
         m = x.numel() // self.in_features if self.in_features else 0
-        key = f"{device_name(x.device)}|{self.out_features}x{self.in_features}|m{batch_bucket(m)}"
+        key = f"{device_name(x.device)}|{self.out_features}x{self.in_features}|m{batch_bucket(m)}|{str(x.dtype).removeprefix('torch.')}"
         candidates = self._candidates(x)
         name, y = self.autotuner.choose(key, candidates, x.device)
         if y is None:
@@ -137,3 +154,51 @@ class UnweightLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, layout=tiles, stored_bytes={self.stored_bytes}"
+
+
+class ArchiveLinear(nn.Module):
+    """y = x @ W^T + b with W kept in its archive-layout streams (rans, zstd or raw) on the CPU.
+
+    Every forward decodes W on the CPU threads (numba), then multiplies on the input's device; the
+    decoded copy is dropped afterwards, so resident memory stays the archive size. `rows(ids)`
+    decodes the whole matrix too (the archive codec has no row access)."""
+
+    def __init__(self, entry, streams: dict[str, np.ndarray], bias: torch.Tensor | None = None, threads: int | None = None):
+        super().__init__()
+        from unweight.codec.tensor_codec import check_entry
+
+        if entry.dtype != "BF16" or len(entry.shape) != 2:
+            raise ValueError(f"tensor {entry.name!r}: a linear weight must be 2-D BF16, not {entry.dtype}{list(entry.shape)}")
+        check_entry(entry, streams)
+        self.entry = entry
+        self.out_features, self.in_features = entry.shape
+        self.threads = threads
+        self._roles = sorted(streams)
+        for role in self._roles:  # owned copies: the module must outlive the file mapping
+            self.register_buffer(f"stream_{role}", torch.from_numpy(np.array(streams[role], dtype=np.uint8)), persistent=False)
+        self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+
+    @property
+    def stored_bytes(self) -> int:
+        return sum(getattr(self, f"stream_{r}").numel() for r in self._roles)
+
+    def decoded_weight(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        from unweight.codec import decode_tensor
+
+        streams = {r: getattr(self, f"stream_{r}").numpy() for r in self._roles}
+        flat = decode_tensor(self.entry, streams, self.threads, verify=False).view(np.int16)
+        return torch.from_numpy(flat).view(torch.bfloat16).reshape(self.out_features, self.in_features).to(dtype)
+
+    def rows(self, ids: torch.Tensor | None, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        if ids is not None and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.out_features):
+            raise ValueError(f"row ids must lie in [0, {self.out_features})")
+        w = self.decoded_weight(dtype)
+        return w if ids is None else w[ids.reshape(-1).cpu()]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = _compute_input(x, x.device, lambda m: None)
+        y = F.linear(x, self.decoded_weight(x.dtype).to(x.device))
+        return y + self.bias if self.bias is not None else y
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, layout=archive ({self.entry.codec}), stored_bytes={self.stored_bytes}"

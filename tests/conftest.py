@@ -33,3 +33,16 @@ def smollm2_dir() -> Path:
     from unweight.fixtures import smollm2_bf16
 
     return smollm2_bf16(cache_dir() / "smollm2-bf16")
+
+
+@pytest.fixture(scope="session")
+def smollm2_uw(smollm2_dir, tmp_path_factory) -> tuple[Path, dict]:
+    """SmolLM2 compressed by the real CLI (archive layout), and the --json summary it printed."""
+    import json
+
+    from helpers import run_cli
+
+    out = tmp_path_factory.mktemp("smollm2") / "uw"
+    r = run_cli("compress", smollm2_dir, out, "--json")
+    assert r.returncode == 0, r.stderr
+    return out, json.loads(r.stdout)

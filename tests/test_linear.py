@@ -49,7 +49,7 @@ def test_autotuner_caches_choice_on_disk(layer, tmp_path, monkeypatch):
     mod(torch.randn(3, 160).to(torch.bfloat16))
     saved = json.loads((tmp_path / "tune.json").read_text())
     (key, choice), = saved.items()
-    assert key.endswith(f"|96x160|m{batch_bucket(3)}") and choice in ("decode_matmul", "fused")
+    assert key.endswith(f"|96x160|m{batch_bucket(3)}|bfloat16") and choice in ("decode_matmul", "fused")
     again = Autotuner(tmp_path / "tune.json")
     assert again.choose(key, {"decode_matmul": lambda: None, "fused": lambda: None}, torch.device("cpu")) == (choice, None)
 

@@ -5,7 +5,6 @@ the decompressed folder."""
 from __future__ import annotations
 
 import hashlib
-import json
 
 import pytest
 
@@ -23,11 +22,8 @@ def sha256(path) -> str:
 
 
 @pytest.fixture(scope="module")
-def compressed(smollm2_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("smollm2") / "uw"
-    r = run_cli("compress", smollm2_dir, out, "--json")
-    assert r.returncode == 0, r.stderr
-    return out, json.loads(r.stdout)
+def compressed(smollm2_uw):
+    return smollm2_uw
 
 
 def test_smollm2_round_trip_is_byte_identical(smollm2_dir, compressed, tmp_path):

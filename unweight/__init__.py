@@ -6,6 +6,8 @@
     w = ckpt.get_tensor("model.layers.0.mlp.up_proj.weight")
     unweight.decompress("out-dir", "restored")               # bit-identical safetensors back
     assert unweight.verify("out-dir", against="path").ok
+    model = unweight.load("out-dir")                         # nn.Module; weights stay compressed
+    print(unweight.generate(model, unweight.load_tokenizer("out-dir"), "Hello", max_new_tokens=20).text)
 
 This module is the public facade; nothing heavy happens at import time.
 """
@@ -87,6 +89,40 @@ def open(path: str | os.PathLike, *, threads: int | None = None) -> "CompressedC
     return CompressedCheckpoint(path, threads)
 
 
+def load(path: str | os.PathLike, device: str = "cpu", layout: str = "auto", *, threads: int | None = None, max_cache_tokens: int | None = None):
+    """A compressed Llama-family checkpoint as an nn.Module whose linears stay compressed.
+
+    layout="serving" (and "auto") keeps 2-D weights in the fixed-rate tiles the fused kernels read
+    (archive-layout checkpoints are transcoded at load); layout="archive" keeps the stored streams
+    and decodes each weight at every use (smallest memory, slow). device: "cpu" or "cuda[:n]"."""
+    from unweight.runtime.loader import load as _load
+
+    return _load(path, device, layout, threads=threads, max_cache_tokens=max_cache_tokens)
+
+
+def load_tokenizer(path: str | os.PathLike):
+    """The checkpoint's tokenizer and chat template (transformers' AutoTokenizer)."""
+    from unweight.runtime.generate import load_tokenizer as _load_tokenizer
+
+    return _load_tokenizer(path)
+
+
+def generate(model, tokenizer, prompt, *, chat: bool = False, **sampling):
+    """A whole completion (`GenerationResult`: text, token_ids, finish_reason, timings).
+    prompt: a string, or a list of chat messages; sampling: max_new_tokens, temperature, top_p,
+    top_k, seed, stop."""
+    from unweight.runtime.generate import generate as _generate
+
+    return _generate(model, tokenizer, prompt, chat=chat, **sampling)
+
+
+def stream(model, tokenizer, prompt, *, chat: bool = False, **sampling):
+    """Like generate, but an iterator of text pieces as they are made (`.result` at the end)."""
+    from unweight.runtime.generate import stream as _stream
+
+    return _stream(model, tokenizer, prompt, chat=chat, **sampling)
+
+
 def save_file(tensors: dict, path: str | os.PathLike, *, threads: int | None = None, verify: bool = True) -> int:
     """Compress a dict of torch tensors (any dtype; 0-d, empty and non-contiguous work) into one
     container file, like safetensors.torch.save_file; returns the file size."""
@@ -109,9 +145,13 @@ __all__ = [
     "UnweightError",
     "compress",
     "decompress",
+    "generate",
     "inspect",
+    "load",
     "load_file",
+    "load_tokenizer",
     "open",
     "save_file",
+    "stream",
     "verify",
 ]

@@ -22,13 +22,17 @@ from .tiles_common import bf16_bits, load_codes
 def tiles_decode_kernel(
     # inputs: the four streams of one tensor, as uint8 / int32 tensors
     sm_ptr, codes_ptr, esc_ptr, esc_index_ptr,
-    # output: int16 view of the BF16 matrix, row-major
+    # output: int16 view of the BF16 matrix (or of the gathered rows), row-major
     out_ptr,
+    # rows to gather (int64), read only when GATHER
+    ids_ptr,
     # shape and layout
     cols, blocks_per_row, base,
     BLOCK: tl.constexpr,  # columns per escape block (the `block` param), a power of two
+    GATHER: tl.constexpr,  # program row i decodes W row ids[i] (embedding lookups)
 ):
-    r = tl.program_id(0)
+    i = tl.program_id(0)
+    r = tl.load(ids_ptr + i) if GATHER else i
     b = tl.program_id(1)
     j = b * BLOCK + tl.arange(0, BLOCK)  # (BLOCK,) column indices
     live = j < cols
@@ -41,13 +45,14 @@ def tiles_decode_kernel(
     e_esc = tl.load(esc_ptr + first + before, mask=escaped, other=0).to(tl.int32)
     e = tl.where(escaped, e_esc, base + code)
     word = bf16_bits(sm, e)
-    tl.store(out_ptr + p, word.to(tl.int16), mask=live)
+    tl.store(out_ptr + i.to(tl.int64) * cols + j, word.to(tl.int16), mask=live)
 
 
-def tiles_decode(weight: dict[str, torch.Tensor], params: dict, rows: int, cols: int) -> torch.Tensor:
+def tiles_decode(weight: dict[str, torch.Tensor], params: dict, rows: int, cols: int, ids: torch.Tensor | None = None) -> torch.Tensor:
     """The (rows, cols) BF16 matrix of a `tiles` tensor, decoded by the Triton kernel on the device
     that holds `weight`: uint8 tensors sm, codes, esc (at least one byte) and esc_index as int64
-    entries, as UnweightLinear keeps them.
+    entries, as UnweightLinear keeps them. With `ids` (integers in [0, rows), on the same device),
+    only those rows, as a (len(ids), cols) matrix: an embedding lookup.
 
     Checks the lengths that SPEC.md §3.4 derives from the shape before launching; the escape counts
     themselves are checked when a checkpoint is loaded (unweight.codec.tiles.check).
@@ -60,7 +65,16 @@ def tiles_decode(weight: dict[str, torch.Tensor], params: dict, rows: int, cols:
     for role, n in want.items():
         if got[role] != n:
             raise ValueError(f"{role} stream has {got[role]} bytes, the shape needs {n}")
-    out = torch.empty((rows, cols), dtype=torch.int16, device=weight["sm"].device)
+    gather = ids is not None
+    if gather:
+        ids = ids.reshape(-1).to(torch.int64).contiguous()
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= rows):
+            raise ValueError(f"row ids must lie in [0, {rows})")
+    n_out = ids.numel() if gather else rows
+    out = torch.empty((n_out, cols), dtype=torch.int16, device=weight["sm"].device)
     nb = -(-cols // p.block)
-    tiles_decode_kernel[(rows, nb)](weight["sm"], weight["codes"], weight["esc"], weight["esc_index"], out, cols, nb, p.base, BLOCK=p.block)
+    if n_out:
+        tiles_decode_kernel[(n_out, nb)](
+            weight["sm"], weight["codes"], weight["esc"], weight["esc_index"], out, ids if gather else out, cols, nb, p.base, BLOCK=p.block, GATHER=gather
+        )
     return out.view(torch.bfloat16)

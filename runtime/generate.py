@@ -1,0 +1,180 @@
+"""Text generation over a `CausalLM`: prompt encoding, the prefill/decode loop, streaming text.
+
+    model = unweight.load("smollm2-uw")
+    tok = unweight.load_tokenizer("smollm2-uw")
+    for piece in unweight.stream(model, tok, [{"role": "user", "content": "Hi"}], max_new_tokens=32):
+        print(piece, end="", flush=True)
+
+`TextStream` turns tokens into text increasingly (holding back an incomplete UTF-8 character or
+the start of a stop string) and is shared with the server, which runs its own batched loop.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .model import CausalLM
+from .sampling import SamplingParams, sample
+
+
+def load_tokenizer(path: str | os.PathLike):
+    """The checkpoint's tokenizer (and chat template) through transformers' AutoTokenizer."""
+    if not Path(path).is_dir():
+        raise ValueError(f"{path}: no such model folder")
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise ImportError("generation needs the tokenizer from transformers: pip install transformers") from None
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError, TypeError) as e:
+        raise ValueError(f"{path}: no usable tokenizer ({str(e).splitlines()[0]})") from None
+
+
+def encode_prompt(tokenizer, prompt: str | list[dict], chat: bool = False) -> list[int]:
+    """Token ids of a plain prompt, or of chat messages (a list of {"role", "content"}, or a string
+    with chat=True) rendered by the checkpoint's chat template with the assistant turn opened."""
+    if isinstance(prompt, str) and not chat:
+        return list(tokenizer(prompt)["input_ids"])
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    if not isinstance(messages, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages):
+        raise ValueError("messages must be a list of {'role': str, 'content': str}")
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this checkpoint's tokenizer has no chat template; pass a plain prompt")
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def eos_ids(model: CausalLM, tokenizer) -> set[int]:
+    ids = set(model.config.eos_token_ids)
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+class TextStream:
+    """Incremental detokenisation with stop strings: `push(token)` returns the new text that is
+    safe to show; `finished` turns true when a stop string appears (the text ends before it)."""
+
+    def __init__(self, tokenizer, stop: list[str] = ()):
+        self.tokenizer, self.stop = tokenizer, list(stop)
+        self.tokens: list[int] = []
+        self.text = ""  # the final text so far (stop string excluded)
+        self.sent = 0  # characters of text already returned
+        self.finished = False
+
+    def push(self, token: int) -> str:
+        self.tokens.append(token)
+        full = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        for s in self.stop:
+            at = full.find(s)
+            if at >= 0:
+                full, self.finished = full[:at], True
+        self.text = full
+        safe = len(full)
+        if not self.finished:
+            if full.endswith("\ufffd"):  # half of a multi-byte character
+                safe -= 1
+            for s in self.stop:  # the start of a stop string may still become the whole of it
+                for k in range(min(len(s) - 1, len(full)), 0, -1):
+                    if full.endswith(s[:k]):
+                        safe = min(safe, len(full) - k)
+                        break
+        return self.flush(safe)
+
+    def flush(self, upto: int | None = None) -> str:
+        upto = len(self.text) if upto is None else upto
+        out = self.text[self.sent:upto] if upto > self.sent else ""
+        self.sent = max(self.sent, upto)
+        return out
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    prompt_tokens: int = 0
+    finish_reason: str = "length"  # "stop" (EOS or a stop string) or "length"
+    time_to_first_token_s: float = 0.0
+    total_s: float = 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens after the first, per second of decoding."""
+        n = len(self.token_ids) - 1
+        t = self.total_s - self.time_to_first_token_s
+        return n / t if n > 0 and t > 0 else 0.0
+
+
+class Generation:
+    """An iterator of text pieces; `result` holds the tokens, text and timings as it runs."""
+
+    def __init__(self, model: CausalLM, tokenizer, prompt: str | list[dict], params: SamplingParams, chat: bool = False):
+        self.model, self.params = model, params
+        self.prompt_ids = encode_prompt(tokenizer, prompt, chat)
+        n, limit = len(self.prompt_ids), model.max_context
+        if n == 0:
+            raise ValueError("the prompt encodes to no tokens")
+        if n + params.max_new_tokens > limit:
+            raise ValueError(f"the prompt has {n} tokens; with max_new_tokens {params.max_new_tokens} that exceeds the context length {limit}")
+        self.text = TextStream(tokenizer, params.stop)
+        self.eos = eos_ids(model, tokenizer)
+        self.result = GenerationResult(prompt_tokens=n)
+        self._it = self._run()
+
+    def __iter__(self) -> Iterator[str]:
+        return self._it
+
+    def __next__(self) -> str:
+        return next(self._it)
+
+    def _run(self) -> Iterator[str]:
+        model, p, r = self.model, self.params, self.result
+        gen = p.generator()
+        seq = model.new_sequence()
+        t0 = time.perf_counter()
+        try:
+            logits = model.prefill(seq, torch.tensor(self.prompt_ids))
+            for i in range(p.max_new_tokens):
+                token = sample(logits, p, gen)
+                if i == 0:
+                    r.time_to_first_token_s = time.perf_counter() - t0
+                if token in self.eos:
+                    r.finish_reason = "stop"
+                    break
+                r.token_ids.append(token)
+                piece = self.text.push(token)
+                r.text, r.total_s = self.text.text, time.perf_counter() - t0
+                if piece:
+                    yield piece
+                if self.text.finished:
+                    r.finish_reason = "stop"
+                    break
+                if i + 1 < p.max_new_tokens:
+                    logits = model.decode_step([seq], torch.tensor([token]))[0]
+            rest = self.text.flush()
+            r.text, r.total_s = self.text.text, time.perf_counter() - t0
+            if rest:
+                yield rest
+        finally:
+            model.free(seq)
+
+
+def stream(model: CausalLM, tokenizer, prompt: str | list[dict], *, chat: bool = False, **sampling) -> Generation:
+    """Generate lazily: iterate for text pieces as they are made; `.result` has the totals."""
+    return Generation(model, tokenizer, prompt, SamplingParams(**sampling), chat)
+
+
+def generate(model: CausalLM, tokenizer, prompt: str | list[dict], *, chat: bool = False, **sampling) -> GenerationResult:
+    """Generate a whole completion. sampling: max_new_tokens, temperature, top_p, top_k, seed, stop.
+    A list of messages (or chat=True) goes through the checkpoint's chat template."""
+    g = stream(model, tokenizer, prompt, chat=chat, **sampling)
+    for _ in g:
+        pass
+    return g.result

@@ -1,0 +1,122 @@
+"""`load`: a compressed checkpoint folder -> a `CausalLM` whose linears stay compressed.
+
+The offline transform (`unweight compress`) and this runtime swap are separate pieces: the model
+is built on the meta device, then each module is filled from the checkpoint by name (module names
+mirror Hugging Face's, so the map is a table of suffixes, not branches):
+- every linear (and the embedding, which is a matrix read by rows) becomes an `UnweightLinear`
+  (layout "serving": the `tiles` streams, transcoded at load from the archive layout if need be)
+  or an `ArchiveLinear` (layout "archive": the streams as stored, decoded at every use);
+- norms and biases are decoded once into the compute dtype (they are a few KB a layer).
+With tied embeddings, `lm_head` is the embedding module itself: one copy of the streams.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from unweight.errors import SourceError
+from unweight.reader import CompressedCheckpoint
+
+from .linear import ArchiveLinear, UnweightLinear, compute_dtype
+from .model import CausalLM, RMSNorm
+from .model_config import ModelConfig, UnsupportedModelError
+
+log = logging.getLogger(__name__)
+LAYOUTS = ("auto", "serving", "archive")
+DEFAULT_CACHE_TOKENS = 8192  # KV cache room over all sequences, unless the caller says otherwise
+
+
+def _device(device: str | torch.device) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device {device!r} is not a torch device (cpu, cuda, cuda:1, ...)") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r}: only cpu and cuda are supported")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}: CUDA is not available on this machine")
+    return dev
+
+
+def load(path: str | os.PathLike, device: str | torch.device = "cpu", layout: str = "auto", *, threads: int | None = None, max_cache_tokens: int | None = None) -> CausalLM:
+    """Load a compressed Llama-family checkpoint (a folder made by `unweight compress`)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout {layout!r} is not one of {', '.join(LAYOUTS)}")
+    dev = _device(device)
+    path = Path(path)
+    if not path.is_dir():
+        raise SourceError(f"{path}: not a folder (load takes the folder `unweight compress` wrote)")
+    cfg = ModelConfig.from_folder(path)
+    cfg.eos_token_ids = tuple(dict.fromkeys(cfg.eos_token_ids + _generation_eos(path)))
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    with CompressedCheckpoint(path, threads) as ckpt:
+        _fill(model, ckpt, dev, layout, threads)
+    dtype = compute_dtype(dev)
+    tokens = max_cache_tokens or min(cfg.max_position_embeddings, DEFAULT_CACHE_TOKENS)
+    model.init_cache(tokens, dtype)
+    model.eval()
+    return model
+
+
+def _generation_eos(path: Path) -> tuple[int, ...]:
+    """End-of-turn ids from generation_config.json (chat models often list several)."""
+    try:
+        eos = json.loads((path / "generation_config.json").read_text(encoding="utf-8")).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):
+        return ()
+    ids = eos if isinstance(eos, list) else [eos]
+    return tuple(i for i in ids if isinstance(i, int) and not isinstance(i, bool))
+
+
+def _fill(model: CausalLM, ckpt: CompressedCheckpoint, dev: torch.device, layout: str, threads: int | None) -> None:
+    dtype = compute_dtype(dev)
+    tied = "lm_head.weight" not in ckpt
+    if tied and not model.config.tie_word_embeddings:
+        raise SourceError(f"{ckpt.path}: no lm_head.weight, and the config does not tie embeddings")
+    for name, module in list(model.named_modules()):
+        if name == "lm_head" and tied:
+            continue
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            _set(model, name, _linear(ckpt, name, tuple(module.weight.shape), dev, layout, threads, dtype))
+        elif isinstance(module, RMSNorm):
+            module.weight = nn.Parameter(_dense(ckpt, f"{name}.weight", (module.weight.shape[0],), dtype, dev), requires_grad=False)
+    if tied:
+        model.lm_head = model.model.embed_tokens
+
+
+def _linear(ckpt: CompressedCheckpoint, name: str, shape: tuple[int, int], dev: torch.device, layout: str, threads: int | None, dtype: torch.dtype) -> nn.Module:
+    """The module for weight `name`.weight, of shape (out, in) for a linear, (vocab, hidden) for the embedding."""
+    wname = f"{name}.weight"
+    if wname not in ckpt:
+        raise SourceError(f"{ckpt.path}: the checkpoint lacks {wname}")
+    entry = ckpt.entry(wname)
+    if entry.dtype != "BF16":
+        raise UnsupportedModelError(f"{wname} is {entry.dtype}; the runtime serves BF16 checkpoints")
+    if tuple(entry.shape) != shape:
+        raise SourceError(f"{ckpt.path}: {wname} has shape {list(entry.shape)}, the config implies {list(shape)}")
+    bias = _dense(ckpt, f"{name}.bias", (entry.shape[0],), dtype, dev) if f"{name}.bias" in ckpt else None
+    streams = ckpt._reader(wname).streams_of(entry)
+    if layout == "archive":
+        return ArchiveLinear(entry, streams, bias, threads)
+    return UnweightLinear.from_entry(entry, streams, bias, threads).to(dev)
+
+
+def _dense(ckpt: CompressedCheckpoint, name: str, shape: tuple[int, ...], dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
+    if name not in ckpt:
+        raise SourceError(f"{ckpt.path}: the checkpoint lacks {name}")
+    t = ckpt.get_tensor(name)
+    if tuple(t.shape) != shape or not t.is_floating_point():
+        raise SourceError(f"{ckpt.path}: {name} is {str(t.dtype).removeprefix('torch.')}{list(t.shape)}, expected a float tensor of shape {list(shape)}")
+    return t.to(device=dev, dtype=dtype)
+
+
+def _set(model: nn.Module, dotted: str, module: nn.Module) -> None:
+    parent, _, leaf = dotted.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, module)

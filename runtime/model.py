@@ -1,0 +1,197 @@
+"""`CausalLM`: a compact Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3) over a paged KV cache.
+
+Module names mirror Hugging Face's (`model.layers.3.self_attn.q_proj`, `lm_head`, ...), so a
+checkpoint maps onto the model name for name (runtime/loader.py). The skeleton is built on the
+meta device; the loader swaps every linear for an `UnweightLinear` and assigns the decoded norms.
+
+Two explicit entry points, one per phase:
+- `prefill(seq, tokens)`: a whole prompt (or the next chunk of one) of one sequence;
+- `decode_step(seqs, tokens)`: one new token for each of several sequences (a running batch).
+Both run the same `_forward` over a flat batch of tokens, where `segments` say which sequence each
+run of tokens belongs to; linears see every token at once, attention runs per sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .kv_cache import KVCache, SeqCache
+from .model_config import ModelConfig
+from .rope import Rope
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        d, hd = cfg.hidden_size, cfg.head_dim
+        self.q_proj = nn.Linear(d, cfg.num_heads * hd, bias=False)
+        self.k_proj = nn.Linear(d, cfg.num_kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(d, cfg.num_kv_heads * hd, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * hd, d, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.cfg = cfg
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int, cache: KVCache, segments: list[tuple[SeqCache, int]]) -> torch.Tensor:
+        cfg = self.cfg
+        n = x.shape[0]
+        q = self.q_proj(x).view(n, cfg.num_heads, cfg.head_dim)  # (tokens, heads, head_dim)
+        k = self.k_proj(x).view(n, cfg.num_kv_heads, cfg.head_dim)
+        v = self.v_proj(x).view(n, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = Rope.apply(q, cos, sin), Rope.apply(k, cos, sin)
+        out = torch.empty_like(q)
+        t0 = 0
+        for seq, count in segments:
+            start = seq.length
+            cache.write(layer, seq, start, k[t0:t0 + count], v[t0:t0 + count])
+            ks, vs = cache.read(layer, seq, start + count)  # (L, kv_heads, head_dim)
+            out[t0:t0 + count] = _attend(q[t0:t0 + count], ks, vs, start, cfg.sliding_window)
+            t0 += count
+        return self.o_proj(out.view(n, -1))
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, window: int | None) -> torch.Tensor:
+    """Causal attention of q (T, H, hd) at positions start.. over k, v (L, KVH, hd), L = start + T."""
+    t, length = q.shape[0], k.shape[0]
+    mask = None
+    if t > 1 or (window is not None and length > window):
+        qpos = torch.arange(start, start + t, device=q.device)[:, None]
+        kpos = torch.arange(length, device=q.device)[None, :]
+        mask = kpos <= qpos
+        if window is not None:
+            mask &= kpos > qpos - window
+    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask, enable_gqa=True)
+    return o[0].transpose(0, 1)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, layer, cache, segments):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, cache, segments)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """The whole model; `cache` (a KVCache) is created by `init_cache` once weights are loaded."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.cache: KVCache | None = None
+        self.rope: Rope | None = None
+        self.compute_dtype = torch.float32
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.norm.weight.device
+
+    def init_cache(self, max_tokens: int, dtype: torch.dtype, block_size: int = 16) -> None:
+        """Create the KV cache (room for max_tokens tokens over all sequences) and the rotary tables."""
+        cfg = self.config
+        self.compute_dtype = dtype
+        self.cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype, self.device, block_size, max_blocks=-(-max_tokens // block_size))
+        self.rope = Rope(cfg, self.device)
+
+    @property
+    def max_context(self) -> int:
+        return self.config.max_position_embeddings
+
+    def new_sequence(self) -> SeqCache:
+        return SeqCache()
+
+    def free(self, seq: SeqCache) -> None:
+        self.cache.free(seq)
+
+    @torch.inference_mode()
+    def _forward(self, tokens: torch.Tensor, segments: list[tuple[SeqCache, int]]) -> torch.Tensor:
+        """Final-norm hidden states (tokens, hidden) for a flat batch of new tokens."""
+        cache = self.cache
+        for seq, count in segments:
+            if seq.length + count > self.max_context:
+                raise ValueError(f"sequence would reach {seq.length + count} tokens, over the context length {self.max_context}")
+            cache.reserve(seq, count)
+        positions = torch.cat([torch.arange(s.length, s.length + c) for s, c in segments]).to(self.device)
+        cos, sin = self.rope.cos_sin(positions, self.compute_dtype)
+        x = self.model.embed_tokens.rows(tokens.to(self.device), self.compute_dtype)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, i, cache, segments)
+        for seq, count in segments:
+            seq.length += count
+        return self.model.norm(x)
+
+    def _check_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        tokens = torch.as_tensor(tokens, dtype=torch.int64).reshape(-1)
+        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.config.vocab_size):
+            raise ValueError(f"token ids must lie in [0, {self.config.vocab_size})")
+        return tokens
+
+    def prefill(self, seq: SeqCache, tokens, all_logits: bool = False) -> torch.Tensor:
+        """Run a prompt (or its next chunk) of one sequence; fp32 logits of its last token
+        (vocab,), or of every token (tokens, vocab) with all_logits."""
+        tokens = self._check_tokens(tokens)
+        if tokens.numel() == 0:
+            raise ValueError("prefill needs at least one token")
+        h = self._forward(tokens, [(seq, tokens.numel())])
+        return self.lm_head(h).float() if all_logits else self.lm_head(h[-1:]).float()[0]
+
+    def decode_step(self, seqs: list[SeqCache], tokens) -> torch.Tensor:
+        """One new token for each sequence of a running batch; fp32 logits (batch, vocab)."""
+        tokens = self._check_tokens(tokens)
+        if tokens.numel() != len(seqs) or not seqs:
+            raise ValueError(f"decode_step needs one token per sequence ({len(seqs)} sequences, {tokens.numel()} tokens)")
+        return self.lm_head(self._forward(tokens, [(s, 1) for s in seqs])).float()
+
+    def resident_weight_bytes(self) -> int:
+        """Bytes of every weight the model holds (compressed streams, decoded norms, biases),
+        each storage counted once (tied embeddings share theirs)."""
+        seen, total = set(), 0
+        for t in [*self.parameters(), *self.buffers()]:
+            key = (t.device, t.untyped_storage().data_ptr())
+            if key not in seen:
+                seen.add(key)
+                total += t.untyped_storage().nbytes()
+        return total

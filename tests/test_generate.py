@@ -1,0 +1,189 @@
+"""The runtime on a real trained chat model: SmolLM2-135M-Instruct, compressed by the CLI, loaded
+with `unweight.load`, against Hugging Face transformers on the uncompressed BF16 folder.
+
+Both sides compute in fp32 from the same BF16 weights (every BF16 value is an fp32 value), so the
+only differences are the order of fp32 accumulations: logits agree to ~1e-4 absolute (measured
+5e-5), and greedy tokens are identical. (BF16 compute would round every activation to 8 bits and
+drift from transformers' own BF16 run after a few tokens; DESIGN.md §6.)
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+import unweight
+
+from helpers import run_cli
+
+LOGIT_ATOL = 1e-3  # fp32 accumulation order on logits of magnitude ~30: measured 5e-5
+PROMPTS = [
+    ("plain", "The history of the Roman Empire began"),
+    ("chat", "Write a short story about a robot who learns to paint."),
+    ("chat", "List the planets of the solar system and one fact about each."),
+]
+
+
+@pytest.fixture(scope="module")
+def hf(smollm2_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def model(smollm2_uw):
+    return unweight.load(smollm2_uw[0])
+
+
+@pytest.fixture(scope="module")
+def tok(smollm2_uw):
+    return unweight.load_tokenizer(smollm2_uw[0])
+
+
+def prompt_ids(tok, kind: str, text: str) -> list[int]:
+    from unweight.runtime.generate import encode_prompt
+
+    return encode_prompt(tok, text, chat=kind == "chat")
+
+
+def hf_greedy(hf, ids: list[int], n: int) -> tuple[list[int], torch.Tensor]:
+    """n greedy tokens from transformers' own KV-cached loop (no EOS stop), and the prompt logits."""
+    with torch.no_grad():
+        out = hf(torch.tensor([ids]), use_cache=True)
+        first_logits = out.logits[0]
+        tokens = []
+        for _ in range(n):
+            nxt = int(out.logits[0, -1].argmax())
+            tokens.append(nxt)
+            out = hf(torch.tensor([[nxt]]), past_key_values=out.past_key_values, use_cache=True)
+    return tokens, first_logits
+
+
+def our_greedy(model, ids: list[int], n: int) -> tuple[list[int], torch.Tensor]:
+    seq = model.new_sequence()
+    try:
+        logits = model.prefill(seq, ids, all_logits=True)
+        first_logits, tokens = logits, []
+        last = logits[-1]
+        for _ in range(n):
+            nxt = int(last.argmax())
+            tokens.append(nxt)
+            last = model.decode_step([seq], [nxt])[0]
+    finally:
+        model.free(seq)
+    return tokens, first_logits
+
+
+@pytest.mark.parametrize("kind,text", PROMPTS)
+def test_greedy_tokens_identical_to_transformers(model, hf, tok, kind, text):
+    ids = prompt_ids(tok, kind, text)
+    ours, our_logits = our_greedy(model, ids, 64)
+    theirs, their_logits = hf_greedy(hf, ids, 64)
+    assert ours == theirs, f"first difference at token {next(i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b)}"
+    assert (our_logits - their_logits).abs().max() < LOGIT_ATOL
+
+
+def test_weights_stay_compressed(model, smollm2_dir):
+    bf16_bytes = (smollm2_dir / "model.safetensors").stat().st_size
+    resident = model.resident_weight_bytes()
+    assert resident < 0.75 * bf16_bytes  # tiles: ~11.3 bits a weight instead of 16
+    dense = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_floating_point() and t.dim() >= 2]
+    assert dense == []  # no decoded copy of any matrix is kept
+    assert model.lm_head is model.model.embed_tokens  # tied: one copy of the streams
+
+
+def test_archive_layout_gives_the_same_logits(smollm2_uw, model, tok):
+    archive = unweight.load(smollm2_uw[0], layout="archive")
+    assert archive.resident_weight_bytes() < model.resident_weight_bytes()
+    ids = prompt_ids(tok, *PROMPTS[0])
+    a, b = archive.new_sequence(), model.new_sequence()
+    assert (archive.prefill(a, ids) - model.prefill(b, ids)).abs().max() < LOGIT_ATOL
+    model.free(b)
+
+
+def test_batched_decode_equals_one_at_a_time(model, tok):
+    """Two sequences of different lengths decoded in one batch give each its own logits."""
+    seqs, last = [], []
+    for kind, text in PROMPTS[:2]:
+        s = model.new_sequence()
+        last.append(int(model.prefill(s, prompt_ids(tok, kind, text)).argmax()))
+        seqs.append(s)
+    batched = model.decode_step(seqs, last)
+    for s, t, row in zip(seqs, last, batched):
+        s.length -= 1  # replay the same step alone
+        single = model.decode_step([s], [t])[0]
+        assert (single - row).abs().max() < LOGIT_ATOL
+        model.free(s)
+
+
+def test_kv_cache_moves_between_caches(model, tok):
+    """export/import (the hand-off between prefill and decode workers) keeps decoding exact."""
+    ids = prompt_ids(tok, *PROMPTS[1])
+    s = model.new_sequence()
+    nxt = int(model.prefill(s, ids).argmax())
+    data = model.cache.export(s)
+    assert data.shape == (30, 2, len(ids), 3, 64)
+    moved = model.cache.import_(data)
+    assert torch.equal(model.decode_step([moved], [nxt]), model.decode_step([s], [nxt]))
+    used = model.cache.used_blocks
+    model.free(s)
+    model.free(moved)
+    assert model.cache.used_blocks < used and s.blocks == [] and s.length == 0
+
+
+def test_generate_and_stream_agree(model, tok):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    result = unweight.generate(model, tok, messages, max_new_tokens=20)
+    assert "Paris" in result.text and result.finish_reason == "stop"
+    g = unweight.stream(model, tok, messages, max_new_tokens=20)
+    assert "".join(g) == result.text and g.result.token_ids == result.token_ids
+    assert result.prompt_tokens == len(prompt_ids(tok, "chat", messages[0]["content"]))
+
+
+def test_stop_strings_and_sampling(model, tok):
+    full = unweight.generate(model, tok, "The capital of France is", max_new_tokens=12)
+    cut = full.text.split()[1]  # stop at the second word of the greedy continuation
+    stopped = unweight.generate(model, tok, "The capital of France is", max_new_tokens=12, stop=[cut])
+    assert stopped.text == full.text[: full.text.find(cut)] and stopped.finish_reason == "stop"
+    a = unweight.generate(model, tok, "Once upon a time", max_new_tokens=8, temperature=1.0, top_p=0.9, seed=7)
+    b = unweight.generate(model, tok, "Once upon a time", max_new_tokens=8, temperature=1.0, top_p=0.9, seed=7)
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 8
+    k1 = unweight.generate(model, tok, "Once upon a time", max_new_tokens=8, temperature=1.0, top_k=1, seed=3)
+    assert k1.token_ids == unweight.generate(model, tok, "Once upon a time", max_new_tokens=8).token_ids
+
+
+def test_cli_generate_streams_then_prints_stats(smollm2_uw):
+    r = run_cli("generate", smollm2_uw[0], "--chat", "--prompt", "What is the capital of France?", "--max-new-tokens", "12")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+    stats = r.stderr.strip().splitlines()[-1]
+    assert "prompt" in stats and "tokens/s" in stats and "MB resident" in stats
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--temperature", "-1"], "temperature must be"),
+    (["--top-p", "0"], "top_p must be"),
+    (["--max-new-tokens", "100000"], "exceeds the context length"),
+    (["--device", "tpu"], "is not a torch device"),
+    (["--device", "meta"], "only cpu and cuda"),
+])
+def test_cli_generate_bad_values(smollm2_uw, args, message):
+    r = run_cli("generate", smollm2_uw[0], "--prompt", "Hi", *args)
+    assert r.returncode == 1 and message in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_cli_generate_bad_paths(smollm2_dir, smollm2_uw, tmp_path):
+    plain = run_cli("generate", smollm2_dir, "--prompt", "Hi")  # not compressed
+    assert plain.returncode == 1 and "not an Unweight container" in plain.stderr
+    missing = run_cli("generate", tmp_path / "nope", "--prompt", "Hi")
+    assert missing.returncode == 1 and "no such model folder" in missing.stderr
+    no_tok = tmp_path / "no-tokenizer"
+    shutil.copytree(smollm2_uw[0], no_tok)
+    for f in no_tok.glob("tokenizer*"):
+        f.unlink()
+    r = run_cli("generate", no_tok, "--prompt", "Hi")
+    assert r.returncode == 1 and "no usable tokenizer" in r.stderr and "Traceback" not in r.stderr
