@@ -1,0 +1,83 @@
+"""Tiny random models of every supported family, made with transformers' own config classes,
+saved in BF16, compressed, loaded with `unweight.load`: logits match transformers' (fp32 compute
+on both sides, so only accumulation order differs) for a prompt and for cached decode steps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import unweight
+from unweight.runtime.model_config import UnsupportedModelError
+
+ATOL = 2e-4  # fp32 accumulation order on logits of magnitude ~0.1 (random N(0, 0.02) weights)
+COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=128)
+
+
+def _configs():
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    llama3_rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                   "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    return {
+        "llama3.1-rope-scaling": LlamaConfig(**COMMON, rope_parameters=llama3_rope, tie_word_embeddings=False),
+        "llama-linear-rope-tied": LlamaConfig(**COMMON, rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}, tie_word_embeddings=True),
+        "mistral-sliding-window": MistralConfig(**COMMON, sliding_window=8, tie_word_embeddings=False),
+        "qwen2-qkv-bias": Qwen2Config(**COMMON, tie_word_embeddings=True),
+        "qwen3-qk-norm": Qwen3Config(**COMMON, head_dim=24, tie_word_embeddings=False),
+    }
+
+
+@pytest.fixture(scope="module")
+def configs():
+    return _configs()
+
+
+def make_model(cfg, folder):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    m = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
+    with torch.no_grad():  # give biases and norms values that matter (they start at 0 and 1)
+        for name, p in m.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    m.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("family", list(_configs()))
+def test_logits_match_transformers(family, configs, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    src = make_model(configs[family], tmp_path / "bf16")
+    unweight.compress(src, tmp_path / "uw")
+    ours = unweight.load(tmp_path / "uw")
+    ref = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    if family == "qwen2-qkv-bias":
+        assert ours.model.layers[0].self_attn.q_proj.bias is not None
+    ids = torch.randint(0, 256, (20,), generator=torch.Generator().manual_seed(1))  # longer than the window
+    seq = ours.new_sequence()
+    got = ours.prefill(seq, ids, all_logits=True)
+    with torch.no_grad():
+        out = ref(ids[None], use_cache=True)
+    assert (got - out.logits[0]).abs().max() < ATOL
+    past = out.past_key_values
+    for step in range(3):  # cached decode steps
+        nxt = int(got[-1].argmax()) if step == 0 else int(got.argmax())
+        got = ours.decode_step([seq], [nxt])[0]
+        with torch.no_grad():
+            out = ref(torch.tensor([[nxt]]), past_key_values=past, use_cache=True)
+        past = out.past_key_values
+        assert (got - out.logits[0, -1]).abs().max() < ATOL, f"decode step {step}"
+
+
+def test_unknown_architecture_is_refused_with_the_list(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)).to(torch.bfloat16).save_pretrained(tmp_path / "gpt2")
+    unweight.compress(tmp_path / "gpt2", tmp_path / "uw")
+    with pytest.raises(UnsupportedModelError, match=r"'gpt2'.*supported: llama, mistral, qwen2, qwen3"):
+        unweight.load(tmp_path / "uw")
