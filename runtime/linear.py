@@ -20,6 +20,7 @@ size, decoded on the CPU at every forward. It is for memory-starved runs, not fo
 from __future__ import annotations
 
 import logging
+import os
 
 import numpy as np
 import torch
@@ -28,7 +29,7 @@ from torch import nn
 
 from unweight.codec import tiles
 
-from .autotune import DEFAULT, Autotuner, batch_bucket, device_name
+from .autotune import DEFAULT, FORCE_ENV, Autotuner, batch_bucket, device_name
 from .cpu_gemv import tiles_gemv_cpu, tiles_rows_cpu
 from .tile_tensors import tile_tensors
 
@@ -50,6 +51,16 @@ def _compute_input(x: torch.Tensor, device: torch.device, note) -> torch.Tensor:
     return x
 
 
+def _check_parts(entries) -> int:
+    """in_features shared by 2-D BF16 tensors that are stacked by rows; errors name the tensor."""
+    for e in entries:
+        if not tiles.applies(e.dtype, e.shape):
+            raise ValueError(f"tensor {e.name!r}: a linear weight must be 2-D BF16, not {e.dtype}{list(e.shape)}")
+        if e.shape[1] != entries[0].shape[1]:
+            raise ValueError(f"tensor {e.name!r} has {e.shape[1]} columns, {entries[0].name!r} {entries[0].shape[1]}: they cannot be stacked")
+    return entries[0].shape[1]
+
+
 class UnweightLinear(nn.Module):
     """y = x @ W^T + b with W (out_features, in_features) BF16 stored as `tiles` streams."""
 
@@ -63,6 +74,7 @@ class UnweightLinear(nn.Module):
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
         self.autotuner = autotuner or DEFAULT
         self._warned: set[str] = set()
+        self._chosen: dict[tuple, str] = {}
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, **kw) -> "UnweightLinear":
@@ -96,6 +108,20 @@ class UnweightLinear(nn.Module):
         p, tile_streams = tiles.encode(values, out_f, in_f)
         return cls(in_f, out_f, tile_streams, p.to_json(), bias, **kw)
 
+    @classmethod
+    def from_entries(cls, parts: list[tuple], bias: torch.Tensor | None = None, threads: int | None = None, **kw) -> "UnweightLinear":
+        """One layer whose rows are those of several checkpoint tensors, stacked in order (q, k
+        and v as one qkv matmul): each is decoded, the rows concatenated and encoded as tiles."""
+        if len(parts) == 1:
+            return cls.from_entry(*parts[0], bias, threads, **kw)
+        from unweight.codec import decode_tensor
+
+        in_f = _check_parts([e for e, _ in parts])
+        values = np.concatenate([decode_tensor(e, st, threads).view(np.uint16) for e, st in parts])
+        out_f = sum(e.shape[0] for e, _ in parts)
+        p, tile_streams = tiles.encode(values, out_f, in_f)
+        return cls(in_f, out_f, tile_streams, p.to_json(), bias, **kw)
+
     @property
     def stored_bytes(self) -> int:
         """Resident bytes of the weight (the streams), as held on the module's device."""
@@ -126,25 +152,29 @@ class UnweightLinear(nn.Module):
             return tiles_rows_cpu(host, self.params.base, block, self.out_features, self.in_features, ids).to(device=self.sm.device, dtype=dtype)
         return tiles_rows_cpu(self._streams(), self.params.base, block, self.out_features, self.in_features, ids).to(dtype)
 
-    def _candidates(self, x: torch.Tensor) -> dict:
+    def _run(self, pipeline: str, x: torch.Tensor) -> torch.Tensor:
+        if pipeline == "decode_matmul":
+            return F.linear(x, self.decoded_weight(x.dtype))
         if x.device.type == "cuda":
             from unweight.runtime.kernels.tiles_matmul import tiles_linear
 
-            fused = lambda: tiles_linear(x, self._streams(), self.params.to_json(), self.out_features, self.in_features)  # noqa: E731
-        else:
-            fused = lambda: tiles_gemv_cpu(x, self._streams(), self.params.base, self.params.block, self.out_features, self.in_features).to(x.dtype)  # noqa: E731
-        return {"decode_matmul": lambda: F.linear(x, self.decoded_weight(x.dtype)), "fused": fused}
+            return tiles_linear(x, self._streams(), self.params.to_json(), self.out_features, self.in_features)
+        return tiles_gemv_cpu(x, self._streams(), self.params.base, self.params.block, self.out_features, self.in_features).to(x.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = _compute_input(x, self.sm.device, self._note)
         if x.device != self.sm.device:
             raise ValueError(f"input is on {x.device}, the layer on {self.sm.device}")
         m = x.numel() // self.in_features if self.in_features else 0
-        key = f"{device_name(x.device)}|{self.out_features}x{self.in_features}|m{batch_bucket(m)}|{str(x.dtype).removeprefix('torch.')}"
-        candidates = self._candidates(x)
-        name, y = self.autotuner.choose(key, candidates, x.device)
+        bucket = batch_bucket(m)
+        memo = (x.device, bucket, x.dtype, os.environ.get(FORCE_ENV))  # the choice, without rebuilding its key
+        name, y = self._chosen.get(memo), None
+        if name is None:
+            key = f"{device_name(x.device)}|{self.out_features}x{self.in_features}|m{bucket}|{str(x.dtype).removeprefix('torch.')}"
+            name, y = self.autotuner.choose(key, {p: (lambda p=p: self._run(p, x)) for p in PIPELINES}, x.device)
+            self._chosen[memo] = name
         if y is None:
-            y = candidates[name]()
+            y = self._run(name, x)
         return y + self.bias if self.bias is not None else y
 
     def _note(self, message: str) -> None:
@@ -159,35 +189,41 @@ class UnweightLinear(nn.Module):
 class ArchiveLinear(nn.Module):
     """y = x @ W^T + b with W kept in its archive-layout streams (rans, zstd or raw) on the CPU.
 
-    Every forward decodes W on the CPU threads (numba), then multiplies on the input's device; the
-    decoded copy is dropped afterwards, so resident memory stays the archive size. `rows(ids)`
-    decodes the whole matrix too (the archive codec has no row access)."""
+    W may be several checkpoint tensors stacked by rows (parts). Every forward decodes W on the
+    CPU threads (numba), then multiplies on the input's device; the decoded copy is dropped
+    afterwards, so resident memory stays the archive size. `rows(ids)` decodes the whole matrix
+    too (the archive codec has no row access)."""
 
-    def __init__(self, entry, streams: dict[str, np.ndarray], bias: torch.Tensor | None = None, threads: int | None = None):
+    def __init__(self, parts: list[tuple], bias: torch.Tensor | None = None, threads: int | None = None):
         super().__init__()
         from unweight.codec.tensor_codec import check_entry
 
-        if entry.dtype != "BF16" or len(entry.shape) != 2:
-            raise ValueError(f"tensor {entry.name!r}: a linear weight must be 2-D BF16, not {entry.dtype}{list(entry.shape)}")
-        check_entry(entry, streams)
-        self.entry = entry
-        self.out_features, self.in_features = entry.shape
+        self.in_features = _check_parts([e for e, _ in parts])
+        self.out_features = sum(e.shape[0] for e, _ in parts)
+        self.entries = [e for e, _ in parts]
         self.threads = threads
-        self._roles = sorted(streams)
-        for role in self._roles:  # owned copies: the module must outlive the file mapping
-            self.register_buffer(f"stream_{role}", torch.from_numpy(np.array(streams[role], dtype=np.uint8)), persistent=False)
+        self._names: list[dict[str, str]] = []
+        for i, (entry, streams) in enumerate(parts):
+            check_entry(entry, streams)
+            names = {role: f"stream{i}_{role}" for role in sorted(streams)}
+            for role, buf in names.items():  # owned copies: the module must outlive the file mapping
+                self.register_buffer(buf, torch.from_numpy(np.array(streams[role], dtype=np.uint8)), persistent=False)
+            self._names.append(names)
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
 
     @property
     def stored_bytes(self) -> int:
-        return sum(getattr(self, f"stream_{r}").numel() for r in self._roles)
+        return sum(getattr(self, b).numel() for names in self._names for b in names.values())
 
     def decoded_weight(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         from unweight.codec import decode_tensor
 
-        streams = {r: getattr(self, f"stream_{r}").numpy() for r in self._roles}
-        flat = decode_tensor(self.entry, streams, self.threads, verify=False).view(np.int16)
-        return torch.from_numpy(flat).view(torch.bfloat16).reshape(self.out_features, self.in_features).to(dtype)
+        flat = []
+        for entry, names in zip(self.entries, self._names):
+            streams = {role: getattr(self, b).numpy() for role, b in names.items()}
+            flat.append(decode_tensor(entry, streams, self.threads, verify=False).view(np.int16))
+        w = torch.from_numpy(np.concatenate(flat)).view(torch.bfloat16).reshape(self.out_features, self.in_features)
+        return w.to(dtype)
 
     def rows(self, ids: torch.Tensor | None, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         if ids is not None and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.out_features):
@@ -201,4 +237,5 @@ class ArchiveLinear(nn.Module):
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, layout=archive ({self.entry.codec}), stored_bytes={self.stored_bytes}"
+        codecs = ",".join(sorted({e.codec for e in self.entries}))
+        return f"in_features={self.in_features}, out_features={self.out_features}, layout=archive ({codecs}), stored_bytes={self.stored_bytes}"

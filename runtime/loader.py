@@ -29,6 +29,8 @@ from .model_config import ModelConfig, UnsupportedModelError
 
 log = logging.getLogger(__name__)
 LAYOUTS = ("auto", "serving", "archive")
+# Our stacked modules -> the checkpoint modules whose rows they hold, in order.
+PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 DEFAULT_CACHE_TOKENS = 8192  # KV cache room over all sequences, unless the caller says otherwise
 
 
@@ -92,20 +94,30 @@ def _fill(model: CausalLM, ckpt: CompressedCheckpoint, dev: torch.device, layout
 
 
 def _linear(ckpt: CompressedCheckpoint, name: str, shape: tuple[int, int], dev: torch.device, layout: str, threads: int | None, dtype: torch.dtype) -> nn.Module:
-    """The module for weight `name`.weight, of shape (out, in) for a linear, (vocab, hidden) for the embedding."""
-    wname = f"{name}.weight"
-    if wname not in ckpt:
-        raise SourceError(f"{ckpt.path}: the checkpoint lacks {wname}")
-    entry = ckpt.entry(wname)
-    if entry.dtype != "BF16":
-        raise UnsupportedModelError(f"{wname} is {entry.dtype}; the runtime serves BF16 checkpoints")
-    if tuple(entry.shape) != shape:
-        raise SourceError(f"{ckpt.path}: {wname} has shape {list(entry.shape)}, the config implies {list(shape)}")
-    bias = _dense(ckpt, f"{name}.bias", (entry.shape[0],), dtype, dev) if f"{name}.bias" in ckpt else None
-    streams = ckpt._reader(wname).streams_of(entry)
+    """The module `name` of shape (out, in) (for the embedding: (vocab, hidden)), from one
+    checkpoint weight or from the several that PACKED stacks into it."""
+    parent, _, leaf = name.rpartition(".")
+    sources = [f"{parent}.{p}" for p in PACKED[leaf]] if leaf in PACKED else [name]
+    parts, biases = [], []
+    for src in sources:
+        wname = f"{src}.weight"
+        if wname not in ckpt:
+            raise SourceError(f"{ckpt.path}: the checkpoint lacks {wname}")
+        entry = ckpt.entry(wname)
+        if entry.dtype != "BF16":
+            raise UnsupportedModelError(f"{wname} is {entry.dtype}; the runtime serves BF16 checkpoints")
+        parts.append((entry, ckpt.streams(wname)))
+        if f"{src}.bias" in ckpt:
+            biases.append(_dense(ckpt, f"{src}.bias", (entry.shape[0],), dtype, dev))
+    got = (sum(e.shape[0] for e, _ in parts), parts[0][0].shape[1])
+    if got != shape or any(e.shape[1] != shape[1] for e, _ in parts):
+        raise SourceError(f"{ckpt.path}: {', '.join(e.name for e, _ in parts)} have shapes {[list(e.shape) for e, _ in parts]}, the config implies {list(shape)}")
+    if biases and len(biases) != len(parts):
+        raise SourceError(f"{ckpt.path}: only some of {', '.join(sources)} have a bias")
+    bias = torch.cat(biases) if biases else None
     if layout == "archive":
-        return ArchiveLinear(entry, streams, bias, threads)
-    return UnweightLinear.from_entry(entry, streams, bias, threads).to(dev)
+        return ArchiveLinear(parts, bias, threads)
+    return UnweightLinear.from_entries(parts, bias, threads).to(dev)
 
 
 def _dense(ckpt: CompressedCheckpoint, name: str, shape: tuple[int, ...], dtype: torch.dtype, dev: torch.device) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """`CausalLM`: a compact Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3) over a paged KV cache.
 
-Module names mirror Hugging Face's (`model.layers.3.self_attn.q_proj`, `lm_head`, ...), so a
-checkpoint maps onto the model name for name (runtime/loader.py). The skeleton is built on the
+Module names mirror Hugging Face's (`model.layers.3.self_attn.o_proj`, `lm_head`, ...), except
+that q/k/v and gate/up are stacked into one matmul each (`qkv_proj`, `gate_up_proj`: fewer,
+larger kernel calls); runtime/loader.py maps checkpoint names with a table. The skeleton is built on the
 meta device; the loader swaps every linear for an `UnweightLinear` and assigns the decoded norms.
 
 Two explicit entry points, one per phase:
@@ -38,9 +39,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         d, hd = cfg.hidden_size, cfg.head_dim
-        self.q_proj = nn.Linear(d, cfg.num_heads * hd, bias=False)
-        self.k_proj = nn.Linear(d, cfg.num_kv_heads * hd, bias=False)
-        self.v_proj = nn.Linear(d, cfg.num_kv_heads * hd, bias=False)
+        self.qkv_proj = nn.Linear(d, (cfg.num_heads + 2 * cfg.num_kv_heads) * hd, bias=False)  # q, k, v stacked
         self.o_proj = nn.Linear(cfg.num_heads * hd, d, bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
@@ -50,9 +49,8 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int, cache: KVCache, segments: list[tuple[SeqCache, int]]) -> torch.Tensor:
         cfg = self.cfg
         n = x.shape[0]
-        q = self.q_proj(x).view(n, cfg.num_heads, cfg.head_dim)  # (tokens, heads, head_dim)
-        k = self.k_proj(x).view(n, cfg.num_kv_heads, cfg.head_dim)
-        v = self.v_proj(x).view(n, cfg.num_kv_heads, cfg.head_dim)
+        qkv = self.qkv_proj(x).view(n, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
+        q, k, v = qkv.split([cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads], dim=1)  # (tokens, heads, head_dim)
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = Rope.apply(q, cos, sin), Rope.apply(k, cos, sin)
@@ -84,12 +82,12 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, windo
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)  # gate, up stacked
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

@@ -56,7 +56,7 @@ def test_logits_match_transformers(family, configs, tmp_path):
     ours = unweight.load(tmp_path / "uw")
     ref = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     if family == "qwen2-qkv-bias":
-        assert ours.model.layers[0].self_attn.q_proj.bias is not None
+        assert ours.model.layers[0].self_attn.qkv_proj.bias is not None
     ids = torch.randint(0, 256, (20,), generator=torch.Generator().manual_seed(1))  # longer than the window
     seq = ours.new_sequence()
     got = ours.prefill(seq, ids, all_logits=True)

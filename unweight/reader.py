@@ -65,6 +65,11 @@ class CompressedCheckpoint:
             raise KeyError(f"no tensor {name!r} in {self.path}")
         return self._readers[self._where[name]]
 
+    def streams(self, name: str) -> dict[str, np.ndarray]:
+        """The tensor's stored streams by role, undecoded (read-only views of the mapping)."""
+        reader = self._reader(name)
+        return reader.streams_of(reader.tensors[name])
+
     def get_bytes(self, name: str) -> np.ndarray:
         """The tensor's original bytes (uint8, C order), CRC-checked."""
         return decode_one(self._reader(name), name, self.threads)
