@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Callable, Optional
@@ -224,6 +225,73 @@ def generate(
         from .render import generation_stats
 
         err.print(generation_stats(g.result, m.resident_weight_bytes()), highlight=False, soft_wrap=True)
+
+    _run(body)
+
+
+@app.command()
+def serve(
+    model: Annotated[Path, typer.Argument(help="Compressed model folder (made by `unweight compress`).")],
+    host: Annotated[str, typer.Option(help="Address to listen on (HTTP, control and KV rendezvous).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="HTTP port.")] = 8000,
+    prefill_workers: Annotated[int, typer.Option("--prefill-workers", help="Prefill worker processes to start.")] = 1,
+    decode_workers: Annotated[int, typer.Option("--decode-workers", help="Decode worker processes to start.")] = 1,
+    max_batch: Annotated[int, typer.Option("--max-batch", help="Most sequences in one decode batch.")] = 16,
+    max_model_len: Annotated[Optional[int], typer.Option("--max-model-len", help="Longest prompt + completion (default: the model's).")] = None,
+    max_queue: Annotated[int, typer.Option("--max-queue", help="Requests in flight beyond which new ones get HTTP 429.")] = 64,
+    device: Annotated[str, typer.Option(help="cpu or cuda[:n] for the workers.")] = "cpu",
+    api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="UNWEIGHT_API_KEY", help="Require `Authorization: Bearer KEY`.")] = None,
+    no_disagg: Annotated[bool, typer.Option("--no-disagg", help="One aggregated worker that prefills and decodes (for comparison).")] = False,
+    role: Annotated[str, typer.Option(help="all (default: router plus local workers), router, prefill, decode or worker.")] = "all",
+    name: Annotated[Optional[str], typer.Option(help="Worker name (with --role prefill|decode|worker), unique per router.")] = None,
+    router_address: Annotated[Optional[str], typer.Option("--router-address", help="HOST:PORT of the router's control socket (worker roles).")] = None,
+    kv_address: Annotated[Optional[str], typer.Option("--kv-address", help="HOST:PORT of the router's KV rendezvous store (worker roles).")] = None,
+    control_port: Annotated[int, typer.Option("--control-port", help="Router control port (0: any free port).")] = 0,
+    kv_port: Annotated[int, typer.Option("--kv-port", help="Router KV rendezvous port (0: any free port).")] = 0,
+    served_model_name: Annotated[Optional[str], typer.Option("--served-model-name", help="Model id clients use (default: the folder name).")] = None,
+    parent_pid: Annotated[Optional[int], typer.Option("--parent-pid", hidden=True)] = None,
+) -> None:
+    """Serve a compressed model behind an OpenAI-compatible API, with prefill and decode in
+    separate worker processes; the KV cache goes from one to the other over torch.distributed.
+
+    Endpoints: POST /v1/completions, POST /v1/chat/completions (stream: true for SSE),
+    GET /v1/models, GET /health, GET /metrics.
+
+    Examples:
+
+        unweight serve ./smollm2-uw --port 8000
+
+        unweight serve ./smollm2-uw --no-disagg
+
+        unweight serve ./llama-uw --role router --host 10.0.0.1 --control-port 5555 --kv-port 5556 --prefill-workers 0 --decode-workers 0
+
+        unweight serve ./llama-uw --role decode --name decode-0 --router-address 10.0.0.1:5555 --kv-address 10.0.0.1:5556
+    """
+
+    def body() -> None:
+        from unweight.runtime.serve.protocol import ROLES, ServeConfig, parse_address
+
+        if role not in ("all", *ROLES):
+            raise ValueError(f"role {role!r} is not one of all, {', '.join(ROLES)}")
+        if not model.is_dir():
+            raise ValueError(f"{model}: no such model folder")
+        cfg = ServeConfig(str(model), host, port, prefill_workers, decode_workers, max_batch, max_model_len, max_queue, device, api_key,
+                          not no_disagg, control_port, kv_port, served_model_name)
+        if role in ("all", "router"):
+            if role == "router":
+                cfg.prefill_workers = cfg.decode_workers = 0
+            from unweight.runtime.serve.app import serve as _serve
+
+            _serve(cfg)
+            return
+        if router_address is None:
+            raise ValueError(f"--role {role} needs --router-address HOST:PORT")
+        if role in ("prefill", "decode") and kv_address is None:
+            raise ValueError(f"--role {role} needs --kv-address HOST:PORT")
+        from unweight.runtime.serve.app import run_worker
+
+        kv = parse_address(kv_address, "--kv-address") if kv_address else None
+        run_worker(role, name or f"{role}-{os.getpid()}", cfg, parse_address(router_address, "--router-address"), kv, parent_pid)
 
     _run(body)
 

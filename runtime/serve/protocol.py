@@ -1,0 +1,80 @@
+"""What the router and the workers say to each other, and the settings they share.
+
+Control messages are small JSON objects over ZeroMQ: the router binds a ROUTER socket, every
+worker connects a DEALER whose identity is its name (`prefill-0`, `decode-1`, `worker-0`).
+Tensors never travel this way: a KV cache goes from a prefill worker to a decode worker over
+torch.distributed (runtime/serve/kv_link.py).
+
+Router -> worker
+    prefill   {id, tokens, sampling, decode: name, decode_incarnation}   (disaggregated)
+    generate  {id, tokens, sampling}                                     (aggregated worker)
+    decode    {id, first_token, kv_shape, prefill: name, prefill_incarnation, sampling, rng, generated}
+    cancel    {id}
+    shutdown  {}
+Worker -> router
+    hello     {role, pid, incarnation}
+    beat      {running, queued, kv_blocks_used, kv_blocks_total}  (every HEARTBEAT_S)
+    prefilled {id, first_token, kv_shape, rng, kv_bytes}         (the KV is on its way)
+    tokens    {items: [[id, token, finish_reason or null], ...]}  (one message per step)
+    failed    {id, error}
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+ROLES = ("router", "prefill", "decode", "worker")  # "worker": one aggregated process (--no-disagg)
+HEARTBEAT_S = 0.5
+DEAD_AFTER_S = 10.0  # a worker silent this long is reported unresponsive
+KV_TIMEOUT_S = 20.0  # a KV hand-off that takes longer fails its request instead of hanging
+
+
+def pack(msg: dict) -> bytes:
+    return json.dumps(msg, separators=(",", ":")).encode()
+
+
+def unpack(data: bytes) -> dict:
+    msg = json.loads(data)
+    if not isinstance(msg, dict) or not isinstance(msg.get("op"), str):
+        raise ValueError("control message without an op")
+    return msg
+
+
+def parse_address(text: str, what: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{what} {text!r} is not HOST:PORT")
+    return host, int(port)
+
+
+@dataclass(slots=True)
+class ServeConfig:
+    model: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    prefill_workers: int = 1
+    decode_workers: int = 1
+    max_batch: int = 16
+    max_model_len: int | None = None  # default: the model's context length
+    max_queue: int = 64  # requests admitted but not finished, beyond which new ones get 429
+    device: str = "cpu"
+    api_key: str | None = None
+    disaggregated: bool = True
+    control_port: int = 0  # 0: pick a free port (all roles on one host)
+    kv_port: int = 0
+    served_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_workers", "decode_workers"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name.replace('_', '-')} must be an integer >= 0, not {v!r}")
+        for name in ("max_batch", "max_queue"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name.replace('_', '-')} must be >= 1, not {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max-model-len must be >= 2, not {self.max_model_len}")
+        for name in ("port", "control_port", "kv_port"):
+            if not 0 <= getattr(self, name) < 65536:
+                raise ValueError(f"{name.replace('_', '-')} {getattr(self, name)} is not a TCP port")

@@ -1,0 +1,313 @@
+"""The router of `unweight serve`: HTTP in front, workers behind.
+
+It owns the tokenizer (prompts are tokenised here, token ids detokenised and streamed from here),
+the control socket every worker connects to, the TCPStore through which prefill/decode pairs build
+their KV groups, and the worker processes it started: it watches them, fails the requests of one
+that dies, restarts it, and reports all of them in /health and /metrics.
+
+A request's life (disaggregated): tokens -> least-loaded prefill worker (told which decode worker
+will take it) -> `prefilled` (first token streamed now; the KV is on its way) -> the decode worker
+receives the KV and joins it to its batch -> `tokens` messages until EOS, max_tokens or a stop
+string (then the router cancels the rest). Aggregated (--no-disagg): one worker does both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+from .metrics import Metrics
+from .protocol import DEAD_AFTER_S, ServeConfig, pack, unpack
+
+log = logging.getLogger(__name__)
+RESTART_BACKOFF_S = 1.0
+
+
+class Overloaded(Exception):
+    """Too many requests in flight; the client should retry later."""
+
+
+class Unavailable(Exception):
+    """No ready worker of a needed role (starting, or restarting after a crash)."""
+
+
+@dataclass(slots=True)
+class WorkerHandle:
+    name: str
+    role: str
+    command: list[str] | None = None  # how to start it again (None: started by someone else)
+    proc: subprocess.Popen | None = None
+    pid: int | None = None
+    incarnation: str | None = None
+    state: str = "starting"  # starting | ready | unresponsive | dead
+    last_seen: float = 0.0
+    running: int = 0
+    queued: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    restarts: int = 0
+    served: int = 0  # requests this worker took part in
+    inflight: set[str] = field(default_factory=set)
+    died_at: float = 0.0
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "role": self.role, "pid": self.pid, "state": self.state, "running": self.running, "queued": self.queued,
+                "kv_blocks_used": self.kv_blocks_used, "restarts": self.restarts, "served": self.served}
+
+    @property
+    def load(self) -> int:
+        return len(self.inflight) + self.queued
+
+
+@dataclass(slots=True)
+class Request:
+    rid: str
+    tag: int
+    tokens: list[int]
+    sampling: dict
+    events: asyncio.Queue
+    created: float = field(default_factory=time.monotonic)
+    holder: str | None = None  # the worker holding its state now
+    decode: str | None = None
+    first_at: float | None = None
+    last_at: float | None = None
+    done: bool = False
+
+
+class Router:
+    def __init__(self, cfg: ServeConfig, eos: list[int], metrics: Metrics):
+        self.cfg, self.eos, self.metrics = cfg, eos, metrics
+        self.workers: dict[str, WorkerHandle] = {}
+        self.requests: dict[str, Request] = {}
+        self._tags = itertools.count(1)
+        self._tasks: list[asyncio.Task] = []
+        self.store = None
+        self.closing = False
+
+    # -- start and stop -----------------------------------------------------------------------
+    async def start(self) -> None:
+        import zmq
+        import zmq.asyncio
+
+        cfg = self.cfg
+        self.ctx = zmq.asyncio.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted worker takes its name back
+        bind_host = cfg.host if cfg.host not in ("localhost",) else "127.0.0.1"
+        if cfg.control_port:
+            self.sock.bind(f"tcp://{bind_host}:{cfg.control_port}")
+            self.control_port = cfg.control_port
+        else:
+            self.control_port = self.sock.bind_to_random_port(f"tcp://{bind_host}")
+        if cfg.disaggregated:
+            import datetime
+
+            import torch.distributed as dist
+
+            self.kv_port = cfg.kv_port or _free_port(bind_host)
+            self.store = dist.TCPStore(bind_host, self.kv_port, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30))
+        self._tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._watch())]
+        for role, count in self._local_workers():
+            for i in range(count):
+                self._spawn(WorkerHandle(f"{role}-{i}", role))
+
+    def _local_workers(self) -> list[tuple[str, int]]:
+        if not self.cfg.disaggregated:
+            return [("worker", 1)]
+        return [("prefill", self.cfg.prefill_workers), ("decode", self.cfg.decode_workers)]
+
+    def _spawn(self, w: WorkerHandle) -> None:
+        cfg = self.cfg
+        if w.command is None:
+            w.command = [sys.executable, "-m", "unweight.cli.main", "serve", cfg.model, "--role", w.role, "--name", w.name,
+                         "--router-address", f"{_connect_host(cfg.host)}:{self.control_port}", "--device", cfg.device,
+                         "--max-batch", str(cfg.max_batch), "--parent-pid", str(os.getpid())]
+            if cfg.max_model_len:
+                w.command += ["--max-model-len", str(cfg.max_model_len)]
+            if cfg.disaggregated:
+                w.command += ["--kv-address", f"{_connect_host(cfg.host)}:{self.kv_port}"]
+        w.proc = subprocess.Popen(w.command, stdin=subprocess.DEVNULL)
+        w.pid, w.state, w.incarnation, w.last_seen = w.proc.pid, "starting", None, time.monotonic()
+        self.workers[w.name] = w
+
+    async def stop(self) -> None:
+        """Fail what is in flight, ask workers to stop, then make sure they did."""
+        self.closing = True
+        for r in list(self.requests.values()):
+            self._finish_error(r, "the server is shutting down")
+        for w in self.workers.values():
+            await self._send(w.name, {"op": "shutdown"})
+        deadline = time.monotonic() + 10
+        for w in self.workers.values():
+            if w.proc is None:
+                continue
+            try:
+                w.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                w.proc.kill()
+                w.proc.wait()
+        for t in self._tasks:
+            t.cancel()
+        self.sock.close()
+        self.ctx.term()
+
+    # -- worker traffic -----------------------------------------------------------------------
+    async def _send(self, name: str, msg: dict) -> None:
+        try:
+            await self.sock.send_multipart([name.encode(), pack(msg)])
+        except Exception as e:  # noqa: BLE001 - an unroutable worker shows up as dead through the watcher
+            log.warning("cannot reach %s: %s", name, e)
+
+    async def _receive(self) -> None:
+        while True:
+            ident, data = await self.sock.recv_multipart()
+            try:
+                self._handle(ident.decode(), unpack(data))
+            except Exception:  # noqa: BLE001 - one bad message must not take the router down
+                log.exception("bad message from %r", ident)
+
+    def _handle(self, name: str, msg: dict) -> None:
+        w = self.workers.get(name)
+        op = msg["op"]
+        if op == "hello":
+            if w is None:  # a worker started by hand (--role prefill|decode on another host)
+                w = self.workers[name] = WorkerHandle(name, msg["role"])
+            w.pid, w.incarnation, w.state = msg["pid"], msg["incarnation"], "ready"
+        if w is None:
+            return
+        w.last_seen = time.monotonic()
+        if op == "beat":
+            w.running, w.queued = msg["running"], msg["queued"]
+            w.kv_blocks_used, w.kv_blocks_total = msg["kv_blocks_used"], msg["kv_blocks_total"]
+            if w.state == "unresponsive":
+                w.state = "ready"
+            self.metrics.worker(w)
+        elif op == "prefilled":
+            r = self.requests.get(msg["id"])
+            w.inflight.discard(msg["id"])
+            self.metrics.kv_bytes.labels(name, msg["decode"]).inc(msg["kv_bytes"])
+            if r is None or r.done:
+                return
+            self._token(r, msg["first_token"], None)
+            d = self.workers.get(r.decode)
+            if d is None or d.state == "dead":
+                self._finish_error(r, f"decode worker {r.decode} died")
+                return
+            r.holder = d.name
+            d.inflight.add(r.rid)
+            d.served += 1
+            asyncio.get_running_loop().create_task(self._send(d.name, {
+                "op": "decode", "id": r.rid, "tag": r.tag, "first_token": msg["first_token"], "kv_shape": msg["kv_shape"], "kv_dtype": msg["kv_dtype"],
+                "prefill": name, "prefill_incarnation": w.incarnation, "sampling": r.sampling, "rng": msg["rng"]}))
+        elif op == "tokens":
+            for rid, token, finish in msg["items"]:
+                r = self.requests.get(rid)
+                if r is not None and not r.done:
+                    self._token(r, token, finish)
+        elif op == "failed":
+            r = self.requests.get(msg["id"])
+            if r is not None:
+                self._finish_error(r, msg["error"])
+
+    def _token(self, r: Request, token: int | None, finish: str | None) -> None:
+        now = time.monotonic()
+        if token is not None:
+            if r.first_at is None:
+                r.first_at = now
+                self.metrics.ttft.observe(now - r.created)
+            else:
+                self.metrics.itl.observe(now - r.last_at)
+            r.last_at = now
+        r.events.put_nowait(("token", token, finish))
+        if finish is not None:
+            self._release(r)
+
+    def _finish_error(self, r: Request, error: str) -> None:
+        if not r.done:
+            r.events.put_nowait(("error", error, None))
+            self._release(r)
+
+    def _release(self, r: Request) -> None:
+        r.done = True
+        self.requests.pop(r.rid, None)
+        for w in self.workers.values():
+            w.inflight.discard(r.rid)
+
+    async def _watch(self) -> None:
+        """Find dead or silent workers; fail their requests; restart the ones we started."""
+        while True:
+            await asyncio.sleep(0.2)
+            now = time.monotonic()
+            for w in list(self.workers.values()):
+                exited = w.proc is not None and w.proc.poll() is not None
+                if exited and w.state != "dead":
+                    log.error("worker %s (pid %s) exited with %s", w.name, w.pid, w.proc.returncode)
+                    w.state, w.died_at = "dead", now
+                    for rid in list(w.inflight):
+                        r = self.requests.get(rid)
+                        if r is not None:
+                            self._finish_error(r, f"worker {w.name} died while serving this request")
+                    w.inflight.clear()
+                    self.metrics.worker(w)
+                elif not exited and w.state == "ready" and now - w.last_seen > DEAD_AFTER_S:
+                    w.state = "unresponsive"
+                if w.state == "dead" and w.command is not None and not self.closing and now - w.died_at >= RESTART_BACKOFF_S:
+                    w.restarts += 1
+                    self._spawn(w)
+
+    # -- requests -----------------------------------------------------------------------------
+    def ready(self) -> bool:
+        roles = {w.role for w in self.workers.values() if w.state == "ready"}
+        return {"prefill", "decode"} <= roles if self.cfg.disaggregated else "worker" in roles
+
+    def _pick(self, role: str) -> WorkerHandle:
+        ready = [w for w in self.workers.values() if w.role == role and w.state == "ready"]
+        if not ready:
+            raise Unavailable(f"no {role} worker is ready")
+        return min(ready, key=lambda w: (w.load + w.running, w.name))
+
+    async def submit(self, rid: str, tokens: list[int], sampling: dict) -> Request:
+        if len(self.requests) >= self.cfg.max_queue:
+            raise Overloaded(f"{len(self.requests)} requests in flight (max {self.cfg.max_queue})")
+        sampling = {**sampling, "eos": self.eos}
+        r = Request(rid, next(self._tags) % (1 << 30), tokens, sampling, asyncio.Queue())
+        if self.cfg.disaggregated:
+            p, d = self._pick("prefill"), self._pick("decode")
+            r.holder, r.decode = p.name, d.name
+            msg = {"op": "prefill", "id": rid, "tag": r.tag, "tokens": tokens, "sampling": sampling, "decode": d.name, "decode_incarnation": d.incarnation}
+        else:
+            p = self._pick("worker")
+            r.holder = p.name
+            msg = {"op": "generate", "id": rid, "tokens": tokens, "sampling": sampling}
+        p.inflight.add(rid)
+        p.served += 1
+        self.requests[rid] = r
+        await self._send(p.name, msg)
+        return r
+
+    async def cancel(self, r: Request) -> None:
+        """The client left or a stop string ended it: free its batch slot and KV cache."""
+        if r.done and r.holder is None:
+            return
+        holder = r.holder
+        self._release(r)
+        for name in {holder, r.decode} - {None}:
+            await self._send(name, {"op": "cancel", "id": r.rid})
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _connect_host(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "localhost", "") else host
