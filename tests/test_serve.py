@@ -1,0 +1,274 @@
+"""`unweight serve` for real: the router and its worker processes, HTTP on 127.0.0.1, the real
+SmolLM2-135M-Instruct in compressed form, on the CPU.
+
+The servers run with UNWEIGHT_PIPELINE=fused: the fused CPU GEMV computes every row of a batch
+exactly as it would alone, so greedy text does not depend on which requests share a batch and
+can be compared token for token with `unweight generate`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+import unweight
+
+KEY = "test-key"
+MESSAGES = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "Name three colours."}],
+    [{"role": "user", "content": "What is 2 + 2?"}],
+    [{"role": "user", "content": "Say hello in Spanish."}],
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, *args: str, port: int | None = None, wait: bool = True):
+        self.port = port or free_port()
+        env = {**os.environ, "UNWEIGHT_PIPELINE": "fused"}
+        cmd = [sys.executable, "-m", "unweight.cli.main", "serve", *args, "--port", str(self.port)]
+        self.proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.http = httpx.Client(base_url=self.url, timeout=120, headers={"Authorization": f"Bearer {KEY}"})
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self, timeout: float = 180) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.proc.stderr.read()
+            try:
+                r = self.http.get("/health")
+                if r.status_code == 200:
+                    return r.json()
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError("server did not become ready")
+
+    def health(self) -> dict:
+        return self.http.get("/health").json()
+
+    def chat(self, messages, **kw) -> httpx.Response:
+        return self.http.post("/v1/chat/completions", json={"model": "uw", "messages": messages, "temperature": 0, **kw})
+
+    def stop(self) -> list[int]:
+        """SIGTERM, as a user's Ctrl-C would; returns the worker pids it had."""
+        pids = [w["pid"] for w in self.health()["workers"]] if self.proc.poll() is None else []
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(timeout=60)
+        self.http.close()
+        return pids
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is dead too
+        return f.read().split()[2] != "Z"
+
+
+@pytest.fixture(scope="module")
+def uw(smollm2_uw, tmp_path_factory):
+    """The compressed model under the folder name "uw" (the served model id)."""
+    link = tmp_path_factory.mktemp("serve") / "uw"
+    link.symlink_to(smollm2_uw[0])
+    return link
+
+
+@pytest.fixture(scope="module")
+def server(uw):
+    s = Server(str(uw), "--api-key", KEY, "--max-model-len", "512", "--max-queue", "24")
+    yield s
+    pids = s.stop()
+    time.sleep(1)
+    assert not [p for p in pids if alive(p)], "worker processes outlived the server"
+
+
+@pytest.fixture(scope="module")
+def expected(uw):
+    """What `unweight generate` says, greedy, for each of MESSAGES (16 new tokens at most)."""
+    model, tok = unweight.load(uw), unweight.load_tokenizer(uw)
+    return [unweight.generate(model, tok, m, max_new_tokens=16) for m in MESSAGES]
+
+
+def test_greedy_chat_equals_unweight_generate(server, expected):
+    r = server.chat(MESSAGES[0], max_tokens=16)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["choices"][0]["message"]["content"] == expected[0].text
+    assert body["choices"][0]["finish_reason"] == expected[0].finish_reason
+    assert body["usage"]["completion_tokens"] == len(expected[0].token_ids)
+    assert body["usage"]["prompt_tokens"] == expected[0].prompt_tokens
+
+
+def test_prefill_and_decode_ran_in_different_processes(server):
+    server.chat(MESSAGES[1], max_tokens=4)
+    workers = {w["role"]: w for w in server.health()["workers"]}
+    assert workers["prefill"]["pid"] != workers["decode"]["pid"] != server.proc.pid
+    assert workers["prefill"]["served"] >= 1 and workers["decode"]["served"] >= 1
+    metrics = server.http.get("/metrics").text
+    assert 'unweight_kv_transferred_bytes_total{decode="decode-0",prefill="prefill-0"}' in metrics
+    assert "unweight_time_to_first_token_seconds_bucket" in metrics and "unweight_inter_token_latency_seconds_count" in metrics
+
+
+def test_streaming_equals_non_streaming_with_the_openai_client(server):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{server.url}/v1", api_key=KEY)
+    assert [m.id for m in client.models.list()] == ["uw"]
+    whole = client.completions.create(model="uw", prompt="The history of Rome", max_tokens=20, temperature=0)
+    pieces = client.completions.create(model="uw", prompt="The history of Rome", max_tokens=20, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in pieces) == whole.choices[0].text and whole.usage.completion_tokens == 20
+    chat = client.chat.completions.create(model="uw", messages=MESSAGES[0], max_tokens=16, temperature=0)
+    stream = client.chat.completions.create(model="uw", messages=MESSAGES[0], max_tokens=16, temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == chat.choices[0].message.content
+
+
+def test_sixteen_concurrent_clients_get_complete_correct_answers(server, expected):
+    def ask(i: int) -> tuple[int, str, str]:
+        r = server.chat(MESSAGES[i % 4], max_tokens=16, stream=(i % 2 == 1))
+        if i % 2:
+            chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+            return i, "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks), r.text.rstrip().splitlines()[-1]
+        return i, r.json()["choices"][0]["message"]["content"], "data: [DONE]"
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(ask, range(16)))
+    for i, text, last in results:
+        assert text == expected[i % 4].text and last == "data: [DONE]", f"client {i}"
+
+
+@pytest.mark.parametrize("body,status,fragment", [
+    (b"{not json", 400, "not valid JSON"),
+    ({"model": "uw", "messages": MESSAGES[0], "max_tokens": "ten"}, 400, "max_tokens"),
+    ({"model": "uw", "messages": MESSAGES[0], "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": "gpt-4", "messages": MESSAGES[0]}, 400, "is not served here"),
+    ({"model": "uw", "messages": [{"role": "user", "content": "word " * 600}]}, 400, "context length"),
+    ({"model": "uw", "messages": MESSAGES[0], "n": 2}, 400, "n=1"),
+    ({"model": "uw", "messages": "hello"}, 400, "messages"),
+])
+def test_bad_requests_get_openai_errors(server, body, status, fragment):
+    kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+    r = server.http.post("/v1/chat/completions", **kw)
+    assert r.status_code == status and fragment in r.json()["error"]["message"]
+
+
+def test_wrong_api_key_is_401(server):
+    r = httpx.post(f"{server.url}/v1/chat/completions", json={"model": "uw", "messages": MESSAGES[0]}, headers={"Authorization": "Bearer nope"})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+
+
+def wait_idle(server: Server, timeout: float = 30) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        workers = {w["name"]: w for w in server.health()["workers"]}
+        d = workers["decode-0"]
+        if d["running"] == 0 and d["kv_blocks_used"] == 0 and d["queued"] == 0:
+            return workers
+        time.sleep(0.3)
+    raise AssertionError(f"decode worker still busy: {workers}")
+
+
+def test_disconnect_mid_stream_frees_the_slot_and_cache(server):
+    body = {"model": "uw", "messages": MESSAGES[1], "max_tokens": 300, "temperature": 0, "stream": True, "stop": None}
+    with server.http.stream("POST", "/v1/chat/completions", json=body) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]
+        assert any(line.startswith("data: {") for line in got)
+    wait_idle(server)  # long before 300 tokens could have been made
+
+
+def test_overload_gets_429_with_retry_after(server):
+    body = {"model": "uw", "messages": MESSAGES[2], "max_tokens": 200, "temperature": 0, "stream": True}
+
+    def start(_):
+        c = httpx.Client(base_url=server.url, timeout=60, headers={"Authorization": f"Bearer {KEY}"})
+        cm = c.stream("POST", "/v1/chat/completions", json=body)
+        r = cm.__enter__()
+        return c, cm, r
+
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        opened = list(pool.map(start, range(32)))
+    codes = [r.status_code for _, _, r in opened]
+    busy = [r for _, _, r in opened if r.status_code == 429]
+    message = json.loads(busy[0].read())["error"]["message"] if busy else ""
+    for c, cm, _ in opened:
+        cm.__exit__(None, None, None)
+        c.close()
+    assert set(codes) <= {200, 429} and busy and codes.count(200) >= 16
+    assert busy[0].headers["Retry-After"] and "busy" in message
+    wait_idle(server)
+
+
+def test_killed_worker_fails_its_requests_then_comes_back(server, expected):
+    decode_pid = {w["role"]: w for w in server.health()["workers"]}["decode"]["pid"]
+    body = {"model": "uw", "messages": MESSAGES[3], "max_tokens": 400, "temperature": 0, "stream": True}
+    t0 = time.monotonic()
+    with server.http.stream("POST", "/v1/chat/completions", json=body) as r:
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data: {"))
+        os.kill(decode_pid, signal.SIGKILL)
+        rest = [line for line in lines if line]
+    assert time.monotonic() - t0 < 60
+    assert any('"worker_failed"' in line for line in rest) and rest[-1] == "data: [DONE]"
+    h = server.health()
+    assert server.proc.poll() is None  # the router stayed up
+    d = next(w for w in h["workers"] if w["role"] == "decode")
+    assert d["restarts"] >= 1 or d["state"] == "dead"
+    h = server.wait_ready()
+    d = next(w for w in h["workers"] if w["role"] == "decode")
+    assert d["restarts"] == 1 and d["pid"] != decode_pid and d["state"] == "ready"
+    r = server.chat(MESSAGES[0], max_tokens=16)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == expected[0].text
+
+
+def test_aggregated_mode(uw, expected):
+    s = Server(str(uw), "--no-disagg")
+    try:
+        h = s.health()
+        assert h["mode"] == "aggregated" and [w["role"] for w in h["workers"]] == ["worker"]
+        r = s.http.post("/v1/chat/completions", json={"model": "uw", "messages": MESSAGES[2], "max_tokens": 16, "temperature": 0})
+        assert r.json()["choices"][0]["message"]["content"] == expected[2].text
+    finally:
+        s.stop()
+
+
+def test_roles_started_separately(uw, expected):
+    """The multi-host set-up on one host: a router alone, then a prefill and a decode worker that
+    connect to it by address."""
+    control, kv = free_port(), free_port()
+    router = Server(str(uw), "--role", "router", "--control-port", str(control), "--kv-port", str(kv), wait=False)
+    env = {**os.environ, "UNWEIGHT_PIPELINE": "fused"}
+    workers = [
+        subprocess.Popen([sys.executable, "-m", "unweight.cli.main", "serve", str(uw), "--role", role, "--name", f"{role}-x",
+                          "--router-address", f"127.0.0.1:{control}", "--kv-address", f"127.0.0.1:{kv}"], env=env)
+        for role in ("prefill", "decode")
+    ]
+    try:
+        h = router.wait_ready()
+        assert sorted(w["name"] for w in h["workers"]) == ["decode-x", "prefill-x"]
+        r = router.chat(MESSAGES[0], max_tokens=16)
+        assert r.json()["choices"][0]["message"]["content"] == expected[0].text
+    finally:
+        router.stop()
+        for w in workers:
+            w.send_signal(signal.SIGTERM)
+            w.wait(timeout=30)
