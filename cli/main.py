@@ -249,6 +249,7 @@ def serve(
     control_port: Annotated[int, typer.Option("--control-port", help="Router control port (0: any free port).")] = 0,
     kv_port: Annotated[int, typer.Option("--kv-port", help="Router KV rendezvous port (0: any free port).")] = 0,
     served_model_name: Annotated[Optional[str], typer.Option("--served-model-name", help="Model id clients use (default: the folder name).")] = None,
+    worker_threads: Annotated[int, typer.Option("--worker-threads", min=0, help="CPU threads per worker (0: this machine's cores split among the local workers).")] = 0,
     parent_pid: Annotated[Optional[int], typer.Option("--parent-pid", hidden=True)] = None,
 ) -> None:
     """Serve a compressed model behind an OpenAI-compatible API, with prefill and decode in
@@ -276,7 +277,7 @@ def serve(
         if not model.is_dir():
             raise ValueError(f"{model}: no such model folder")
         cfg = ServeConfig(str(model), host, port, prefill_workers, decode_workers, max_batch, max_model_len, max_queue, device, api_key,
-                          not no_disagg, control_port, kv_port, served_model_name)
+                          not no_disagg, control_port, kv_port, served_model_name, worker_threads)
         if role in ("all", "router"):
             if role == "router":
                 cfg.prefill_workers = cfg.decode_workers = 0

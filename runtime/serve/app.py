@@ -223,7 +223,7 @@ def serve(cfg: ServeConfig) -> None:
 def run_worker(role: str, name: str, cfg: ServeConfig, router_address: tuple[str, int], kv_address: tuple[str, int] | None, parent_pid: int | None) -> None:
     from .worker import main
 
-    main(role, name, cfg.model, router_address, kv_address, cfg.device, cfg.max_batch, cfg.max_model_len, parent_pid)
+    main(role, name, cfg.model, router_address, kv_address, cfg.device, cfg.max_batch, cfg.max_model_len, parent_pid, cfg.worker_threads)
 
 
 __all__ = ["create_app", "run_worker", "serve"]

@@ -64,6 +64,7 @@ class ServeConfig:
     control_port: int = 0  # 0: pick a free port (all roles on one host)
     kv_port: int = 0
     served_model_name: str | None = None
+    worker_threads: int = 0  # CPU threads per worker; 0: the machine's cores split among the local workers
 
     def __post_init__(self) -> None:
         for name in ("prefill_workers", "decode_workers"):
@@ -75,6 +76,8 @@ class ServeConfig:
                 raise ValueError(f"{name.replace('_', '-')} must be >= 1, not {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max-model-len must be >= 2, not {self.max_model_len}")
+        if self.worker_threads < 0:
+            raise ValueError(f"worker-threads must be >= 0, not {self.worker_threads}")
         for name in ("port", "control_port", "kv_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ValueError(f"{name.replace('_', '-')} {getattr(self, name)} is not a TCP port")

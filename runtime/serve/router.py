@@ -132,6 +132,8 @@ class Router:
                          "--max-batch", str(cfg.max_batch), "--parent-pid", str(os.getpid())]
             if cfg.max_model_len:
                 w.command += ["--max-model-len", str(cfg.max_model_len)]
+            local = sum(n for _, n in self._local_workers()) or 1
+            w.command += ["--worker-threads", str(cfg.worker_threads or max(1, _cpus() // local))]
             if cfg.disaggregated:
                 w.command += ["--kv-address", f"{_connect_host(cfg.host)}:{self.kv_port}"]
         w.proc = subprocess.Popen(w.command, stdin=subprocess.DEVNULL)
@@ -301,6 +303,13 @@ class Router:
         self._release(r)
         for name in {holder, r.decode} - {None}:
             await self._send(name, {"op": "cancel", "id": r.rid})
+
+
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
 
 
 def _free_port(host: str) -> int:

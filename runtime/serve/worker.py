@@ -264,7 +264,13 @@ class Worker:
 
 
 def main(role: str, name: str, model_path: str, router: tuple[str, int], kv_store: tuple[str, int] | None, device: str,
-         max_batch: int, max_model_len: int | None, parent_pid: int | None) -> None:
-    """Entry point of a worker process (`unweight serve --role prefill|decode|worker`)."""
+         max_batch: int, max_model_len: int | None, parent_pid: int | None, threads: int | None = None) -> None:
+    """Entry point of a worker process (`unweight serve --role prefill|decode|worker`). threads:
+    CPU threads for torch and numba (workers sharing one machine split its cores)."""
     torch.set_grad_enabled(False)
+    if threads:
+        import numba
+
+        torch.set_num_threads(threads)
+        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
     Worker(role, name, model_path, router, kv_store, device, max_batch, max_model_len, parent_pid).run()
