@@ -15,3 +15,11 @@ def test_readme_python_example(minilm_dir, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     exec(compile(code, str(README), "exec"), {})
     assert (tmp_path / "model-restored" / "model.safetensors").read_bytes() == (minilm_dir / "model.safetensors").read_bytes()
+
+
+def test_readme_runtime_example(smollm2_uw, tmp_path, monkeypatch, capsys):
+    code = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)[1]
+    (tmp_path / "model-uw").symlink_to(smollm2_uw[0])
+    monkeypatch.chdir(tmp_path)
+    exec(compile("import unweight\n" + code, str(README), "exec"), {})
+    assert capsys.readouterr().out.strip()  # it printed a completion
