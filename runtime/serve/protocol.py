@@ -6,15 +6,16 @@ Tensors never travel this way: a KV cache goes from a prefill worker to a decode
 torch.distributed (runtime/serve/kv_link.py).
 
 Router -> worker
-    prefill   {id, tokens, sampling, decode: name, decode_incarnation}   (disaggregated)
-    generate  {id, tokens, sampling}                                     (aggregated worker)
-    decode    {id, first_token, kv_shape, prefill: name, prefill_incarnation, sampling, rng, generated}
+    prefill   {id, tag, tokens, sampling, decode: name, decode_incarnation}   (disaggregated)
+    generate  {id, tokens, sampling}                                          (aggregated worker)
+    decode    {id, tag, first_token, kv_shape, kv_dtype, prefill: name, prefill_incarnation, sampling, rng}
+              (with discard: true, receive the KV and drop it: its request was cancelled meanwhile)
     cancel    {id}
     shutdown  {}
 Worker -> router
     hello     {role, pid, incarnation}
     beat      {running, queued, kv_blocks_used, kv_blocks_total}  (every HEARTBEAT_S)
-    prefilled {id, first_token, kv_shape, rng, kv_bytes}         (the KV is on its way)
+    prefilled {id, tag, first_token, kv_shape, kv_dtype, rng, kv_bytes, decode}  (the KV is on its way)
     tokens    {items: [[id, token, finish_reason or null], ...]}  (one message per step)
     failed    {id, error}
 """

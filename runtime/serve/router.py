@@ -196,7 +196,10 @@ class Router:
             r = self.requests.get(msg["id"])
             w.inflight.discard(msg["id"])
             self.metrics.kv_bytes.labels(name, msg["decode"]).inc(msg["kv_bytes"])
-            if r is None or r.done:
+            if r is None or r.done:  # cancelled during its prefill: the KV is sent anyway, so receive and drop it
+                asyncio.get_running_loop().create_task(self._send(msg["decode"], {
+                    "op": "decode", "id": msg["id"], "tag": msg["tag"], "kv_shape": msg["kv_shape"], "kv_dtype": msg["kv_dtype"],
+                    "prefill": name, "prefill_incarnation": w.incarnation, "discard": True}))
                 return
             self._token(r, msg["first_token"], None)
             d = self.workers.get(r.decode)

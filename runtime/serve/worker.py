@@ -129,6 +129,8 @@ class Worker:
             self.waiting.append(msg)
         elif op == "decode" and self.role == "decode":
             self.pending[msg["id"]] = msg
+            if msg.get("discard"):  # sends and receives must pair up on a link: take it, then drop it
+                self.cancelled.add(msg["id"])
             self.link.submit(Transfer(msg["id"], msg["tag"], msg["prefill"], msg["prefill_incarnation"], shape=tuple(msg["kv_shape"]), dtype=msg["kv_dtype"]))
         else:
             log.warning("%s: ignoring %s", self.name, op)
@@ -208,7 +210,7 @@ class Worker:
             return
         kv = self.model.cache.export(seq)
         self.model.free(seq)
-        self.send({"op": "prefilled", "id": job["id"], "first_token": token, "kv_shape": list(kv.shape), "kv_dtype": str(kv.dtype).removeprefix("torch."),
+        self.send({"op": "prefilled", "id": job["id"], "tag": job["tag"], "first_token": token, "kv_shape": list(kv.shape), "kv_dtype": str(kv.dtype).removeprefix("torch."),
                    "rng": rng_state(gen), "kv_bytes": kv.numel() * kv.element_size(), "decode": job["decode"]})
         self.link.submit(Transfer(job["id"], job["tag"], job["decode"], job["decode_incarnation"], tensor=kv))
 
