@@ -40,12 +40,23 @@ class Rope:
 
     def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu"):
         self.inv_freq = inv_frequencies(cfg).to(device)
+        self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _table(self, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin (positions, 1, head_dim) for positions 0..length-1 at least, computed once
+        (and again, doubled, when a longer sequence comes): each decode step only indexes it."""
+        cos, _ = self._tables.get(dtype, (None, None))
+        if cos is None or cos.shape[0] < length:
+            n = max(length, 256, 2 * (0 if cos is None else cos.shape[0]))
+            freqs = torch.arange(n, device=self.inv_freq.device).to(torch.float32)[:, None] * self.inv_freq[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+            self._tables[dtype] = (emb.cos().to(dtype), emb.sin().to(dtype))
+        return self._tables[dtype]
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens, 1, head_dim) cos and sin for integer positions (tokens,)."""
-        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        cos, sin = self._table(int(positions.max()) + 1, dtype)
+        return cos[positions], sin[positions]
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
