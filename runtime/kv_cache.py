@@ -67,8 +67,9 @@ class KVCache:
         if new - old < need:
             raise CacheFullError(f"KV cache full: {self.used_blocks} of {self.max_blocks} blocks of {self.block_size} tokens in use")
         pad = (self.layers, new - old, self.block_size, self.kv_heads, self.head_dim)
-        self.k = torch.cat((self.k, self.k.new_zeros(pad)), dim=1)
-        self.v = torch.cat((self.v, self.v.new_zeros(pad)), dim=1)
+        with torch.inference_mode(False):  # normal tensors, whatever mode grew them: later in-place writes may run in either
+            self.k = torch.cat((self.k, self.k.new_zeros(pad)), dim=1)
+            self.v = torch.cat((self.v, self.v.new_zeros(pad)), dim=1)
         self._free = list(range(new - 1, old - 1, -1)) + self._free
 
     # -- sequences --------------------------------------------------------------------------

@@ -177,6 +177,7 @@ class Router:
                 log.exception("bad message from %r", ident)
 
     def _handle(self, name: str, msg: dict) -> None:
+        name = name.removesuffix("#beat")  # a worker's heartbeat socket
         w = self.workers.get(name)
         op = msg["op"]
         if op == "hello":

@@ -18,6 +18,7 @@ import base64
 import logging
 import os
 import signal
+import threading
 import time
 import uuid
 from collections import deque
@@ -78,7 +79,8 @@ class Worker:
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, name.encode())
         self.sock.setsockopt(zmq.LINGER, 1000)
-        self.sock.connect(f"tcp://{router[0]}:{router[1]}")
+        self.router_url = f"tcp://{router[0]}:{router[1]}"
+        self.sock.connect(self.router_url)
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
         self.link = KVLink(kv_store, self.incarnation, 0 if role == "prefill" else 1) if role in ("prefill", "decode") else None
@@ -87,7 +89,6 @@ class Worker:
         self.pending: dict[str, dict] = {}  # decode: jobs whose KV is on its way
         self.cancelled: set[str] = set()
         self.stopping = False
-        self._last_beat = 0.0
         self.send({"op": "hello", "role": role, "pid": os.getpid(), "incarnation": self.incarnation})
 
     # -- messages -----------------------------------------------------------------------------
@@ -99,23 +100,36 @@ class Worker:
             self.send({"op": "tokens", "items": items})
 
     def poll(self, timeout_ms: int) -> None:
+        import zmq
+
         if self.poller.poll(timeout_ms):
             while True:
-                import zmq
-
                 try:
                     data = self.sock.recv(zmq.NOBLOCK)
                 except zmq.Again:
                     break
                 self.handle(unpack(data))
-        now = time.monotonic()
-        if now - self._last_beat >= HEARTBEAT_S:
-            self._last_beat = now
-            cache = self.model.cache
-            self.send({"op": "beat", "running": len(self.running), "queued": len(self.waiting) + len(self.pending),
-                       "kv_blocks_used": cache.used_blocks, "kv_blocks_total": cache.max_blocks})
-            if self.parent_pid is not None and os.getppid() != self.parent_pid:
-                self.stopping = True  # the router that started us is gone: no orphans
+
+    def _beat(self) -> None:
+        """Heartbeats from a thread with a socket of its own (`NAME#beat`; ZeroMQ sockets are not
+        shared between threads), so a long prefill or step never makes the worker look dead.
+        Also stops the worker if the router that started it is gone: no orphans."""
+        import zmq
+
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, f"{self.name}#beat".encode())
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.router_url)
+        try:
+            while not self.stopping:
+                cache = self.model.cache
+                sock.send(pack({"op": "beat", "running": len(self.running), "queued": len(self.waiting) + len(self.pending),
+                                "kv_blocks_used": cache.used_blocks, "kv_blocks_total": cache.max_blocks}))
+                if self.parent_pid is not None and os.getppid() != self.parent_pid:
+                    self.stopping = True
+                time.sleep(HEARTBEAT_S)
+        finally:
+            sock.close()
 
     def handle(self, msg: dict) -> None:
         op = msg["op"]
@@ -184,10 +198,14 @@ class Worker:
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopping", True))
         signal.signal(signal.SIGINT, lambda *_: setattr(self, "stopping", True))
         step = {"prefill": self._prefill_loop, "decode": self._decode_loop, "worker": self._aggregated_loop}[self.role]
+        beat = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
+        beat.start()
         try:
             while not self.stopping:
                 step()
         finally:
+            self.stopping = True
+            beat.join(timeout=2 * HEARTBEAT_S)
             if self.link is not None:
                 self.link.close()
             self.sock.close()
