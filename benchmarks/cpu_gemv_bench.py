@@ -1,0 +1,220 @@
+"""The CPU fused GEMV (`tiles_gemv_cpu`) against torch's F.linear, on SmolLM2-135M's linear shapes.
+
+For each (out_features N, in_features K) below and each batch M (--batches), in one process and
+at one thread count (--threads, for torch and numba alike):
+
+  torch bf16   F.linear(x_bf16, W_bf16)      the baseline (oneDNN/MKL)
+  torch fp32   F.linear(x_fp32, W_fp32)      twice the weight bytes
+  fused        tiles_gemv_cpu(x_fp32, W)     W in the serving layout (`tiles`), fp32 out
+
+the median wall time of one call, ns per weight element (time / (N*K)), and fused / torch bf16.
+
+Weights: the matrices of one layer (--layer) of the SmolLM2-135M-Instruct fixture when it is
+cached (or --safetensors PATH), as the runtime fuses them: q,k,v stacked (960 x 576), o (576 x
+576), gate,up stacked (3072 x 576), down (576 x 1536) and the tied embedding / LM head (49152 x
+576); else trained-like N(0, 0.02) BF16 values of the same shapes.
+
+Correctness first: every shape and batch against F.linear(x, W.float()) within the fp32
+summation bound (K * 2^-23 * |x| @ |W|^T); a failure stops the script.
+Timing: the three variants interleave in rounds (the median is taken over every call of every
+round), so load from other processes hits them alike. --sdpa runs a small
+scaled_dot_product_attention before every timed call, as a decode step interleaves torch ops
+with its linears (this shows OpenMP thread pools getting in each other's way). --cold rotates
+every variant over enough copies of its weight (--cold-mb in all) that each call reads it from
+DRAM, as a decode step of a whole model does; by default the weight stays in cache between calls.
+
+Writes JSON (--json; default benchmarks/results/cpu_gemv_bench.json).
+
+Run:  python benchmarks/cpu_gemv_bench.py [--threads N] [--batches 1,4,16] [--rounds 15] [--sdpa] [--cold]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import struct
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from unweight.codec import tiles
+from unweight.runtime.cpu_gemv import FAST_PATH, tiles_gemv_cpu
+from unweight.runtime.tile_tensors import tile_tensors
+
+# label -> (N, K, tensor names stacked in this order, {layer} filled in)
+SHAPES = {
+    "qkv": (960, 576, ["model.layers.{layer}.self_attn.q_proj.weight", "model.layers.{layer}.self_attn.k_proj.weight", "model.layers.{layer}.self_attn.v_proj.weight"]),
+    "o": (576, 576, ["model.layers.{layer}.self_attn.o_proj.weight"]),
+    "gate_up": (3072, 576, ["model.layers.{layer}.mlp.gate_proj.weight", "model.layers.{layer}.mlp.up_proj.weight"]),
+    "down": (576, 1536, ["model.layers.{layer}.mlp.down_proj.weight"]),
+    "lm_head": (49152, 576, ["model.embed_tokens.weight"]),
+}
+
+
+def read_bf16(path: Path, names: list[str]) -> np.ndarray | None:
+    """The named BF16 matrices of a safetensors file stacked by rows, as uint16; None if any is missing."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+        parts = []
+        for name in names:
+            entry = header.get(name)
+            if entry is None or entry["dtype"] != "BF16" or len(entry["shape"]) != 2:
+                return None
+            b, e = entry["data_offsets"]
+            f.seek(8 + n + b)
+            parts.append(np.frombuffer(f.read(e - b), dtype=np.uint16).reshape(entry["shape"]))
+    return np.ascontiguousarray(np.concatenate(parts))
+
+
+def synthetic(rows: int, cols: int, seed: int) -> np.ndarray:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(rows, cols, generator=g) * 0.02).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16).reshape(rows, cols)
+
+
+def weights(path: Path | None, layer: int) -> dict[str, tuple[np.ndarray, str]]:
+    out = {}
+    for i, (label, (rows, cols, names)) in enumerate(SHAPES.items()):
+        v = read_bf16(path, [s.format(layer=layer) for s in names]) if path is not None and path.exists() else None
+        if v is not None and v.shape == (rows, cols):
+            out[label] = (v, "+".join(s.format(layer=layer).split(".")[-2] for s in names))
+        else:
+            out[label] = (synthetic(rows, cols, seed=i), "N(0, 0.02)")
+    return out
+
+
+def check(label: str, w, p, dense: torch.Tensor, batches) -> None:
+    rows, cols = dense.shape
+    for m in batches:
+        x = torch.randn(m, cols, generator=torch.Generator().manual_seed(m))
+        ref = F.linear(x.double(), dense.double())
+        bound = cols * 2.0**-23 * F.linear(x.double().abs(), dense.double().abs()) + 1e-30
+        got = tiles_gemv_cpu(x, w, p.base, p.block, rows, cols)
+        err = (got.double() - ref).abs()
+        if got.shape != (m, rows) or not torch.all(err <= bound):
+            sys.exit(f"FAIL {label} M={m}: max error {err.max().item():.3g}, {(err / bound).max().item():.2f}x the fp32 bound")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", type=int, default=None, help="threads for torch and numba (default: numba's default, the CPU count)")
+    ap.add_argument("--batches", default="1,4,16", help="comma-separated batch sizes M")
+    ap.add_argument("--rounds", type=int, default=15, help="rounds of interleaved timing per shape and batch")
+    ap.add_argument("--min-round-ms", type=float, default=4.0, help="each variant runs at least this long per round")
+    ap.add_argument("--layer", type=int, default=15)
+    ap.add_argument("--safetensors", type=Path, default=None, help="BF16 SmolLM2-135M weights (default: the cached fixture)")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated subset of " + ",".join(SHAPES))
+    ap.add_argument("--sdpa", action="store_true", help="run a small scaled_dot_product_attention before every timed call")
+    ap.add_argument("--cold", action="store_true", help="rotate over copies of each weight so that every call reads it from DRAM")
+    ap.add_argument("--cold-mb", type=float, default=96.0, help="bytes of BF16 weight copies per shape with --cold (above the L3 size)")
+    ap.add_argument("--json", type=Path, default=Path("benchmarks/results/cpu_gemv_bench.json"))
+    args = ap.parse_args(argv)
+
+    import numba
+
+    if args.threads:
+        numba.set_num_threads(args.threads)
+        torch.set_num_threads(args.threads)
+    else:
+        torch.set_num_threads(numba.get_num_threads())
+    threads = numba.get_num_threads()
+    batches = tuple(int(b) for b in args.batches.split(","))
+    path = args.safetensors
+    if path is None:
+        from unweight.fixtures import cache_dir
+
+        path = cache_dir() / "smollm2-bf16" / "model.safetensors"
+    labels = [s for s in args.shapes.split(",") if s]
+    mats = weights(path, args.layer)
+
+    q, k, v = (torch.randn(1, 9, n, 64) for n in (1, 64, 64))
+    between = (lambda: F.scaled_dot_product_attention(q, k, v)) if args.sdpa else (lambda: None)
+
+    print(f"cpu: {platform.processor() or platform.machine()}, {threads} threads (torch {torch.get_num_threads()}, numba layer "
+          f"{numba.config.THREADING_LAYER}); fused path: {'AVX2 kernels' if FAST_PATH else 'portable'}; weights: {path if path.exists() else 'synthetic'}")
+    print("correctness:")
+    prepared = {}
+    for label in labels:
+        vals, source = mats[label]
+        rows, cols = vals.shape
+        p, s = tiles.encode(vals.ravel(), rows, cols)
+        w = tile_tensors(s)
+        dense = torch.from_numpy(vals.view(np.int16).copy()).view(torch.bfloat16)
+        check(label, w, p, dense, batches)
+        esc = len(s["esc"]) / vals.size
+        print(f"  ok  {label} {rows}x{cols} ({source}): {100 * esc:.1f}% escapes, within the fp32 bound at M={','.join(map(str, batches))}")
+        copies = max(1, -(-int(args.cold_mb * 2**20) // (2 * vals.size))) if args.cold else 1
+        ws = [w] + [tile_tensors(s) for _ in range(copies - 1)]
+        dense_copies = [dense] + [dense.clone() for _ in range(copies - 1)]
+        prepared[label] = (ws, p, dense_copies, [d.float() for d in dense_copies], esc, source)
+
+    results = []
+    print(f"\n{'shape':>16} {'M':>3} | {'torch bf16':>10} {'torch fp32':>10} {'fused':>10}  us | {'bf16':>6} {'fp32':>6} {'fused':>6} ns/elem | fused/bf16")
+    for label in labels:
+        ws, p, dense, dense32, esc, source = prepared[label]
+        rows, cols = dense[0].shape
+        copies = len(ws)
+        turn = [0]
+
+        def pick(seq):  # the next copy of a weight (the same one unless --cold)
+            turn[0] += 1
+            return seq[turn[0] % copies]
+
+        for m in batches:
+            x = torch.randn(m, cols)
+            xb = x.to(torch.bfloat16)
+            variants = {
+                "torch_bf16": lambda: F.linear(xb, pick(dense)),
+                "torch_fp32": lambda: F.linear(x, pick(dense32)),
+                "fused": lambda: tiles_gemv_cpu(x, pick(ws), p.base, p.block, rows, cols),
+            }
+            reps = {}
+            for name, fn in variants.items():  # warm up, and size a round
+                fn()
+                t0 = time.perf_counter()
+                fn()
+                reps[name] = max(3, int(args.min_round_ms * 1e-3 / max(time.perf_counter() - t0, 1e-7)))
+            times = {name: [] for name in variants}
+            for _ in range(args.rounds):
+                for name, fn in variants.items():
+                    for _ in range(reps[name]):
+                        between()
+                        t0 = time.perf_counter()
+                        fn()  # (pick() is inside: an index and a list lookup, timed alike for all three)
+                        times[name].append(time.perf_counter() - t0)
+            med = {name: statistics.median(t) for name, t in times.items()}
+            ns = {name: 1e9 * t / (rows * cols) for name, t in med.items()}
+            ratio = med["fused"] / med["torch_bf16"]
+            print(f"{label + ' ' + str(rows) + 'x' + str(cols):>16} {m:>3} | {1e6 * med['torch_bf16']:>10.1f} {1e6 * med['torch_fp32']:>10.1f} "
+                  f"{1e6 * med['fused']:>10.1f}     | {ns['torch_bf16']:>6.3f} {ns['torch_fp32']:>6.3f} {ns['fused']:>6.3f}         | {ratio:>6.2f}", flush=True)
+            results.append({"shape": label, "out_features": rows, "in_features": cols, "batch": m, "weights": source, "escape_fraction": esc,
+                            "median_us": {k: 1e6 * t for k, t in med.items()}, "ns_per_element": ns, "fused_over_torch_bf16": ratio,
+                            "calls_timed": {k: len(t) for k, t in times.items()}})
+
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    out = {
+        "benchmark": "cpu_gemv_bench",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "cpu": platform.processor() or platform.machine(),
+        "threads": threads,
+        "numba_threading_layer": numba.config.THREADING_LAYER,
+        "fused_path": "avx2" if FAST_PATH else "portable",
+        "torch": torch.__version__,
+        "numba": numba.__version__,
+        "sdpa_between_calls": args.sdpa,
+        "cold": args.cold,
+        "results": results,
+    }
+    args.json.write_text(json.dumps(out, indent=2))
+    print(f"\nwrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
