@@ -110,3 +110,32 @@ def test_fused_cpu_gemv_on_rows_not_aligned_to_code_groups(shape, monkeypatch, t
     mod = UnweightLinear.from_weight(w, autotuner=Autotuner(tmp_path / "t.json"))
     x = torch.randn(3, shape[1], generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     assert torch.allclose(mod(x).float(), F.linear(x.float(), w.float()), rtol=2**-7, atol=1e-3)
+
+
+@pytest.mark.parametrize("rows,cols,m", [(70, 200, 1), (33, 64, 5), (16, 1536, 9), (20, 100, 2)])
+def test_cpu_fast_and_portable_paths_agree(rows, cols, m, monkeypatch):
+    """The AVX2 kernels (where the CPU has them) against the portable numba ones: rows bit-exact,
+    the GEMV within fp32 accumulation-order tolerance; both against the reference decoder."""
+    import numpy as np
+
+    from unweight.codec import tiles
+    from unweight.runtime import cpu_gemv
+
+    g = torch.Generator().manual_seed(rows * cols)
+    w = (torch.randn(rows, cols, generator=g) * 0.02).to(torch.bfloat16)
+    w.view(torch.int16).view(-1)[::11] = 0x0001  # subnormal escapes
+    w.view(torch.int16).view(-1)[3::17] = -15872  # 0xC200 = -32.0, above the window
+    lin = UnweightLinear.from_weight(w)
+    s, p = lin._streams(), lin.params
+    x = torch.randn(m, cols, generator=g)
+    ids = torch.tensor([rows - 1, 0, rows // 2, rows - 1])
+    fast = cpu_gemv.tiles_gemv_cpu(x, s, p.base, p.block, rows, cols), cpu_gemv.tiles_rows_cpu(s, p.base, p.block, rows, cols, ids)
+    monkeypatch.setattr(cpu_gemv, "FAST_PATH", False)
+    slow = cpu_gemv.tiles_gemv_cpu(x, s, p.base, p.block, rows, cols), cpu_gemv.tiles_rows_cpu(s, p.base, p.block, rows, cols, ids)
+    ref = tiles.decode_reference({k: v.numpy() for k, v in s.items() if k != "esc_index"} | {"esc_index": s["esc_index"].numpy().astype("<u4").view(np.uint8)}, p, rows, cols)
+    ref_rows = torch.from_numpy(ref.view(np.int16)).view(torch.bfloat16).reshape(rows, cols)[ids].float()
+    assert torch.equal(fast[1].view(torch.int32), ref_rows.view(torch.int32)) and torch.equal(slow[1].view(torch.int32), ref_rows.view(torch.int32))
+    exact = torch.nn.functional.linear(x, w.float())
+    bound = cols * 2.0**-23 * torch.nn.functional.linear(x.abs(), w.float().abs())
+    for y in (fast[0], slow[0]):
+        assert torch.all((y - exact).abs() <= bound)
