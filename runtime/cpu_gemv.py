@@ -1,24 +1,34 @@
-"""CPU path of the serving layout: numba kernels that rebuild `tiles` rows in cache.
+"""CPU path of the serving layout: numba kernels that rebuild `tiles` rows as they use them.
 
-CPU decode is memory-bound too, so for small batches each W row is rebuilt once into a small fp32
-buffer (it stays in L1) and multiplied with every row of x, never materialising W (`tiles_gemv_cpu`).
-The same row rebuild serves gathers of whole rows (`tiles_rows_cpu`: embedding lookups, and the
-decode-then-matmul pipeline), producing fp32 directly since the CPU computes in fp32.
+CPU decode is memory-bound too, so for small batches each W row is rebuilt eight weights at a time
+and multiplied with every row of x as it is rebuilt, never materialising W (`tiles_gemv_cpu`). The
+same rebuild serves gathers of whole rows (`tiles_rows_cpu`: embedding lookups, and the
+decode-then-matmul pipeline), producing fp32 directly since the CPU computes in fp32 (exact:
+every BF16 value is an fp32 value).
 
-On x86 with AVX2 and FMA (`FAST_PATH`), each group of 8 weights is rebuilt in one ymm register
-by kernels written as LLVM IR through numba intrinsics and multiplied at once (see "The x86 path"
-below). Measured on this 2-core EPYC at batch 1 (benchmarks/cpu_gemv_bench.py, SmolLM2 shapes):
-0.27-0.28 ns per weight, 1.2-1.3x the time of torch's BF16 F.linear, against 0.5-0.65 ns for the
-portable path; at batch 4 it takes half torch's time.
+On x86 with AVX2 and FMA (`FAST_PATH`), the kernels are LLVM IR written through numba intrinsics
+(the comment above `_RowEmitter` walks through them): a group of 8 weights becomes 8 fp32 values
+in one ymm register with 14 vector instructions and no branch on the data, then one FMA per row
+of x. Measured on this 2-vCPU AMD EPYC (Zen 3) VM at M = 1 on SmolLM2-135M's shapes (960x576,
+576x576, 3072x576, 576x1536, 49152x576), weights warm in cache, ns per weight element:
+  one thread:  0.21-0.25, against 0.22-0.28 for torch's BF16 F.linear and 0.63-0.78 for the
+               three-pass kernel below that this replaced;
+  two threads: 0.12-0.21 (torch 0.13-0.17). A second thread gained 1.2x to 1.8x from run to run
+               on this shared VM (torch 1.6x to 1.9x): the kernel keeps the vector unit busy.
+(benchmarks/cpu_gemv_bench.py measures all three side by side, also at M = 4 and 16.) The Python
+wrapper hands numba the tensors' addresses, since converting them to arrays would cost more than
+a tenth of a small layer's GEMV.
 
-Elsewhere (the portable path, and the oracle beside the fast one), a row is rebuilt in three
-passes that LLVM vectorises or keeps branch-free (1536x576, one thread: 0.54 ns per element,
-against 0.99 for one fused scalar loop):
+Elsewhere, and for rows whose start is not a multiple of 8 elements (in_features % 8 != 0), the
+portable kernels (also the oracle the tests hold the fast ones to) rebuild a row into an fp32 buffer (in L1) in three passes that LLVM vectorises
+or keeps branch-free (1536x576 on one thread: 0.54 ns per element, against 0.99 for one fused
+scalar loop):
 1. the three code planes of each 8-element group become 8 exponent bytes with three table lookups
    (SWAR on uint64); groups holding an escape are listed without a branch;
 2. sign+mantissa and exponent bytes are merged into fp32 bit patterns, element-wise;
-3. escapes are patched from the listed groups, lowest set bit first.
-Rows whose start is not a multiple of 8 elements (in_features % 8 != 0) take an element-wise path.
+3. escapes are patched from the listed groups, lowest set bit first (unaligned rows: element-wise).
+The fused kernels hand them the last rows of a tensor too, where reading past a group (which
+they do) could leave the buffers.
 """
 
 from __future__ import annotations
@@ -140,7 +150,6 @@ def _rows_portable(sm, codes, esc, esc_index, K, bpr, base, ids, out, spread, lo
             _row_bits(sm, codes, esc, esc_index, K, bpr, base, ids[i], spread, lowbit, e64, hits, out[i])
 
 
-
 # ---------------------------------------------------------------------------------------------
 # The x86 path. numba's own loops leave this work scalar (or, as above, split into passes through
 # memory), so the inner loop is written as LLVM IR in numba intrinsics: each group of 8 weights
@@ -156,7 +165,8 @@ def _rows_portable(sm, codes, esc, esc_index, K, bpr, base, ids, out, spread, lo
 #            3 of its lane and an AND keeps the sign (bit 31) and the mantissa (16..22); OR;
 # and the integer unit, alongside, computes the escape masks (a & b & c of the code bytes, two
 # groups per 8-byte load) and the position in `esc` (popcount): no branch depends on the data.
-# The GEMV then issues one FMA per row of x (two accumulators when x has one row).
+# The GEMV then issues one FMA per row of x (into two accumulators per row up to 4 rows, which
+# hides the FMA latency).
 # ---------------------------------------------------------------------------------------------
 
 _I8, _I32, _I64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
@@ -187,7 +197,7 @@ def _fast_path_available() -> bool:
     """The fused kernels need AVX2 and FMA on the CPU numba compiles for (the host)."""
     import platform
 
-    if platform.machine().lower() not in ("x86_64", "amd64") or config.CPU_NAME not in (None, "host"):
+    if platform.machine().lower() not in ("x86_64", "amd64") or config.CPU_NAME not in (None, "host") or config.DISABLE_JIT:
         return False
     try:
         from llvmlite import binding

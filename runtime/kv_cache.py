@@ -122,6 +122,7 @@ class KVCache:
         if data.dim() != 5 or tuple(data.shape[:2]) != want or tuple(data.shape[3:]) != (self.kv_heads, self.head_dim):
             raise ValueError(f"KV data of shape {list(data.shape)} does not fit this cache ({self.layers}, 2, tokens, {self.kv_heads}, {self.head_dim})")
         seq = SeqCache()
+        data = data.to(self.k.device)  # it travels through host memory between processes
         length = data.shape[2]
         self.reserve(seq, length)
         for layer in range(self.layers):

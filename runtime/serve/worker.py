@@ -226,7 +226,7 @@ class Worker:
             self.model.free(seq)
             self.emit([[job["id"], None if reason == "stop" else token, reason]])
             return
-        kv = self.model.cache.export(seq)
+        kv = self.model.cache.export(seq).cpu()  # gloo moves host tensors; a GPU cache is staged through them
         self.model.free(seq)
         self.send({"op": "prefilled", "id": job["id"], "tag": job["tag"], "first_token": token, "kv_shape": list(kv.shape), "kv_dtype": str(kv.dtype).removeprefix("torch."),
                    "rng": rng_state(gen), "kv_bytes": kv.numel() * kv.element_size(), "decode": job["decode"]})
