@@ -42,6 +42,8 @@ from numba import carray, config, njit, prange
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
+from unweight.codec import simd
+
 # SPREAD[a]: the 8 bits of a byte spread into the low bit of 8 bytes (bit i -> bit 8i), so three
 # code planes combine into 8 codes, one per byte, with three lookups and two shifts.
 SPREAD = np.array([sum(((a >> i) & 1) << (8 * i) for i in range(8)) for a in range(256)], dtype=np.uint64)
@@ -169,9 +171,8 @@ def _rows_portable(sm, codes, esc, esc_index, K, bpr, base, ids, out, spread, lo
 # hides the FMA latency).
 # ---------------------------------------------------------------------------------------------
 
-_I8, _I32, _I64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
-_F32 = ir.FloatType()
-_V8I32, _V8F32, _V32I8, _V4I64 = ir.VectorType(_I32, 8), ir.VectorType(_F32, 8), ir.VectorType(_I8, 32), ir.VectorType(_I64, 4)
+_I8, _I32, _I64, _F32 = simd.I8, simd.I32, simd.I64, simd.F32
+_V8I32, _V8F32, _V32I8, _V4I64 = simd.V8I32, simd.V8F32, simd.V32I8, simd.V4I64
 MAX_FUSED_ROWS = 8  # rows of x one pass of the fused kernel multiplies (accumulators stay in registers); more take several passes
 
 
@@ -193,35 +194,8 @@ _LANE_MASK = [0x010101 << i for i in range(8)]  # lane i keeps bit i of each cod
 _LANE_MUL = [(1 << (24 - i)) + (1 << (17 - i)) + (1 << (10 - i)) for i in range(8)]  # ... and moves them to 24, 25, 26
 
 
-def _fast_path_available() -> bool:
-    """The fused kernels need AVX2 and FMA on the CPU numba compiles for (the host)."""
-    import platform
-
-    if platform.machine().lower() not in ("x86_64", "amd64") or config.CPU_NAME not in (None, "host") or config.DISABLE_JIT:
-        return False
-    try:
-        from llvmlite import binding
-
-        features = binding.get_host_cpu_features()
-    except Exception:  # pragma: no cover - llvmlite without the call
-        return False
-    return bool(features.get("avx2")) and bool(features.get("fma"))
-
-
-FAST_PATH = _fast_path_available()
-
-
-def _const(v, ty=_I64):
-    return ir.Constant(ty, v)
-
-
-def _vconst(vals, ty=_V8I32):
-    return ir.Constant(ty, [ir.Constant(ty.element, v) for v in vals])
-
-
-def _splat(builder, scalar, ty):
-    v = builder.insert_element(ir.Constant(ty, ir.Undefined), scalar, _const(0, _I32))
-    return builder.shuffle_vector(v, ir.Constant(ty, ir.Undefined), ir.Constant(ir.VectorType(_I32, ty.count), [0] * ty.count))
+FAST_PATH = simd.has("avx2", "fma")  # the fused kernels need both on the CPU numba compiles for
+_const, _vconst, _splat, _load = simd.const, simd.vconst, simd.splat, simd.load
 
 
 def _opaque(builder, value, constraint):
@@ -231,12 +205,8 @@ def _opaque(builder, value, constraint):
     return builder.asm(ir.FunctionType(value.type, [value.type]), "", f"={constraint},0", [value], side_effect=False)
 
 
-def _load(builder, base_ptr, byte_offset, ty, align=1):
-    return builder.load(builder.bitcast(builder.gep(base_ptr, [byte_offset]), ty.as_pointer()), align=align)
-
-
 def _bytes(context, builder, aryty, ary):
-    return builder.bitcast(context.make_array(aryty)(context, builder, ary).data, _I8.as_pointer())
+    return simd.data_ptr(context, builder, aryty, ary)
 
 
 class _RowEmitter:
@@ -245,17 +215,13 @@ class _RowEmitter:
 
     def __init__(self, context, builder, sig_args, sm, sm_off, codes, codes_off, esc, k0, base):
         b = self.b = builder
-        mod = builder.module
         self.sm = b.gep(_bytes(context, b, sig_args[0], sm), [sm_off])
         self.codes = b.gep(_bytes(context, b, sig_args[2], codes), [codes_off])
         self.codes_int = _opaque(b, self.codes, "r")  # the same bytes, read separately by the integer unit
         self.esc = _bytes(context, b, sig_args[4], esc)
-        table = mod.globals.get("unweight_tiles_esc_ctrl")
-        if table is None:
-            table = cgutils.global_constant(mod, "unweight_tiles_esc_ctrl", ir.Constant(ir.ArrayType(_I8, len(_ESC_CTRL)), bytearray(_ESC_CTRL.tobytes())))
-        self.ctrl = b.bitcast(table, _I8.as_pointer())
-        self.ctpop = cgutils.get_or_insert_function(mod, ir.FunctionType(_I64, [_I64]), "llvm.ctpop.i64")
-        self.pshufb = cgutils.get_or_insert_function(mod, ir.FunctionType(_V32I8, [_V32I8, _V32I8]), "llvm.x86.avx2.pshuf.b")
+        self.ctrl = simd.table(b, "unweight_tiles_esc_ctrl", _ESC_CTRL)
+        self.ctpop = simd.function(b, "llvm.ctpop.i64", _I64, [_I64])
+        self.pshufb = simd.function(b, "llvm.x86.avx2.pshuf.b", _V32I8, [_V32I8, _V32I8])
         # pshufb table of exponent bytes: entry 8 + c is base + c for codes 0..6, 0 for the escape
         lut = b.add(_splat(b, b.trunc(base, _I8), _V32I8), _vconst([j % 16 - 8 for j in range(32)], _V32I8))
         self.exp_lut = b.and_(lut, _vconst([0xFF if 0 <= j % 16 - 8 < 7 else 0 for j in range(32)], _V32I8))

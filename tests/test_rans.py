@@ -5,9 +5,19 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from unweight.codec import rans
+from unweight.codec import rans, rans_avx2
 from unweight.codec.freq_table import TableError, parse, quantize, serialize
 from unweight.codec.reference import decode_reference
+
+
+@pytest.fixture(autouse=True, params=["avx2", "portable"])
+def decoder(request, monkeypatch):
+    """Every test here runs with both 16-bit decoders: the AVX2 one, and the numba one that
+    hosts without AVX2 use."""
+    if request.param == "avx2" and not rans_avx2.AVAILABLE:
+        pytest.skip("the host CPU has no AVX2")
+    monkeypatch.setattr(rans_avx2, "AVAILABLE", request.param == "avx2")
+    return request.param
 
 
 def roundtrip(values: np.ndarray, p: rans.RansParams, threads: int = 2) -> dict:
@@ -141,3 +151,17 @@ def test_division_magic_is_exact_for_every_frequency():
         t1 = (xu * (magic & np.uint64(0xFFFFFFFF))) >> np.uint64(32)
         q = (t1 + ((xu - t1) >> ((magic >> np.uint64(32)) & np.uint64(0xFF)))) >> (magic >> np.uint64(40))
         assert np.array_equal(q.astype(np.int64), np.maximum(x, 0) // d)
+
+
+@pytest.mark.parametrize("rotate", [True, False])
+def test_symbol_counts_match_bincount_at_any_offset(rotate):
+    from unweight.codec.rans_kernels import histogram
+
+    values = np.random.default_rng(9).integers(0, 1 << 16, 10_007, dtype=np.uint16)
+    for start, stop in [(0, 10_007), (3, 10_002), (1, 2), (5, 5), (4, 9)]:
+        counts = np.zeros(1024, dtype=np.int64)
+        histogram(values, 16, 6, rotate, start, stop, counts)
+        w = values[start:stop].astype(np.int64)
+        if rotate:
+            w = ((w << 1) | (w >> 15)) & 0xFFFF
+        assert np.array_equal(counts, np.bincount(w >> 6, minlength=1024))

@@ -130,17 +130,15 @@ def parse(blob: bytes | np.ndarray, sym_bits: int, precision: int) -> np.ndarray
 
 
 @njit(nogil=True, cache=True)
-def _fill_slots(freq, raw_bits, rotate, slots, dec_fb, dec_top):
+def _fill_slots(freq, W, R, rotate, tab):
     q = 0
     for sym in range(len(freq)):
         f = freq[sym]
-        top = sym << raw_bits
-        if rotate:  # rotate right by one in 16 bits; the symbol part has a zero low bit
-            top >>= 1
+        top = sym << R
+        if rotate:  # rotate right by one in W bits
+            top = (top >> 1) | ((top & 1) << (W - 1))
         for i in range(f):
-            slots[q] = (f << 32) | (i << 16) | sym
-            dec_fb[q] = f | (i << 16)
-            dec_top[q] = top
+            tab[q] = np.uint64(f | (i << 16) | (top << 32))
             q += 1
 
 
@@ -155,20 +153,19 @@ def _raw_pairs(rotate: bool) -> np.ndarray:
     return pairs
 
 
-def decode_slots(freq: np.ndarray, precision: int, raw_bits: int, rotate: bool) -> tuple[np.ndarray, ...]:
-    """Slot tables for the decoders; freq must sum to 2**precision (parse() checks it).
+def decode_slots(freq: np.ndarray, precision: int, word_bits: int, raw_bits: int, rotate: bool) -> np.ndarray:
+    """The decoders' slot table (freq must sum to 2**precision; parse() checks it): for each slot
+    q of symbol s, f(s) | (q - c(s)) << 16 | top << 32 (uint64), where top is the element's bits
+    from its symbol alone, `s << R` rotated right by one if `rotate`. One 8-byte load a slot gives
+    the decoder everything; the raw field, rotated the same way, is OR-ed in."""
+    tab = np.empty(1 << precision, dtype=np.uint64)
+    _fill_slots(np.asarray(freq, dtype=np.int64), word_bits, raw_bits, rotate, tab)
+    return tab
 
-    Returns `slots` (int64: (f << 32) | ((q - c) << 16) | symbol, for the checked path; int64 so
-    numba never mixes signed and unsigned arithmetic) and, for the 16-bit fast path: f | bias << 16
-    (uint32), the output top bits (uint16), and the output bits of every pair of 6-bit raw fields
-    (uint32, element pairs little-endian).
-    """
-    size = 1 << precision
-    slots = np.empty(size, dtype=np.int64)
-    dec_fb = np.empty(size, dtype=np.uint32)
-    dec_top = np.empty(size, dtype=np.uint16)
-    _fill_slots(np.asarray(freq, dtype=np.int64), raw_bits, rotate, slots, dec_fb, dec_top)
-    return slots, dec_fb, dec_top, _raw_pairs(rotate)
+
+def raw_pairs(rotate: bool) -> np.ndarray:
+    """Output bits of every pair of 6-bit raw fields (see _raw_pairs)."""
+    return _raw_pairs(rotate)
 
 
 def encode_tables(freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -14,7 +14,7 @@ import numpy as np
 
 from unweight.errors import CorruptDataError
 
-from . import freq_table
+from . import freq_table, rans_avx2
 from .parallel import map_chunk_ranges
 from .rans_kernels import LANES, OK, STATUS_TEXT, decode_chunks, division_magic, encode_chunks, histogram
 
@@ -110,7 +110,13 @@ def encode(values: np.ndarray, p: RansParams, threads: int | None = None, counts
     states = np.zeros(nchunks * LANES, dtype=np.int64)
     raw = np.zeros(p.raw_len(n), dtype=np.uint8)
 
+    simd = rans_avx2.AVAILABLE and p.word_bits == 16 and p.raw_bits == 6 and p.rotate and values.dtype == np.uint16
+    tab = rans_avx2.encode_table(f, cum, magic, p.precision) if simd else None
+
     def work(c0: int, c1: int) -> None:
+        if simd:
+            rans_avx2.encode_chunks16(values, n, p.chunk, c0, c1, f, cum, magic, tab, p.precision, scratch, nwords, states, raw)
+            return
         encode_chunks(values, p.word_bits, p.raw_bits, p.rotate, n, p.chunk, c0, c1, f, cum, magic, p.precision, scratch, nwords, states, raw)
 
     map_chunk_ranges(work, nchunks, threads)
@@ -141,7 +147,7 @@ def decode(streams: dict[str, np.ndarray], p: RansParams, n: int, threads: int |
         freq = freq_table.parse(streams["table"], p.sym_bits, p.precision)
     except freq_table.TableError as e:
         raise ValueError(f"table: {e}") from None
-    slots, dec_fb, dec_top, raw_pairs = freq_table.decode_slots(freq, p.precision, p.raw_bits, p.rotate)
+    tab = freq_table.decode_slots(freq, p.precision, p.word_bits, p.raw_bits, p.rotate)
     nchunks = p.nchunks(n)
     index, words, raw = streams["index"], streams["words"], streams["raw"]
     want = 8 * (nchunks + 1) + 4 * LANES * nchunks
@@ -167,8 +173,14 @@ def decode(streams: dict[str, np.ndarray], p: RansParams, n: int, threads: int |
     words_u16 = _as_u16(words)
     raw_u8 = np.asarray(raw, dtype=np.uint8)
 
+    simd = rans_avx2.AVAILABLE and p.word_bits == 16 and R == 6 and p.rotate
+    raw_pairs = freq_table.raw_pairs(p.rotate)
+
     def work(c0: int, c1: int) -> None:
-        decode_chunks(words_u16, offsets, states, slots, dec_fb, dec_top, raw_pairs, p.precision, raw_u8, p.word_bits, R, p.rotate, n, p.chunk, c0, c1, out, out32, status)
+        if simd:
+            rans_avx2.decode_chunks16(words_u16, offsets, states, tab, p.precision, raw_u8, n, p.chunk, c0, c1, out, status)
+            return
+        decode_chunks(words_u16, offsets, states, tab, raw_pairs, p.precision, raw_u8, p.word_bits, R, p.rotate, n, p.chunk, c0, c1, out, out32, status)
 
     map_chunk_ranges(work, nchunks, threads)
     bad = np.flatnonzero(status != OK)

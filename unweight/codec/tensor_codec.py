@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import threading
-import zlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,6 +19,7 @@ from unweight.formats import TensorEntry
 from unweight.formats.dtypes import DTYPE_SIZES, FLOAT_DTYPES, tensor_nbytes
 
 from . import rans, tiles
+from .checksum import crc32
 
 CODECS = ("raw", "zstd", "rans", "tiles")
 ROLES = {"raw": ("data",), "zstd": ("data",), "rans": ("table", "raw", "words", "index"), "tiles": ("sm", "codes", "esc", "esc_index")}
@@ -143,7 +143,7 @@ def encode_tensor(name: str, dtype: str, shape: tuple[int, ...], data: np.ndarra
     data = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
     if len(data) != tensor_nbytes(dtype, shape):
         raise ValueError(f"tensor {name!r}: {len(data)} bytes given for {dtype}{list(shape)}")
-    crc = zlib.crc32(memoryview(data))
+    crc = crc32(data)
     best = None
     for codec, params, streams in _candidates(dtype, tuple(shape), data, opts):
         size = sum(len(s) for s in streams.values())
@@ -204,6 +204,6 @@ def decode_tensor(entry: TensorEntry, streams: dict[str, np.ndarray], threads: i
         raise CorruptDataError(None, str(e), entry.name) from None
     except MemoryError:
         raise CorruptDataError(None, f"{entry.nbytes} bytes do not fit in memory", entry.name) from None
-    if verify and zlib.crc32(memoryview(out)) != entry.crc32:
+    if verify and crc32(out) != entry.crc32:
         raise CorruptDataError(None, "decoded bytes fail the CRC-32 check (the file is damaged)", entry.name)
     return out

@@ -1,0 +1,401 @@
+"""AVX2 kernels of the `rans` codec for 16-bit floats (BF16, F16): the same streams as
+`rans_kernels`, eight lanes in one ymm register.
+
+A chunk's eight rANS lanes (SPEC.md §3.3) map onto the eight 32-bit lanes of a ymm register, and a
+round (one element per lane) becomes a handful of vector instructions:
+
+  decode  q = x & (2^P - 1); two gathers fetch f | (q - c) << 16 and the element's symbol bits;
+          x = f · (x >> P) + (q − c); the lanes with x < 2^16 (a mask of 8 bits) take the next
+          words in lane order: eight words are loaded at the read position, widened, and moved to
+          those lanes by a vpermd whose control comes from a 256-entry table indexed by the mask;
+          the position advances by popcount(mask). The raw fields of the eight elements (6 bytes)
+          are spread to their lanes by one pshufb and a per-lane shift, merged, and the eight
+          16-bit elements stored at once.
+
+One round is a chain of dependent steps (gather, multiply, compare, permute), so a single chunk
+would leave the core idle most of the time; the kernels take up to four chunks at once and
+interleave their rounds, which the out-of-order core overlaps. Chunks are independent (their own
+words, states and elements), so this changes nothing in the streams.
+
+The kernels never read outside a chunk's words or past the raw stream: the caller runs them only
+for rounds that cannot (at most 8 words a round, 8 raw bytes at the round's group), and finishes
+every chunk with rans_kernels.checked_tail, which decodes the rest one element at a time and checks
+the chunk's end. On hosts without AVX2 (`AVAILABLE` false) rans.decode uses rans_kernels alone,
+which is also what the tests hold this path to.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+from numba.core import cgutils, types
+from numba.extending import intrinsic
+from llvmlite import ir
+
+from . import simd
+from .rans_kernels import ERR_BAD_STATE, LANES, RANS_L, _pack_raw6, checked_tail, encode_prologue
+from .simd import I32, I64, V4I64, V8I16, V8I32, V8I64, V32I8
+
+AVAILABLE = simd.has("avx2")
+MAX_GROUP = 4  # chunks decoded together
+
+
+def _expand_table() -> np.ndarray:
+    """[mask, lane]: for each lane whose bit is set in mask, the index of the word it takes among
+    the eight loaded (the set lanes below it); 0 elsewhere (those lanes keep their state)."""
+    t = np.zeros((256, 8), dtype=np.int32)
+    for m in range(256):
+        k = 0
+        for lane in range(8):
+            if m >> lane & 1:
+                t[m, lane] = k
+                k += 1
+    return t
+
+
+_EXPAND = _expand_table()
+# Raw fields of the round's eight elements, bits [6i, 6i + 6) of 6 bytes: lane i takes bytes o_i and
+# o_i + 1 (o_i = 6i div 8) into its low 16 bits, then shifts right by 6i mod 8.
+_RAW_BYTE = [6 * i // 8 for i in range(8)]
+_RAW_CTRL = [v for i in range(8) for v in (_RAW_BYTE[i], _RAW_BYTE[i] + 1, 0x80, 0x80)]
+_RAW_SHIFT = [6 * i % 8 for i in range(8)]
+
+
+def _compact_table() -> np.ndarray:
+    """[mask, k]: the encoder's vpermd control for an emit mask: the set lanes, in lane order,
+    move to the last popcount(mask) of the eight positions (the words end at the write pointer)."""
+    t = np.zeros((256, 8), dtype=np.int32)
+    for m in range(256):
+        lanes = [lane for lane in range(8) if m >> lane & 1]
+        for j, lane in enumerate(lanes):
+            t[m, 8 - len(lanes) + j] = lane
+    return t
+
+
+_COMPACT = _compact_table()
+
+
+def _make_decoder(G: int):
+    """Intrinsic: `rounds` rounds of G chunks at once. xs (8G int64 states), pos (G word positions)
+    and e (G element positions, multiples of 8) are read at the start and written back at the end."""
+
+    @intrinsic
+    def decode_rounds(typingctx, words, pos, xs, rounds, raw, out, e, tab, P):
+        sig = types.void(words, pos, xs, types.intp, raw, out, e, tab, types.intp)
+
+        def codegen(context, builder, signature, args):
+            b = builder
+            rounds, P = args[3], args[8]
+            wp, posp, xsp, rawp, outp, ep, tabp = (simd.data_ptr(context, b, signature.args[i], args[i]) for i in (0, 1, 2, 4, 5, 6, 7))
+            expand = simd.table(b, "unweight_rans_expand", _EXPAND)
+            p32 = b.trunc(P, I32)
+            qmask = simd.splat(b, b.sub(b.shl(simd.const(1, I32), p32), simd.const(1, I32)), V8I32)
+            pshift = simd.splat(b, p32, V8I32)
+            c16, c15, c1, c63 = (simd.vconst([v] * 8) for v in (16, 15, 1, 63))
+            low16 = simd.vconst([0xFFFF] * 8)
+            rans_l = simd.vconst([RANS_L] * 8)
+            raw_ctrl = simd.vconst(_RAW_CTRL, V32I8)
+            raw_shift = simd.vconst(_RAW_SHIFT)
+            xv, pv, ev = [], [], []
+            for g in range(G):
+                x0 = b.trunc(simd.load(b, xsp, simd.const(64 * g), V8I64), V8I32)
+                xv.append(cgutils.alloca_once_value(b, x0))
+                pv.append(cgutils.alloca_once_value(b, simd.load(b, posp, simd.const(8 * g), I64)))
+                ev.append(cgutils.alloca_once_value(b, simd.load(b, ep, simd.const(8 * g), I64)))
+            with cgutils.for_range(b, rounds):
+                for g in range(G):
+                    x = b.load(xv[g])
+                    q = b.and_(x, qmask)
+                    fq, sym = simd.gather64x8(b, tabp, q)
+                    x = b.add(b.mul(b.and_(fq, low16), b.lshr(x, pshift)), b.lshr(fq, c16))
+                    need = b.icmp_unsigned("<", x, rans_l)
+                    m = simd.lane_mask(b, need)
+                    p = b.load(pv[g])
+                    w = b.zext(simd.load(b, wp, b.shl(p, simd.const(1)), V8I16), V8I32)
+                    w = simd.permd(b, w, simd.load(b, expand, b.shl(m, simd.const(5)), V8I32))
+                    b.store(b.select(need, b.or_(b.shl(x, c16), w), x), xv[g])
+                    b.store(b.add(p, simd.ctpop64(b, m)), pv[g])
+                    e = b.load(ev[g])
+                    rb = simd.splat(b, simd.load(b, rawp, b.mul(b.lshr(e, simd.const(2)), simd.const(3)), I64), V4I64)
+                    r = b.bitcast(simd.pshufb(b, b.bitcast(rb, V32I8), raw_ctrl), V8I32)
+                    r = b.and_(b.lshr(r, raw_shift), c63)
+                    # rotate right by one: the raw field's low bit (the sign) to bit 15, the rest down
+                    v = b.or_(sym, b.or_(b.shl(b.and_(r, c1), c15), b.lshr(r, c1)))
+                    simd.store(b, b.trunc(v, V8I16), outp, b.shl(e, simd.const(1)))
+                    b.store(b.add(e, simd.const(8)), ev[g])
+            for g in range(G):
+                simd.store(b, b.zext(b.load(xv[g]), V8I64), xsp, simd.const(64 * g))
+                simd.store(b, b.load(pv[g]), posp, simd.const(8 * g))
+                simd.store(b, b.load(ev[g]), ep, simd.const(8 * g))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return decode_rounds
+
+
+_dec1, _dec2, _dec3, _dec4 = (_make_decoder(g) for g in range(1, MAX_GROUP + 1))
+
+
+def encode_table(freq: np.ndarray, cum: np.ndarray, magic: np.ndarray, precision: int) -> np.ndarray:
+    """Per symbol, for the vector encoder: the division magic m' (bits 0-31, see
+    rans_kernels.division_magic), c(s) (32-47) and 2^P - f(s) (48-63), uint64. The magic's two
+    shifts are recomputed from f, which the table does not have room for."""
+    freq = np.asarray(freq, dtype=np.uint64)
+    m = np.asarray(magic, dtype=np.int64).astype(np.uint64) & np.uint64(0xFFFFFFFF)
+    cmpl = np.where(freq > 0, np.uint64(1 << precision) - freq, np.uint64(0))
+    return m | (np.asarray(cum, dtype=np.uint64) << np.uint64(32)) | (cmpl << np.uint64(48))
+
+
+def _mulhi32(b, x, m):
+    """The high 32 bits of x[i] * m[i] (unsigned), eight lanes: two vpmuludq (even, odd lanes)."""
+    lo32 = ir.Constant(V4I64, [ir.Constant(I64, 0xFFFFFFFF)] * 4)
+    c32 = ir.Constant(V4I64, [ir.Constant(I64, 32)] * 4)
+    xq, mq = b.bitcast(x, V4I64), b.bitcast(m, V4I64)
+    even = b.lshr(b.mul(b.and_(xq, lo32), b.and_(mq, lo32)), c32)
+    odd = b.mul(b.lshr(xq, c32), b.lshr(mq, c32))
+    return b.shuffle_vector(b.bitcast(even, V8I32), b.bitcast(odd, V8I32), ir.Constant(V8I32, [0, 9, 2, 11, 4, 13, 6, 15]))
+
+
+def _make_encoder(G: int):
+    """Intrinsic: `rounds` rounds of G chunks at once, each from its round at element g[j] down
+    (g decreases by 8 a round). xs (8G int64 states) and wp (G write pointers into scratch,
+    moving down) are read at the start and written back at the end."""
+
+    @intrinsic
+    def encode_rounds(typingctx, values, g, xs, rounds, scratch, wp, tab, P):
+        sig = types.void(values, g, xs, types.intp, scratch, wp, tab, types.intp)
+
+        def codegen(context, builder, signature, args):
+            b = builder
+            rounds, P = args[3], args[7]
+            vp, gp, xsp, sp, wpp, tabp = (simd.data_ptr(context, b, signature.args[i], args[i]) for i in (0, 1, 2, 4, 5, 6))
+            compact = simd.table(b, "unweight_rans_compact", _COMPACT)
+            p32 = b.trunc(P, I32)
+            one_p = simd.splat(b, b.shl(simd.const(1, I32), p32), V8I32)
+            hi_shift = simd.splat(b, b.sub(simd.const(32, I32), p32), V8I32)
+            c1, c5, c16, c23, c127 = (simd.vconst([v] * 8) for v in (1, 5, 16, 23, 127))
+            zero = simd.vconst([0] * 8)
+            sym_mask, low16 = simd.vconst([0x3FF] * 8), simd.vconst([0xFFFF] * 8)
+            xv, gv, wv = [], [], []
+            for j in range(G):
+                xv.append(cgutils.alloca_once_value(b, b.trunc(simd.load(b, xsp, simd.const(64 * j), V8I64), V8I32)))
+                gv.append(cgutils.alloca_once_value(b, simd.load(b, gp, simd.const(8 * j), I64)))
+                wv.append(cgutils.alloca_once_value(b, simd.load(b, wpp, simd.const(8 * j), I64)))
+            with cgutils.for_range(b, rounds):
+                for j in range(G):
+                    g = b.load(gv[j])
+                    v = b.zext(simd.load(b, vp, b.shl(g, simd.const(1)), V8I16), V8I32)
+                    s = b.and_(b.lshr(v, c5), sym_mask)  # bits 14..5: the symbol of the rotated word
+                    m, cc = simd.gather64x8(b, tabp, s)
+                    cum, cmpl = b.and_(cc, low16), b.lshr(cc, c16)
+                    f = b.sub(one_p, cmpl)
+                    # shifts of the division: l = ceil(log2 f); sh1 = min(l, 1), sh2 = max(l - 1, 0)
+                    fm1 = b.sub(f, c1)
+                    sh2 = b.sub(b.lshr(b.bitcast(b.uitofp(fm1, simd.V8F32), V8I32), c23), c127)
+                    sh2 = b.select(b.icmp_signed("<", sh2, zero), zero, sh2)
+                    sh1 = b.select(b.icmp_unsigned("<", fm1, c1), fm1, c1)
+                    x = b.load(xv[j])
+                    emit = b.icmp_unsigned(">=", b.lshr(x, hi_shift), f)  # x >= f << (32 - P)
+                    mask = simd.lane_mask(b, emit)
+                    out = simd.permd(b, x, simd.load(b, compact, b.shl(mask, simd.const(5)), V8I32))
+                    w = b.load(wv[j])
+                    simd.store(b, b.trunc(out, V8I16), sp, b.shl(b.sub(w, simd.const(8)), simd.const(1)))
+                    b.store(b.sub(w, simd.ctpop64(b, mask)), wv[j])
+                    x = b.select(emit, b.lshr(x, c16), x)
+                    t1 = _mulhi32(b, x, m)
+                    q = b.lshr(b.add(t1, b.lshr(b.sub(x, t1), sh1)), sh2)
+                    b.store(b.add(b.add(x, cum), b.mul(q, cmpl)), xv[j])  # q·2^P + (x − q·f) + c
+                    b.store(b.sub(g, simd.const(8)), gv[j])
+            for j in range(G):
+                simd.store(b, b.zext(b.load(xv[j]), V8I64), xsp, simd.const(64 * j))
+                simd.store(b, b.load(gv[j]), gp, simd.const(8 * j))
+                simd.store(b, b.load(wv[j]), wpp, simd.const(8 * j))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return encode_rounds
+
+
+_enc1, _enc2, _enc3, _enc4 = (_make_encoder(g) for g in range(1, MAX_GROUP + 1))
+
+
+@intrinsic
+def _pack_raw6_rounds(typingctx, values, e0, rounds, raw):
+    """The raw fields of elements [e0, e0 + 8·rounds) (e0 a multiple of 8) into `raw`: per round,
+    rotl(w, 1) & 63 of eight words, shifted to bits 6i and OR-ed, 6 bytes written as 8 (the next
+    round overwrites the two extra, so raw needs 2 bytes of room after the last round)."""
+    sig = types.void(values, types.intp, types.intp, raw)
+
+    def codegen(context, builder, signature, args):
+        b = builder
+        _, e0, rounds, _ = args
+        vp, rp = (simd.data_ptr(context, b, signature.args[i], args[i]) for i in (0, 3))
+        c1, c15, c63 = (simd.vconst([v] * 8) for v in (1, 15, 63))
+        lane_shift = simd.vconst([0, 6, 12, 18] * 2)
+        undef = ir.Constant(V8I32, ir.Undefined)
+        with cgutils.for_range(b, rounds) as loop:
+            e = b.add(e0, b.shl(loop.index, simd.const(3)))
+            w = b.zext(simd.load(b, vp, b.shl(e, simd.const(1)), V8I16), V8I32)
+            r = b.and_(b.or_(b.shl(w, c1), b.lshr(w, c15)), c63)
+            t = b.shl(r, lane_shift)
+            t = b.or_(t, b.shuffle_vector(t, undef, ir.Constant(V8I32, [1, 0, 3, 2, 5, 4, 7, 6])))
+            t = b.or_(t, b.shuffle_vector(t, undef, ir.Constant(V8I32, [2, 3, 0, 1, 6, 7, 4, 5])))
+            lo = b.zext(b.extract_element(t, simd.const(0, I32)), I64)
+            hi = b.zext(b.extract_element(t, simd.const(4, I32)), I64)
+            simd.store(b, b.or_(lo, b.shl(hi, simd.const(24))), rp, b.mul(b.lshr(e, simd.const(3)), simd.const(6)))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit(nogil=True, cache=True)
+def pack_raw6(values, start, stop, raw):
+    """rans_kernels._pack_raw6 with rotate (start a multiple of 8): whole rounds of eight in the
+    vector loop while its 8-byte stores stay inside this range's bytes (another thread may be
+    packing the next range), the rest by the portable loop."""
+    room = min(len(raw), 3 * (stop >> 2)) - 3 * (start >> 2)  # bytes of this range
+    rounds = min((stop - start) >> 3, (room - 8) // 6 + 1)
+    if rounds > 0:
+        _pack_raw6_rounds(values, start, rounds, raw)
+    else:
+        rounds = 0
+    _pack_raw6(values, True, start + 8 * rounds, stop, raw)
+
+
+@njit(nogil=True, cache=True)
+def encode_chunks16(values, n, chunk, c0, c1, freq, cum, magic, tab, P, scratch, nwords, states, raw):
+    """rans_kernels.encode_chunks for 16-bit words with rotate and R = 6, the full rounds of up
+    to four chunks at once in the vector encoder; the same streams, word for word. `tab` is
+    encode_table()."""
+    G = MAX_GROUP
+    xs = np.empty(LANES * G, dtype=np.int64)
+    g = np.empty(G, dtype=np.int64)
+    wp = np.empty(G, dtype=np.int64)
+    left = np.empty(G, dtype=np.int64)
+    act = np.empty(G, dtype=np.int64)
+    cx = np.empty(LANES * G, dtype=np.int64)
+    cg = np.empty(G, dtype=np.int64)
+    cw = np.empty(G, dtype=np.int64)
+    for c0g in range(c0, c1, G):
+        k = min(G, c1 - c0g)
+        for j in range(k):
+            c = c0g + j
+            start = c * chunk
+            stop = min(start + chunk, n)
+            pack_raw6(values, start, stop, raw)
+            full, wp[j] = encode_prologue(values, 16, 6, True, start, stop, (c + 1) * chunk, freq, cum, magic, P, scratch,
+                                          xs[LANES * j : LANES * j + LANES], raw, False)
+            g[j] = full - LANES
+            left[j] = (full - start) // LANES
+        while True:
+            a = 0
+            rounds = np.int64(1) << 62
+            for j in range(k):
+                if left[j] > 0:
+                    act[a] = j
+                    a += 1
+                    rounds = min(rounds, left[j])
+            if a == 0:
+                break
+            for i in range(a):
+                j = act[i]
+                cx[LANES * i : LANES * i + LANES] = xs[LANES * j : LANES * j + LANES]
+                cg[i] = g[j]
+                cw[i] = wp[j]
+            if a == 1:
+                _enc1(values, cg, cx, rounds, scratch, cw, tab, P)
+            elif a == 2:
+                _enc2(values, cg, cx, rounds, scratch, cw, tab, P)
+            elif a == 3:
+                _enc3(values, cg, cx, rounds, scratch, cw, tab, P)
+            else:
+                _enc4(values, cg, cx, rounds, scratch, cw, tab, P)
+            for i in range(a):
+                j = act[i]
+                xs[LANES * j : LANES * j + LANES] = cx[LANES * i : LANES * i + LANES]
+                g[j] = cg[i]
+                wp[j] = cw[i]
+                left[j] -= rounds
+        for j in range(k):
+            c = c0g + j
+            nwords[c] = (c + 1) * chunk - wp[j]
+            states[LANES * c : LANES * c + LANES] = xs[LANES * j : LANES * j + LANES]
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _safe_rounds(e, stop, pos, end, nraw):
+    """Rounds the vector kernel may run from element e: each needs 8 elements, at most 8 words of
+    the chunk, and the 8 raw bytes at its group inside the stream."""
+    room = nraw - 8 - 3 * (e >> 2)
+    if room < 0:
+        return 0
+    return min((stop - e) >> 3, (end - pos) >> 3, room // 6 + 1)
+
+
+@njit(nogil=True, cache=True)
+def decode_chunks16(words, offsets, states, tab, P, raw, n, chunk, c0, c1, out, status):
+    """Decode chunks c0..c1-1 of a 16-bit `rans` tensor with rotate and R = 6 (BF16, F16) into
+    `out` (uint16); status[c] gets OK or an error code, as rans_kernels.decode_chunks does.
+    `tab` is freq_table.decode_slots()."""
+    G = MAX_GROUP
+    xs = np.empty(LANES * G, dtype=np.int64)
+    pos = np.empty(G, dtype=np.int64)
+    e = np.empty(G, dtype=np.int64)
+    ok = np.empty(G, dtype=np.bool_)
+    act = np.empty(G, dtype=np.int64)
+    cx = np.empty(LANES * G, dtype=np.int64)
+    cpos = np.empty(G, dtype=np.int64)
+    ce = np.empty(G, dtype=np.int64)
+    nraw = len(raw)
+    for g0 in range(c0, c1, G):
+        k = min(G, c1 - g0)
+        for j in range(k):
+            c = g0 + j
+            pos[j] = offsets[c]
+            e[j] = c * chunk
+            ok[j] = True
+            for lane in range(LANES):
+                x = np.int64(states[LANES * c + lane])
+                xs[LANES * j + lane] = x
+                if x < RANS_L or x >= (np.int64(1) << 32):
+                    ok[j] = False
+            if not ok[j]:
+                status[c] = ERR_BAD_STATE
+        while True:  # rounds of every chunk that has some left, until none has
+            a = 0
+            rounds = np.int64(1) << 62
+            for j in range(k):
+                if ok[j]:
+                    c = g0 + j
+                    r = _safe_rounds(e[j], min((c + 1) * chunk, n), pos[j], np.int64(offsets[c + 1]), nraw)
+                    if r > 0:
+                        act[a] = j
+                        a += 1
+                        rounds = min(rounds, r)
+            if a == 0:
+                break
+            for i in range(a):
+                j = act[i]
+                cx[LANES * i : LANES * i + LANES] = xs[LANES * j : LANES * j + LANES]
+                cpos[i] = pos[j]
+                ce[i] = e[j]
+            if a == 1:
+                _dec1(words, cpos, cx, rounds, raw, out, ce, tab, P)
+            elif a == 2:
+                _dec2(words, cpos, cx, rounds, raw, out, ce, tab, P)
+            elif a == 3:
+                _dec3(words, cpos, cx, rounds, raw, out, ce, tab, P)
+            else:
+                _dec4(words, cpos, cx, rounds, raw, out, ce, tab, P)
+            for i in range(a):
+                j = act[i]
+                xs[LANES * j : LANES * j + LANES] = cx[LANES * i : LANES * i + LANES]
+                pos[j] = cpos[i]
+                e[j] = ce[i]
+        for j in range(k):
+            if ok[j]:
+                c = g0 + j
+                status[c] = checked_tail(words, pos[j], np.int64(offsets[c + 1]), xs[LANES * j : LANES * j + LANES], tab, P,
+                                         raw, 16, 6, True, c * chunk, e[j], min((c + 1) * chunk, n), out)

@@ -1,0 +1,135 @@
+"""Building blocks for x86 SIMD kernels written as LLVM IR inside numba intrinsics.
+
+numba leaves gathers, lane permutes and shuffles out of the code it generates, so the hot loops
+that need them (the AVX2 rANS coder here, the CPU GEMV of `unweight.runtime.cpu_gemv`) are
+written as LLVM IR with llvmlite's builder and called from ordinary `@njit` functions. This module
+holds what they share: host feature detection, IR types and constants, pointers and loads, and
+x86 intrinsic declarations. Nothing here runs on its own; every kernel built from it keeps a
+portable numba twin that the tests hold it to.
+"""
+
+from __future__ import annotations
+
+import platform
+from functools import lru_cache
+
+import numpy as np
+from llvmlite import ir
+from numba import config
+from numba.core import cgutils
+
+I1, I8, I16, I32, I64 = ir.IntType(1), ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+F32 = ir.FloatType()
+V8I1, V8I16, V8I32, V8I64 = (ir.VectorType(t, 8) for t in (I1, I16, I32, I64))
+V8F32, V32I8, V4I64 = ir.VectorType(F32, 8), ir.VectorType(I8, 32), ir.VectorType(I64, 4)
+
+
+@lru_cache(maxsize=1)
+def host_features() -> frozenset[str]:
+    """CPU features of the host numba compiles for; empty where the x86 kernels must not run
+    (another architecture, a cross-compiling CPU_NAME, or the JIT disabled)."""
+    if platform.machine().lower() not in ("x86_64", "amd64") or config.CPU_NAME not in (None, "host") or config.DISABLE_JIT:
+        return frozenset()
+    try:
+        from llvmlite import binding
+
+        features = binding.get_host_cpu_features()
+    except Exception:  # pragma: no cover - llvmlite without the call
+        return frozenset()
+    return frozenset(name for name, on in features.items() if on)
+
+
+def has(*features: str) -> bool:
+    return all(f in host_features() for f in features)
+
+
+def const(v, ty=I64):
+    return ir.Constant(ty, v)
+
+
+def vconst(vals, ty=V8I32):
+    return ir.Constant(ty, [ir.Constant(ty.element, v) for v in vals])
+
+
+def splat(builder, scalar, ty):
+    """`scalar` in every lane of vector type `ty`."""
+    v = builder.insert_element(ir.Constant(ty, ir.Undefined), scalar, const(0, I32))
+    return builder.shuffle_vector(v, ir.Constant(ty, ir.Undefined), ir.Constant(ir.VectorType(I32, ty.count), [0] * ty.count))
+
+
+def load(builder, base_ptr, byte_offset, ty, align=1):
+    """A value of type `ty` read at base_ptr + byte_offset (base_ptr an i8*)."""
+    return builder.load(builder.bitcast(builder.gep(base_ptr, [byte_offset]), ty.as_pointer()), align=align)
+
+
+def store(builder, value, base_ptr, byte_offset, align=1):
+    builder.store(value, builder.bitcast(builder.gep(base_ptr, [byte_offset]), value.type.as_pointer()), align=align)
+
+
+def data_ptr(context, builder, aryty, ary):
+    """The first byte of a numba array argument, as i8*."""
+    return builder.bitcast(context.make_array(aryty)(context, builder, ary).data, I8.as_pointer())
+
+
+def table(builder, name: str, data: np.ndarray):
+    """A read-only global holding `data`'s bytes (one per module, by name), as i8*."""
+    mod = builder.module
+    g = mod.globals.get(name)
+    if g is None:
+        raw = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
+        g = cgutils.global_constant(mod, name, ir.Constant(ir.ArrayType(I8, len(raw)), bytearray(raw.tobytes())))
+    return builder.bitcast(g, I8.as_pointer())
+
+
+def function(builder, name: str, ret, args):
+    """Declare (once per module) and return an LLVM intrinsic or function."""
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, args), name)
+
+
+def ctpop64(builder, v):
+    return builder.call(function(builder, "llvm.ctpop.i64", I64, [I64]), [v])
+
+
+def pshufb(builder, table_bytes, control):
+    """vpshufb on <32 x i8>: within each 128-bit half, byte j takes table byte control[j] & 15, or
+    0 if bit 7 of control[j] is set."""
+    return builder.call(function(builder, "llvm.x86.avx2.pshuf.b", V32I8, [V32I8, V32I8]), [table_bytes, control])
+
+
+def permd(builder, v, idx):
+    """vpermd: lane i takes lane idx[i] of v (any lane of the 256 bits)."""
+    return builder.call(function(builder, "llvm.x86.avx2.permd", V8I32, [V8I32, V8I32]), [v, idx])
+
+
+def gather64x8(builder, base_ptr, idx):
+    """Two vpgatherdq: the 64-bit words at base_ptr + 8 * idx[i], split into their low and high
+    halves as two <8 x i32> (half the loads of two vpgatherdd over 32-bit tables)."""
+    V4I32 = ir.VectorType(I32, 4)
+    fn = function(builder, "llvm.x86.avx2.gather.d.q.256", V4I64, [V4I64, I8.as_pointer(), V4I32, V4I64, I8])
+    ones = ir.Constant(V4I64, [ir.Constant(I64, -1)] * 4)
+    undef = ir.Constant(V8I32, ir.Undefined)
+    halves = []
+    for part in (0, 1):
+        sub = builder.shuffle_vector(idx, undef, ir.Constant(V4I32, [4 * part + i for i in range(4)]))
+        halves.append(builder.bitcast(builder.call(fn, [ir.Constant(V4I64, ir.Undefined), base_ptr, sub, ones, const(8, I8)]), V8I32))
+    lo = builder.shuffle_vector(halves[0], halves[1], ir.Constant(V8I32, [0, 2, 4, 6, 8, 10, 12, 14]))
+    hi = builder.shuffle_vector(halves[0], halves[1], ir.Constant(V8I32, [1, 3, 5, 7, 9, 11, 13, 15]))
+    return lo, hi
+
+
+def lookup64x8(builder, base_ptr, idx):
+    """gather64x8 by eight scalar loads (extract the index, load, insert)."""
+    lo = ir.Constant(V8I32, ir.Undefined)
+    hi = ir.Constant(V8I32, ir.Undefined)
+    p64 = builder.bitcast(base_ptr, I64.as_pointer())
+    for i in range(8):
+        j = builder.zext(builder.extract_element(idx, const(i, I32)), I64)
+        v = builder.load(builder.gep(p64, [j]), align=8)
+        lo = builder.insert_element(lo, builder.trunc(v, I32), const(i, I32))
+        hi = builder.insert_element(hi, builder.trunc(builder.lshr(v, const(32)), I32), const(i, I32))
+    return lo, hi
+
+
+def lane_mask(builder, cond):
+    """The 8 lanes of an <8 x i1> as the low bits of an i64 (vmovmskps)."""
+    return builder.zext(builder.bitcast(cond, I8), I64)
