@@ -107,7 +107,7 @@ def parse(blob: bytes | np.ndarray, sym_bits: int, precision: int) -> np.ndarray
     """Read and check a `table` stream; returns frequencies for all 2**sym_bits symbols."""
     nsym = 1 << sym_bits
     vals = np.empty(nsym + 2, dtype=np.int64)
-    k = _read_varints(np.frombuffer(bytes(blob), dtype=np.uint8), vals)
+    k = _read_varints(np.frombuffer(blob, dtype=np.uint8), vals)
     if k == -1:
         raise TableError("table stream ends inside a varint")
     if k == -2:
@@ -151,6 +151,37 @@ def _raw_pairs(rotate: bool) -> np.ndarray:
     pairs = r[np.arange(4096) & 63] | (r[np.arange(4096) >> 6] << 16)
     pairs.flags.writeable = False
     return pairs
+
+
+@njit(nogil=True, cache=True)
+def _slots_from_stream(data, sym_bits, P, W, R, rotate, tab):
+    """parse() and decode_slots() in one call, for the decoder: fills `tab` and returns True if the
+    stream is a valid table, else False (parse() then says what is wrong)."""
+    nsym = 1 << sym_bits
+    vals = np.empty(nsym + 2, dtype=np.int64)
+    k = _read_varints(data, vals)
+    if k < 2 or vals[0] + vals[1] > nsym or k != 2 + vals[1]:
+        return False
+    freq = np.zeros(nsym, dtype=np.int64)
+    total = 0
+    for i in range(vals[1]):
+        freq[vals[0] + i] = vals[2 + i]
+        total += vals[2 + i]
+        if total > (1 << P):
+            return False
+    if total != 1 << P:
+        return False
+    _fill_slots(freq, W, R, rotate, tab)
+    return True
+
+
+def slots_from_stream(blob: np.ndarray, sym_bits: int, precision: int, word_bits: int, raw_bits: int, rotate: bool) -> np.ndarray:
+    """decode_slots(parse(blob, ...), ...) with one numba call; raises TableError as parse() does."""
+    tab = np.empty(1 << precision, dtype=np.uint64)
+    if not _slots_from_stream(np.frombuffer(blob, dtype=np.uint8), sym_bits, precision, word_bits, raw_bits, rotate, tab):
+        parse(blob, sym_bits, precision)  # raises the precise error
+        raise TableError("invalid table")  # pragma: no cover - parse() found nothing wrong
+    return tab
 
 
 def decode_slots(freq: np.ndarray, precision: int, word_bits: int, raw_bits: int, rotate: bool) -> np.ndarray:

@@ -26,15 +26,17 @@ def _pool(threads: int) -> ThreadPoolExecutor:
 MIN_PARALLEL_CHUNKS = 8
 
 
-def map_chunk_ranges(fn: Callable[[int, int], None], nchunks: int, threads: int | None) -> None:
-    """Call fn(c0, c1) over [0, nchunks) split into about 4 ranges per thread; wait for all."""
+def map_chunk_ranges(fn: Callable[[int, int], None], nchunks: int, threads: int | None, align: int = 1) -> None:
+    """Call fn(c0, c1) over [0, nchunks) split into about 4 ranges per thread, each starting at a
+    multiple of `align` (kernels that take chunks in groups then always find full groups); wait
+    for all."""
     threads = threads or default_threads()
-    parts = min(nchunks, threads * 4) if threads > 1 and nchunks >= MIN_PARALLEL_CHUNKS else 1
+    parts = min(nchunks // align, threads * 4) if threads > 1 and nchunks >= MIN_PARALLEL_CHUNKS else 1
     if parts <= 1:
         if nchunks:
             fn(0, nchunks)
         return
-    bounds = [nchunks * i // parts for i in range(parts + 1)]
+    bounds = [nchunks * i // parts // align * align for i in range(parts)] + [nchunks]
     futures = [_pool(threads).submit(fn, a, b) for a, b in zip(bounds, bounds[1:]) if a < b]
     for f in futures:
         f.result()

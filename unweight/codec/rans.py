@@ -9,8 +9,10 @@ mantissa bits are stored as they are.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
+from numba import njit
 
 from unweight.errors import CorruptDataError
 
@@ -63,7 +65,10 @@ class RansParams:
         keys = {"word_bits", "rotate", "sym_bits", "precision", "chunk"}
         if set(obj) != keys:
             raise ValueError(f"rans params must be exactly {sorted(keys)}, got {sorted(obj)}")
-        return cls(**obj)
+        try:  # a checkpoint repeats a few parameter sets many times
+            return _params_of(tuple((k, obj[k], type(obj[k])) for k in sorted(keys)))
+        except TypeError:  # unhashable values: let the constructor say what is wrong
+            return cls(**obj)
 
     def to_json(self) -> dict:
         return {"word_bits": self.word_bits, "rotate": self.rotate, "sym_bits": self.sym_bits, "precision": self.precision, "chunk": self.chunk}
@@ -77,6 +82,23 @@ class RansParams:
 
     def nchunks(self, n: int) -> int:
         return -(-n // self.chunk)
+
+
+MIN_SPLIT_CHUNK = 1 << 14  # a tensor is cut into more chunks only while each keeps this many elements
+
+
+def chunk_for(n: int, limit: int = DEFAULT_CHUNK) -> int:
+    """The chunk size for a tensor of n elements: at most `limit`, and a multiple of four chunks
+    where each can keep MIN_SPLIT_CHUNK elements, so the vector decoder (which interleaves four
+    chunks) never runs one alone. Each chunk costs 40 bytes of index: 0.1 % of a 16K chunk."""
+    count = max(1, min(4 * -(-n // (4 * limit)), n // MIN_SPLIT_CHUNK))
+    chunk = -(-(-(-n // count)) // LANES) * LANES
+    return max(CHUNK_RANGE[0], min(limit, chunk))
+
+
+@lru_cache(maxsize=256)
+def _params_of(items: tuple) -> RansParams:
+    return RansParams(**{k: v for k, v, _ in items})
 
 
 def symbol_counts(values: np.ndarray, p: RansParams, threads: int | None = None) -> np.ndarray:
@@ -119,7 +141,7 @@ def encode(values: np.ndarray, p: RansParams, threads: int | None = None, counts
             return
         encode_chunks(values, p.word_bits, p.raw_bits, p.rotate, n, p.chunk, c0, c1, f, cum, magic, p.precision, scratch, nwords, states, raw)
 
-    map_chunk_ranges(work, nchunks, threads)
+    map_chunk_ranges(work, nchunks, threads, align=rans_avx2.MAX_GROUP)
     offsets = np.zeros(nchunks + 1, dtype="<u8")
     np.cumsum(nwords, out=offsets[1:])
     words = np.empty(int(offsets[-1]), dtype="<u2")
@@ -131,12 +153,21 @@ def encode(values: np.ndarray, p: RansParams, threads: int | None = None, counts
     return {"table": table, "raw": raw, "words": words.view(np.uint8), "index": index}
 
 
-def _as_u16(blob: np.ndarray) -> np.ndarray:
-    """A little-endian uint16 view of a byte stream, copied only when it is misaligned."""
-    blob = np.asarray(blob, dtype=np.uint8)
-    if blob.ctypes.data % 2:
-        blob = blob.copy()
-    return blob.view("<u2")
+def _aligned_view(blob: np.ndarray, dtype: str) -> np.ndarray:
+    """A little-endian view of a byte stream as `dtype`, copied only when it is misaligned."""
+    view = np.asarray(blob, dtype=np.uint8).view(dtype)
+    return view if view.flags.aligned else view.copy()
+
+
+@njit(nogil=True, cache=True)
+def _offsets_ok(offsets, nwords):
+    """The chunk word offsets start at 0, never decrease and end at the word count."""
+    if offsets[0] != 0 or offsets[len(offsets) - 1] != nwords:
+        return False
+    for c in range(len(offsets) - 1):
+        if offsets[c + 1] < offsets[c]:
+            return False
+    return True
 
 
 def decode(streams: dict[str, np.ndarray], p: RansParams, n: int, threads: int | None = None) -> np.ndarray:
@@ -144,10 +175,9 @@ def decode(streams: dict[str, np.ndarray], p: RansParams, n: int, threads: int |
     if n == 0:
         raise ValueError("the rans codec needs at least one element")
     try:
-        freq = freq_table.parse(streams["table"], p.sym_bits, p.precision)
+        tab = freq_table.slots_from_stream(streams["table"], p.sym_bits, p.precision, p.word_bits, p.raw_bits, p.rotate)
     except freq_table.TableError as e:
         raise ValueError(f"table: {e}") from None
-    tab = freq_table.decode_slots(freq, p.precision, p.word_bits, p.raw_bits, p.rotate)
     nchunks = p.nchunks(n)
     index, words, raw = streams["index"], streams["words"], streams["raw"]
     want = 8 * (nchunks + 1) + 4 * LANES * nchunks
@@ -157,32 +187,33 @@ def decode(streams: dict[str, np.ndarray], p: RansParams, n: int, threads: int |
         raise ValueError(f"words stream has an odd length ({len(words)} bytes)")
     if len(raw) != p.raw_len(n):
         raise ValueError(f"raw stream has {len(raw)} bytes, {n} elements need {p.raw_len(n)}")
-    offsets_u = np.frombuffer(index[: 8 * (nchunks + 1)].tobytes(), dtype="<u8")
-    if offsets_u[0] != 0 or offsets_u[-1] != len(words) // 2 or np.any(offsets_u[1:] < offsets_u[:-1]):
+    index = _aligned_view(index, "<u8")  # offsets, then states (uint32) from byte 8 (k + 1)
+    offsets = index[: nchunks + 1]
+    if not _offsets_ok(offsets, len(words) // 2):
         raise ValueError("chunk offsets do not rise from 0 to the word count")
-    offsets = offsets_u.astype(np.int64)
-    states = np.frombuffer(index[8 * (nchunks + 1) :].tobytes(), dtype="<u4").astype(np.int64)
+    states = index[nchunks + 1 :].view("<u4")
     R = p.raw_bits
     if R and n % 4:  # the padding bits of the last raw group must be zero
         if np.unpackbits(raw[-(R // 2) :], bitorder="little")[(n % 4) * R :].any():
             raise ValueError("padding bits of the raw stream are not zero")
     out = np.empty(n, dtype=UINT_OF_BITS[p.word_bits])
     status = np.zeros(nchunks, dtype=np.int8)
-    # the 16-bit fast path ORs raw bits into element pairs
-    out32 = out[: n // 2 * 2].view(np.uint32) if p.word_bits == 16 else np.empty(0, dtype=np.uint32)
-    words_u16 = _as_u16(words)
+    words_u16 = _aligned_view(words, "<u2")
     raw_u8 = np.asarray(raw, dtype=np.uint8)
-
-    simd = rans_avx2.AVAILABLE and p.word_bits == 16 and R == 6 and p.rotate
-    raw_pairs = freq_table.raw_pairs(p.rotate)
-
-    def work(c0: int, c1: int) -> None:
-        if simd:
+    if rans_avx2.AVAILABLE and p.word_bits == 16 and R == 6 and p.rotate:
+        def work(c0: int, c1: int) -> None:
             rans_avx2.decode_chunks16(words_u16, offsets, states, tab, p.precision, raw_u8, n, p.chunk, c0, c1, out, status)
-            return
-        decode_chunks(words_u16, offsets, states, tab, raw_pairs, p.precision, raw_u8, p.word_bits, R, p.rotate, n, p.chunk, c0, c1, out, out32, status)
+    else:
+        # the 16-bit fast path ORs raw bits into element pairs
+        out32 = out[: n // 2 * 2].view(np.uint32) if p.word_bits == 16 else np.empty(0, dtype=np.uint32)
+        raw_pairs = freq_table.raw_pairs(p.rotate)
 
-    map_chunk_ranges(work, nchunks, threads)
+        def work(c0: int, c1: int) -> None:
+            decode_chunks(words_u16, offsets, states, tab, raw_pairs, p.precision, raw_u8, p.word_bits, R, p.rotate, n, p.chunk, c0, c1, out, out32, status)
+
+    map_chunk_ranges(work, nchunks, threads, align=rans_avx2.MAX_GROUP)
+    if not status.any():
+        return out
     bad = np.flatnonzero(status != OK)
     if len(bad):
         c = int(bad[0])

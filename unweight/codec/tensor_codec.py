@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import threading
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 import zstandard
@@ -124,7 +125,7 @@ def _candidates(dtype: str, shape: tuple[int, ...], data: np.ndarray, opts: Code
             precisions = (opts.precision,)
         counts = None
         n = len(values)
-        chunk = min(opts.chunk, max(rans.CHUNK_RANGE[0], -(-n // 8) * 8))  # one small chunk for small tensors
+        chunk = rans.chunk_for(n, opts.chunk)
         for precision in precisions:
             p = rans.RansParams.for_word(word[0], word[1], precision, chunk)
             if counts is None:
@@ -172,6 +173,7 @@ def check_entry(entry: TensorEntry, streams: dict[str, np.ndarray]) -> None:
         raise ValueError(f"codec tiles is for non-empty 2-D BF16 tensors, not {entry.dtype}{list(entry.shape)}")
 
 
+@lru_cache(maxsize=1)
 def _physical_memory() -> int:
     try:
         return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
