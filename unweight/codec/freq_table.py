@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import heapq
-import math
 from functools import lru_cache
 
 import numpy as np
@@ -24,30 +22,43 @@ def quantize(counts: np.ndarray, precision: int) -> np.ndarray:
     a hair of the ideal cross-entropy for the precisions used here.
     """
     counts = np.asarray(counts, dtype=np.int64)
-    total = int(counts.sum())
-    target = 1 << precision
-    present = np.flatnonzero(counts)
-    if total == 0:
+    present = int(np.count_nonzero(counts))
+    if present == 0:
         raise ValueError("cannot build a frequency table for no symbols")
-    if len(present) > target:
-        raise ValueError(f"{len(present)} symbols do not fit precision {precision}")
+    if present > 1 << precision:
+        raise ValueError(f"{present} symbols do not fit precision {precision}")
+    freq = _quantize(counts, 1 << precision)
+    assert int(freq.sum()) == 1 << precision
+    return freq
+
+
+@njit(nogil=True, cache=True)
+def _quantize(counts, target):
+    present = np.flatnonzero(counts)
+    total = counts.sum()
     freq = np.zeros(len(counts), dtype=np.int64)
-    freq[present] = np.maximum(1, counts[present] * target // total)
-    diff = target - int(freq.sum())
+    for s in present:
+        freq[s] = max(1, counts[s] * target // total)
+    diff = target - freq.sum()
+    gain = np.empty(len(present), dtype=np.float64)
     while diff > 0:  # hand out units where they save the most bits, at most one per symbol a pass
-        gain = counts[present] * np.log2((freq[present] + 1) / freq[present])
-        take = present[np.argsort(-gain, kind="stable")[:diff]]
-        freq[take] += 1
-        diff -= len(take)
-    if diff < 0:  # take units back where they cost the least (rare: only after the max(1, .) bumps)
-        heap = [(int(counts[s]) * math.log2(freq[s] / (freq[s] - 1)), s) for s in present if freq[s] > 1]
-        heapq.heapify(heap)
-        for _ in range(-diff):
-            _, s = heapq.heappop(heap)
-            freq[s] -= 1
+        for i in range(len(present)):
+            s = present[i]
+            gain[i] = -(counts[s] * np.log2((freq[s] + 1) / freq[s]))
+        order = np.argsort(gain, kind="mergesort")  # stable: ties go to the lower symbol
+        take = min(diff, len(present))
+        for i in range(take):
+            freq[present[order[i]]] += 1
+        diff -= take
+    while diff < 0:  # take units back where they cost the least (rare: only after the max(1, .) bumps)
+        best, best_cost = -1, np.inf
+        for s in present:
             if freq[s] > 1:
-                heapq.heappush(heap, (int(counts[s]) * math.log2(freq[s] / (freq[s] - 1)), s))
-    assert int(freq.sum()) == target
+                cost = counts[s] * np.log2(freq[s] / (freq[s] - 1))
+                if cost < best_cost:
+                    best, best_cost = s, cost
+        freq[best] -= 1
+        diff += 1
     return freq
 
 
@@ -197,11 +208,3 @@ def decode_slots(freq: np.ndarray, precision: int, word_bits: int, raw_bits: int
 def raw_pairs(rotate: bool) -> np.ndarray:
     """Output bits of every pair of 6-bit raw fields (see _raw_pairs)."""
     return _raw_pairs(rotate)
-
-
-def encode_tables(freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(frequency, cumulative frequency) per symbol, int64, for the encoder."""
-    freq = np.asarray(freq, dtype=np.int64)
-    cum = np.concatenate(([0], np.cumsum(freq)[:-1])).astype(np.int64)
-    return freq, cum
-

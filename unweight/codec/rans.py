@@ -18,7 +18,7 @@ from unweight.errors import CorruptDataError
 
 from . import freq_table, rans_avx2
 from .parallel import map_chunk_ranges
-from .rans_kernels import LANES, OK, STATUS_TEXT, decode_chunks, division_magic, encode_chunks, histogram
+from .rans_kernels import LANES, OK, STATUS_TEXT, decode_chunks, encode_chunks, encoder_tables, histogram
 
 SYM_BITS_MAX = 10
 PRECISION_RANGE = (10, 15)
@@ -123,9 +123,8 @@ def encode(values: np.ndarray, p: RansParams, threads: int | None = None, counts
         raise ValueError("the rans codec needs at least one element")
     if counts is None:
         counts = symbol_counts(values, p, threads)
-    freq = freq_table.quantize(counts, p.precision)
-    f, cum = freq_table.encode_tables(freq)
-    magic = division_magic(f)
+    f = freq_table.quantize(counts, p.precision)
+    cum, magic, tab = encoder_tables(f, p.precision)
     nchunks = p.nchunks(n)
     scratch = np.empty(nchunks * p.chunk, dtype=np.uint16)
     nwords = np.zeros(nchunks, dtype=np.int64)
@@ -133,7 +132,6 @@ def encode(values: np.ndarray, p: RansParams, threads: int | None = None, counts
     raw = np.zeros(p.raw_len(n), dtype=np.uint8)
 
     simd = rans_avx2.AVAILABLE and p.word_bits == 16 and p.raw_bits == 6 and p.rotate and values.dtype == np.uint16
-    tab = rans_avx2.encode_table(f, cum, magic, p.precision) if simd else None
 
     def work(c0: int, c1: int) -> None:
         if simd:
@@ -142,15 +140,23 @@ def encode(values: np.ndarray, p: RansParams, threads: int | None = None, counts
         encode_chunks(values, p.word_bits, p.raw_bits, p.rotate, n, p.chunk, c0, c1, f, cum, magic, p.precision, scratch, nwords, states, raw)
 
     map_chunk_ranges(work, nchunks, threads, align=rans_avx2.MAX_GROUP)
-    offsets = np.zeros(nchunks + 1, dtype="<u8")
+    index = np.empty(8 * (nchunks + 1) + 4 * LANES * nchunks, dtype=np.uint8)
+    offsets = index[: 8 * (nchunks + 1)].view("<u8")
+    offsets[0] = 0
     np.cumsum(nwords, out=offsets[1:])
+    index[8 * (nchunks + 1) :].view("<u4")[:] = states
     words = np.empty(int(offsets[-1]), dtype="<u2")
-    for c in range(nchunks):
-        end = (c + 1) * p.chunk
-        words[offsets[c] : offsets[c + 1]] = scratch[end - nwords[c] : end]
-    index = np.concatenate([offsets.view(np.uint8), states.astype("<u4").view(np.uint8)])
-    table = np.frombuffer(freq_table.serialize(freq), dtype=np.uint8)
+    _gather_words(scratch, nwords, p.chunk, offsets, words)
+    table = np.frombuffer(freq_table.serialize(f), dtype=np.uint8)
     return {"table": table, "raw": raw, "words": words.view(np.uint8), "index": index}
+
+
+@njit(nogil=True, cache=True)
+def _gather_words(scratch, nwords, chunk, offsets, words):
+    """Each chunk's words (at the end of its scratch slice) into the words stream, in order."""
+    for c in range(len(nwords)):
+        end = (c + 1) * chunk
+        words[offsets[c] : offsets[c + 1]] = scratch[end - nwords[c] : end]
 
 
 def _aligned_view(blob: np.ndarray, dtype: str) -> np.ndarray:

@@ -137,16 +137,6 @@ def _make_decoder(G: int):
 _dec1, _dec2, _dec3, _dec4 = (_make_decoder(g) for g in range(1, MAX_GROUP + 1))
 
 
-def encode_table(freq: np.ndarray, cum: np.ndarray, magic: np.ndarray, precision: int) -> np.ndarray:
-    """Per symbol, for the vector encoder: the division magic m' (bits 0-31, see
-    rans_kernels.division_magic), c(s) (32-47) and 2^P - f(s) (48-63), uint64. The magic's two
-    shifts are recomputed from f, which the table does not have room for."""
-    freq = np.asarray(freq, dtype=np.uint64)
-    m = np.asarray(magic, dtype=np.int64).astype(np.uint64) & np.uint64(0xFFFFFFFF)
-    cmpl = np.where(freq > 0, np.uint64(1 << precision) - freq, np.uint64(0))
-    return m | (np.asarray(cum, dtype=np.uint64) << np.uint64(32)) | (cmpl << np.uint64(48))
-
-
 def _mulhi32(b, x, m):
     """The high 32 bits of x[i] * m[i] (unsigned), eight lanes: two vpmuludq (even, odd lanes)."""
     lo32 = ir.Constant(V4I64, [ir.Constant(I64, 0xFFFFFFFF)] * 4)
@@ -268,7 +258,7 @@ def pack_raw6(values, start, stop, raw):
 def encode_chunks16(values, n, chunk, c0, c1, freq, cum, magic, tab, P, scratch, nwords, states, raw):
     """rans_kernels.encode_chunks for 16-bit words with rotate and R = 6, the full rounds of up
     to four chunks at once in the vector encoder; the same streams, word for word. `tab` is
-    encode_table()."""
+    rans_kernels.encoder_tables()'s vector entries."""
     G = MAX_GROUP
     xs = np.empty(LANES * G, dtype=np.int64)
     g = np.empty(G, dtype=np.int64)

@@ -97,18 +97,39 @@ def histogram(values, W, R, rotate, start, stop, counts):
             counts[s] += sub[j, s]
 
 
-def division_magic(freq: np.ndarray) -> np.ndarray:
-    """Per divisor d = freq: m' = floor(2^32 (2^l - d) / d) + 1 with l = ceil(log2 d), and the
-    shifts min(l, 1) and max(l - 1, 0), packed as m' | sh1 << 32 | sh2 << 40 (int64). Symbols of
+@njit(nogil=True, cache=True)
+def encoder_tables(freq, P):
+    """Per symbol s of frequency f (summing to 2^P): c(s), the division magic of f, and the vector
+    encoder's entry (int64, int64, uint64).
+
+    The magic divides exactly for x < 2^32 (Granlund and Montgomery, 1994): with
+    l = ceil(log2 f), m' = floor(2^32 (2^l − f) / f) + 1 and the shifts min(l, 1), max(l − 1, 0),
+    packed as m' | sh1 << 32 | sh2 << 40. The vector entry is m' | c(s) << 32 | (2^P − f) << 48:
+    it has no room for the shifts, which the vector encoder recomputes from f. Symbols of
     frequency 0 are never encoded and get 0."""
+    n = len(freq)
+    cum = np.zeros(n, dtype=np.int64)
+    magic = np.zeros(n, dtype=np.int64)
+    entry = np.zeros(n, dtype=np.uint64)
+    c = 0
+    for s in range(n):
+        d = freq[s]
+        cum[s] = c
+        if d > 0:
+            l = 0
+            while (1 << l) < d:
+                l += 1
+            m = ((((1 << l) - d) << 32) // d) + 1
+            magic[s] = m | (min(l, 1) << 32) | (max(l - 1, 0) << 40)
+            entry[s] = np.uint64(m & 0xFFFFFFFF) | (np.uint64(c) << np.uint64(32)) | (np.uint64((1 << P) - d) << np.uint64(48))
+        c += d
+    return cum, magic, entry
+
+
+def division_magic(freq: np.ndarray) -> np.ndarray:
+    """The packed division magic of every frequency (see encoder_tables)."""
     freq = np.asarray(freq, dtype=np.int64)
-    out = np.zeros(len(freq), dtype=np.int64)
-    nz = np.flatnonzero(freq)
-    d = freq[nz]
-    l = np.frexp((d - 1).astype(np.float64))[1].astype(np.int64)  # ceil(log2 d): the bit length of d - 1, exact below 2^53
-    m = ((((1 << l) - d) << 32) // d) + 1
-    out[nz] = m | (np.minimum(l, 1) << 32) | (np.maximum(l - 1, 0) << 40)
-    return out
+    return encoder_tables(freq, 15)[1]
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -116,7 +137,7 @@ def _enc(x, f, cum, magic, P, scratch, wp):
     """Encode one symbol into state x; returns (x, wp). Branch-free renormalisation: the low word
     is always stored at wp-1 (inside this chunk's scratch) and kept only if x needed to shrink.
     x div f is a multiply and shifts (Granlund and Montgomery, 1994), exact for x < 2^32: magic
-    packs m' (low 32 bits) and the two shifts (bits 32-39 and 40-47), see division_magic()."""
+    packs m' (low 32 bits) and the two shifts (bits 32-39 and 40-47), see encoder_tables()."""
     emit = np.int64(x >= (f << (32 - P)))
     scratch[wp - 1] = x & 0xFFFF
     wp -= emit
@@ -192,7 +213,7 @@ def encode_chunks(values, W, R, rotate, n, chunk, c0, c1, freq, cum, magic, P, s
     Chunk c's words go to the end of scratch[c*chunk:(c+1)*chunk] (they are written backwards, so
     the slice scratch[(c+1)*chunk - nwords[c] : (c+1)*chunk] is already in decode order); its eight
     final states to states[8c:8c+8]; the raw fields are OR-ed into `raw` (zeroed by the caller).
-    `magic` is division_magic(freq). Full rounds of eight elements take an unrolled path.
+    `magic` is encoder_tables()[1]. Full rounds of eight elements take an unrolled path.
     """
     rmask = (1 << R) - 1
     xs = np.empty(LANES, dtype=np.int64)
