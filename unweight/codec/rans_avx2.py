@@ -153,13 +153,13 @@ def _make_encoder(G: int):
     moving down) are read at the start and written back at the end."""
 
     @intrinsic
-    def encode_rounds(typingctx, values, g, xs, rounds, scratch, wp, tab, P):
-        sig = types.void(values, g, xs, types.intp, scratch, wp, tab, types.intp)
+    def encode_rounds(typingctx, values, g, xs, rounds, scratch, wp, tab, P, raw):
+        sig = types.void(values, g, xs, types.intp, scratch, wp, tab, types.intp, raw)
 
         def codegen(context, builder, signature, args):
             b = builder
             rounds, P = args[3], args[7]
-            vp, gp, xsp, sp, wpp, tabp = (simd.data_ptr(context, b, signature.args[i], args[i]) for i in (0, 1, 2, 4, 5, 6))
+            vp, gp, xsp, sp, wpp, tabp, rawp = (simd.data_ptr(context, b, signature.args[i], args[i]) for i in (0, 1, 2, 4, 5, 6, 8))
             compact = simd.table(b, "unweight_rans_compact", _COMPACT)
             p32 = b.trunc(P, I32)
             one_p = simd.splat(b, b.shl(simd.const(1, I32), p32), V8I32)
@@ -177,16 +177,17 @@ def _make_encoder(G: int):
                     g = b.load(gv[j])
                     v = b.zext(simd.load(b, vp, b.shl(g, simd.const(1)), V8I16), V8I32)
                     s = b.and_(b.lshr(v, c5), sym_mask)  # bits 14..5: the symbol of the rotated word
+                    _store_raw6(b, v, rawp, g)
                     m, cc = simd.gather64x8(b, tabp, s)
                     cum, cmpl = b.and_(cc, low16), b.lshr(cc, c16)
                     f = b.sub(one_p, cmpl)
                     # shifts of the division: l = ceil(log2 f); sh1 = min(l, 1), sh2 = max(l - 1, 0)
-                    fm1 = b.sub(f, c1)
-                    sh2 = b.sub(b.lshr(b.bitcast(b.uitofp(fm1, simd.V8F32), V8I32), c23), c127)
+                    fm1 = b.sub(f, c1)  # < 2^15: the signed conversion and compares below are exact
+                    sh2 = b.sub(b.lshr(b.bitcast(b.sitofp(fm1, simd.V8F32), V8I32), c23), c127)
                     sh2 = b.select(b.icmp_signed("<", sh2, zero), zero, sh2)
-                    sh1 = b.select(b.icmp_unsigned("<", fm1, c1), fm1, c1)
+                    sh1 = b.select(b.icmp_signed("<", fm1, c1), fm1, c1)
                     x = b.load(xv[j])
-                    emit = b.icmp_unsigned(">=", b.lshr(x, hi_shift), f)  # x >= f << (32 - P)
+                    emit = b.icmp_signed(">=", b.lshr(x, hi_shift), f)  # x >= f << (32 - P); both sides < 2^16
                     mask = simd.lane_mask(b, emit)
                     out = simd.permd(b, x, simd.load(b, compact, b.shl(mask, simd.const(5)), V8I32))
                     w = b.load(wv[j])
@@ -208,110 +209,45 @@ def _make_encoder(G: int):
     return encode_rounds
 
 
-_enc1, _enc2, _enc3, _enc4 = (_make_encoder(g) for g in range(1, MAX_GROUP + 1))
+_encode_rounds = _make_encoder(1)
 
 
-@intrinsic
-def _pack_raw6_rounds(typingctx, values, e0, rounds, raw):
-    """The raw fields of elements [e0, e0 + 8·rounds) (e0 a multiple of 8) into `raw`: per round,
-    rotl(w, 1) & 63 of eight words, shifted to bits 6i and OR-ed, 6 bytes written as 8 (the next
-    round overwrites the two extra, so raw needs 2 bytes of room after the last round)."""
-    sig = types.void(values, types.intp, types.intp, raw)
-
-    def codegen(context, builder, signature, args):
-        b = builder
-        _, e0, rounds, _ = args
-        vp, rp = (simd.data_ptr(context, b, signature.args[i], args[i]) for i in (0, 3))
-        c1, c15, c63 = (simd.vconst([v] * 8) for v in (1, 15, 63))
-        lane_shift = simd.vconst([0, 6, 12, 18] * 2)
-        undef = ir.Constant(V8I32, ir.Undefined)
-        with cgutils.for_range(b, rounds) as loop:
-            e = b.add(e0, b.shl(loop.index, simd.const(3)))
-            w = b.zext(simd.load(b, vp, b.shl(e, simd.const(1)), V8I16), V8I32)
-            r = b.and_(b.or_(b.shl(w, c1), b.lshr(w, c15)), c63)
-            t = b.shl(r, lane_shift)
-            t = b.or_(t, b.shuffle_vector(t, undef, ir.Constant(V8I32, [1, 0, 3, 2, 5, 4, 7, 6])))
-            t = b.or_(t, b.shuffle_vector(t, undef, ir.Constant(V8I32, [2, 3, 0, 1, 6, 7, 4, 5])))
-            lo = b.zext(b.extract_element(t, simd.const(0, I32)), I64)
-            hi = b.zext(b.extract_element(t, simd.const(4, I32)), I64)
-            simd.store(b, b.or_(lo, b.shl(hi, simd.const(24))), rp, b.mul(b.lshr(e, simd.const(3)), simd.const(6)))
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-@njit(nogil=True, cache=True)
-def pack_raw6(values, start, stop, raw):
-    """rans_kernels._pack_raw6 with rotate (start a multiple of 8): whole rounds of eight in the
-    vector loop while its 8-byte stores stay inside this range's bytes (another thread may be
-    packing the next range), the rest by the portable loop."""
-    room = min(len(raw), 3 * (stop >> 2)) - 3 * (start >> 2)  # bytes of this range
-    rounds = min((stop - start) >> 3, (room - 8) // 6 + 1)
-    if rounds > 0:
-        _pack_raw6_rounds(values, start, rounds, raw)
-    else:
-        rounds = 0
-    _pack_raw6(values, True, start + 8 * rounds, stop, raw)
+def _store_raw6(b, w, rawp, e):
+    """The raw fields of the eight words w (zero-extended <8 x i32>) of elements e..e+7 (e a
+    multiple of 8): rotl(w, 1) & 63 of lane i to bits 6i of 6 bytes at raw + 3e/4, stored as 4 + 2
+    bytes (no byte of another round is touched, so rounds may go in any order)."""
+    c1, c15, c63 = (simd.vconst([v] * 8) for v in (1, 15, 63))
+    undef = ir.Constant(V8I32, ir.Undefined)
+    r = b.and_(b.or_(b.shl(w, c1), b.lshr(w, c15)), c63)
+    t = b.shl(r, simd.vconst([0, 6, 12, 18] * 2))
+    t = b.or_(t, b.shuffle_vector(t, undef, ir.Constant(V8I32, [1, 0, 3, 2, 5, 4, 7, 6])))
+    t = b.or_(t, b.shuffle_vector(t, undef, ir.Constant(V8I32, [2, 3, 0, 1, 6, 7, 4, 5])))
+    lo = b.extract_element(t, simd.const(0, I32))  # elements 0-3: 24 bits
+    hi = b.extract_element(t, simd.const(4, I32))  # elements 4-7: 24 bits
+    at = b.mul(b.lshr(e, simd.const(3)), simd.const(6))
+    simd.store(b, b.or_(lo, b.shl(hi, simd.const(24, I32))), rawp, at)
+    simd.store(b, b.trunc(b.lshr(hi, simd.const(8, I32)), ir.IntType(16)), rawp, b.add(at, simd.const(4)))
 
 
 @njit(nogil=True, cache=True)
 def encode_chunks16(values, n, chunk, c0, c1, freq, cum, magic, tab, P, scratch, nwords, states, raw):
-    """rans_kernels.encode_chunks for 16-bit words with rotate and R = 6, the full rounds of up
-    to four chunks at once in the vector encoder; the same streams, word for word. `tab` is
-    rans_kernels.encoder_tables()'s vector entries."""
-    G = MAX_GROUP
-    xs = np.empty(LANES * G, dtype=np.int64)
-    g = np.empty(G, dtype=np.int64)
-    wp = np.empty(G, dtype=np.int64)
-    left = np.empty(G, dtype=np.int64)
-    act = np.empty(G, dtype=np.int64)
-    cx = np.empty(LANES * G, dtype=np.int64)
-    cg = np.empty(G, dtype=np.int64)
-    cw = np.empty(G, dtype=np.int64)
-    for c0g in range(c0, c1, G):
-        k = min(G, c1 - c0g)
-        for j in range(k):
-            c = c0g + j
-            start = c * chunk
-            stop = min(start + chunk, n)
-            pack_raw6(values, start, stop, raw)
-            full, wp[j] = encode_prologue(values, 16, 6, True, start, stop, (c + 1) * chunk, freq, cum, magic, P, scratch,
-                                          xs[LANES * j : LANES * j + LANES], raw, False)
-            g[j] = full - LANES
-            left[j] = (full - start) // LANES
-        while True:
-            a = 0
-            rounds = np.int64(1) << 62
-            for j in range(k):
-                if left[j] > 0:
-                    act[a] = j
-                    a += 1
-                    rounds = min(rounds, left[j])
-            if a == 0:
-                break
-            for i in range(a):
-                j = act[i]
-                cx[LANES * i : LANES * i + LANES] = xs[LANES * j : LANES * j + LANES]
-                cg[i] = g[j]
-                cw[i] = wp[j]
-            if a == 1:
-                _enc1(values, cg, cx, rounds, scratch, cw, tab, P)
-            elif a == 2:
-                _enc2(values, cg, cx, rounds, scratch, cw, tab, P)
-            elif a == 3:
-                _enc3(values, cg, cx, rounds, scratch, cw, tab, P)
-            else:
-                _enc4(values, cg, cx, rounds, scratch, cw, tab, P)
-            for i in range(a):
-                j = act[i]
-                xs[LANES * j : LANES * j + LANES] = cx[LANES * i : LANES * i + LANES]
-                g[j] = cg[i]
-                wp[j] = cw[i]
-                left[j] -= rounds
-        for j in range(k):
-            c = c0g + j
-            nwords[c] = (c + 1) * chunk - wp[j]
-            states[LANES * c : LANES * c + LANES] = xs[LANES * j : LANES * j + LANES]
+    """rans_kernels.encode_chunks for 16-bit words with rotate and R = 6, the full rounds in the
+    vector encoder; the same streams, word for word. `tab` is rans_kernels.encoder_tables()'s
+    vector entries. (The encoder is bound by its instruction count, not by latency: interleaving
+    chunks as the decoder does only added register spills, 10 % slower at four.)"""
+    xs = np.empty(LANES, dtype=np.int64)
+    g = np.empty(1, dtype=np.int64)
+    wp = np.empty(1, dtype=np.int64)
+    for c in range(c0, c1):
+        start = c * chunk
+        stop = min(start + chunk, n)
+        full = start + ((stop - start) >> 3 << 3)
+        _pack_raw6(values, True, full, stop, raw)  # the partial round; the vector rounds store their own
+        full, wp[0] = encode_prologue(values, 16, 6, True, start, stop, (c + 1) * chunk, freq, cum, magic, P, scratch, xs, raw, False)
+        g[0] = full - LANES
+        _encode_rounds(values, g, xs, (full - start) >> 3, scratch, wp, tab, P, raw)
+        nwords[c] = (c + 1) * chunk - wp[0]
+        states[LANES * c : LANES * c + LANES] = xs
 
 
 @njit(nogil=True, cache=True, inline="always")
