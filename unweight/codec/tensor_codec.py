@@ -35,7 +35,7 @@ class CodecOptions:
     """How to compress; validated on construction."""
 
     precision: int = rans.DEFAULT_PRECISION
-    chunk: int = rans.DEFAULT_CHUNK
+    chunk: int = rans.DEFAULT_CHUNK  # the most elements a chunk holds (rans.chunk_for picks the size)
     zstd_level: int = 10
     threads: int | None = None  # None or 0: all CPUs
     verify: bool = True  # decode each tensor again before accepting it
