@@ -1,7 +1,8 @@
 """Choosing a pipeline per (device, layer shape, batch bucket) by timing the candidates once.
 
-The first call for a key times every candidate (one warm-up, then the median of a few runs) and
-remembers the fastest, in memory and in a JSON file (`$UNWEIGHT_CACHE/autotune.json`), written
+The first call for a key times every candidate (one warm-up each, then REPEATS rounds that run the
+candidates in turn; each keeps its fastest run, since noise only ever adds time, and taking turns
+spreads a slow spell of the machine over all of them) and remembers the fastest, in memory and in a JSON file (`$UNWEIGHT_CACHE/autotune.json`), written
 atomically. `UNWEIGHT_PIPELINE=name` forces one pipeline everywhere (for debugging).
 """
 
@@ -9,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import threading
 import time
 from pathlib import Path
@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 FORCE_ENV = "UNWEIGHT_PIPELINE"
-REPEATS = 3
+REPEATS = 5
 
 
 def batch_bucket(m: int) -> int:
@@ -75,17 +75,17 @@ class Autotuner:
             known = self._load().get(key)
         if known in candidates:
             return known, None
-        timings, outputs = {}, {}
+        outputs = {}
         for name, run in candidates.items():
             outputs[name] = run()  # warm-up (compiles kernels)
             _sync(device)
-            times = []
-            for _ in range(REPEATS):
+        timings = dict.fromkeys(candidates, float("inf"))
+        for _ in range(REPEATS):
+            for name, run in candidates.items():
                 t0 = time.perf_counter()
                 run()
                 _sync(device)
-                times.append(time.perf_counter() - t0)
-            timings[name] = statistics.median(times)
+                timings[name] = min(timings[name], time.perf_counter() - t0)
         best = min(timings, key=timings.get)
         with self._lock:
             self._load()[key] = best
