@@ -154,7 +154,7 @@ def _fill_slots(freq, W, R, rotate, tab):
 
 
 @lru_cache(maxsize=2)
-def _raw_pairs(rotate: bool) -> np.ndarray:
+def raw_pairs(rotate: bool) -> np.ndarray:
     """Output bits of every pair of 6-bit raw fields, as a uint32 of two little-endian elements."""
     r = np.arange(64, dtype=np.uint32)
     if rotate:
@@ -166,8 +166,8 @@ def _raw_pairs(rotate: bool) -> np.ndarray:
 
 @njit(nogil=True, cache=True)
 def _slots_from_stream(data, sym_bits, P, W, R, rotate, tab):
-    """parse() and decode_slots() in one call, for the decoder: fills `tab` and returns True if the
-    stream is a valid table, else False (parse() then says what is wrong)."""
+    """parse() and the slot table in one call: fills `tab` and returns True if the stream is a
+    valid table, else False (parse() then says what is wrong)."""
     nsym = 1 << sym_bits
     vals = np.empty(nsym + 2, dtype=np.int64)
     k = _read_varints(data, vals)
@@ -187,24 +187,13 @@ def _slots_from_stream(data, sym_bits, P, W, R, rotate, tab):
 
 
 def slots_from_stream(blob: np.ndarray, sym_bits: int, precision: int, word_bits: int, raw_bits: int, rotate: bool) -> np.ndarray:
-    """decode_slots(parse(blob, ...), ...) with one numba call; raises TableError as parse() does."""
+    """The decoders' slot table of a `table` stream; raises TableError as parse() does.
+
+    For each slot q of symbol s: f(s) | (q - c(s)) << 16 | top << 32 (uint64), where top is the
+    element's bits from its symbol alone, `s << R` rotated right by one if `rotate`. One 8-byte
+    load a slot gives the decoder everything; the raw field, rotated the same way, is OR-ed in."""
     tab = np.empty(1 << precision, dtype=np.uint64)
     if not _slots_from_stream(np.frombuffer(blob, dtype=np.uint8), sym_bits, precision, word_bits, raw_bits, rotate, tab):
         parse(blob, sym_bits, precision)  # raises the precise error
         raise TableError("invalid table")  # pragma: no cover - parse() found nothing wrong
     return tab
-
-
-def decode_slots(freq: np.ndarray, precision: int, word_bits: int, raw_bits: int, rotate: bool) -> np.ndarray:
-    """The decoders' slot table (freq must sum to 2**precision; parse() checks it): for each slot
-    q of symbol s, f(s) | (q - c(s)) << 16 | top << 32 (uint64), where top is the element's bits
-    from its symbol alone, `s << R` rotated right by one if `rotate`. One 8-byte load a slot gives
-    the decoder everything; the raw field, rotated the same way, is OR-ed in."""
-    tab = np.empty(1 << precision, dtype=np.uint64)
-    _fill_slots(np.asarray(freq, dtype=np.int64), word_bits, raw_bits, rotate, tab)
-    return tab
-
-
-def raw_pairs(rotate: bool) -> np.ndarray:
-    """Output bits of every pair of 6-bit raw fields (see _raw_pairs)."""
-    return _raw_pairs(rotate)

@@ -264,7 +264,7 @@ def _safe_rounds(e, stop, pos, end, nraw):
 def decode_chunks16(words, offsets, states, tab, P, raw, n, chunk, c0, c1, out, status):
     """Decode chunks c0..c1-1 of a 16-bit `rans` tensor with rotate and R = 6 (BF16, F16) into
     `out` (uint16); status[c] gets OK or an error code, as rans_kernels.decode_chunks does.
-    `tab` is freq_table.decode_slots()."""
+    `tab` is freq_table.slots_from_stream()."""
     G = MAX_GROUP
     xs = np.empty(LANES * G, dtype=np.int64)
     pos = np.empty(G, dtype=np.int64)

@@ -367,7 +367,7 @@ def _decode_fast16(words, pos, end, xs, tab, P, e, stop, out):
 def decode_chunks(words, offsets, states, tab, raw_pairs, P, raw, W, R, rotate, n, chunk, c0, c1, out, out32, status):
     """Decode chunks c0..c1-1 into `out` (unsigned W-bit integers); status[c] gets OK or an error.
 
-    `words` is the words stream as uint16; `tab` is freq_table.decode_slots(), raw_pairs
+    `words` is the words stream as uint16; `tab` is freq_table.slots_from_stream(), raw_pairs
     freq_table.raw_pairs(); `out32` is `out` seen as uint32 (16-bit words only). For BF16/F16,
     _decode_fast16 decodes rounds of eight elements (one per lane), branch-free, and
     _merge_raw6 then ORs the raw bits in; tails and nearly exhausted chunks take the checked path,
