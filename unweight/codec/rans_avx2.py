@@ -75,6 +75,22 @@ def _compact_table() -> np.ndarray:
 _COMPACT = _compact_table()
 
 
+def _load_lanes(b, xsp, ptrs, G):
+    """Allocas (registers, after LLVM's mem2reg) for G chunks: their eight lane states, read from
+    int64[8G] at xsp, and one int64 each from the arrays at `ptrs` (positions, pointers)."""
+    xv = [cgutils.alloca_once_value(b, b.trunc(simd.load(b, xsp, simd.const(64 * g), V8I64), V8I32)) for g in range(G)]
+    return xv, [[cgutils.alloca_once_value(b, simd.load(b, p, simd.const(8 * g), I64)) for g in range(G)] for p in ptrs]
+
+
+def _store_lanes(b, xsp, ptrs, xv, scalars):
+    """Write _load_lanes()'s values back to the arrays they came from."""
+    for g, x in enumerate(xv):
+        simd.store(b, b.zext(b.load(x), V8I64), xsp, simd.const(64 * g))
+    for p, values in zip(ptrs, scalars):
+        for g, v in enumerate(values):
+            simd.store(b, b.load(v), p, simd.const(8 * g))
+
+
 def _make_decoder(G: int):
     """Intrinsic: `rounds` rounds of G chunks at once. xs (8G int64 states), pos (G word positions)
     and e (G element positions, multiples of 8) are read at the start and written back at the end."""
@@ -96,12 +112,7 @@ def _make_decoder(G: int):
             rans_l = simd.vconst([RANS_L] * 8)
             raw_ctrl = simd.vconst(_RAW_CTRL, V32I8)
             raw_shift = simd.vconst(_RAW_SHIFT)
-            xv, pv, ev = [], [], []
-            for g in range(G):
-                x0 = b.trunc(simd.load(b, xsp, simd.const(64 * g), V8I64), V8I32)
-                xv.append(cgutils.alloca_once_value(b, x0))
-                pv.append(cgutils.alloca_once_value(b, simd.load(b, posp, simd.const(8 * g), I64)))
-                ev.append(cgutils.alloca_once_value(b, simd.load(b, ep, simd.const(8 * g), I64)))
+            xv, (pv, ev) = _load_lanes(b, xsp, (posp, ep), G)
             with cgutils.for_range(b, rounds):
                 for g in range(G):
                     x = b.load(xv[g])
@@ -123,10 +134,7 @@ def _make_decoder(G: int):
                     v = b.or_(sym, b.or_(b.shl(b.and_(r, c1), c15), b.lshr(r, c1)))
                     simd.store(b, b.trunc(v, V8I16), outp, b.shl(e, simd.const(1)))
                     b.store(b.add(e, simd.const(8)), ev[g])
-            for g in range(G):
-                simd.store(b, b.zext(b.load(xv[g]), V8I64), xsp, simd.const(64 * g))
-                simd.store(b, b.load(pv[g]), posp, simd.const(8 * g))
-                simd.store(b, b.load(ev[g]), ep, simd.const(8 * g))
+            _store_lanes(b, xsp, (posp, ep), xv, (pv, ev))
             return context.get_dummy_value()
 
         return sig, codegen
@@ -147,10 +155,10 @@ def _mulhi32(b, x, m):
     return b.shuffle_vector(b.bitcast(even, V8I32), b.bitcast(odd, V8I32), ir.Constant(V8I32, [0, 9, 2, 11, 4, 13, 6, 15]))
 
 
-def _make_encoder(G: int):
-    """Intrinsic: `rounds` rounds of G chunks at once, each from its round at element g[j] down
-    (g decreases by 8 a round). xs (8G int64 states) and wp (G write pointers into scratch,
-    moving down) are read at the start and written back at the end."""
+def _make_encoder():
+    """Intrinsic: `rounds` rounds of one chunk, from its round at element g[0] down (g decreases by
+    8 a round). xs (8 int64 states) and wp[0] (the write pointer into scratch, moving down) are
+    read at the start and written back at the end."""
 
     @intrinsic
     def encode_rounds(typingctx, values, g, xs, rounds, scratch, wp, tab, P, raw):
@@ -167,41 +175,33 @@ def _make_encoder(G: int):
             c1, c5, c16, c23, c127 = (simd.vconst([v] * 8) for v in (1, 5, 16, 23, 127))
             zero = simd.vconst([0] * 8)
             sym_mask, low16 = simd.vconst([0x3FF] * 8), simd.vconst([0xFFFF] * 8)
-            xv, gv, wv = [], [], []
-            for j in range(G):
-                xv.append(cgutils.alloca_once_value(b, b.trunc(simd.load(b, xsp, simd.const(64 * j), V8I64), V8I32)))
-                gv.append(cgutils.alloca_once_value(b, simd.load(b, gp, simd.const(8 * j), I64)))
-                wv.append(cgutils.alloca_once_value(b, simd.load(b, wpp, simd.const(8 * j), I64)))
+            (xv,), ((gv,), (wv,)) = _load_lanes(b, xsp, (gp, wpp), 1)
             with cgutils.for_range(b, rounds):
-                for j in range(G):
-                    g = b.load(gv[j])
-                    v = b.zext(simd.load(b, vp, b.shl(g, simd.const(1)), V8I16), V8I32)
-                    s = b.and_(b.lshr(v, c5), sym_mask)  # bits 14..5: the symbol of the rotated word
-                    _store_raw6(b, v, rawp, g)
-                    m, cc = simd.gather64x8(b, tabp, s)
-                    cum, cmpl = b.and_(cc, low16), b.lshr(cc, c16)
-                    f = b.sub(one_p, cmpl)
-                    # shifts of the division: l = ceil(log2 f); sh1 = min(l, 1), sh2 = max(l - 1, 0)
-                    fm1 = b.sub(f, c1)  # < 2^15: the signed conversion and compares below are exact
-                    sh2 = b.sub(b.lshr(b.bitcast(b.sitofp(fm1, simd.V8F32), V8I32), c23), c127)
-                    sh2 = b.select(b.icmp_signed("<", sh2, zero), zero, sh2)
-                    sh1 = b.select(b.icmp_signed("<", fm1, c1), fm1, c1)
-                    x = b.load(xv[j])
-                    emit = b.icmp_signed(">=", b.lshr(x, hi_shift), f)  # x >= f << (32 - P); both sides < 2^16
-                    mask = simd.lane_mask(b, emit)
-                    out = simd.permd(b, x, simd.load(b, compact, b.shl(mask, simd.const(5)), V8I32))
-                    w = b.load(wv[j])
-                    simd.store(b, b.trunc(out, V8I16), sp, b.shl(b.sub(w, simd.const(8)), simd.const(1)))
-                    b.store(b.sub(w, simd.ctpop64(b, mask)), wv[j])
-                    x = b.select(emit, b.lshr(x, c16), x)
-                    t1 = _mulhi32(b, x, m)
-                    q = b.lshr(b.add(t1, b.lshr(b.sub(x, t1), sh1)), sh2)
-                    b.store(b.add(b.add(x, cum), b.mul(q, cmpl)), xv[j])  # q·2^P + (x − q·f) + c
-                    b.store(b.sub(g, simd.const(8)), gv[j])
-            for j in range(G):
-                simd.store(b, b.zext(b.load(xv[j]), V8I64), xsp, simd.const(64 * j))
-                simd.store(b, b.load(gv[j]), gp, simd.const(8 * j))
-                simd.store(b, b.load(wv[j]), wpp, simd.const(8 * j))
+                g = b.load(gv)
+                v = b.zext(simd.load(b, vp, b.shl(g, simd.const(1)), V8I16), V8I32)
+                s = b.and_(b.lshr(v, c5), sym_mask)  # bits 14..5: the symbol of the rotated word
+                _store_raw6(b, v, rawp, g)
+                m, cc = simd.gather64x8(b, tabp, s)
+                cum, cmpl = b.and_(cc, low16), b.lshr(cc, c16)
+                f = b.sub(one_p, cmpl)
+                # shifts of the division: l = ceil(log2 f); sh1 = min(l, 1), sh2 = max(l - 1, 0)
+                fm1 = b.sub(f, c1)  # < 2^15: the signed conversion and compares below are exact
+                sh2 = b.sub(b.lshr(b.bitcast(b.sitofp(fm1, simd.V8F32), V8I32), c23), c127)
+                sh2 = b.select(b.icmp_signed("<", sh2, zero), zero, sh2)
+                sh1 = b.select(b.icmp_signed("<", fm1, c1), fm1, c1)
+                x = b.load(xv)
+                emit = b.icmp_signed(">=", b.lshr(x, hi_shift), f)  # x >= f << (32 - P); both sides < 2^16
+                mask = simd.lane_mask(b, emit)
+                out = simd.permd(b, x, simd.load(b, compact, b.shl(mask, simd.const(5)), V8I32))
+                w = b.load(wv)
+                simd.store(b, b.trunc(out, V8I16), sp, b.shl(b.sub(w, simd.const(8)), simd.const(1)))
+                b.store(b.sub(w, simd.ctpop64(b, mask)), wv)
+                x = b.select(emit, b.lshr(x, c16), x)
+                t1 = _mulhi32(b, x, m)
+                q = b.lshr(b.add(t1, b.lshr(b.sub(x, t1), sh1)), sh2)
+                b.store(b.add(b.add(x, cum), b.mul(q, cmpl)), xv)  # q·2^P + (x − q·f) + c
+                b.store(b.sub(g, simd.const(8)), gv)
+            _store_lanes(b, xsp, (gp, wpp), [xv], ([gv], [wv]))
             return context.get_dummy_value()
 
         return sig, codegen
@@ -209,7 +209,7 @@ def _make_encoder(G: int):
     return encode_rounds
 
 
-_encode_rounds = _make_encoder(1)
+_encode_rounds = _make_encoder()
 
 
 def _store_raw6(b, w, rawp, e):
