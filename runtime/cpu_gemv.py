@@ -195,7 +195,7 @@ _LANE_MUL = [(1 << (24 - i)) + (1 << (17 - i)) + (1 << (10 - i)) for i in range(
 
 
 FAST_PATH = simd.has("avx2", "fma")  # the fused kernels need both on the CPU numba compiles for
-_const, _vconst, _splat, _load = simd.const, simd.vconst, simd.splat, simd.load
+_const, _vconst, _splat, _load, _bytes = simd.const, simd.vconst, simd.splat, simd.load, simd.data_ptr
 
 
 def _opaque(builder, value, constraint):
@@ -203,10 +203,6 @@ def _opaque(builder, value, constraint):
     through an opaque copy of their pointer keeps the integer unit's loads apart from the vector
     broadcasts of the same bytes (merged, they would cost a move from a general register)."""
     return builder.asm(ir.FunctionType(value.type, [value.type]), "", f"={constraint},0", [value], side_effect=False)
-
-
-def _bytes(context, builder, aryty, ary):
-    return simd.data_ptr(context, builder, aryty, ary)
 
 
 class _RowEmitter:

@@ -33,7 +33,7 @@ from numba.extending import intrinsic
 from llvmlite import ir
 
 from . import simd
-from .rans_kernels import ERR_BAD_STATE, LANES, RANS_L, _pack_raw6, checked_tail, encode_prologue
+from .rans_kernels import ERR_BAD_STATE, LANES, RANS_L, _pack_raw6, checked_tail, encode_prologue, load_states
 from .simd import I32, I64, V4I64, V8I16, V8I32, V8I64, V32I8
 
 AVAILABLE = simd.has("avx2")
@@ -281,12 +281,7 @@ def decode_chunks16(words, offsets, states, tab, P, raw, n, chunk, c0, c1, out, 
             c = g0 + j
             pos[j] = offsets[c]
             e[j] = c * chunk
-            ok[j] = True
-            for lane in range(LANES):
-                x = np.int64(states[LANES * c + lane])
-                xs[LANES * j + lane] = x
-                if x < RANS_L or x >= (np.int64(1) << 32):
-                    ok[j] = False
+            ok[j] = load_states(states, c, xs[LANES * j : LANES * j + LANES])
             if not ok[j]:
                 status[c] = ERR_BAD_STATE
         while True:  # rounds of every chunk that has some left, until none has

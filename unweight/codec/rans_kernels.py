@@ -379,19 +379,26 @@ def decode_chunks(words, offsets, states, tab, raw_pairs, P, raw, W, R, rotate, 
         stop = min(start + chunk, n)
         pos = np.int64(offsets[c])
         end = np.int64(offsets[c + 1])
-        err = OK
-        for lane in range(LANES):
-            xs[lane] = np.int64(states[LANES * c + lane])
-            if xs[lane] < RANS_L or xs[lane] >= (np.int64(1) << 32):
-                err = ERR_BAD_STATE
-        if err != OK:
-            status[c] = err
+        if not load_states(states, c, xs):
+            status[c] = ERR_BAD_STATE
             continue
         e = start
         if R == 6 and W == 16:
             e, pos = _decode_fast16(words, pos, end, xs, tab, P, e, stop, out)
             _merge_raw6(raw, raw_pairs, start >> 2, e >> 2, out32)
         status[c] = checked_tail(words, pos, end, xs, tab, P, raw, W, R, rotate, start, e, stop, out)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def load_states(states, c, xs):
+    """Chunk c's eight initial states into xs; False if one lies outside [2^16, 2^32)."""
+    ok = True
+    for lane in range(LANES):
+        x = np.int64(states[LANES * c + lane])
+        xs[lane] = x
+        if x < RANS_L or x >= (np.int64(1) << 32):
+            ok = False
+    return ok
 
 
 @njit(nogil=True, cache=True)
