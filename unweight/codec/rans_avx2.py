@@ -4,7 +4,7 @@
 A chunk's eight rANS lanes (SPEC.md §3.3) map onto the eight 32-bit lanes of a ymm register, and a
 round (one element per lane) becomes a handful of vector instructions:
 
-  decode  q = x & (2^P - 1); two gathers fetch f | (q - c) << 16 and the element's symbol bits;
+  decode  q = x & (2^P - 1); eight loads fetch f | (q - c) << 16 and the element's symbol bits;
           x = f · (x >> P) + (q − c); the lanes with x < 2^16 (a mask of 8 bits) take the next
           words in lane order: eight words are loaded at the read position, widened, and moved to
           those lanes by a vpermd whose control comes from a 256-entry table indexed by the mask;
@@ -12,7 +12,7 @@ round (one element per lane) becomes a handful of vector instructions:
           are spread to their lanes by one pshufb and a per-lane shift, merged, and the eight
           16-bit elements stored at once.
 
-One round is a chain of dependent steps (gather, multiply, compare, permute), so a single chunk
+One round is a chain of dependent steps (table loads, multiply, compare, permute), so a single chunk
 would leave the core idle most of the time; the kernels take up to four chunks at once and
 interleave their rounds, which the out-of-order core overlaps. Chunks are independent (their own
 words, states and elements), so this changes nothing in the streams.
@@ -117,7 +117,7 @@ def _make_decoder(G: int):
                 for g in range(G):
                     x = b.load(xv[g])
                     q = b.and_(x, qmask)
-                    fq, sym = simd.gather64x8(b, tabp, q)
+                    fq, sym = simd.lookup64x8(b, tabp, q)
                     x = b.add(b.mul(b.and_(fq, low16), b.lshr(x, pshift)), b.lshr(fq, c16))
                     need = b.icmp_unsigned("<", x, rans_l)
                     m = simd.lane_mask(b, need)
@@ -181,7 +181,7 @@ def _make_encoder():
                 v = b.zext(simd.load(b, vp, b.shl(g, simd.const(1)), V8I16), V8I32)
                 s = b.and_(b.lshr(v, c5), sym_mask)  # bits 14..5: the symbol of the rotated word
                 _store_raw6(b, v, rawp, g)
-                m, cc = simd.gather64x8(b, tabp, s)
+                m, cc = simd.lookup64x8(b, tabp, s)
                 cum, cmpl = b.and_(cc, low16), b.lshr(cc, c16)
                 f = b.sub(one_p, cmpl)
                 # shifts of the division: l = ceil(log2 f); sh1 = min(l, 1), sh2 = max(l - 1, 0)
