@@ -139,3 +139,32 @@ def test_save_file_handles_odd_tensors(tmp_path):
         t = t.contiguous()
         assert back[k].dtype == t.dtype and back[k].shape == t.shape, k
         assert torch.equal(back[k].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), k
+
+
+def test_decode_into_a_reused_buffer():
+    """decode_tensor(out=...) (what decompress and verify do with one scratch buffer) writes every
+    codec's bytes into the buffer, whatever an earlier tensor left there, and refuses a bad one."""
+    from unweight.codec import CodecOptions, decode_tensor, encode_tensor
+
+    g = np.random.default_rng(5)
+    cases = [
+        ("rans", "BF16", (300, 257), random_bf16(300, 257).view(torch.int16).numpy().view(np.uint8).reshape(-1), CodecOptions()),
+        ("zstd", "I64", (5000,), np.arange(5000, dtype=np.int64).view(np.uint8), CodecOptions()),
+        ("raw", "U8", (4099,), g.integers(0, 256, 4099, dtype=np.uint8), CodecOptions()),
+        ("tiles", "BF16", (64, 96), random_bf16(64, 96).view(torch.int16).numpy().view(np.uint8).reshape(-1), CodecOptions(layout="serving")),
+        ("raw", "BF16", (0, 3), np.zeros(0, dtype=np.uint8), CodecOptions()),
+    ]
+    scratch = np.empty(max(len(c[3]) for c in cases) // 8 + 1, dtype=np.uint64).view(np.uint8)
+    for codec, dtype, shape, data, opts in cases:
+        entry, streams = encode_tensor("t", dtype, shape, data, opts)
+        assert entry.codec == codec
+        scratch[:] = 0xA5  # what the last tensor left
+        out = scratch[: len(data)]
+        got = decode_tensor(entry, streams, threads=2, out=out)
+        assert got.ctypes.data == out.ctypes.data and got.shape == out.shape
+        assert np.array_equal(got, data), codec
+    entry, streams = encode_tensor("t", *cases[0][1:4], CodecOptions())
+    for bad in (scratch[: entry.nbytes - 2], scratch[1 : entry.nbytes + 1], scratch[: entry.nbytes].view(np.int8),
+                np.frombuffer(bytes(entry.nbytes), dtype=np.uint8)):
+        with pytest.raises(TypeError, match="out must be"):
+            decode_tensor(entry, streams, out=bad)

@@ -198,10 +198,11 @@ def decompress(src: str | os.PathLike, dst: str | os.PathLike, threads: int | No
     count = 0
     try:
         progress.start(sum(e.nbytes for r in readers for e in r.tensors.values()))
+        scratch = _scratch(readers)
         with _staging(dst) as tmp:
             for rel, reader in zip(containers, readers):
                 (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-                count += _decompress_file(reader, tmp / rel, str(rel), threads, progress)
+                count += _decompress_file(reader, tmp / rel, str(rel), threads, progress, scratch)
             for rel in others:
                 (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(root / rel, tmp / rel)
@@ -232,13 +233,13 @@ def _source_layout(reader: ContainerReader) -> list[str]:
     return [t.name for t in sorted(infos.values(), key=lambda t: t.begin)]
 
 
-def _decompress_file(reader: ContainerReader, out: Path, rel: str, threads: int | None, progress: Progress) -> int:
+def _decompress_file(reader: ContainerReader, out: Path, rel: str, threads: int | None, progress: Progress, scratch: np.ndarray) -> int:
     order = _source_layout(reader)
     entries = [reader.tensors[n] for n in order]
 
-    def blobs() -> Iterator[np.ndarray]:
+    def blobs() -> Iterator[np.ndarray]:  # each is written before the next one reuses the scratch
         for e in entries:
-            data = decode_one(reader, e.name, threads)
+            data = decode_one(reader, e.name, threads, _part(scratch, e.nbytes))
             progress.advance(f"{rel}: {e.name}", e.nbytes)
             yield data
 
@@ -259,11 +260,26 @@ def _decompress_file(reader: ContainerReader, out: Path, rel: str, threads: int 
     return len(entries)
 
 
-def decode_one(reader: ContainerReader, name: str, threads: int | None = None) -> np.ndarray:
-    """One tensor's original bytes; FormatError subclasses name the file and tensor on damage."""
+def _scratch(readers: list[ContainerReader]) -> np.ndarray:
+    """A buffer (8-byte aligned) for the largest tensor, which decode_one() decodes tensor after
+    tensor into; empty when a (hostile) size does not fit in memory: such tensors fail alone."""
+    size = max((e.nbytes for r in readers for e in r.tensors.values()), default=0)
+    try:
+        return np.empty(-(-size // 8), dtype=np.uint64).view(np.uint8)
+    except MemoryError:
+        return np.empty(0, dtype=np.uint8)
+
+
+def _part(scratch: np.ndarray, nbytes: int) -> np.ndarray | None:
+    return scratch[:nbytes] if nbytes <= len(scratch) else None
+
+
+def decode_one(reader: ContainerReader, name: str, threads: int | None = None, out: np.ndarray | None = None) -> np.ndarray:
+    """One tensor's original bytes (into `out` if given, see decode_tensor); FormatError
+    subclasses name the file and tensor on damage."""
     entry = reader.tensors[name]
     try:
-        return decode_tensor(entry, reader.streams_of(entry), threads)
+        return decode_tensor(entry, reader.streams_of(entry), threads, out=out)
     except FormatError as e:
         raise type(e)(reader.path, e.reason, name) from None
 
@@ -285,6 +301,7 @@ def verify(path: str | os.PathLike, against: str | os.PathLike | None = None, th
     readers = [ContainerReader(root / c) for c in containers]
     try:
         progress.start(sum(e.nbytes for r in readers for e in r.tensors.values()))
+        scratch = _scratch(readers)
         for rel, reader in zip(containers, readers):
             original = None
             if orig_root is not None:
@@ -294,7 +311,7 @@ def verify(path: str | os.PathLike, against: str | os.PathLike | None = None, th
                     continue
                 original = SafetensorsFile(opath)
             try:
-                _verify_file(reader, original, str(rel), threads, progress, report)
+                _verify_file(reader, original, str(rel), threads, progress, report, scratch)
             finally:
                 if original is not None:
                     original.close()
@@ -313,7 +330,8 @@ def verify(path: str | os.PathLike, against: str | os.PathLike | None = None, th
     return report
 
 
-def _verify_file(reader: ContainerReader, original: SafetensorsFile | None, rel: str, threads: int | None, progress: Progress, report: VerifyReport) -> None:
+def _verify_file(reader: ContainerReader, original: SafetensorsFile | None, rel: str, threads: int | None, progress: Progress,
+                 report: VerifyReport, scratch: np.ndarray) -> None:
     if original is not None:
         missing = sorted(set(original.tensors) - set(reader.tensors))
         extra = sorted(set(reader.tensors) - set(original.tensors))
@@ -323,7 +341,7 @@ def _verify_file(reader: ContainerReader, original: SafetensorsFile | None, rel:
             report.mismatches.append(f"{rel}: tensor {name!r} is not in the original")
     for name, entry in reader.tensors.items():
         try:
-            data = decode_one(reader, name, threads)  # CRC-32 checked inside
+            data = decode_one(reader, name, threads, _part(scratch, entry.nbytes))  # CRC-32 checked inside
         except FormatError as e:
             report.mismatches.append(str(e))
             continue

@@ -176,8 +176,9 @@ def _offsets_ok(offsets, nwords):
     return True
 
 
-def decode(streams: dict[str, np.ndarray], p: RansParams, n: int, threads: int | None = None) -> np.ndarray:
-    """Decode n elements (1-D unsigned ints of p.word_bits bits); raises ValueError if corrupt."""
+def decode(streams: dict[str, np.ndarray], p: RansParams, n: int, threads: int | None = None, out: np.ndarray | None = None) -> np.ndarray:
+    """Decode n elements (1-D unsigned ints of p.word_bits bits) into `out` (a new array if None,
+    else n aligned, writable elements of that type, which it returns); raises ValueError if corrupt."""
     if n == 0:
         raise ValueError("the rans codec needs at least one element")
     try:
@@ -202,7 +203,10 @@ def decode(streams: dict[str, np.ndarray], p: RansParams, n: int, threads: int |
     if R and n % 4:  # the padding bits of the last raw group must be zero
         if np.unpackbits(raw[-(R // 2) :], bitorder="little")[(n % 4) * R :].any():
             raise ValueError("padding bits of the raw stream are not zero")
-    out = np.empty(n, dtype=UINT_OF_BITS[p.word_bits])
+    if out is None:
+        out = np.empty(n, dtype=UINT_OF_BITS[p.word_bits])
+    elif out.dtype != UINT_OF_BITS[p.word_bits] or out.shape != (n,) or not (out.flags.writeable and out.flags.aligned and out.flags.c_contiguous):
+        raise TypeError(f"out must be {n} aligned, writable, contiguous {np.dtype(UINT_OF_BITS[p.word_bits]).name} elements")
     status = np.zeros(nchunks, dtype=np.int8)
     words_u16 = _aligned_view(words, "<u2")
     raw_u8 = np.asarray(raw, dtype=np.uint8)
