@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from typing import Callable
@@ -28,15 +29,36 @@ MIN_PARALLEL_CHUNKS = 8
 
 def map_chunk_ranges(fn: Callable[[int, int], None], nchunks: int, threads: int | None, align: int = 1) -> None:
     """Call fn(c0, c1) over [0, nchunks) split into about 4 ranges per thread, each starting at a
-    multiple of `align` (kernels that take chunks in groups then always find full groups); wait
-    for all."""
+    multiple of `align` (kernels that take chunks in groups then always find full groups), or,
+    when there are too few groups for that to balance (12 chunks in groups of 4 on 2 threads),
+    into one even range per thread; wait for all."""
     threads = threads or default_threads()
-    parts = min(nchunks // align, threads * 4) if threads > 1 and nchunks >= MIN_PARALLEL_CHUNKS else 1
-    if parts <= 1:
+    if threads <= 1 or nchunks < MIN_PARALLEL_CHUNKS:
         if nchunks:
             fn(0, nchunks)
         return
+    parts = min(nchunks // align, threads * 4)
+    if parts < 2 * threads:  # too few whole groups to share out evenly: one range per thread
+        parts, align = threads, 1
     bounds = [nchunks * i // parts // align * align for i in range(parts)] + [nchunks]
-    futures = [_pool(threads).submit(fn, a, b) for a, b in zip(bounds, bounds[1:]) if a < b]
+    ranges = iter([(a, b) for a, b in zip(bounds, bounds[1:]) if a < b])
+    lock = threading.Lock()
+
+    def work() -> None:  # take the next range until none is left
+        while True:
+            with lock:
+                r = next(ranges, None)
+            if r is None:
+                return
+            fn(*r)
+
+    # The calling thread works too, beside threads - 1 pool threads: one wake-up fewer per call
+    # (a 590K-element tensor decoded slower on 2 threads than on 1 when the caller only waited).
+    futures = [_pool(threads - 1).submit(work) for _ in range(min(threads, parts) - 1)]
+    try:
+        work()
+    finally:
+        for f in futures:  # every range is done before returning, even when one failed
+            f.exception()
     for f in futures:
         f.result()
