@@ -187,8 +187,8 @@ def decode_tensor(entry: TensorEntry, streams: dict[str, np.ndarray], threads: i
 
     With `out` (entry.nbytes writable uint8, aligned to 8 bytes), the bytes are decoded into it and
     `out` is returned: a caller that decodes tensor after tensor (decompress, verify) reuses one
-    buffer instead of faulting in fresh memory for each, which costs as much as a quarter of the
-    decode on this VM (docs/compression.md)."""
+    buffer instead of faulting in fresh memory for each, which cost from a tenth to half of the
+    decode time on the VM of docs/compression.md. On an error `out` holds partial bytes."""
     if out is not None and (out.dtype != np.uint8 or out.shape != (entry.nbytes,) or not out.flags.writeable
                             or not out.flags.c_contiguous or (entry.nbytes and out.ctypes.data % 8)):
         raise TypeError(f"out must be {entry.nbytes} writable, contiguous uint8 bytes aligned to 8")
