@@ -198,7 +198,7 @@ def decompress(src: str | os.PathLike, dst: str | os.PathLike, threads: int | No
     count = 0
     try:
         progress.start(sum(e.nbytes for r in readers for e in r.tensors.values()))
-        scratch = _scratch(readers)
+        scratch = scratch_for(readers)
         with _staging(dst) as tmp:
             for rel, reader in zip(containers, readers):
                 (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -239,7 +239,7 @@ def _decompress_file(reader: ContainerReader, out: Path, rel: str, threads: int 
 
     def blobs() -> Iterator[np.ndarray]:  # each is written before the next one reuses the scratch
         for e in entries:
-            data = decode_one(reader, e.name, threads, _part(scratch, e.nbytes))
+            data = decode_one(reader, e.name, threads, scratch)
             progress.advance(f"{rel}: {e.name}", e.nbytes)
             yield data
 
@@ -260,7 +260,7 @@ def _decompress_file(reader: ContainerReader, out: Path, rel: str, threads: int 
     return len(entries)
 
 
-def _scratch(readers: list[ContainerReader]) -> np.ndarray:
+def scratch_for(readers: list[ContainerReader]) -> np.ndarray:
     """A buffer (8-byte aligned) for the largest tensor, which decode_one() decodes tensor after
     tensor into; empty when a (hostile) size does not fit in memory: such tensors fail alone."""
     size = max((e.nbytes for r in readers for e in r.tensors.values()), default=0)
@@ -270,14 +270,12 @@ def _scratch(readers: list[ContainerReader]) -> np.ndarray:
         return np.empty(0, dtype=np.uint8)
 
 
-def _part(scratch: np.ndarray, nbytes: int) -> np.ndarray | None:
-    return scratch[:nbytes] if nbytes <= len(scratch) else None
-
-
-def decode_one(reader: ContainerReader, name: str, threads: int | None = None, out: np.ndarray | None = None) -> np.ndarray:
-    """One tensor's original bytes (into `out` if given, see decode_tensor); FormatError
-    subclasses name the file and tensor on damage."""
+def decode_one(reader: ContainerReader, name: str, threads: int | None = None, scratch: np.ndarray | None = None) -> np.ndarray:
+    """One tensor's original bytes, decoded into the front of `scratch` (from scratch_for()) when
+    it is large enough, so valid only until the next call with it; FormatError subclasses name the
+    file and tensor on damage."""
     entry = reader.tensors[name]
+    out = scratch[: entry.nbytes] if scratch is not None and entry.nbytes <= len(scratch) else None
     try:
         return decode_tensor(entry, reader.streams_of(entry), threads, out=out)
     except FormatError as e:
@@ -301,7 +299,7 @@ def verify(path: str | os.PathLike, against: str | os.PathLike | None = None, th
     readers = [ContainerReader(root / c) for c in containers]
     try:
         progress.start(sum(e.nbytes for r in readers for e in r.tensors.values()))
-        scratch = _scratch(readers)
+        scratch = scratch_for(readers)
         for rel, reader in zip(containers, readers):
             original = None
             if orig_root is not None:
@@ -341,7 +339,7 @@ def _verify_file(reader: ContainerReader, original: SafetensorsFile | None, rel:
             report.mismatches.append(f"{rel}: tensor {name!r} is not in the original")
     for name, entry in reader.tensors.items():
         try:
-            data = decode_one(reader, name, threads, _part(scratch, entry.nbytes))  # CRC-32 checked inside
+            data = decode_one(reader, name, threads, scratch)  # CRC-32 checked inside
         except FormatError as e:
             report.mismatches.append(str(e))
             continue

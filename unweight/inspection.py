@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from .checkpoint import containers_of, decode_one
+from .checkpoint import containers_of, decode_one, scratch_for
 from .report import TensorReport
 from unweight.formats import ContainerReader
 
@@ -52,14 +52,14 @@ class TensorStats(TensorReport):
         return d
 
 
-def tensor_stats(file: str, reader: ContainerReader, name: str, threads: int | None = None) -> TensorStats:
+def tensor_stats(file: str, reader: ContainerReader, name: str, threads: int | None = None, scratch: np.ndarray | None = None) -> TensorStats:
     e = reader.tensors[name]
     stored = sum(len(reader.stream(s)) for s in e.streams.values())
     numel = e.numel
     bpw = 8 * stored / numel if numel else 0.0
     exp_h = bound = hist = None
     if numel and (e.dtype in EXPONENT_FIELDS or e.nbytes // max(numel, 1) <= 2):
-        data = decode_one(reader, name, threads)
+        data = decode_one(reader, name, threads, scratch)
         if e.dtype in EXPONENT_FIELDS:
             word, shift, mask = EXPONENT_FIELDS[e.dtype]
             h = np.bincount((data.view(word) >> shift) & mask, minlength=mask + 1)
@@ -76,6 +76,7 @@ def inspect(path: str | os.PathLike, threads: int | None = None) -> list[TensorS
     out: list[TensorStats] = []
     for rel in files:
         with ContainerReader(root / rel) as reader:
+            scratch = scratch_for([reader])
             for name in reader.tensors:
-                out.append(tensor_stats(str(rel), reader, name, threads))
+                out.append(tensor_stats(str(rel), reader, name, threads, scratch))
     return out
