@@ -12,7 +12,8 @@ second of wall time) and bit-exactness of:
   * the order-0 bound: entropy of the 16-bit values per tensor, summed
 
 Then unweight and zipnn run back to back --paired times (encode, then decode, one thread
-each); the median of the per-pair speed ratios is the figure that survives this VM's drift.
+each, the order alternating); the median of the per-pair speed ratios is the figure that
+survives this VM's drift.
 Each pair also decodes unweight into one buffer allocated once, as decompress and verify do
 (decode_tensor(out=...)): the ratio without the cost of faulting in fresh output memory.
 
@@ -164,49 +165,62 @@ def bench_zipnn(buf: np.ndarray, orig, args):
 def paired_vs_zipnn(tensors, buf: np.ndarray, args):
     """unweight and zipnn (one thread each) timed back to back, `--paired` times: encode then
     decode, each method right after the other. This VM's speed drifts by up to 2x within minutes
-    (a shared host), so the ratio of each pair is the robust figure; its median is reported."""
+    (a shared host), so the ratio of each pair is the robust figure; its median is reported.
+
+    The order alternates (unweight first in even pairs, zipnn first in odd ones): what ran just
+    before changes the cost of fresh memory. The kernel faults in the output pages of a decode, and
+    after 4 KiB pages were freed it may have to compact memory before it can give numpy the huge
+    pages numpy asks for, so a fixed order charges one method for the other's allocations."""
     import zipnn
 
     from unweight.codec import CodecOptions, decode_tensor, encode_tensor
 
     opts = CodecOptions(threads=1, verify=False)
     z = zipnn.ZipNN(bytearray_dtype="bfloat16", threads=1, input_format="byte")
-    encoded = [encode_tensor(n, "BF16", s, a.view(np.uint8), opts) for n, s, a in tensors]
-    comp = z.compress(bytearray(buf.tobytes()))
+    state = {"encoded": [encode_tensor(n, "BF16", s, a.view(np.uint8), opts) for n, s, a in tensors],
+             "comp": z.compress(bytearray(buf.tobytes()))}
     # what decompress and verify do: every tensor decoded into one buffer, allocated once
     scratch = np.empty(max(a.nbytes for _, _, a in tensors) // 8 + 1, dtype=np.uint64).view(np.uint8)
     times = {"uw_enc": [], "zn_enc": [], "uw_dec": [], "zn_dec": [], "uw_reuse": []}
-    exact = True
-    for i in range(max(1, args.paired)):
-        # Results are dropped before the next call, so each method allocates into memory just freed
-        # (first-touch page faults of new memory cost 15-200 ms per 100 MB on this VM).
-        encoded = None
+    exact = [True]
+
+    def timed_once(key, fn):
         t0 = time.perf_counter()
-        encoded = [encode_tensor(n, "BF16", s, a.view(np.uint8), opts) for n, s, a in tensors]
-        times["uw_enc"].append(time.perf_counter() - t0)
+        out = fn()
+        times[key].append(time.perf_counter() - t0)
+        return out
+
+    def uw_encode():
+        state["encoded"] = None  # results are dropped first, so each call allocates afresh
+        state["encoded"] = timed_once("uw_enc", lambda: [encode_tensor(n, "BF16", s, a.view(np.uint8), opts) for n, s, a in tensors])
+
+    def zn_encode():
         fresh = bytearray(buf.tobytes())  # zipnn's bf16 mode overwrites its input
-        comp = None
-        t0 = time.perf_counter()
-        comp = z.compress(fresh)
-        times["zn_enc"].append(time.perf_counter() - t0)
-        del fresh
-        t0 = time.perf_counter()
-        out = [decode_tensor(e, st, threads=1, verify=False) for e, st in encoded]
-        times["uw_dec"].append(time.perf_counter() - t0)
-        if i == 0:
-            exact = all(np.array_equal(o, a.view(np.uint8)) for o, (_, _, a) in zip(out, tensors))
+        state["comp"] = None
+        state["comp"] = timed_once("zn_enc", lambda: z.compress(fresh))
+
+    def uw_decode(check):
+        out = timed_once("uw_dec", lambda: [decode_tensor(e, st, threads=1, verify=False) for e, st in state["encoded"]])
+        if check:
+            exact[0] &= all(np.array_equal(o, a.view(np.uint8)) for o, (_, _, a) in zip(out, tensors))
         del out
-        t0 = time.perf_counter()
-        for e, st in encoded:
-            decode_tensor(e, st, threads=1, verify=False, out=scratch[: e.nbytes])
-        times["uw_reuse"].append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        zout = z.decompress(comp)
-        times["zn_dec"].append(time.perf_counter() - t0)
-        if i == 0:
-            exact = exact and np.array_equal(np.frombuffer(zout, np.uint8), buf.view(np.uint8))
-        del zout
-    res = {"pairs": len(times["uw_enc"]), "bit_exact": exact}
+        timed_once("uw_reuse", lambda: [decode_tensor(e, st, threads=1, verify=False, out=scratch[: e.nbytes]) for e, st in state["encoded"]])
+
+    def zn_decode(check):
+        out = timed_once("zn_dec", lambda: z.decompress(state["comp"]))
+        if check:
+            exact[0] &= np.array_equal(np.frombuffer(out, np.uint8), buf.view(np.uint8))
+
+    for i in range(max(1, args.paired)):
+        encoders, decoders = [uw_encode, zn_encode], [uw_decode, zn_decode]
+        if i % 2:
+            encoders.reverse()
+            decoders.reverse()
+        for fn in encoders:
+            fn()
+        for fn in decoders:
+            fn(check=i < 2)
+    res = {"pairs": len(times["uw_enc"]), "bit_exact": exact[0]}
     for k, uw, zn in (("enc", "uw_enc", "zn_enc"), ("dec", "uw_dec", "zn_dec"), ("dec_reuse", "uw_reuse", "zn_dec")):
         ratios = [z_ / u for u, z_ in zip(times[uw], times[zn])]
         res[k] = {"ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
@@ -311,7 +325,7 @@ def main(argv=None):
     p.add_argument("--datasets", default=",".join(DATASETS), help=f"comma-separated subset of {','.join(DATASETS)}")
     p.add_argument("--repeats", type=int, default=3, help="decode repeats (median reported)")
     p.add_argument("--encode-repeats", type=int, default=1, help="encode repeats (median reported)")
-    p.add_argument("--paired", type=int, default=9, help="back-to-back unweight/zipnn pairs for the speed ratio (0: skip)")
+    p.add_argument("--paired", type=int, default=10, help="back-to-back unweight/zipnn pairs for the speed ratio, the order alternating (0: skip)")
     p.add_argument("--zstd19-max-mb", type=float, default=150.0,
                    help="run zstd level 19 (about 1 MB/s) only on datasets up to this many MB; 0 skips it")
     p.add_argument("--json", type=Path, default=Path("benchmarks/results/compress_bench.json"))
