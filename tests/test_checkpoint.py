@@ -93,6 +93,41 @@ def test_verify_reports_the_first_difference(sharded, tmp_path):
     assert "lm_head.weight" in report.mismatches[0] and "byte 10" in report.mismatches[0]
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_big_and_small_tensors_on_threads(tmp_path, monkeypatch, threads):
+    """Tensors above PARALLEL_TENSOR_BYTES go alone on every thread, runs of smaller ones several
+    at once: the output is the same bytes whatever the threads, and a damaged small tensor is
+    reported on its own while the others are still checked."""
+    from unweight import checkpoint
+
+    monkeypatch.setattr(checkpoint, "PARALLEL_TENSOR_BYTES", 40_000)
+    sizes = {"a": 64, "b": 48, "big1": 256, "c": 64, "d": 32, "e": 64, "f": 40, "big2": 300, "g": 64}
+    tensors = {f"layers.{k}.weight": random_bf16(rows, 128, seed=i) for i, (k, rows) in enumerate(sizes.items())}
+    tensors["norm.weight"] = torch.ones(128)
+    src = tmp_path / "src"
+    write_checkpoint(src / "model.safetensors", tensors, {"format": "pt"})
+    reference = tmp_path / "ref"
+    unweight.compress(src, reference, threads=1)
+    out = tmp_path / "uw"
+    unweight.compress(src, out, threads=threads)
+    assert sha(out / "model.safetensors") == sha(reference / "model.safetensors")
+    back = tmp_path / "back"
+    unweight.decompress(out, back, threads=threads)
+    assert sha(back / "model.safetensors") == sha(src / "model.safetensors")
+    got, want = unweight.inspect(out, threads=threads), unweight.inspect(reference, threads=1)
+    assert [(s.name, s.exponent_histogram) for s in got] == [(s.name, s.exponent_histogram) for s in want]
+    shard = out / "model.safetensors"
+    with SafetensorsFile(shard) as sf:
+        words = sf.tensors["layers.d.weight#words"]
+        offset = sf.data_start + words.begin + words.nbytes // 2
+    data = bytearray(shard.read_bytes())
+    data[offset] ^= 0x40
+    shard.write_bytes(bytes(data))
+    report = unweight.verify(out, against=src, threads=threads)
+    assert len(report.mismatches) == 1 and "layers.d.weight" in report.mismatches[0]
+    assert report.checked_tensors == len(tensors) - 1  # every other tensor was decoded and compared
+
+
 def test_refusals(tmp_path, sharded):
     pickle_dir = tmp_path / "pickled"
     pickle_dir.mkdir()

@@ -14,12 +14,15 @@ import os
 import shutil
 import time
 from contextlib import contextmanager
+from dataclasses import replace
+from functools import partial
 from pathlib import Path
-from typing import Iterator, Protocol
+from typing import Callable, Iterator, Protocol
 
 import numpy as np
 
 from unweight.codec import CodecOptions, decode_tensor, encode_tensor
+from unweight.codec.parallel import default_threads, map_in_order
 from unweight.errors import DestinationError, FormatError, SourceError
 from unweight.formats import ContainerReader, ContainerWriter, SafetensorsFile, write_safetensors
 from unweight.formats.safetensors_file import parse_header
@@ -28,6 +31,10 @@ from .report import CompressReport, TensorReport, VerifyReport
 
 INDEX_NAME = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+# Tensors above this many bytes are encoded or decoded one at a time, their chunks shared out among
+# the threads; smaller ones, whose few chunks leave threads idle, go several at once, one thread each.
+PARALLEL_TENSOR_BYTES = 8 << 20
+INLINE_TENSOR_BYTES = 64 << 10
 SKIP_DIRS = {".git", ".cache", "__pycache__"}
 
 
@@ -164,9 +171,13 @@ def compress(
 
 
 def _compress_file(sf: SafetensorsFile, out: Path, rel: str, options: CodecOptions, progress: Progress, report: CompressReport) -> None:
+    def encode(info, inner: int):  # big tensors alone on every thread; small ones several at once
+        return encode_tensor(info.name, info.dtype, info.shape, sf.bytes_of(info.name), replace(options, threads=inner))
+
+    infos = sorted(sf.tensors.values(), key=lambda t: t.begin)
     with ContainerWriter(str(out)) as writer:
-        for info in sorted(sf.tensors.values(), key=lambda t: t.begin):
-            entry, streams = encode_tensor(info.name, info.dtype, info.shape, sf.bytes_of(info.name), options)
+        for info, get in map_in_order(encode, infos, options.threads, lambda t: t.nbytes > PARALLEL_TENSOR_BYTES, lambda t: t.nbytes <= INLINE_TENSOR_BYTES):
+            entry, streams = get()
             writer.add(entry, streams)
             stored = sum(len(s) for s in streams.values())
             report.tensors.append(TensorReport(rel, info.name, info.dtype, list(info.shape), entry.codec, info.nbytes, stored))
@@ -238,14 +249,14 @@ def _decompress_file(reader: ContainerReader, out: Path, rel: str, threads: int 
     entries = [reader.tensors[n] for n in order]
 
     def blobs() -> Iterator[np.ndarray]:  # each is written before the next one reuses the scratch
-        for e in entries:
-            data = decode_one(reader, e.name, threads, scratch)
-            progress.advance(f"{rel}: {e.name}", e.nbytes)
+        for name, get in decode_in_order(reader, order, threads, scratch):
+            data = get()
+            progress.advance(f"{rel}: {name}", len(data))
             yield data
 
-    partial = Path(f"{out}.partial")
+    tmp_out = Path(f"{out}.partial")
     try:
-        with open(partial, "wb") as f:
+        with open(tmp_out, "wb") as f:
             write_safetensors(
                 f,
                 [(e.name, e.dtype, list(e.shape)) for e in entries],
@@ -253,9 +264,9 @@ def _decompress_file(reader: ContainerReader, out: Path, rel: str, threads: int 
                 metadata=None,
                 header_text=reader.source_header,
             )
-        os.replace(partial, out)
+        os.replace(tmp_out, out)
     except BaseException:
-        partial.unlink(missing_ok=True)
+        tmp_out.unlink(missing_ok=True)
         raise
     return len(entries)
 
@@ -280,6 +291,25 @@ def decode_one(reader: ContainerReader, name: str, threads: int | None = None, s
         return decode_tensor(entry, reader.streams_of(entry), threads, out=out)
     except FormatError as e:
         raise type(e)(reader.path, e.reason, name) from None
+
+
+def decode_in_order(reader: ContainerReader, names: list[str], threads: int | None, scratch: np.ndarray) -> Iterator[tuple[str, Callable[[], np.ndarray]]]:
+    """(name, get) for each name in order, where get() returns decode_one()'s bytes, valid until the
+    next get(), or raises its FormatError. On more than one thread, small tensors are decoded ahead
+    of the consumer, several at once (parallel.map_in_order), into their own memory."""
+    threads = threads or default_threads()
+    if threads <= 1:
+        for name in names:
+            yield name, partial(decode_one, reader, name, 1, scratch)
+        return
+
+    def big(name: str) -> bool:
+        return reader.tensors[name].nbytes > PARALLEL_TENSOR_BYTES
+
+    def decode(name: str, inner: int) -> np.ndarray:  # big ones alone on every thread, into the scratch
+        return decode_one(reader, name, inner, scratch if big(name) else None)
+
+    yield from map_in_order(decode, names, threads, big, lambda name: reader.tensors[name].nbytes <= INLINE_TENSOR_BYTES)
 
 
 def verify(path: str | os.PathLike, against: str | os.PathLike | None = None, threads: int | None = None, progress: Progress | None = None) -> VerifyReport:
@@ -337,9 +367,10 @@ def _verify_file(reader: ContainerReader, original: SafetensorsFile | None, rel:
             report.mismatches.append(f"{rel}: tensor {name!r} is missing from the compressed file")
         for name in extra:
             report.mismatches.append(f"{rel}: tensor {name!r} is not in the original")
-    for name, entry in reader.tensors.items():
+    for name, get in decode_in_order(reader, list(reader.tensors), threads, scratch):
+        entry = reader.tensors[name]
         try:
-            data = decode_one(reader, name, threads, scratch)  # CRC-32 checked inside
+            data = get()  # CRC-32 checked inside
         except FormatError as e:
             report.mismatches.append(str(e))
             continue

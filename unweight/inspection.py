@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from .checkpoint import containers_of, decode_one, scratch_for
+from .checkpoint import containers_of, decode_in_order, scratch_for
 from .report import TensorReport
 from unweight.formats import ContainerReader
 
@@ -52,14 +52,20 @@ class TensorStats(TensorReport):
         return d
 
 
-def tensor_stats(file: str, reader: ContainerReader, name: str, threads: int | None = None, scratch: np.ndarray | None = None) -> TensorStats:
+def _decodes(reader: ContainerReader, name: str) -> bool:
+    """Whether inspect decodes this tensor: floats (for the exponent) and 1- and 2-byte dtypes."""
+    e = reader.tensors[name]
+    return bool(e.numel) and (e.dtype in EXPONENT_FIELDS or e.nbytes // max(e.numel, 1) <= 2)
+
+
+def tensor_stats(file: str, reader: ContainerReader, name: str, data: np.ndarray | None = None) -> TensorStats:
+    """A tensor's statistics; `data`, its decoded bytes, is needed where _decodes() holds."""
     e = reader.tensors[name]
     stored = sum(len(reader.stream(s)) for s in e.streams.values())
     numel = e.numel
     bpw = 8 * stored / numel if numel else 0.0
     exp_h = bound = hist = None
-    if numel and (e.dtype in EXPONENT_FIELDS or e.nbytes // max(numel, 1) <= 2):
-        data = decode_one(reader, name, threads, scratch)
+    if _decodes(reader, name):
         if e.dtype in EXPONENT_FIELDS:
             word, shift, mask = EXPONENT_FIELDS[e.dtype]
             h = np.bincount((data.view(word) >> shift) & mask, minlength=mask + 1)
@@ -76,7 +82,8 @@ def inspect(path: str | os.PathLike, threads: int | None = None) -> list[TensorS
     out: list[TensorStats] = []
     for rel in files:
         with ContainerReader(root / rel) as reader:
-            scratch = scratch_for([reader])
-            for name in reader.tensors:
-                out.append(tensor_stats(str(rel), reader, name, threads, scratch))
+            decoded = decode_in_order(reader, [n for n in reader.tensors if _decodes(reader, n)], threads, scratch_for([reader]))
+            for name in reader.tensors:  # the decoded ones come in this order too, each used before the next
+                data = next(decoded)[1]() if _decodes(reader, name) else None
+                out.append(tensor_stats(str(rel), reader, name, data))
     return out

@@ -1,12 +1,17 @@
-"""Running GIL-free kernels over ranges of chunks on a shared thread pool."""
+"""Thread pools for the codec: chunk ranges of one tensor (map_chunk_ranges), and whole tensors
+several at once, results in order (map_in_order)."""
 
 from __future__ import annotations
 
 import os
 import threading
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from functools import lru_cache
-from typing import Callable
+from functools import lru_cache, partial
+from typing import Callable, Iterable, Iterator, TypeVar
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 def default_threads() -> int:
@@ -20,6 +25,11 @@ def default_threads() -> int:
 @lru_cache(maxsize=8)
 def _pool(threads: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=threads, thread_name_prefix="unweight")
+
+
+@lru_cache(maxsize=8)
+def _tensor_pool(threads: int) -> ThreadPoolExecutor:  # apart from _pool: its tasks never wait on it
+    return ThreadPoolExecutor(max_workers=threads, thread_name_prefix="unweight-tensor")
 
 
 # Below this many chunks a tensor runs on the calling thread: handing a few 100-microsecond chunks
@@ -62,3 +72,48 @@ def map_chunk_ranges(fn: Callable[[int, int], None], nchunks: int, threads: int 
             f.exception()
     for f in futures:
         f.result()
+
+
+def map_in_order(fn: Callable[[T, int], R], items: Iterable[T], threads: int | None, alone: Callable[[T], bool],
+                 inline: Callable[[T], bool] = lambda item: False) -> Iterator[tuple[T, Callable[[], R]]]:
+    """Yield (item, get) for each item in order, where get() returns fn(item, inner_threads) or
+    raises what it raised.
+
+    - Items for which alone(item) holds (big tensors, which split well into chunk ranges) run one
+      at a time, inside get(), with all `threads`.
+    - Items for which inline(item) holds (tiny tensors, mostly Python work that would only contend
+      for the GIL on a pool) run inside get() with one thread, while the pool goes on ahead.
+    - The others (small tensors, whose chunks are too few to share out) run on a pool, one thread
+      each, ahead of the consumer: at most threads + 1 in flight besides the one it holds.
+
+    Closing the iterator early waits for the ones in flight."""
+    threads = threads or default_threads()
+    items = list(items)
+    if threads <= 1:
+        for item in items:
+            yield item, partial(fn, item, 1)
+        return
+    pool = _tensor_pool(threads)
+    ahead: deque = deque()  # (item, its future, or None for one the consumer runs)
+    in_flight = i = 0
+    try:
+        while i < len(items) or ahead:
+            while i < len(items) and in_flight <= threads and not alone(items[i]):
+                future = None if inline(items[i]) else pool.submit(fn, items[i], 1)
+                in_flight += future is not None
+                ahead.append((items[i], future))
+                i += 1
+            if ahead:
+                item, future = ahead.popleft()
+                if future is None:
+                    yield item, partial(fn, item, 1)
+                else:
+                    in_flight -= 1
+                    yield item, future.result
+            else:
+                yield items[i], partial(fn, items[i], threads)
+                i += 1
+    finally:
+        for _, future in ahead:  # the consumer stopped early: nothing keeps running behind it
+            if future is not None and not future.cancel():
+                future.exception()  # waits for it to finish
