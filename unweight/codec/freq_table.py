@@ -141,16 +141,30 @@ def parse(blob: bytes | np.ndarray, sym_bits: int, precision: int) -> np.ndarray
 
 
 @njit(nogil=True, cache=True)
-def _fill_slots(freq, W, R, rotate, tab):
-    q = 0
+def _fill_slots(freq, W, R, rotate, tab, lut, index8, index16):
+    """The slot table, and when `lut` is not empty lookup_from_stream()'s lookup, with one-byte
+    indices (index8) if at most 256 symbols are in use, else two-byte ones (index16). Returns
+    whether they are two-byte."""
+    wide = np.count_nonzero(freq) > 256
+    q = k = 0
     for sym in range(len(freq)):
         f = freq[sym]
+        if f == 0:
+            continue
         top = sym << R
         if rotate:  # rotate right by one in W bits
             top = (top >> 1) | ((top & 1) << (W - 1))
         for i in range(f):
-            tab[q] = np.uint64(f | (i << 16) | (top << 32))
-            q += 1
+            tab[q + i] = np.uint64(f | (i << 16) | (top << 32))
+        if len(lut):
+            lut[k] = np.uint64(f | (q << 16) | (top << 32))
+            if wide:
+                index16[q : q + f] = k
+            else:
+                index8[q : q + f] = k
+        q += f
+        k += 1
+    return wide
 
 
 @lru_cache(maxsize=2)
@@ -165,25 +179,37 @@ def raw_pairs(rotate: bool) -> np.ndarray:
 
 
 @njit(nogil=True, cache=True)
-def _slots_from_stream(data, sym_bits, P, W, R, rotate, tab):
-    """parse() and the slot table in one call: fills `tab` and returns True if the stream is a
-    valid table, else False (parse() then says what is wrong)."""
+def _slots_from_stream(data, sym_bits, P, W, R, rotate, tab, lut, index8, index16):
+    """parse() and the tables in one call: fills them and returns 0 (one-byte indices) or 1 (two)
+    if the stream is a valid table, else -1 (parse() then says what is wrong)."""
     nsym = 1 << sym_bits
     vals = np.empty(nsym + 2, dtype=np.int64)
     k = _read_varints(data, vals)
     if k < 2 or vals[0] + vals[1] > nsym or k != 2 + vals[1]:
-        return False
+        return -1
     freq = np.zeros(nsym, dtype=np.int64)
     total = 0
     for i in range(vals[1]):
         freq[vals[0] + i] = vals[2 + i]
         total += vals[2 + i]
         if total > (1 << P):
-            return False
+            return -1
     if total != 1 << P:
-        return False
-    _fill_slots(freq, W, R, rotate, tab)
-    return True
+        return -1
+    return 1 if _fill_slots(freq, W, R, rotate, tab, lut, index8, index16) else 0
+
+
+def _tables(blob, sym_bits, precision, word_bits, raw_bits, rotate, lookup: bool):
+    tab = np.empty(1 << precision, dtype=np.uint64)
+    # room for two-byte indices; _fill_slots writes one-byte ones into the same place when they fit
+    lut = np.empty(LOOKUP_SYMBOLS + (1 << precision) // 4 if lookup else 0, dtype=np.uint64)
+    index = lut[LOOKUP_SYMBOLS:]
+    wide = _slots_from_stream(np.frombuffer(blob, dtype=np.uint8), sym_bits, precision, word_bits, raw_bits, rotate, tab, lut,
+                              index.view(np.uint8), index.view(np.uint16))
+    if wide < 0:
+        parse(blob, sym_bits, precision)  # raises the precise error
+        raise TableError("invalid table")  # pragma: no cover - parse() found nothing wrong
+    return tab, lut, bool(wide)
 
 
 def slots_from_stream(blob: np.ndarray, sym_bits: int, precision: int, word_bits: int, raw_bits: int, rotate: bool) -> np.ndarray:
@@ -192,8 +218,20 @@ def slots_from_stream(blob: np.ndarray, sym_bits: int, precision: int, word_bits
     For each slot q of symbol s: f(s) | (q - c(s)) << 16 | top << 32 (uint64), where top is the
     element's bits from its symbol alone, `s << R` rotated right by one if `rotate`. One 8-byte
     load a slot gives the decoder everything; the raw field, rotated the same way, is OR-ed in."""
-    tab = np.empty(1 << precision, dtype=np.uint64)
-    if not _slots_from_stream(np.frombuffer(blob, dtype=np.uint8), sym_bits, precision, word_bits, raw_bits, rotate, tab):
-        parse(blob, sym_bits, precision)  # raises the precise error
-        raise TableError("invalid table")  # pragma: no cover - parse() found nothing wrong
-    return tab
+    return _tables(blob, sym_bits, precision, word_bits, raw_bits, rotate, False)[0]
+
+
+LOOKUP_SYMBOLS = 1024  # entries of the lookup's symbol table: the 10-bit alphabet of 16-bit words
+
+
+def lookup_from_stream(blob: np.ndarray, sym_bits: int, precision: int, word_bits: int, raw_bits: int, rotate: bool) -> tuple[np.ndarray, np.ndarray, bool]:
+    """(slot table, lookup, wide): slots_from_stream()'s table, and the AVX2 decoder's two-level
+    form of it, built in the same pass. The lookup is one uint64 array: for each symbol in use, in
+    slot order, f | c << 16 | top << 32 (LOOKUP_SYMBOLS entries), then each slot's index into those
+    entries, one byte each when at most 256 symbols are in use (16 KiB at P = 14, against the slot
+    table's 128 KiB), else two (`wide`). Trained weights use 100-160 symbols; the smaller table
+    stays in L1 (docs/compression.md)."""
+    if sym_bits > 10:
+        raise ValueError(f"the lookup holds at most {LOOKUP_SYMBOLS} symbols, not 2^{sym_bits}")
+    return _tables(blob, sym_bits, precision, word_bits, raw_bits, rotate, True)
+

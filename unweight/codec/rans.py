@@ -181,10 +181,13 @@ def decode(streams: dict[str, np.ndarray], p: RansParams, n: int, threads: int |
     else n aligned, writable elements of that type, which it returns); raises ValueError if corrupt."""
     if n == 0:
         raise ValueError("the rans codec needs at least one element")
+    vector = rans_avx2.AVAILABLE and p.word_bits == 16 and p.raw_bits == 6 and p.rotate
     try:
-        tab = freq_table.slots_from_stream(streams["table"], p.sym_bits, p.precision, p.word_bits, p.raw_bits, p.rotate)
+        build = freq_table.lookup_from_stream if vector else freq_table.slots_from_stream
+        tables = build(streams["table"], p.sym_bits, p.precision, p.word_bits, p.raw_bits, p.rotate)
     except freq_table.TableError as e:
         raise ValueError(f"table: {e}") from None
+    tab, lut, wide = tables if vector else (tables, None, False)
     nchunks = p.nchunks(n)
     index, words, raw = streams["index"], streams["words"], streams["raw"]
     want = 8 * (nchunks + 1) + 4 * LANES * nchunks
@@ -210,9 +213,9 @@ def decode(streams: dict[str, np.ndarray], p: RansParams, n: int, threads: int |
     status = np.zeros(nchunks, dtype=np.int8)
     words_u16 = _aligned_view(words, "<u2")
     raw_u8 = np.asarray(raw, dtype=np.uint8)
-    if rans_avx2.AVAILABLE and p.word_bits == 16 and R == 6 and p.rotate:
+    if vector:
         def work(c0: int, c1: int) -> None:
-            rans_avx2.decode_chunks16(words_u16, offsets, states, tab, p.precision, raw_u8, n, p.chunk, c0, c1, out, status)
+            rans_avx2.decode_chunks16(words_u16, offsets, states, tab, lut, wide, p.precision, raw_u8, n, p.chunk, c0, c1, out, status)
     else:
         # the 16-bit fast path ORs raw bits into element pairs
         out32 = out[: n // 2 * 2].view(np.uint32) if p.word_bits == 16 else np.empty(0, dtype=np.uint32)
