@@ -114,18 +114,19 @@ def _symbol_entries(b, lut, q, wide: bool):
     return fc, top
 
 
-def _make_decoder(G: int, wide: bool):
+def _make_decoder(G: int):
     """Intrinsic: `rounds` rounds of G chunks at once. xs (8G int64 states), pos (G word positions)
     and e (G element positions, multiples of 8) are read at the start and written back at the end.
-    `lut` is freq_table.lookup_from_stream()'s lookup, with two-byte indices if `wide`."""
+    `lut` is freq_table.lookup_from_stream()'s lookup, with two-byte indices if `wide` (not 0): the
+    loop is emitted for each index width, and `wide` picks one before it starts."""
 
     @intrinsic
-    def decode_rounds(typingctx, words, pos, xs, rounds, raw, out, e, lut, P):
-        sig = types.void(words, pos, xs, types.intp, raw, out, e, lut, types.intp)
+    def decode_rounds(typingctx, words, pos, xs, rounds, raw, out, e, lut, wide, P):
+        sig = types.void(words, pos, xs, types.intp, raw, out, e, lut, types.intp, types.intp)
 
         def codegen(context, builder, signature, args):
             b = builder
-            rounds, P = args[3], args[8]
+            rounds, wide, P = args[3], args[8], args[9]
             wp, posp, xsp, rawp, outp, ep, lutp = (simd.data_ptr(context, b, signature.args[i], args[i]) for i in (0, 1, 2, 4, 5, 6, 7))
             expand = simd.table(b, "unweight_rans_expand", _EXPAND)
             p32 = b.trunc(P, I32)
@@ -137,27 +138,35 @@ def _make_decoder(G: int, wide: bool):
             raw_ctrl = simd.vconst(_RAW_CTRL, V32I8)
             raw_shift = simd.vconst(_RAW_SHIFT)
             xv, (pv, ev) = _load_lanes(b, xsp, (posp, ep), G)
-            with cgutils.for_range(b, rounds):
-                for g in range(G):
-                    x = b.load(xv[g])
-                    q = b.and_(x, qmask)
-                    fc, sym = _symbol_entries(b, lutp, q, wide)
-                    x = b.add(b.mul(b.and_(fc, low16), b.lshr(x, pshift)), b.sub(q, b.lshr(fc, c16)))
-                    need = b.icmp_unsigned("<", x, rans_l)
-                    m = simd.lane_mask(b, need)
-                    p = b.load(pv[g])
-                    w = b.zext(simd.load(b, wp, b.shl(p, simd.const(1)), V8I16), V8I32)
-                    w = simd.permd(b, w, simd.load(b, expand, b.shl(m, simd.const(5)), V8I32))
-                    b.store(b.select(need, b.or_(b.shl(x, c16), w), x), xv[g])
-                    b.store(b.add(p, simd.ctpop64(b, m)), pv[g])
-                    e = b.load(ev[g])
-                    rb = simd.splat(b, simd.load(b, rawp, b.mul(b.lshr(e, simd.const(2)), simd.const(3)), I64), V4I64)
-                    r = b.bitcast(simd.pshufb(b, b.bitcast(rb, V32I8), raw_ctrl), V8I32)
-                    r = b.and_(b.lshr(r, raw_shift), c63)
-                    # rotate right by one: the raw field's low bit (the sign) to bit 15, the rest down
-                    v = b.or_(sym, b.or_(b.shl(b.and_(r, c1), c15), b.lshr(r, c1)))
-                    simd.store(b, b.trunc(v, V8I16), outp, b.shl(e, simd.const(1)))
-                    b.store(b.add(e, simd.const(8)), ev[g])
+
+            def rounds_loop(two_byte: bool) -> None:
+                with cgutils.for_range(b, rounds):
+                    for g in range(G):
+                        x = b.load(xv[g])
+                        q = b.and_(x, qmask)
+                        fc, sym = _symbol_entries(b, lutp, q, two_byte)
+                        x = b.add(b.mul(b.and_(fc, low16), b.lshr(x, pshift)), b.sub(q, b.lshr(fc, c16)))
+                        need = b.icmp_unsigned("<", x, rans_l)
+                        m = simd.lane_mask(b, need)
+                        p = b.load(pv[g])
+                        w = b.zext(simd.load(b, wp, b.shl(p, simd.const(1)), V8I16), V8I32)
+                        w = simd.permd(b, w, simd.load(b, expand, b.shl(m, simd.const(5)), V8I32))
+                        b.store(b.select(need, b.or_(b.shl(x, c16), w), x), xv[g])
+                        b.store(b.add(p, simd.ctpop64(b, m)), pv[g])
+                        e = b.load(ev[g])
+                        rb = simd.splat(b, simd.load(b, rawp, b.mul(b.lshr(e, simd.const(2)), simd.const(3)), I64), V4I64)
+                        r = b.bitcast(simd.pshufb(b, b.bitcast(rb, V32I8), raw_ctrl), V8I32)
+                        r = b.and_(b.lshr(r, raw_shift), c63)
+                        # rotate right by one: the raw field's low bit (the sign) to bit 15, the rest down
+                        v = b.or_(sym, b.or_(b.shl(b.and_(r, c1), c15), b.lshr(r, c1)))
+                        simd.store(b, b.trunc(v, V8I16), outp, b.shl(e, simd.const(1)))
+                        b.store(b.add(e, simd.const(8)), ev[g])
+
+            with b.if_else(b.icmp_signed("!=", wide, simd.const(0))) as (two_byte, one_byte):
+                with two_byte:
+                    rounds_loop(True)
+                with one_byte:
+                    rounds_loop(False)
             _store_lanes(b, xsp, (posp, ep), xv, (pv, ev))
             return context.get_dummy_value()
 
@@ -166,8 +175,7 @@ def _make_decoder(G: int, wide: bool):
     return decode_rounds
 
 
-_dec1, _dec2, _dec3, _dec4 = (_make_decoder(g, False) for g in range(1, MAX_GROUP + 1))
-_wide1, _wide2, _wide3, _wide4 = (_make_decoder(g, True) for g in range(1, MAX_GROUP + 1))
+_dec1, _dec2, _dec3, _dec4 = (_make_decoder(g) for g in range(1, MAX_GROUP + 1))
 
 
 def _mulhi32(b, x, m):
@@ -291,6 +299,7 @@ def decode_chunks16(words, offsets, states, tab, lut, wide, P, raw, n, chunk, c0
     `out` (uint16); status[c] gets OK or an error code, as rans_kernels.decode_chunks does.
     `tab, lut, wide` are freq_table.lookup_from_stream()'s (the slot table serves the tails)."""
     G = MAX_GROUP
+    two = 1 if wide else 0
     xs = np.empty(LANES * G, dtype=np.int64)
     pos = np.empty(G, dtype=np.int64)
     e = np.empty(G, dtype=np.int64)
@@ -327,23 +336,14 @@ def decode_chunks16(words, offsets, states, tab, lut, wide, P, raw, n, chunk, c0
                 cx[LANES * i : LANES * i + LANES] = xs[LANES * j : LANES * j + LANES]
                 cpos[i] = pos[j]
                 ce[i] = e[j]
-            if wide:
-                if a == 1:
-                    _wide1(words, cpos, cx, rounds, raw, out, ce, lut, P)
-                elif a == 2:
-                    _wide2(words, cpos, cx, rounds, raw, out, ce, lut, P)
-                elif a == 3:
-                    _wide3(words, cpos, cx, rounds, raw, out, ce, lut, P)
-                else:
-                    _wide4(words, cpos, cx, rounds, raw, out, ce, lut, P)
-            elif a == 1:
-                _dec1(words, cpos, cx, rounds, raw, out, ce, lut, P)
+            if a == 1:
+                _dec1(words, cpos, cx, rounds, raw, out, ce, lut, two, P)
             elif a == 2:
-                _dec2(words, cpos, cx, rounds, raw, out, ce, lut, P)
+                _dec2(words, cpos, cx, rounds, raw, out, ce, lut, two, P)
             elif a == 3:
-                _dec3(words, cpos, cx, rounds, raw, out, ce, lut, P)
+                _dec3(words, cpos, cx, rounds, raw, out, ce, lut, two, P)
             else:
-                _dec4(words, cpos, cx, rounds, raw, out, ce, lut, P)
+                _dec4(words, cpos, cx, rounds, raw, out, ce, lut, two, P)
             for i in range(a):
                 j = act[i]
                 xs[LANES * j : LANES * j + LANES] = cx[LANES * i : LANES * i + LANES]
