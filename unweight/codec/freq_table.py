@@ -217,7 +217,8 @@ def slots_from_stream(blob: np.ndarray, sym_bits: int, precision: int, word_bits
 
     For each slot q of symbol s: f(s) | (q - c(s)) << 16 | top << 32 (uint64), where top is the
     element's bits from its symbol alone, `s << R` rotated right by one if `rotate`. One 8-byte
-    load a slot gives the decoder everything; the raw field, rotated the same way, is OR-ed in."""
+    load a slot gives the portable decoder (and the vector decoder's tails) everything; the raw
+    field, rotated the same way, is OR-ed in."""
     return _tables(blob, sym_bits, precision, word_bits, raw_bits, rotate, False)[0]
 
 
@@ -234,4 +235,3 @@ def lookup_from_stream(blob: np.ndarray, sym_bits: int, precision: int, word_bit
     if sym_bits > 10:
         raise ValueError(f"the lookup holds at most {LOOKUP_SYMBOLS} symbols, not 2^{sym_bits}")
     return _tables(blob, sym_bits, precision, word_bits, raw_bits, rotate, True)
-
