@@ -15,7 +15,6 @@ import shutil
 import time
 from contextlib import contextmanager
 from dataclasses import replace
-from functools import partial
 from pathlib import Path
 from typing import Callable, Iterator, Protocol
 
@@ -298,18 +297,12 @@ def decode_in_order(reader: ContainerReader, names: list[str], threads: int | No
     next get(), or raises its FormatError. On more than one thread, small tensors are decoded ahead
     of the consumer, several at once (parallel.map_in_order), into their own memory."""
     threads = threads or default_threads()
-    if threads <= 1:
-        for name in names:
-            yield name, partial(decode_one, reader, name, 1, scratch)
-        return
 
-    def big(name: str) -> bool:
-        return reader.tensors[name].nbytes > PARALLEL_TENSOR_BYTES
+    def decode(name: str, inner: int) -> np.ndarray:  # a tensor given every thread runs alone: the scratch is free
+        return decode_one(reader, name, inner, scratch if inner == threads else None)
 
-    def decode(name: str, inner: int) -> np.ndarray:  # big ones alone on every thread, into the scratch
-        return decode_one(reader, name, inner, scratch if big(name) else None)
-
-    yield from map_in_order(decode, names, threads, big, lambda name: reader.tensors[name].nbytes <= INLINE_TENSOR_BYTES)
+    yield from map_in_order(decode, names, threads, lambda name: reader.tensors[name].nbytes > PARALLEL_TENSOR_BYTES,
+                            lambda name: reader.tensors[name].nbytes <= INLINE_TENSOR_BYTES)
 
 
 def verify(path: str | os.PathLike, against: str | os.PathLike | None = None, threads: int | None = None, progress: Progress | None = None) -> VerifyReport:
