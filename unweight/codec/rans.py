@@ -225,7 +225,7 @@ def decode(streams: dict[str, np.ndarray], p: RansParams, n: int, threads: int |
             decode_chunks(words_u16, offsets, states, tab, raw_pairs, p.precision, raw_u8, p.word_bits, R, p.rotate, n, p.chunk, c0, c1, out, out32, status)
 
     map_chunk_ranges(work, nchunks, threads, align=rans_avx2.MAX_GROUP)
-    if not status.any():
+    if not np.count_nonzero(status):  # (a few microseconds less than status.any() on tiny tensors)
         return out
     bad = np.flatnonzero(status != OK)
     if len(bad):
