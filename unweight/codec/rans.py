@@ -16,7 +16,7 @@ from numba import njit
 
 from unweight.errors import CorruptDataError
 
-from . import freq_table, memory, rans_avx2
+from . import freq_table, rans_avx2
 from .parallel import map_chunk_ranges
 from .rans_kernels import LANES, OK, STATUS_TEXT, decode_chunks, encode_chunks, encoder_tables, histogram
 
@@ -207,7 +207,7 @@ def decode(streams: dict[str, np.ndarray], p: RansParams, n: int, threads: int |
         if np.unpackbits(raw[-(R // 2) :], bitorder="little")[(n % 4) * R :].any():
             raise ValueError("padding bits of the raw stream are not zero")
     if out is None:
-        out = memory.empty(n, UINT_OF_BITS[p.word_bits])
+        out = np.empty(n, dtype=UINT_OF_BITS[p.word_bits])
     elif out.dtype != UINT_OF_BITS[p.word_bits] or out.shape != (n,) or not (out.flags.writeable and out.flags.aligned and out.flags.c_contiguous):
         raise TypeError(f"out must be {n} aligned, writable, contiguous {np.dtype(UINT_OF_BITS[p.word_bits]).name} elements")
     status = np.zeros(nchunks, dtype=np.int8)

@@ -16,8 +16,6 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit
 
-from . import memory
-
 WINDOW = 7  # exponents a code can name; code 7 is the escape
 ESCAPE = 7
 BLOCK_RANGE = (8, 1 << 16)
@@ -158,7 +156,7 @@ def decode(streams: dict[str, np.ndarray], p: TilesParams, rows: int, cols: int)
     n = rows * cols
     if n % 8 and np.unpackbits(codes[-3:], bitorder="little").reshape(3, 8)[:, n % 8 :].any():
         raise ValueError("padding bits of the codes stream are not zero")
-    out = memory.empty(n, np.uint16)
+    out = np.empty(n, dtype=np.uint16)
     if _decode(np.asarray(streams["sm"], dtype=np.uint8), codes, np.asarray(streams["esc"], dtype=np.uint8), esc_index, rows, cols, p.base, p.block, out):
         raise ValueError("escapes disagree with esc_index")
     return out
