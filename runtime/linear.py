@@ -222,13 +222,21 @@ class ArchiveLinear(nn.Module):
         return sum(getattr(self, b).numel() for names in self._names for b in names.values())
 
     def decoded_weight(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """W decoded afresh: each part straight into its rows of one buffer (a part that would
+        start off an 8-byte boundary, which decode_tensor's `out` needs, is decoded and copied)."""
         from unweight.codec import decode_tensor
 
-        flat = []
+        buf = np.empty(sum(e.nbytes for e in self.entries), dtype=np.uint8)
+        at = 0
         for entry, names in zip(self.entries, self._names):
             streams = {role: getattr(self, b).numpy() for role, b in names.items()}
-            flat.append(decode_tensor(entry, streams, self.threads, verify=False).view(np.int16))
-        w = torch.from_numpy(np.concatenate(flat)).view(torch.bfloat16).reshape(self.out_features, self.in_features)
+            rows = buf[at : at + entry.nbytes]
+            if rows.ctypes.data % 8:
+                rows[:] = decode_tensor(entry, streams, self.threads, verify=False)
+            else:
+                decode_tensor(entry, streams, self.threads, verify=False, out=rows)
+            at += entry.nbytes
+        w = torch.from_numpy(buf).view(torch.bfloat16).reshape(self.out_features, self.in_features)
         return w.to(dtype)
 
     def rows(self, ids: torch.Tensor | None, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

@@ -139,3 +139,22 @@ def test_cpu_fast_and_portable_paths_agree(rows, cols, m, monkeypatch):
     bound = cols * 2.0**-23 * torch.nn.functional.linear(x.abs(), w.float().abs())
     for y in (fast[0], slow[0]):
         assert torch.all((y - exact).abs() <= bound)
+
+
+def test_archive_linear_stacks_parts_of_any_size_and_codec_bit_exactly():
+    """Parts decode into their rows of one buffer; a part that starts off an 8-byte boundary (5 rows
+    of 3 BF16 = 30 bytes before it) takes the copying path."""
+    from unweight.codec import CodecOptions, encode_tensor
+    from unweight.runtime.linear import ArchiveLinear
+
+    weights = [random_bf16(5, 3, seed=11), torch.zeros(7, 3, dtype=torch.bfloat16), random_bf16(4000, 3, seed=12)]
+    parts = []
+    for i, w in enumerate(weights):
+        data = w.view(torch.int16).numpy().view(np.uint8).ravel()
+        parts.append(encode_tensor(f"p{i}", "BF16", tuple(w.shape), data, CodecOptions(threads=1)))
+    assert len({e.codec for e, _ in parts}) >= 2  # more than one codec among them
+    mod = ArchiveLinear(parts, threads=1)
+    want = torch.cat(weights)
+    assert torch.equal(mod.decoded_weight().view(torch.int16), want.view(torch.int16))
+    x = random_bf16(2, 3, seed=13)
+    assert torch.equal(mod(x).view(torch.int16), F.linear(x, want).view(torch.int16))
