@@ -165,3 +165,69 @@ def test_symbol_counts_match_bincount_at_any_offset(rotate):
         if rotate:
             w = ((w << 1) | (w >> 15)) & 0xFFFF
         assert np.array_equal(counts, np.bincount(w >> 6, minlength=1024))
+
+
+def _damage_chunk(streams: dict, p: rans.RansParams, n: int, c: int) -> dict:
+    """The streams with the first word of chunk c flipped (its decode then fails its end check)."""
+    nchunks = p.nchunks(n)
+    offsets = streams["index"].view("<u8")[: nchunks + 1]
+    words = streams["words"].copy()
+    assert offsets[c + 1] > offsets[c]
+    words[2 * int(offsets[c])] ^= 0xFF
+    return dict(streams, words=words)
+
+
+def test_decoding_chosen_chunks_touches_only_those():
+    values = (np.random.default_rng(5).standard_normal(70_000) * 0.02).astype(np.float32).view(np.uint32) >> 16
+    values = values.astype(np.uint16)
+    p = rans.RansParams.for_word(16, True, chunk=8192)
+    streams = rans.encode(values, p, 1)
+    nchunks = p.nchunks(len(values))  # 9, the last one short
+    chosen = np.array([0, 1, 4, 6, 7, 8])
+    sentinel = np.full(len(values), 0xABCD, dtype=np.uint16)
+    out = rans.decode(_damage_chunk(streams, p, len(values), 5), p, len(values), 2, sentinel.copy(), chunks=chosen)
+    mask = np.zeros(len(values), dtype=bool)
+    for c in chosen:
+        mask[c * p.chunk : (c + 1) * p.chunk] = True
+    assert np.array_equal(out[mask], values[mask]) and np.all(out[~mask] == 0xABCD)
+    with pytest.raises(ValueError, match="chunk 5"):
+        rans.decode(_damage_chunk(streams, p, len(values), 5), p, len(values), 1, chunks=np.array([5]))
+    for bad in ([3, 3], [4, 2], [-1], [nchunks]):
+        with pytest.raises(ValueError, match="sorted, distinct"):
+            rans.decode(streams, p, len(values), 1, chunks=np.array(bad))
+    assert np.array_equal(rans.decode(streams, p, len(values), 1, chunks=np.arange(nchunks)), values)
+
+
+def test_decode_rows_reads_only_the_chunks_of_those_rows():
+    import unweight
+    from unweight.codec import CodecOptions, decode_rows, decode_tensor, encode_tensor
+
+    w = (np.random.default_rng(6).standard_normal((1000, 96)) * 0.02).astype(np.float32).view(np.uint32) >> 16
+    data = w.astype(np.uint16).view(np.uint8).ravel()
+    entry, streams = encode_tensor("emb", "BF16", (1000, 96), data, CodecOptions(threads=1))
+    p = rans.RansParams.from_json(entry.params)
+    assert entry.codec == "rans" and p.nchunks(entry.numel) >= 4
+    table = data.reshape(1000, -1)
+    ids = np.array([999, 3, 3, 500, 0, 170])  # any order, repeats
+    assert np.array_equal(decode_rows(entry, streams, ids), table[ids])
+    assert decode_rows(entry, streams, np.array([], dtype=np.int64)).shape == (0, 192)
+    # damage a chunk that holds none of the rows asked for: they still decode; a whole decode fails
+    per_chunk_rows = p.chunk // 96
+    far = p.nchunks(entry.numel) - 1
+    broken = _damage_chunk(streams, p, entry.numel, far)
+    near = np.array([0, 1, per_chunk_rows - 1])
+    assert np.array_equal(decode_rows(entry, broken, near), table[near])
+    with pytest.raises(unweight.CorruptDataError, match=rf"emb.*chunk {far}"):
+        decode_rows(entry, broken, np.array([999]))
+    with pytest.raises(unweight.CorruptDataError, match="emb"):
+        decode_tensor(entry, broken)
+    for bad in ([1000], [-1]):
+        with pytest.raises(ValueError, match=r"\[0, 1000\)"):
+            decode_rows(entry, streams, np.array(bad))
+    # other codecs decode the whole tensor (CRC included) and index it
+    zeros = np.zeros(4000, dtype=np.uint8)
+    ez, sz = encode_tensor("z", "BF16", (20, 100), zeros, CodecOptions(threads=1))
+    assert ez.codec != "rans" and np.array_equal(decode_rows(ez, sz, np.array([19, 0])), zeros.reshape(20, -1)[[19, 0]])
+    scalar, ss = encode_tensor("s", "BF16", (), np.zeros(2, np.uint8), CodecOptions(threads=1))
+    with pytest.raises(ValueError, match="no rows"):
+        decode_rows(scalar, ss, np.array([0]))

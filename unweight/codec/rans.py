@@ -176,9 +176,14 @@ def _offsets_ok(offsets, nwords):
     return True
 
 
-def decode(streams: dict[str, np.ndarray], p: RansParams, n: int, threads: int | None = None, out: np.ndarray | None = None) -> np.ndarray:
+def decode(streams: dict[str, np.ndarray], p: RansParams, n: int, threads: int | None = None, out: np.ndarray | None = None,
+           chunks: np.ndarray | None = None) -> np.ndarray:
     """Decode n elements (1-D unsigned ints of p.word_bits bits) into `out` (a new array if None,
-    else n aligned, writable elements of that type, which it returns); raises ValueError if corrupt."""
+    else n aligned, writable elements of that type, which it returns); raises ValueError if corrupt.
+
+    With `chunks` (sorted, distinct chunk indices), only those chunks are decoded: elements
+    [c * p.chunk, (c + 1) * p.chunk) of each; the rest of `out` is left as it was. Each chunk is
+    checked as in a whole decode (its words all used, its lanes back at the initial state)."""
     if n == 0:
         raise ValueError("the rans codec needs at least one element")
     vector = rans_avx2.AVAILABLE and p.word_bits == 16 and p.raw_bits == 6 and p.rotate
@@ -224,7 +229,16 @@ def decode(streams: dict[str, np.ndarray], p: RansParams, n: int, threads: int |
         def work(c0: int, c1: int) -> None:
             decode_chunks(words_u16, offsets, states, tab, raw_pairs, p.precision, raw_u8, p.word_bits, R, p.rotate, n, p.chunk, c0, c1, out, out32, status)
 
-    map_chunk_ranges(work, nchunks, threads, align=rans_avx2.MAX_GROUP)
+    if chunks is None:
+        map_chunk_ranges(work, nchunks, threads, align=rans_avx2.MAX_GROUP)
+    else:
+        chunks = np.asarray(chunks, dtype=np.int64)
+        if len(chunks) and (chunks[0] < 0 or chunks[-1] >= nchunks or np.any(np.diff(chunks) <= 0)):
+            raise ValueError(f"chunks must be sorted, distinct and in [0, {nchunks})")
+        breaks = np.flatnonzero(np.diff(chunks) != 1) + 1  # runs of consecutive chunks
+        for run in np.split(chunks, breaks) if len(chunks) else ():
+            c0 = int(run[0])
+            map_chunk_ranges(lambda a, b, c0=c0: work(c0 + a, c0 + b), len(run), threads, align=rans_avx2.MAX_GROUP)
     if not np.count_nonzero(status):  # (a few microseconds less than status.any() on tiny tensors)
         return out
     bad = np.flatnonzero(status != OK)

@@ -182,6 +182,64 @@ def check_entry(entry: TensorEntry, streams: dict[str, np.ndarray]) -> None:
         raise ValueError(f"codec tiles is for non-empty 2-D BF16 tensors, not {entry.dtype}{list(entry.shape)}")
 
 
+def _decode(entry: TensorEntry, streams: dict[str, np.ndarray], threads: int | None, out: np.ndarray | None,
+            chunks: np.ndarray | None = None) -> tuple[np.ndarray, bool]:
+    """decode_tensor's work without the CRC check: (the bytes, whether rans decoded them into
+    `out`). With `chunks` (rans only), only those chunks are decoded. Errors name the tensor."""
+    nbytes = entry.nbytes
+    in_place = False  # rans decodes into `out` itself; the other codecs' bytes are copied there
+    try:
+        check_entry(entry, streams)
+        if entry.codec == "rans":
+            p = rans.RansParams.from_json(entry.params)
+            word = _rans_word(entry.dtype)
+            if word != (p.word_bits, p.rotate):
+                raise ValueError(f"rans params word_bits={p.word_bits} rotate={p.rotate} do not fit dtype {entry.dtype}")
+            into = None if out is None else out.view(rans.UINT_OF_BITS[p.word_bits])
+            data = rans.decode(streams, p, entry.numel, threads, into, chunks).view(np.uint8)
+            in_place = out is not None
+        elif entry.codec == "raw":
+            data = np.asarray(streams["data"], dtype=np.uint8)
+        elif entry.codec == "zstd":
+            data = _zstd_decode(streams["data"], nbytes)
+        else:
+            p = tiles.TilesParams.from_json(entry.params)
+            data = tiles.decode(streams, p, entry.shape[0], entry.shape[1]).view(np.uint8)
+    except CorruptDataError as e:
+        raise CorruptDataError(None, e.reason, entry.name) from None
+    except (ValueError, TypeError, zstandard.ZstdError) as e:
+        raise CorruptDataError(None, str(e), entry.name) from None
+    except MemoryError:
+        raise CorruptDataError(None, f"{nbytes} bytes do not fit in memory", entry.name) from None
+    return data, in_place
+
+
+def decode_rows(entry: TensorEntry, streams: dict[str, np.ndarray], ids: np.ndarray, threads: int | None = None) -> np.ndarray:
+    """Rows `ids` (integers in [0, shape[0])) of a tensor, as a (len(ids), bytes per row) uint8
+    array, for lookups such as an embedding's: a `rans` tensor decodes only the chunks that hold
+    those rows (an embedding row of SmolLM2 lies in one or two of its 108 chunks), where
+    decode_tensor would decode all of them. Each chunk decoded is checked as decode_tensor checks
+    it, but the CRC-32, which covers the whole tensor, is not; other codecs decode the whole
+    tensor, CRC included. Raises CorruptDataError on damage, ValueError on bad ids."""
+    if len(entry.shape) == 0 or entry.shape[0] == 0:
+        raise ValueError(f"tensor {entry.name!r} of shape {list(entry.shape)} has no rows")
+    rows = entry.shape[0]
+    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+    if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= rows):
+        raise ValueError(f"row ids must lie in [0, {rows})")
+    if entry.codec != "rans" or entry.nbytes > _physical_memory():
+        return decode_tensor(entry, streams, threads).reshape(rows, -1)[ids]
+    try:
+        chunk = rans.RansParams.from_json(entry.params).chunk
+    except (ValueError, TypeError) as e:
+        raise CorruptDataError(None, str(e), entry.name) from None
+    per_row = entry.numel // rows
+    first, last = ids * per_row // chunk, ((ids + 1) * per_row - 1) // chunk
+    span = int((last - first).max()) + 1 if len(ids) else 0
+    chunks = np.unique((first[:, None] + np.arange(span)[None, :]).clip(max=last[:, None]))
+    data, _ = _decode(entry, streams, threads, None, chunks)
+    return data.reshape(rows, -1)[ids]
+
 @lru_cache(maxsize=1)
 def _physical_memory() -> int:
     try:
@@ -204,30 +262,7 @@ def decode_tensor(entry: TensorEntry, streams: dict[str, np.ndarray], threads: i
         raise TypeError(f"out must be {nbytes} writable, contiguous uint8 bytes aligned to 8")
     if nbytes > _physical_memory():  # a small hostile file can claim a huge constant tensor
         raise CorruptDataError(None, f"{nbytes} bytes exceed this machine's memory", entry.name)
-    in_place = False  # rans decodes into `out` itself; the other codecs' bytes are copied there
-    try:
-        check_entry(entry, streams)
-        if entry.codec == "rans":
-            p = rans.RansParams.from_json(entry.params)
-            word = _rans_word(entry.dtype)
-            if word != (p.word_bits, p.rotate):
-                raise ValueError(f"rans params word_bits={p.word_bits} rotate={p.rotate} do not fit dtype {entry.dtype}")
-            into = None if out is None else out.view(rans.UINT_OF_BITS[p.word_bits])
-            data = rans.decode(streams, p, entry.numel, threads, into).view(np.uint8)
-            in_place = out is not None
-        elif entry.codec == "raw":
-            data = np.asarray(streams["data"], dtype=np.uint8)
-        elif entry.codec == "zstd":
-            data = _zstd_decode(streams["data"], nbytes)
-        else:
-            p = tiles.TilesParams.from_json(entry.params)
-            data = tiles.decode(streams, p, entry.shape[0], entry.shape[1]).view(np.uint8)
-    except CorruptDataError as e:
-        raise CorruptDataError(None, e.reason, entry.name) from None
-    except (ValueError, TypeError, zstandard.ZstdError) as e:
-        raise CorruptDataError(None, str(e), entry.name) from None
-    except MemoryError:
-        raise CorruptDataError(None, f"{nbytes} bytes do not fit in memory", entry.name) from None
+    data, in_place = _decode(entry, streams, threads, out)
     if out is not None:
         if not in_place:
             out[:] = data
