@@ -158,3 +158,29 @@ def test_archive_linear_stacks_parts_of_any_size_and_codec_bit_exactly():
     assert torch.equal(mod.decoded_weight().view(torch.int16), want.view(torch.int16))
     x = random_bf16(2, 3, seed=13)
     assert torch.equal(mod(x).view(torch.int16), F.linear(x, want).view(torch.int16))
+
+
+def test_archive_linear_rows_and_fp32_forward_in_row_blocks(monkeypatch):
+    """rows(ids) across stacked parts gives the rows bit-exactly; the fp32 forward, W converted a
+    few rows at a time (a block size that leaves a short last block), matches F.linear on W."""
+    from unweight.codec import CodecOptions, encode_tensor
+    from unweight.runtime import linear as L
+
+    weights = [random_bf16(300, 64, seed=21), random_bf16(37, 64, seed=22)]
+    parts = [encode_tensor(f"p{i}", "BF16", tuple(w.shape), w.view(torch.int16).numpy().view(np.uint8).ravel(), CodecOptions(threads=1))
+             for i, w in enumerate(weights)]
+    mod = L.ArchiveLinear(parts, threads=1)
+    want = torch.cat(weights)
+    ids = torch.tensor([[336, 0], [299, 300], [5, 5]])
+    got = mod.rows(ids)
+    assert got.shape == (6, 64) and torch.equal(got.view(torch.int16), want[ids.reshape(-1)].view(torch.int16))
+    assert torch.equal(mod.rows(ids, torch.float32), want[ids.reshape(-1)].float())
+    assert mod.rows(torch.tensor([], dtype=torch.long)).shape == (0, 64)
+    with pytest.raises(ValueError, match=r"\[0, 337\)"):
+        mod.rows(torch.tensor([337]))
+    monkeypatch.setattr(L, "ROW_BLOCK_BYTES", 64 * 4 * 50)  # 50 rows a block: 7 blocks, the last of 37
+    for shape in ((64,), (3, 64), (2, 5, 64)):
+        x = torch.randn(shape, generator=torch.Generator().manual_seed(23))
+        y = mod(x)
+        assert y.shape == shape[:-1] + (337,) and y.dtype == torch.float32
+        assert torch.allclose(y, F.linear(x, want.float()), rtol=1e-5, atol=1e-6)
