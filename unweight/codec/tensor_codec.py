@@ -182,6 +182,38 @@ def check_entry(entry: TensorEntry, streams: dict[str, np.ndarray]) -> None:
         raise ValueError(f"codec tiles is for non-empty 2-D BF16 tensors, not {entry.dtype}{list(entry.shape)}")
 
 
+@lru_cache(maxsize=1)
+def _physical_memory() -> int:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # not POSIX: no cap
+        return 1 << 62
+
+
+def decode_tensor(entry: TensorEntry, streams: dict[str, np.ndarray], threads: int | None = None, verify: bool = True,
+                  out: np.ndarray | None = None) -> np.ndarray:
+    """The original bytes of one tensor (uint8, C order). Raises CorruptDataError on any damage.
+
+    With `out` (entry.nbytes writable uint8, aligned to 8 bytes), the bytes are decoded into it and
+    `out` is returned: a caller that decodes tensor after tensor (decompress, verify) reuses one
+    buffer instead of faulting in fresh memory for each, which cost from a tenth to half of the
+    decode time on the VM of docs/compression.md. On an error `out` holds partial bytes."""
+    nbytes = entry.nbytes
+    if out is not None and (out.dtype != np.uint8 or out.shape != (nbytes,) or not out.flags.writeable
+                            or not out.flags.c_contiguous or (nbytes and out.ctypes.data % 8)):
+        raise TypeError(f"out must be {nbytes} writable, contiguous uint8 bytes aligned to 8")
+    if nbytes > _physical_memory():  # a small hostile file can claim a huge constant tensor
+        raise CorruptDataError(None, f"{nbytes} bytes exceed this machine's memory", entry.name)
+    data, in_place = _decode(entry, streams, threads, out)
+    if out is not None:
+        if not in_place:
+            out[:] = data
+        data = out
+    if verify and crc32(data) != entry.crc32:
+        raise CorruptDataError(None, "decoded bytes fail the CRC-32 check (the file is damaged)", entry.name)
+    return data
+
+
 def _decode(entry: TensorEntry, streams: dict[str, np.ndarray], threads: int | None, out: np.ndarray | None,
             chunks: np.ndarray | None = None) -> tuple[np.ndarray, bool]:
     """decode_tensor's work without the CRC check: (the bytes, whether rans decoded them into
@@ -239,34 +271,3 @@ def decode_rows(entry: TensorEntry, streams: dict[str, np.ndarray], ids: np.ndar
     chunks = np.unique((first[:, None] + np.arange(span)[None, :]).clip(max=last[:, None]))
     data, _ = _decode(entry, streams, threads, None, chunks)
     return data.reshape(rows, -1)[ids]
-
-@lru_cache(maxsize=1)
-def _physical_memory() -> int:
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):  # not POSIX: no cap
-        return 1 << 62
-
-
-def decode_tensor(entry: TensorEntry, streams: dict[str, np.ndarray], threads: int | None = None, verify: bool = True,
-                  out: np.ndarray | None = None) -> np.ndarray:
-    """The original bytes of one tensor (uint8, C order). Raises CorruptDataError on any damage.
-
-    With `out` (entry.nbytes writable uint8, aligned to 8 bytes), the bytes are decoded into it and
-    `out` is returned: a caller that decodes tensor after tensor (decompress, verify) reuses one
-    buffer instead of faulting in fresh memory for each, which cost from a tenth to half of the
-    decode time on the VM of docs/compression.md. On an error `out` holds partial bytes."""
-    nbytes = entry.nbytes
-    if out is not None and (out.dtype != np.uint8 or out.shape != (nbytes,) or not out.flags.writeable
-                            or not out.flags.c_contiguous or (nbytes and out.ctypes.data % 8)):
-        raise TypeError(f"out must be {nbytes} writable, contiguous uint8 bytes aligned to 8")
-    if nbytes > _physical_memory():  # a small hostile file can claim a huge constant tensor
-        raise CorruptDataError(None, f"{nbytes} bytes exceed this machine's memory", entry.name)
-    data, in_place = _decode(entry, streams, threads, out)
-    if out is not None:
-        if not in_place:
-            out[:] = data
-        data = out
-    if verify and crc32(data) != entry.crc32:
-        raise CorruptDataError(None, "decoded bytes fail the CRC-32 check (the file is damaged)", entry.name)
-    return data
