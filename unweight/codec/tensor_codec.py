@@ -249,7 +249,7 @@ def _decode(entry: TensorEntry, streams: dict[str, np.ndarray], threads: int | N
 def decode_rows(entry: TensorEntry, streams: dict[str, np.ndarray], ids: np.ndarray, threads: int | None = None) -> np.ndarray:
     """Rows `ids` (integers in [0, shape[0])) of a tensor, as a (len(ids), bytes per row) uint8
     array, for lookups such as an embedding's: a `rans` tensor decodes only the chunks that hold
-    those rows (an embedding row of SmolLM2 lies in one or two of its 108 chunks), where
+    those rows (an embedding row of SmolLM2 lies in one or two of its 432 chunks), where
     decode_tensor would decode all of them. Each chunk decoded is checked as decode_tensor checks
     it, but the CRC-32, which covers the whole tensor, is not; other codecs decode the whole
     tensor, CRC included. Raises CorruptDataError on damage, ValueError on bad ids."""
