@@ -142,9 +142,9 @@ def parse(blob: bytes | np.ndarray, sym_bits: int, precision: int) -> np.ndarray
 
 @njit(nogil=True, cache=True)
 def _fill_slots(freq, W, R, rotate, tab, lut, index8, index16):
-    """The slot table, and when `lut` is not empty lookup_from_stream()'s lookup, with one-byte
-    indices (index8) if at most 256 symbols are in use, else two-byte ones (index16). Returns
-    whether they are two-byte."""
+    """The slot table when `tab` is not empty, and lookup_from_stream()'s lookup when `lut` is not
+    empty, with one-byte indices (index8) if at most 256 symbols are in use, else two-byte ones
+    (index16). Returns whether they are two-byte."""
     wide = np.count_nonzero(freq) > 256
     q = k = 0
     for sym in range(len(freq)):
@@ -154,8 +154,9 @@ def _fill_slots(freq, W, R, rotate, tab, lut, index8, index16):
         top = sym << R
         if rotate:  # rotate right by one in W bits
             top = (top >> 1) | ((top & 1) << (W - 1))
-        for i in range(f):
-            tab[q + i] = np.uint64(f | (i << 16) | (top << 32))
+        if len(tab):
+            for i in range(f):
+                tab[q + i] = np.uint64(f | (i << 16) | (top << 32))
         if len(lut):
             lut[k] = np.uint64(f | (q << 16) | (top << 32))
             if wide:
@@ -200,7 +201,8 @@ def _slots_from_stream(data, sym_bits, P, W, R, rotate, tab, lut, index8, index1
 
 
 def _tables(blob, sym_bits, precision, word_bits, raw_bits, rotate, lookup: bool):
-    tab = np.empty(1 << precision, dtype=np.uint64)
+    """(slot table, lookup, wide): the slot table alone, or (lookup) the lookup alone."""
+    tab = np.empty(0 if lookup else 1 << precision, dtype=np.uint64)
     # room for two-byte indices; _fill_slots writes one-byte ones into the same place when they fit
     lut = np.empty(LOOKUP_SYMBOLS + (1 << precision) // 4 if lookup else 0, dtype=np.uint64)
     index = lut[LOOKUP_SYMBOLS:]
@@ -213,25 +215,35 @@ def _tables(blob, sym_bits, precision, word_bits, raw_bits, rotate, lookup: bool
 
 
 def slots_from_stream(blob: np.ndarray, sym_bits: int, precision: int, word_bits: int, raw_bits: int, rotate: bool) -> np.ndarray:
-    """The decoders' slot table of a `table` stream; raises TableError as parse() does.
+    """The portable decoder's slot table of a `table` stream; raises TableError as parse() does.
 
     For each slot q of symbol s: f(s) | (q - c(s)) << 16 | top << 32 (uint64), where top is the
     element's bits from its symbol alone, `s << R` rotated right by one if `rotate`. One 8-byte
-    load a slot gives the portable decoder (and the vector decoder's tails) everything; the raw
-    field, rotated the same way, is OR-ed in."""
+    load a slot gives the decoder everything; the raw field, rotated the same way, is OR-ed in.
+    (The vector decoder reads lookup_from_stream()'s smaller form instead, tails included.)"""
     return _tables(blob, sym_bits, precision, word_bits, raw_bits, rotate, False)[0]
 
 
 LOOKUP_SYMBOLS = 1024  # entries of the lookup's symbol table: the 10-bit alphabet of 16-bit words
 
 
-def lookup_from_stream(blob: np.ndarray, sym_bits: int, precision: int, word_bits: int, raw_bits: int, rotate: bool) -> tuple[np.ndarray, np.ndarray, bool]:
-    """(slot table, lookup, wide): slots_from_stream()'s table, and the AVX2 decoder's two-level
-    form of it, built in the same pass. The lookup is one uint64 array: for each symbol in use, in
-    slot order, f | c << 16 | top << 32 (LOOKUP_SYMBOLS entries), then each slot's index into those
-    entries, one byte each when at most 256 symbols are in use (16 KiB at P = 14, against the slot
-    table's 128 KiB), else two (`wide`). Trained weights use 100-160 symbols; the smaller table
-    stays in L1 (docs/compression.md)."""
+def lookup_from_stream(blob: np.ndarray, sym_bits: int, precision: int, word_bits: int, raw_bits: int, rotate: bool) -> tuple[np.ndarray, bool]:
+    """(lookup, wide): the AVX2 decoder's two-level form of slots_from_stream()'s table, one uint64
+    array: for each symbol in use, in slot order, f | c << 16 | top << 32 (LOOKUP_SYMBOLS entries),
+    then each slot's index into those entries, one byte each when at most 256 symbols are in use
+    (16 KiB at P = 14, against the slot table's 128 KiB), else two (`wide`). Trained weights use
+    100-160 symbols; the smaller table stays in L1 (docs/compression.md). slot_entry() gives any
+    slot's slot-table entry from it. Raises TableError as parse() does."""
     if sym_bits > 10:
         raise ValueError(f"the lookup holds at most {LOOKUP_SYMBOLS} symbols, not 2^{sym_bits}")
-    return _tables(blob, sym_bits, precision, word_bits, raw_bits, rotate, True)
+    _, lut, wide = _tables(blob, sym_bits, precision, word_bits, raw_bits, rotate, True)
+    return lut, wide
+
+
+@njit(nogil=True, cache=True, inline="always")
+def slot_entry(entries, index, q):
+    """slots_from_stream()'s entry for slot q, from lookup_from_stream()'s symbol entries and
+    slot indices (index: its uint8 or uint16 view from LOOKUP_SYMBOLS on)."""
+    s = entries[index[q]]
+    c = (s >> np.uint64(16)) & np.uint64(0xFFFF)
+    return (s & np.uint64(0xFFFF)) | ((np.uint64(q) - c) << np.uint64(16)) | ((s >> np.uint64(32)) << np.uint64(32))

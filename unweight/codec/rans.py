@@ -192,7 +192,6 @@ def decode(streams: dict[str, np.ndarray], p: RansParams, n: int, threads: int |
         tables = build(streams["table"], p.sym_bits, p.precision, p.word_bits, p.raw_bits, p.rotate)
     except freq_table.TableError as e:
         raise ValueError(f"table: {e}") from None
-    tab, lut, wide = tables if vector else (tables, None, False)
     nchunks = p.nchunks(n)
     index, words, raw = streams["index"], streams["words"], streams["raw"]
     want = 8 * (nchunks + 1) + 4 * LANES * nchunks
@@ -219,9 +218,12 @@ def decode(streams: dict[str, np.ndarray], p: RansParams, n: int, threads: int |
     words_u16 = _aligned_view(words, "<u2")
     raw_u8 = np.asarray(raw, dtype=np.uint8)
     if vector:
+        lut, wide = tables
+
         def work(c0: int, c1: int) -> None:
-            rans_avx2.decode_chunks16(words_u16, offsets, states, tab, lut, wide, p.precision, raw_u8, n, p.chunk, c0, c1, out, status)
+            rans_avx2.decode_chunks16(words_u16, offsets, states, lut, wide, p.precision, raw_u8, n, p.chunk, c0, c1, out, status)
     else:
+        tab = tables
         # the 16-bit fast path ORs raw bits into element pairs
         out32 = out[: n // 2 * 2].view(np.uint32) if p.word_bits == 16 else np.empty(0, dtype=np.uint32)
         raw_pairs = freq_table.raw_pairs(p.rotate)

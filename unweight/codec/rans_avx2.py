@@ -283,10 +283,10 @@ def _safe_rounds(e, stop, pos, end, nraw):
 
 
 @njit(nogil=True, cache=True)
-def decode_chunks16(words, offsets, states, tab, lut, wide, P, raw, n, chunk, c0, c1, out, status):
+def decode_chunks16(words, offsets, states, lut, wide, P, raw, n, chunk, c0, c1, out, status):
     """Decode chunks c0..c1-1 of a 16-bit `rans` tensor with rotate and R = 6 (BF16, F16) into
     `out` (uint16); status[c] gets OK or an error code, as rans_kernels.decode_chunks does.
-    `tab, lut, wide` are freq_table.lookup_from_stream()'s (the slot table serves the tails)."""
+    `lut, wide` are freq_table.lookup_from_stream()'s; the tails read it too."""
     G = MAX_GROUP
     two = 1 if wide else 0
     xs = np.empty(LANES * G, dtype=np.int64)
@@ -298,6 +298,8 @@ def decode_chunks16(words, offsets, states, tab, lut, wide, P, raw, n, chunk, c0
     cpos = np.empty(G, dtype=np.int64)
     ce = np.empty(G, dtype=np.int64)
     nraw = len(raw)
+    index8 = lut[freq_table.LOOKUP_SYMBOLS :].view(np.uint8)
+    index16 = lut[freq_table.LOOKUP_SYMBOLS :].view(np.uint16)
     for g0 in range(c0, c1, G):
         k = min(G, c1 - g0)
         for j in range(k):
@@ -341,5 +343,9 @@ def decode_chunks16(words, offsets, states, tab, lut, wide, P, raw, n, chunk, c0
         for j in range(k):
             if ok[j]:
                 c = g0 + j
-                status[c] = checked_tail(words, pos[j], np.int64(offsets[c + 1]), xs[LANES * j : LANES * j + LANES], tab, P,
-                                         raw, 16, 6, True, c * chunk, e[j], min((c + 1) * chunk, n), out)
+                args = (words, pos[j], np.int64(offsets[c + 1]), xs[LANES * j : LANES * j + LANES])
+                rest = (P, raw, 16, 6, True, c * chunk, e[j], min((c + 1) * chunk, n), out)
+                if wide:
+                    status[c] = checked_tail(*args, lut, index16, *rest)
+                else:
+                    status[c] = checked_tail(*args, lut, index8, *rest)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from .freq_table import slot_entry
+
 RANS_L = 1 << 16  # lower bound of the state interval [2^16, 2^32)
 LANES = 8
 
@@ -374,6 +376,7 @@ def decode_chunks(words, offsets, states, tab, raw_pairs, P, raw, W, R, rotate, 
     which also serves 8- and 32-bit words.
     """
     xs = np.empty(LANES, dtype=np.int64)
+    one_level = np.empty(0, dtype=np.uint8)
     for c in range(c0, c1):
         start = c * chunk
         stop = min(start + chunk, n)
@@ -386,7 +389,7 @@ def decode_chunks(words, offsets, states, tab, raw_pairs, P, raw, W, R, rotate, 
         if R == 6 and W == 16:
             e, pos = _decode_fast16(words, pos, end, xs, tab, P, e, stop, out)
             _merge_raw6(raw, raw_pairs, start >> 2, e >> 2, out32)
-        status[c] = checked_tail(words, pos, end, xs, tab, P, raw, W, R, rotate, start, e, stop, out)
+        status[c] = checked_tail(words, pos, end, xs, tab, one_level, P, raw, W, R, rotate, start, e, stop, out)
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -402,16 +405,18 @@ def load_states(states, c, xs):
 
 
 @njit(nogil=True, cache=True)
-def checked_tail(words, pos, end, xs, tab, P, raw, W, R, rotate, start, e, stop, out):
+def checked_tail(words, pos, end, xs, tab, index, P, raw, W, R, rotate, start, e, stop, out):
     """Decode elements [e, stop) of the chunk that starts at `start` (e - start a multiple of 8
     when the lanes hold states mid-chunk) one at a time, checking every word read, then check the
     chunk's end: all its words used and every lane back at RANS_L. Returns OK or an error code.
-    Serves every W and R, the tails of the fast paths and chunks they leave early."""
+    Serves every W and R, the tails of the fast paths and chunks they leave early. `tab` is the
+    slot table when `index` is empty, else the vector decoder's two-level lookup: its symbol
+    entries and slot indices (freq_table.slot_entry)."""
     mask = (1 << P) - 1
     while e < stop:
         lane = (e - start) % LANES
         x = xs[lane]
-        t = tab[x & mask]
+        t = tab[x & mask] if len(index) == 0 else slot_entry(tab, index, x & mask)
         a = np.int64(t & np.uint64(0xFFFFFFFF))
         x = (a & 0xFFFF) * (x >> P) + (a >> 16)
         if x < RANS_L:
