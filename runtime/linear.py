@@ -266,9 +266,9 @@ class ArchiveLinear(nn.Module):
         return w.to(dtype)
 
     def rows(self, ids: torch.Tensor | None, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        """Rows `ids` (all if None), shape (len(ids), in_features): each part decodes only what
-        holds the rows asked of it (codec.decode_rows), so an embedding lookup of a few tokens
-        decodes a few chunks instead of the whole matrix."""
+        """Rows `ids` (all if None, on the CPU), shape (len(ids), in_features), on ids' device:
+        each part decodes only what holds the rows asked of it (codec.decode_rows), so an embedding
+        lookup of a few tokens decodes a few chunks instead of the whole matrix."""
         _check_row_ids(ids, self.out_features)
         if ids is None:
             return self.decoded_weight(dtype)
@@ -284,7 +284,7 @@ class ArchiveLinear(nn.Module):
                 got = decode_rows(entry, self._part_streams(i), flat[where] - start, self.threads)
                 out[torch.from_numpy(where)] = torch.from_numpy(got.view(np.int16)).view(torch.bfloat16)
             start = stop
-        return out.to(dtype)
+        return out.to(device=ids.device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = _compute_input(x, x.device, lambda m: None)

@@ -184,3 +184,18 @@ def test_archive_linear_rows_and_fp32_forward_in_row_blocks(monkeypatch):
         y = mod(x)
         assert y.shape == shape[:-1] + (337,) and y.dtype == torch.float32
         assert torch.allclose(y, F.linear(x, want.float()), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_archive_linear_answers_on_the_inputs_device():
+    """The streams stay on the CPU; rows and products come back where the ids and x are."""
+    from unweight.codec import CodecOptions, encode_tensor
+    from unweight.runtime.linear import ArchiveLinear
+
+    w = random_bf16(40, 32, seed=31)
+    mod = ArchiveLinear([encode_tensor("w", "BF16", (40, 32), w.view(torch.int16).numpy().view(np.uint8).ravel(), CodecOptions(threads=1))])
+    ids = torch.tensor([7, 39], device="cuda")
+    got = mod.rows(ids)
+    assert got.device.type == "cuda" and torch.equal(got.cpu().view(torch.int16), w[[7, 39]].view(torch.int16))
+    x = random_bf16(2, 32, seed=32).cuda()
+    assert mod(x).device.type == "cuda"
