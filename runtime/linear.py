@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 
 import numpy as np
 import torch
@@ -82,6 +83,25 @@ def _linear_in_row_blocks(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         block.copy_(w[r0:r1])
         torch.mm(block, xt, out=yt[r0:r1])
     return yt.t().reshape(*x.shape[:-1], n)
+
+
+class _Workspace(threading.local):
+    """One growing, 8-byte aligned byte buffer per thread. ArchiveLinear.forward decodes W into it
+    and consumes W before returning, so W's pages are faulted in once per thread instead of at
+    every forward (an 8B-shaped 14336x4096 layer's CPU forward ran 1.17x faster, 1536x576 1.28x).
+    Peak memory is what decoding into fresh memory reached; between forwards the buffer stays, the
+    size of the largest weight decoded on that thread."""
+
+    buf: np.ndarray | None = None
+
+    def take(self, nbytes: int) -> np.ndarray:
+        if self.buf is None or self.buf.nbytes < nbytes:
+            self.buf = None  # drop the old one before allocating the larger
+            self.buf = np.empty(-(-nbytes // 8), dtype=np.uint64).view(np.uint8)
+        return self.buf[:nbytes]
+
+
+_WORKSPACE = _Workspace()
 
 
 def _check_row_ids(ids: torch.Tensor | None, rows: int) -> None:
@@ -219,9 +239,10 @@ class ArchiveLinear(nn.Module):
     """y = x @ W^T + b with W kept in its archive-layout streams (rans, zstd or raw) on the CPU.
 
     W may be several checkpoint tensors stacked by rows (parts). Every forward decodes W on the
-    CPU threads (numba), then multiplies on the input's device (on the CPU in fp32, converting W
-    a block of rows at a time); the decoded copy is dropped afterwards, so resident memory stays
-    the archive size. `rows(ids)` decodes only the rans chunks that hold those rows."""
+    CPU threads (numba) into a workspace shared by all layers on the thread (`_Workspace`), then
+    multiplies on the input's device (on the CPU in fp32, converting W a block of rows at a time).
+    Resident memory is the archive size plus that workspace, the size of the largest W decoded.
+    `rows(ids)` decodes only the rans chunks that hold those rows."""
 
     def __init__(self, parts: list[tuple], bias: torch.Tensor | None = None, threads: int | None = None):
         super().__init__()
@@ -248,11 +269,14 @@ class ArchiveLinear(nn.Module):
         return {role: getattr(self, b).numpy() for role, b in self._names[part].items()}
 
     def decoded_weight(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        """W decoded afresh: each part straight into its rows of one buffer (a part that would
+        """W decoded afresh, a tensor the caller owns."""
+        return self._decode_into(np.empty(sum(e.nbytes for e in self.entries), dtype=np.uint8)).to(dtype)
+
+    def _decode_into(self, buf: np.ndarray) -> torch.Tensor:
+        """W decoded into `buf` (W's BF16 bytes), each part straight into its rows (a part that would
         start off an 8-byte boundary, which decode_tensor's `out` needs, is decoded and copied)."""
         from unweight.codec import decode_tensor
 
-        buf = np.empty(sum(e.nbytes for e in self.entries), dtype=np.uint8)
         at = 0
         for i, entry in enumerate(self.entries):
             streams = self._part_streams(i)
@@ -262,8 +286,7 @@ class ArchiveLinear(nn.Module):
             else:
                 decode_tensor(entry, streams, self.threads, verify=False, out=rows)
             at += entry.nbytes
-        w = torch.from_numpy(buf).view(torch.bfloat16).reshape(self.out_features, self.in_features)
-        return w.to(dtype)
+        return torch.from_numpy(buf).view(torch.bfloat16).reshape(self.out_features, self.in_features)
 
     def rows(self, ids: torch.Tensor | None, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """Rows `ids` (all if None, on the CPU), shape (len(ids), in_features), on ids' device:
@@ -288,10 +311,11 @@ class ArchiveLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = _compute_input(x, x.device, lambda m: None)
+        w = self._decode_into(_WORKSPACE.take(sum(e.nbytes for e in self.entries)))  # consumed before returning
         if x.device.type == "cpu" and x.dtype != torch.bfloat16:
-            y = _linear_in_row_blocks(x, self.decoded_weight())
+            y = _linear_in_row_blocks(x, w)
         else:
-            y = F.linear(x, self.decoded_weight(x.dtype).to(x.device))
+            y = F.linear(x, w.to(device=x.device, dtype=x.dtype))
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self) -> str:

@@ -186,6 +186,40 @@ def test_archive_linear_rows_and_fp32_forward_in_row_blocks(monkeypatch):
         assert torch.allclose(y, F.linear(x, want.float()), rtol=1e-5, atol=1e-6)
 
 
+def test_archive_linear_forwards_share_one_workspace_and_return_their_own_tensors(monkeypatch):
+    """Layers decode W into one buffer per thread, grown to the largest W and then reused; what a
+    forward returns does not alias it, and decoded_weight() still hands out a fresh copy."""
+    import threading
+
+    from unweight.codec import CodecOptions, encode_tensor
+    from unweight.runtime import linear as L
+
+    def layer(w):
+        return L.ArchiveLinear([encode_tensor("w", "BF16", tuple(w.shape), w.view(torch.int16).numpy().view(np.uint8).ravel(), CodecOptions(threads=1))], threads=1)
+
+    monkeypatch.setattr(L, "_WORKSPACE", L._Workspace())  # empty, whatever ran before in this process
+    small, big = random_bf16(64, 128, seed=41), random_bf16(512, 128, seed=42)
+    a, b = layer(small), layer(big)
+    x = random_bf16(3, 128, seed=43)
+    ya = a(x)
+    yb = b(x)
+    buf = L._WORKSPACE.buf
+    assert buf is not None and buf.nbytes == big.numel() * 2
+    ya2 = a(x)
+    assert L._WORKSPACE.buf is buf  # a smaller W reuses the larger buffer
+    for y, w in ((ya, small), (yb, big), (ya2, small)):  # ya survived b's decode into the workspace
+        assert torch.equal(y.view(torch.int16), F.linear(x, w).view(torch.int16))
+    assert torch.allclose(b(x.float()), F.linear(x.float(), big.float()), rtol=1e-5, atol=1e-6)
+    w = b.decoded_weight()
+    a(x)
+    assert torch.equal(w.view(torch.int16), big.view(torch.int16))
+    other = []
+    t = threading.Thread(target=lambda: (a(x), other.append(L._WORKSPACE.buf)))
+    t.start()
+    t.join()
+    assert other[0] is not buf and other[0].nbytes == small.numel() * 2  # a thread has its own
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_archive_linear_answers_on_the_inputs_device():
     """The streams stay on the CPU; rows and products come back where the ids and x are."""
