@@ -12,7 +12,7 @@ export UNWEIGHT_CACHE ?= $(HOME)/.cache/unweight
 install: $(VENV)/.installed
 
 # torch first, pinned to the CPU build on this machine's disk: a bare `torch` requirement would
-# make pip fetch a multi-GB CUDA build. The package itself only asks for torch>=2.4.
+# make pip fetch a multi-GB CUDA build. The package itself only asks for torch>=2.5.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
