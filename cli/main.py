@@ -127,8 +127,10 @@ def verify(
     as_json: AsJson = False,
     quiet: Quiet = False,
 ) -> None:
-    """Decode every tensor and check it: against its stored CRC-32, and with --against, against
-    the original bytes, dtypes and shapes. Exit 0 only if everything matches.
+    """Decode every tensor and check it; exit 0 only if everything matches.
+
+    Each tensor is checked against its stored CRC-32 and, with --against, against the original
+    bytes, dtypes and shapes; the first difference is reported.
 
     Examples:
 
@@ -201,8 +203,10 @@ def generate(
     layout: Annotated[str, typer.Option(help="auto/serving: fused kernels over tiles; archive: smallest, decoded at each use.")] = "auto",
     threads: Threads = None,
 ) -> None:
-    """Generate text from a compressed model, streaming it to the terminal, then one line of stats
-    (on stderr): prompt tokens, generated tokens, time to first token, tokens/s, resident weights.
+    """Generate text from a compressed model, streamed to the terminal.
+
+    Then one line of stats (on stderr): prompt tokens, generated tokens, time to first token,
+    tokens/s, resident weights.
 
     Examples:
 
@@ -252,8 +256,10 @@ def serve(
     worker_threads: Annotated[int, typer.Option("--worker-threads", min=0, help="CPU threads per worker (0: this machine's cores split among the local workers).")] = 0,
     parent_pid: Annotated[Optional[int], typer.Option("--parent-pid", hidden=True)] = None,
 ) -> None:
-    """Serve a compressed model behind an OpenAI-compatible API, with prefill and decode in
-    separate worker processes; the KV cache goes from one to the other over torch.distributed.
+    """Serve a compressed model behind an OpenAI-compatible API.
+
+    Prefill and decode run in separate worker processes; the KV cache goes from one to the other
+    over torch.distributed.
 
     Endpoints: POST /v1/completions, POST /v1/chat/completions (stream: true for SSE),
     GET /v1/models, GET /health, GET /metrics.
