@@ -311,8 +311,12 @@ class ArchiveLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = _compute_input(x, x.device, lambda m: None)
-        w = self._decode_into(_WORKSPACE.take(sum(e.nbytes for e in self.entries)))  # consumed before returning
-        if x.device.type == "cpu" and x.dtype != torch.bfloat16:
+        nbytes = sum(e.nbytes for e in self.entries)
+        # W is consumed before returning, unless autograd keeps it for a backward pass: then it gets
+        # its own memory, and the product is a plain F.linear (the blocked one writes with out=)
+        keeps_w = torch.is_grad_enabled() and x.requires_grad
+        w = self._decode_into(np.empty(nbytes, dtype=np.uint8) if keeps_w else _WORKSPACE.take(nbytes))
+        if x.device.type == "cpu" and x.dtype != torch.bfloat16 and not keeps_w:
             y = _linear_in_row_blocks(x, w)
         else:
             y = F.linear(x, w.to(device=x.device, dtype=x.dtype))

@@ -218,6 +218,14 @@ def test_archive_linear_forwards_share_one_workspace_and_return_their_own_tensor
     t.start()
     t.join()
     assert other[0] is not buf and other[0].nbytes == small.numel() * 2  # a thread has its own
+    for dtype in (torch.bfloat16, torch.float32):  # autograd keeps W for backward: not the workspace's bytes
+        xg = x.to(dtype, copy=True).requires_grad_()
+        yg = a(xg)
+        b(x)  # overwrites the workspace between the forward and the backward
+        yg.sum().backward()
+        want = x.to(dtype, copy=True).requires_grad_()
+        F.linear(want, small.to(dtype)).sum().backward()
+        assert torch.equal(xg.grad, want.grad)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
