@@ -226,6 +226,7 @@ def generate(
             sys.stdout.write(piece)
             sys.stdout.flush()
         sys.stdout.write("\n")
+        sys.stdout.flush()  # before the stats on stderr, also when both go to one pipe
         from .render import generation_stats
 
         err.print(generation_stats(g.result, m.resident_weight_bytes()), highlight=False, soft_wrap=True)

@@ -161,6 +161,9 @@ def test_cli_generate_streams_then_prints_stats(smollm2_uw):
     assert "Paris" in r.stdout
     stats = r.stderr.strip().splitlines()[-1]
     assert "prompt" in stats and "tokens/s" in stats and "MB resident" in stats
+    both = run_cli("generate", smollm2_uw[0], "--prompt", "Hi", "--max-new-tokens", "3", merged=True)
+    assert both.returncode == 0, both.stdout
+    assert both.stdout.splitlines()[-1].startswith("prompt ")  # the text's newline comes before the stats
 
 
 @pytest.mark.parametrize("args,message", [
