@@ -265,12 +265,16 @@ class ArchiveLinear(nn.Module):
     def stored_bytes(self) -> int:
         return sum(getattr(self, b).numel() for names in self._names for b in names.values())
 
+    @property
+    def _weight_bytes(self) -> int:  # W in BF16: every part is 2-D BF16 (_check_parts)
+        return 2 * self.out_features * self.in_features
+
     def _part_streams(self, part: int) -> dict[str, np.ndarray]:
         return {role: getattr(self, b).numpy() for role, b in self._names[part].items()}
 
     def decoded_weight(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """W decoded afresh, a tensor the caller owns."""
-        return self._decode_into(np.empty(sum(e.nbytes for e in self.entries), dtype=np.uint8)).to(dtype)
+        return self._decode_into(np.empty(self._weight_bytes, dtype=np.uint8)).to(dtype)
 
     def _decode_into(self, buf: np.ndarray) -> torch.Tensor:
         """W decoded into `buf` (W's BF16 bytes), each part straight into its rows (a part that would
@@ -311,7 +315,7 @@ class ArchiveLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = _compute_input(x, x.device, lambda m: None)
-        nbytes = sum(e.nbytes for e in self.entries)
+        nbytes = self._weight_bytes
         # W is consumed before returning, unless autograd keeps it for a backward pass: then it gets
         # its own memory, and the product is a plain F.linear (the blocked one writes with out=)
         keeps_w = torch.is_grad_enabled() and x.requires_grad
