@@ -204,7 +204,7 @@ def decode_tensor(entry: TensorEntry, streams: dict[str, np.ndarray], threads: i
         raise TypeError(f"out must be {nbytes} writable, contiguous uint8 bytes aligned to 8")
     if nbytes > _physical_memory():  # a small hostile file can claim a huge constant tensor
         raise CorruptDataError(None, f"{nbytes} bytes exceed this machine's memory", entry.name)
-    data, in_place = _decode(entry, streams, threads, out)
+    data, in_place = _decode(entry, nbytes, streams, threads, out)
     if out is not None:
         if not in_place:
             out[:] = data
@@ -214,11 +214,11 @@ def decode_tensor(entry: TensorEntry, streams: dict[str, np.ndarray], threads: i
     return data
 
 
-def _decode(entry: TensorEntry, streams: dict[str, np.ndarray], threads: int | None, out: np.ndarray | None,
+def _decode(entry: TensorEntry, nbytes: int, streams: dict[str, np.ndarray], threads: int | None, out: np.ndarray | None,
             chunks: np.ndarray | None = None) -> tuple[np.ndarray, bool]:
     """decode_tensor's work without the CRC check: (the bytes, whether rans decoded them into
-    `out`). With `chunks` (rans only), only those chunks are decoded. Errors name the tensor."""
-    nbytes = entry.nbytes
+    `out`). `nbytes` is entry.nbytes, which the callers have computed already. With `chunks`
+    (rans only), only those chunks are decoded. Errors name the tensor."""
     in_place = False  # rans decodes into `out` itself; the other codecs' bytes are copied there
     try:
         check_entry(entry, streams)
@@ -259,7 +259,8 @@ def decode_rows(entry: TensorEntry, streams: dict[str, np.ndarray], ids: np.ndar
     ids = np.asarray(ids, dtype=np.int64).reshape(-1)
     if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= rows):
         raise ValueError(f"row ids must lie in [0, {rows})")
-    if entry.codec != "rans" or entry.nbytes > _physical_memory():
+    nbytes = entry.nbytes
+    if entry.codec != "rans" or nbytes > _physical_memory():
         return decode_tensor(entry, streams, threads).reshape(rows, -1)[ids]
     try:
         chunk = rans.RansParams.from_json(entry.params).chunk
@@ -269,5 +270,5 @@ def decode_rows(entry: TensorEntry, streams: dict[str, np.ndarray], ids: np.ndar
     first, last = ids * per_row // chunk, ((ids + 1) * per_row - 1) // chunk
     span = int((last - first).max()) + 1 if len(ids) else 0
     chunks = np.unique((first[:, None] + np.arange(span)[None, :]).clip(max=last[:, None]))
-    data, _ = _decode(entry, streams, threads, None, chunks)
+    data, _ = _decode(entry, nbytes, streams, threads, None, chunks)
     return data.reshape(rows, -1)[ids]
