@@ -2,12 +2,14 @@
 
 The first call for a key times every candidate (one warm-up each, then REPEATS rounds that run the
 candidates in turn; each keeps its fastest run, since noise only ever adds time, and taking turns
-spreads a slow spell of the machine over all of them) and remembers the fastest, in memory and in a JSON file (`$UNWEIGHT_CACHE/autotune.json`), written
+spreads a slow spell of the machine over all of them) and remembers the fastest (keyed also by a digest of the kernels' code, `code_version`), in memory and in a JSON file (`$UNWEIGHT_CACHE/autotune.json`), written
 atomically. `UNWEIGHT_PIPELINE=name` forces one pipeline everywhere (for debugging).
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import os
 import threading
@@ -24,6 +26,17 @@ REPEATS = 5
 def batch_bucket(m: int) -> int:
     """Rows of x rounded up to a power of two (1, 2, 4, ... 4096 and above)."""
     return 1 << max(0, (max(m, 1) - 1).bit_length())
+
+
+@functools.cache
+def code_version() -> str:
+    """A digest of the kernels' source (runtime/kernels/, the CPU kernels): part of every cache key,
+    so that a choice timed on other kernels is timed again."""
+    here = Path(__file__).parent
+    digest = hashlib.sha1()
+    for f in sorted([*here.glob("kernels/*.py"), here / "cpu_gemv.py"]):
+        digest.update(f.read_bytes())
+    return digest.hexdigest()[:12]
 
 
 def device_name(device: torch.device) -> str:

@@ -4,10 +4,13 @@ Resident memory is the compressed size: the module holds the `tiles` streams as 
 keeps a decoded copy. Each forward picks a pipeline for (device, shape, batch bucket) through the
 autotuner:
 
-| pipeline | CPU | CUDA |
+| pipeline | CPU (`tiles` streams) | CUDA (`qtiles` streams, runtime/qtiles.py) |
 | --- | --- | --- |
 | `decode_matmul` | numba decode to BF16, then F.linear | Triton decode to BF16, then F.linear (cuBLAS) |
-| `fused` | numba GEMV that rebuilds each row in cache | Triton kernel that rebuilds tiles in registers |
+| `fused` | numba GEMV that rebuilds each row in cache | Triton kernel that decodes W in registers (batches up to 64) |
+
+Moving the layer between the CPU and a GPU (`.to`, `.cuda`, `.cpu`) transcodes its streams: the
+stored `tiles` layout on the CPU, the resident `qtiles` layout that the CUDA kernels read.
 
 The CPU computes in fp32 (every BF16 weight is exactly an fp32 value, and CPUs without BF16 units
 are faster in fp32); CUDA computes in BF16. Input of another dtype is cast, the reason logged once.
@@ -30,13 +33,14 @@ from torch import nn
 
 from unweight.codec import tiles
 
-from .autotune import DEFAULT, FORCE_ENV, Autotuner, batch_bucket, device_name
+from . import qtiles
+from .autotune import DEFAULT, FORCE_ENV, Autotuner, batch_bucket, code_version, device_name
 from .cpu_gemv import tiles_gemv_cpu, tiles_rows_cpu
 from .tile_tensors import tile_tensors
 
 log = logging.getLogger(__name__)
 PIPELINES = ("decode_matmul", "fused")
-MAX_TRITON_BLOCK = 4096  # the decode kernel gives one program an escape block
+TILES_ROLES = ("sm", "codes", "esc", "esc_index")
 
 
 def compute_dtype(device: torch.device | str) -> torch.dtype:
@@ -119,6 +123,7 @@ class UnweightLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.params = tiles.TilesParams.from_json(params)
         tiles.check(streams, self.params, out_features, in_features)  # a corrupt tile set stops here
+        self._roles = TILES_ROLES  # the layout the buffers hold: tiles (CPU) or qtiles (CUDA)
         for role, tensor in tile_tensors(streams).items():
             self.register_buffer(role, tensor)
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
@@ -175,10 +180,37 @@ class UnweightLinear(nn.Module):
     @property
     def stored_bytes(self) -> int:
         """Resident bytes of the weight (the streams), as held on the module's device."""
-        return sum(b.numel() * b.element_size() for b in (self.sm, self.codes, self.esc, self.esc_index))
+        return sum(b.numel() * b.element_size() for b in self._streams().values())
 
     def _streams(self) -> dict[str, torch.Tensor]:
-        return {"sm": self.sm, "codes": self.codes, "esc": self.esc, "esc_index": self.esc_index}
+        return {role: getattr(self, role) for role in self._roles}
+
+    def _apply(self, fn, recurse=True):
+        """Transcode the streams when the layer moves between the CPU and a GPU, then move them."""
+        target = fn(torch.empty(0, dtype=torch.uint8, device=self.sm.device)).device.type
+        if (target == "cuda") != (self._roles == qtiles.ROLES):
+            self._transcode(target)
+        return super()._apply(fn, recurse)
+
+    def _transcode(self, target: str) -> None:
+        rows, cols = self.out_features, self.in_features
+        host = {role: t.cpu().numpy() for role, t in self._streams().items()}
+        if target == "cuda":
+            host["esc_index"] = host["esc_index"].astype("<u4").view(np.uint8)
+            host["esc"] = host["esc"][: int(host["esc_index"].view("<u4")[-1])]
+            new = qtiles.from_tiles(host, self.params.to_json(), rows, cols)
+            tensors, roles = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in new.items()}, qtiles.ROLES
+        else:
+            values = qtiles.decode_reference(host, rows, cols).ravel()
+            p, streams = tiles.encode(values, rows, cols, self.params.block)
+            self.params = p
+            tensors, roles = tile_tensors(streams), TILES_ROLES
+        device = self.sm.device
+        for role in self._roles:
+            del self._buffers[role]
+        self._roles = roles
+        for role, t in tensors.items():
+            self.register_buffer(role, t.to(device))
 
     def decoded_weight(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """The weight, decoded now into a temporary tensor on the module's device (exact in BF16
@@ -189,25 +221,26 @@ class UnweightLinear(nn.Module):
         """Rows `ids` of the weight (all rows if None), shape (len(ids), in_features), decoded on
         the module's device; ids must lie in [0, out_features)."""
         _check_row_ids(ids, self.out_features)
-        block = self.params.block
         if self.sm.device.type == "cuda":
-            if block & (block - 1) == 0 and block <= MAX_TRITON_BLOCK:
-                from unweight.runtime.kernels.tiles_decode import tiles_decode
+            from unweight.runtime.kernels.qtiles_decode import qtiles_decode
 
-                ids_dev = None if ids is None else ids.to(self.sm.device)
-                return tiles_decode(self._streams(), self.params.to_json(), self.out_features, self.in_features, ids_dev).to(dtype)
-            self._note(f"escape block {block} is not a power of two <= {MAX_TRITON_BLOCK}: decoding on the CPU instead of with Triton")
-            host = {k: v.cpu() for k, v in self._streams().items()}
-            return tiles_rows_cpu(host, self.params.base, block, self.out_features, self.in_features, ids).to(device=self.sm.device, dtype=dtype)
-        return tiles_rows_cpu(self._streams(), self.params.base, block, self.out_features, self.in_features, ids).to(dtype)
+            ids_dev = None if ids is None else ids.to(self.sm.device)
+            return qtiles_decode(self._streams(), self.out_features, self.in_features, ids_dev).to(dtype)
+        return tiles_rows_cpu(self._streams(), self.params.base, self.params.block, self.out_features, self.in_features, ids).to(dtype)
+
+    def _pipelines(self, m: int, device: torch.device) -> tuple[str, ...]:
+        """The pipelines that can take m rows of x on the device."""
+        from unweight.runtime.kernels.qtiles_matmul import MAX_M
+
+        return PIPELINES if device.type != "cuda" or m <= MAX_M else ("decode_matmul",)
 
     def _run(self, pipeline: str, x: torch.Tensor) -> torch.Tensor:
         if pipeline == "decode_matmul":
             return F.linear(x, self.decoded_weight(x.dtype))
         if x.device.type == "cuda":
-            from unweight.runtime.kernels.tiles_matmul import tiles_linear
+            from unweight.runtime.kernels.qtiles_matmul import qtiles_linear
 
-            return tiles_linear(x, self._streams(), self.params.to_json(), self.out_features, self.in_features)
+            return qtiles_linear(x, self._streams(), self.out_features, self.in_features)
         return tiles_gemv_cpu(x, self._streams(), self.params.base, self.params.block, self.out_features, self.in_features).to(x.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -219,8 +252,8 @@ class UnweightLinear(nn.Module):
         memo = (x.device, bucket, x.dtype, os.environ.get(FORCE_ENV))  # the choice, without rebuilding its key
         name, y = self._chosen.get(memo), None
         if name is None:
-            key = f"{device_name(x.device)}|{self.out_features}x{self.in_features}|m{bucket}|{str(x.dtype).removeprefix('torch.')}"
-            name, y = self.autotuner.choose(key, {p: (lambda p=p: self._run(p, x)) for p in PIPELINES}, x.device)
+            key = f"{device_name(x.device)}|{self.out_features}x{self.in_features}|m{bucket}|{str(x.dtype).removeprefix('torch.')}|{code_version()}"
+            name, y = self.autotuner.choose(key, {p: (lambda p=p: self._run(p, x)) for p in self._pipelines(bucket, x.device)}, x.device)
             self._chosen[memo] = name
         if y is None:
             y = self._run(name, x)
@@ -232,7 +265,8 @@ class UnweightLinear(nn.Module):
             log.info("UnweightLinear(%d, %d): %s", self.in_features, self.out_features, message)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, layout=tiles, stored_bytes={self.stored_bytes}"
+        layout = "qtiles" if self._roles == qtiles.ROLES else "tiles"
+        return f"in_features={self.in_features}, out_features={self.out_features}, layout={layout}, stored_bytes={self.stored_bytes}"
 
 
 class ArchiveLinear(nn.Module):

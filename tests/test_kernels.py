@@ -1,5 +1,6 @@
 """Triton kernels against the plain numpy decoders: on CPU through TRITON_INTERPRET=1, on a GPU
-when there is one (those tests skip cleanly without CUDA)."""
+when there is one (those tests skip cleanly without CUDA). The kernels read the resident layout
+(runtime/qtiles.py), which is itself checked against the stored `tiles` codec here."""
 
 from __future__ import annotations
 
@@ -8,15 +9,23 @@ import os
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of triton
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 from unweight.codec import tiles  # noqa: E402
-from unweight.runtime.kernels.tiles_decode import tiles_decode  # noqa: E402
-from unweight.runtime.tile_tensors import tile_tensors  # noqa: E402
+from unweight.runtime import qtiles  # noqa: E402
+from unweight.runtime.kernels import qtiles_matmul  # noqa: E402
+from unweight.runtime.kernels.qtiles_common import bf16_pair  # noqa: E402
+from unweight.runtime.kernels.qtiles_decode import qtiles_decode  # noqa: E402
+from unweight.runtime.kernels.qtiles_matmul import qtiles_linear  # noqa: E402
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def edge_case_matrix(rows: int, cols: int, seed: int) -> np.ndarray:
@@ -32,99 +41,225 @@ def edge_case_matrix(rows: int, cols: int, seed: int) -> np.ndarray:
     return v
 
 
+def finite_matrix(rows: int, cols: int, seed: int) -> np.ndarray:
+    """Trained-like BF16 weights with escapes (subnormals, zeros, large values) but no inf/NaN."""
+    v = (torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed)) * 0.02).to(torch.bfloat16)
+    v = v.view(torch.int16).numpy().view(np.uint16).ravel().copy()
+    v[::13] = 0x0001  # subnormal: below the exponent window, decoded exactly without a list entry
+    v[5::29] = 0xC200  # -32.0: above it, a listed escape
+    v[7::31] = 0x0000
+    v[3::37] = 0x3A00  # 2^-11: just below the window, listed
+    return v
+
+
 def as_u16(t: torch.Tensor) -> np.ndarray:
     return t.cpu().view(torch.int16).numpy().view(np.uint16).ravel()
 
 
-@pytest.mark.parametrize("rows,cols,block", [(16, 64, 64), (9, 100, 32), (3, 5, 8), (1, 300, 128)])
-def test_tiles_decode_kernel_is_bit_exact(rows, cols, block):
+def resident(v: np.ndarray, rows: int, cols: int, device: str = DEVICE) -> dict[str, torch.Tensor]:
+    return {k: torch.from_numpy(np.ascontiguousarray(a)).to(device) for k, a in qtiles.encode(v, rows, cols).items()}
+
+
+# -- the layout ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rows,cols", [(16, 64), (9, 100), (3, 5), (1, 300), (2, 70000)])
+def test_qtiles_round_trip_is_bit_exact(rows, cols):
+    v = edge_case_matrix(rows, cols, seed=rows + cols)
+    q = qtiles.encode(v, rows, cols)
+    assert np.array_equal(qtiles.decode_reference(q, rows, cols).ravel(), v)
+    assert q["esc_col"].dtype == (np.uint16 if cols <= 1 << 16 else np.int32)
+    assert q["sm"].size == rows * 32 * qtiles.groups(cols) and q["codes"].size == 12 * rows * qtiles.groups(cols)
+
+
+def test_qtiles_every_exponent_and_sign():
+    """All 256 exponents under both signs and three mantissas, in one row: each is coded in the
+    window, decoded exactly with exponent 0 (zeros, subnormals), or listed."""
+    e = np.arange(256, dtype=np.uint16)
+    v = np.concatenate([(s << 15) | (e << 7) | m for s in (0, 1) for m in (0, 1, 0x7F)]).astype(np.uint16)
+    q = qtiles.encode(v, 1, v.size)
+    assert np.array_equal(qtiles.decode_reference(q, 1, v.size).ravel(), v)
+    code = qtiles.unpack_codes(q["codes"], 1, v.size).ravel()
+    base = int(q["base"][0])
+    window = (((v >> 7) & 0xFF) >= base) & (((v >> 7) & 0xFF) <= base + 6)
+    assert np.array_equal(code != 0, window)
+    assert len(q["esc_exp"]) == np.sum(~window & (((v >> 7) & 0xFF) != 0))
+
+
+def test_qtiles_transcodes_the_stored_tiles_layout():
+    v = edge_case_matrix(12, 96, seed=3)
+    p, streams = tiles.encode(v, 12, 96, block=32)
+    q = qtiles.from_tiles(streams, p.to_json(), 12, 96)
+    assert np.array_equal(qtiles.decode_reference(q, 12, 96).ravel(), v)
+
+
+def test_row_windows_cover_each_row():
+    """Rows of very different scales each get their own window."""
+    v = np.concatenate([finite_matrix(1, 256, seed=1), (torch.randn(256) * 300).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)])
+    q = qtiles.encode(v, 2, 256)
+    assert q["base"][1] > q["base"][0] + 10
+    assert np.diff(q["esc_row"])[1] < 256 * 0.1
+
+
+# -- the PTX fragment and its integer model ----------------------------------------------------
+
+
+def prmt_reference(a: np.ndarray, b: np.ndarray, selector: int) -> np.ndarray:
+    """PTX `prmt.b32 d, a, b, c` (default mode), from the PTX ISA: byte i of d is byte
+    (c >> 4i) & 7 of the eight bytes b:a (a's bytes 0-3, b's 4-7); bit 3 of a selector nibble
+    would replicate the byte's sign (not used by the kernels)."""
+    src = np.stack([(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)])
+    return sum(src[(selector >> (4 * i)) & 7].astype(np.uint64) << (8 * i) for i in range(4)).astype(np.uint32)
+
+
+@triton.jit
+def _pairs_kernel(h_ptr, lo_ptr, out_ptr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    h, lo = tl.load(h_ptr + i), tl.load(lo_ptr + i)
+    tl.store(out_ptr + i, bf16_pair(h, lo, 0, False))
+    tl.store(out_ptr + N + i, bf16_pair(h, lo, 1, False))
+
+
+def test_bf16_pair_model_is_prmt():
+    """The interpreter runs `bf16_pair`'s integer model where a GPU runs prmt.b32: both selectors
+    give the same words on random inputs."""
+    rng = np.random.default_rng(0)
+    h, lo = (rng.integers(0, 2**32, 1024, dtype=np.uint64).astype(np.uint32) for _ in range(2))
+    out = torch.empty(2048, dtype=torch.uint32)
+    if torch.cuda.is_available():
+        pytest.skip("the integer model runs under the interpreter")
+    _pairs_kernel[(1,)](torch.from_numpy(h), torch.from_numpy(lo), out, N=1024)
+    got = out.numpy()
+    assert np.array_equal(got[:1024], prmt_reference(lo, h, 0x5140))
+    assert np.array_equal(got[1024:], prmt_reference(lo, h, 0x7362))
+
+
+# -- decode to BF16 ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rows,cols", [(16, 64), (9, 100), (3, 5), (1, 300), (5, 1100)])
+def test_qtiles_decode_kernel_is_bit_exact(rows, cols):
     v = edge_case_matrix(rows, cols, seed=rows * cols)
-    p, streams = tiles.encode(v, rows, cols, block)
-    assert np.array_equal(tiles.decode_reference(streams, p, rows, cols), v)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    out = tiles_decode(tile_tensors(streams, device), p.to_json(), rows, cols)
+    out = qtiles_decode(resident(v, rows, cols), rows, cols)
     assert out.dtype == torch.bfloat16 and tuple(out.shape) == (rows, cols)
     assert np.array_equal(as_u16(out), v)
 
 
-@pytest.mark.parametrize("rows,cols,block", [(16, 64, 64), (9, 100, 32)])
-def test_tiles_decode_gathers_rows_bit_exact(rows, cols, block):
-    """The embedding lookup: the Triton kernel and the numba CPU path decode only the rows asked
-    for (repeats and any order), bit-exact against the reference decoder."""
-    from unweight.runtime.cpu_gemv import tiles_rows_cpu
-
+@pytest.mark.parametrize("rows,cols", [(16, 64), (9, 100)])
+def test_qtiles_decode_gathers_rows_bit_exact(rows, cols):
+    """The embedding lookup: only the rows asked for (repeats and any order), bit-exact."""
     v = edge_case_matrix(rows, cols, seed=rows + cols)
-    p, streams = tiles.encode(v, rows, cols, block)
-    full = tiles.decode_reference(streams, p, rows, cols).reshape(rows, cols)
-    ids = torch.tensor([rows - 1, 0, 3, 3, rows // 2])
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    got = tiles_decode(tile_tensors(streams, device), p.to_json(), rows, cols, ids.to(device))
-    assert np.array_equal(as_u16(got).reshape(len(ids), cols), full[ids.numpy()])
-    cpu = tiles_rows_cpu(tile_tensors(streams), p.base, p.block, rows, cols, ids)  # fp32: BF16 bits << 16
-    assert np.array_equal((cpu.numpy().view(np.uint32) >> 16).astype(np.uint16), full[ids.numpy()])
-    with pytest.raises(ValueError, match="row ids"):
-        tiles_decode(tile_tensors(streams, device), p.to_json(), rows, cols, torch.tensor([rows], device=device))
-
-
-def test_tiles_decode_launcher_checks_its_inputs():
-    v = edge_case_matrix(4, 24, seed=1)
-    p, streams = tiles.encode(v, 4, 24, 8)
-    w = tile_tensors(streams, "cpu")
-    with pytest.raises(ValueError, match="power-of-two"):
-        tiles_decode(w, {"base": p.base, "block": 24}, 4, 24)
-    with pytest.raises(ValueError, match="sm stream"):
-        tiles_decode(dict(w, sm=w["sm"][:-1]), p.to_json(), 4, 24)
+    ids = torch.tensor([rows - 1, 0, 3, 3, rows // 2, rows - 1])
+    got = qtiles_decode(resident(v, rows, cols), rows, cols, ids.to(DEVICE))
+    assert np.array_equal(as_u16(got).reshape(len(ids), cols), v.reshape(rows, cols)[ids.numpy()])
+    assert qtiles_decode(resident(v, rows, cols), rows, cols, torch.zeros(0, dtype=torch.int64, device=DEVICE)).shape == (0, cols)
 
 
 @gpu
-def test_tiles_decode_on_gpu_large():
+def test_qtiles_decode_on_gpu_large():
     v = edge_case_matrix(4096, 1024, seed=7)
-    p, streams = tiles.encode(v, 4096, 1024)
-    assert np.array_equal(as_u16(tiles_decode(tile_tensors(streams, "cuda"), p.to_json(), 4096, 1024)), v)
+    assert np.array_equal(as_u16(qtiles_decode(resident(v, 4096, 1024), 4096, 1024)), v)
 
 
-def weight_streams(v: np.ndarray, rows: int, cols: int, block: int, device: str = "cpu"):
-    """(params, torch streams as tiles_linear takes them, decoded BF16 weight)."""
-    p, s = tiles.encode(v, rows, cols, block)
-    dense = torch.from_numpy(tiles.decode_reference(s, p, rows, cols).view(np.int16)).view(torch.bfloat16).reshape(rows, cols)
-    return p, tile_tensors(s, device), dense.to(device)
+# -- fused products ----------------------------------------------------------------------------
 
 
-def finite_matrix(rows: int, cols: int, seed: int) -> np.ndarray:
-    """Trained-like BF16 weights with escapes (subnormals, large values) but no inf/NaN."""
-    v = (torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed)) * 0.02).to(torch.bfloat16)
-    v = v.view(torch.int16).numpy().view(np.uint16).ravel().copy()
-    v[::13] = 0x0001  # subnormal: below the exponent window
-    v[5::29] = 0xC200  # -32.0: above it
-    return v
-
-
-@pytest.mark.parametrize("m,split_k", [(1, 1), (3, 1), (16, 1), (33, 1), (1, 2), (2, 4), (17, 3)])
-def test_tiles_linear_matches_f_linear(m, split_k):
+def check_product(v: np.ndarray, rows: int, cols: int, m: int, seed: int = 0) -> None:
     """Fused decode+matmul vs F.linear on the decoded weight, both accumulated in fp32. The weights
     are bit-identical and products of bf16 values are exact in fp32, so only the order of the fp32
-    additions differs: |error| <= K * 2^-24 * sum_k |x_k w_k| per output (the standard bound for
-    recursive summation), which is the tolerance."""
-    rows, cols = 70, 200
-    from unweight.runtime.kernels.tiles_matmul import tiles_linear
-
-    p, w, dense = weight_streams(finite_matrix(rows, cols, seed=m), rows, cols, block=64)
-    x = torch.randn(m, cols, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
-    y = tiles_linear(x, w, p.to_json(), rows, cols, out_dtype=torch.float32, split_k=split_k)
-    ref = torch.nn.functional.linear(x.float(), dense.float())
-    bound = torch.nn.functional.linear(x.float().abs(), dense.float().abs())
+    additions differs (and each listed escape's w - w0, rounded once): |error| <= K * 2^-24 *
+    sum_k |x_k w_k| per output, the standard bound for recursive summation."""
+    dense = torch.from_numpy(v.view(np.int16)).view(torch.bfloat16).reshape(rows, cols).to(DEVICE)
+    x = torch.randn(m, cols, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16).to(DEVICE)
+    y = qtiles_linear(x, resident(v, rows, cols), rows, cols, out_dtype=torch.float32)
+    ref = F.linear(x.float(), dense.float())
+    bound = F.linear(x.float().abs(), dense.float().abs())
     assert y.shape == (m, rows)
-    assert torch.all((y - ref).abs() <= cols * 2.0**-24 * bound)
+    assert torch.all((y - ref).abs() <= cols * 2.0**-24 * bound), (y - ref).abs().max()
 
 
-def test_tiles_linear_propagates_nan_and_inf_like_f_linear():
-    from unweight.runtime.kernels.tiles_matmul import tiles_linear
+# every batch the launcher maps to a distinct kernel: GEMV at BLOCK_M 1, 2, 4; tensor cores at 16, 32, 64
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 16, 17, 40])
+def test_qtiles_linear_matches_f_linear(m):
+    rows, cols = 70, 200
+    check_product(finite_matrix(rows, cols, seed=m), rows, cols, m, seed=m)
 
+
+@pytest.mark.parametrize("m", [1, 9])
+def test_qtiles_linear_odd_widths(m):
+    """K not a multiple of 32 (a partial last group) and of 2, rows not a multiple of the block."""
+    check_product(finite_matrix(7, 45, seed=2), 7, 45, m)
+
+
+@pytest.fixture
+def interpreter_bf16_dot(monkeypatch):
+    """Triton 3.9's interpreter multiplies bf16 tl.dot operands as integers (a 16x32 product is off
+    by 4.7e10). Patch its dot to widen bf16 operands to fp32 first, exactly, so that the kernel's
+    GPU branch (bf16 operands into tl.dot, fp32 accumulation) runs here."""
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU the bf16 branch runs as it is")
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    real = interpreter.InterpreterBuilder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        def widen(h):
+            if h.dtype.scalar == tl.bfloat16:
+                return interpreter.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+            return h
+
+        return real(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
+    monkeypatch.setattr(qtiles_matmul, "INTERPRETER_BF16_DOT", True)
+
+
+@pytest.mark.parametrize("m", [5, 33])
+def test_qtiles_dot_bf16_operands(interpreter_bf16_dot, m):
+    check_product(finite_matrix(70, 200, seed=m), 70, 200, m, seed=m)
+
+
+def test_qtiles_linear_propagates_nan_and_inf_like_f_linear():
     v = finite_matrix(8, 64, seed=9)
     v[3] = 0x7FC0  # NaN in row 0
     v[64 + 2] = 0x7F80  # +inf in row 1
-    p, w, dense = weight_streams(v, 8, 64, block=64)
-    x = torch.ones(2, 64, dtype=torch.bfloat16)
-    y = tiles_linear(x, w, p.to_json(), 8, 64, out_dtype=torch.float32)
-    ref = torch.nn.functional.linear(x.float(), dense.float())
-    assert torch.equal(torch.isnan(y), torch.isnan(ref)) and torch.equal(torch.isinf(y), torch.isinf(ref))
+    v[2 * 64 + 5] = 0xFF80  # -inf in row 2
+    dense = torch.from_numpy(v.view(np.int16)).view(torch.bfloat16).reshape(8, 64)
+    for m in (1, 6):
+        x = torch.ones(m, 64, dtype=torch.bfloat16)
+        y = qtiles_linear(x.to(DEVICE), resident(v, 8, 64), 8, 64, out_dtype=torch.float32).cpu()
+        ref = F.linear(x.float(), dense.float())
+        assert torch.equal(torch.isnan(y), torch.isnan(ref)) and torch.equal(torch.isinf(y), torch.isinf(ref))
+        assert torch.equal(y[torch.isinf(ref)], ref[torch.isinf(ref)])
+
+
+def test_qtiles_linear_zero_rows_are_exact():
+    """Zero weights decode to zero without a list entry: an all-zero row gives exactly 0."""
+    v = finite_matrix(6, 96, seed=4)
+    v[2 * 96 : 3 * 96] = 0
+    for m in (1, 8):
+        x = torch.randn(m, 96).to(torch.bfloat16)
+        y = qtiles_linear(x.to(DEVICE), resident(v, 6, 96), 6, 96, out_dtype=torch.float32).cpu()
+        assert torch.all(y[:, 2] == 0)
+
+
+def test_qtiles_linear_checks_its_inputs():
+    v = finite_matrix(4, 64, seed=1)
+    q = resident(v, 4, 64)
+    with pytest.raises(ValueError, match="bfloat16"):
+        qtiles_linear(torch.ones(1, 64, device=DEVICE), q, 4, 64)
+    with pytest.raises(ValueError, match="features"):
+        qtiles_linear(torch.ones(1, 63, dtype=torch.bfloat16, device=DEVICE), q, 4, 64)
+    with pytest.raises(ValueError, match="at most"):
+        qtiles_linear(torch.ones(qtiles_matmul.MAX_M + 1, 64, dtype=torch.bfloat16, device=DEVICE), q, 4, 64)
+    x = torch.ones(3, 64, dtype=torch.bfloat16, device=DEVICE)
+    assert qtiles_linear(x[:0], q, 4, 64).shape == (0, 4)
+    assert qtiles_linear(x.reshape(3, 1, 64), q, 4, 64).shape == (3, 1, 4)
+
+
+@gpu
+def test_qtiles_linear_on_gpu_every_bucket():
+    finite = finite_matrix(1000, 4096, seed=5)
+    for m in (1, 2, 4, 8, 16, 32, 64):
+        check_product(finite, 1000, 4096, m, seed=m)

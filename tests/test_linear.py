@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from unweight.runtime.autotune import Autotuner, batch_bucket
+from unweight.runtime.autotune import Autotuner, batch_bucket, code_version
 from unweight.runtime.linear import UnweightLinear
 
 from helpers import random_bf16
@@ -49,7 +49,7 @@ def test_autotuner_caches_choice_on_disk(layer, tmp_path, monkeypatch):
     mod(torch.randn(3, 160).to(torch.bfloat16))
     saved = json.loads((tmp_path / "tune.json").read_text())
     (key, choice), = saved.items()
-    assert key.endswith(f"|96x160|m{batch_bucket(3)}|bfloat16") and choice in ("decode_matmul", "fused")
+    assert key.endswith(f"|96x160|m{batch_bucket(3)}|bfloat16|{code_version()}") and choice in ("decode_matmul", "fused")
     again = Autotuner(tmp_path / "tune.json")
     assert again.choose(key, {"decode_matmul": lambda: None, "fused": lambda: None}, torch.device("cpu")) == (choice, None)
 
@@ -241,3 +241,38 @@ def test_archive_linear_answers_on_the_inputs_device():
     assert got.device.type == "cuda" and torch.equal(got.cpu().view(torch.int16), w[[7, 39]].view(torch.int16))
     x = random_bf16(2, 32, seed=32).cuda()
     assert mod(x).device.type == "cuda"
+
+
+def test_moving_to_a_gpu_transcodes_the_streams_and_back():
+    """On a GPU the layer holds the resident qtiles layout (runtime/qtiles.py), on the CPU the
+    stored tiles layout; the switch is bit-exact both ways. Checked here through the transcode
+    that `.to("cuda")` runs, without a GPU."""
+    from unweight.runtime import qtiles
+
+    w = random_bf16(40, 96, seed=3)
+    w.view(torch.int16).view(-1)[::7] = 0x0001
+    w.view(torch.int16).view(-1)[2::9] = -15872
+    lin = UnweightLinear.from_weight(w)
+    tiles_bytes = lin.stored_bytes
+    lin._transcode("cuda")
+    assert set(lin._streams()) == set(qtiles.ROLES) and "qtiles" in repr(lin)
+    q = {k: v.numpy() for k, v in lin._streams().items()}
+    assert np.array_equal(qtiles.decode_reference(q, 40, 96), w.view(torch.int16).numpy().view(np.uint16))
+    assert lin.stored_bytes < w.numel() * 2  # (11 % of these weights are listed escapes)
+    lin._transcode("cpu")
+    assert set(lin._streams()) == {"sm", "codes", "esc", "esc_index"} and lin.stored_bytes == tiles_bytes
+    assert torch.equal(lin.decoded_weight().view(torch.int16), w.view(torch.int16))
+    assert lin.to("cpu") is lin and set(lin._streams()) == {"sm", "codes", "esc", "esc_index"}  # no transcode to the same kind
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_layer_on_gpu_matches_f_linear_every_pipeline(monkeypatch):
+    w = random_bf16(300, 512, seed=4)
+    lin = UnweightLinear.from_weight(w).to("cuda")
+    for pipeline in ("fused", "decode_matmul"):
+        monkeypatch.setenv("UNWEIGHT_PIPELINE", pipeline)
+        for m in (1, 3, 8, 40):
+            x = torch.randn(m, 512, device="cuda").to(torch.bfloat16)
+            ref = F.linear(x.float(), w.cuda().float())
+            assert torch.allclose(lin(x).float(), ref, rtol=2**-7, atol=1e-3)
+    assert torch.equal(lin.cpu().decoded_weight().view(torch.int16), w.view(torch.int16))

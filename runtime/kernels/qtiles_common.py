@@ -1,0 +1,93 @@
+"""SWAR decode of the resident layout (runtime/qtiles.py), shared by the qtiles kernels.
+
+Everything works on uint32 words holding four weights, one byte lane each: a word of four
+sign+mantissa bytes and the word of the four matching 3-bit codes. No per-element branch,
+gather or prefix count; code-0 lanes decode with exponent 0 (escapes are fixed apart).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def quad_codes(a, b, c, Q: tl.constexpr):
+    """Codes of quad Q (0..7) of a group, one per byte lane, from the group's words A, B, C."""
+    M: tl.constexpr = 0x07070707
+    if Q == 0:
+        z = a & M
+    elif Q == 1:
+        z = (a >> 3) & M
+    elif Q == 2:
+        z = b & M
+    elif Q == 3:
+        z = (b >> 3) & M
+    elif Q == 4:
+        z = c & M
+    elif Q == 5:
+        z = (c >> 3) & M
+    else:
+        d = ((a >> 6) & 0x03030303) | ((b >> 4) & 0x0C0C0C0C) | ((c >> 2) & 0x30303030)
+        if Q == 6:
+            z = d & M
+        else:
+            z = (d >> 3) & M
+    return z
+
+
+@triton.jit
+def quad_planes(w, z, base_m1):
+    """(H, L): the high and low BF16 bytes of four weights, a byte lane each, from the word `w` of
+    their sign+mantissa bytes, their codes `z` and the row's base - 1 (`base_m1`, int32). A lane
+    with code c >= 1 gets exponent base - 1 + c, a code-0 lane exponent 0."""
+    nz = ((z + 0x7F7F7F7F) & 0x80808080) >> 7  # 1 in the lanes whose code is not 0
+    e = nz * base_m1 + z  # exponent bytes; no lane carries into the next (<= 255)
+    h = (w & 0x80808080) | ((e >> 1) & 0x7F7F7F7F)
+    lo = (w & 0x7F7F7F7F) | ((e << 7) & 0x80808080)
+    return h, lo
+
+
+@triton.jit
+def bf16_pair(h, lo, P: tl.constexpr, PRMT: tl.constexpr):
+    """Lanes 2P and 2P+1 as a BF16 pair: (L[2P], H[2P], L[2P+1], H[2P+1]) from low byte up. With
+    PRMT one `prmt.b32` (a byte permute); else its plain integer model (the interpreter)."""
+    if PRMT:
+        sel: tl.constexpr = 0x5140 if P == 0 else 0x7362
+        return tl.inline_asm_elementwise(f"prmt.b32 $0, $1, $2, {sel};", "=r,r,r", [lo, h], dtype=tl.uint32, is_pure=True, pack=1)
+    else:
+        lo2 = lo >> (16 * P)
+        h2 = h >> (16 * P)
+        return (lo2 & 0xFF) | ((h2 & 0xFF) << 8) | ((lo2 & 0xFF00) << 8) | ((h2 & 0xFF00) << 16)
+
+
+@triton.jit
+def pair_f32(pair, J: tl.constexpr):
+    """fp32 value of BF16 number J (0: low half, 1: high half) of a pair."""
+    if J == 0:
+        bits = pair << 16
+    else:
+        bits = pair & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def lane_f32(h, lo, I: tl.constexpr):
+    """fp32 value of byte lane I (0..3) from the (H, L) words."""
+    if I == 3:
+        bits = (h & 0xFF000000) | ((lo >> 8) & 0x00FF0000)
+    else:
+        bits = ((h << (24 - 8 * I)) & 0xFF000000) | ((lo << (16 - 8 * I)) & 0x00FF0000)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def lane_bf16(h, lo, I: tl.constexpr):
+    """BF16 bit pattern (int32, low 16 bits) of byte lane I from the (H, L) words."""
+    return ((h >> (8 * I)) & 0xFF) << 8 | ((lo >> (8 * I)) & 0xFF)
+
+
+@triton.jit
+def bf16_as_f32(bits):
+    """fp32 value of BF16 bit patterns held in the low 16 bits of int32 values."""
+    return (bits << 16).to(tl.float32, bitcast=True)

@@ -1,0 +1,239 @@
+"""Fused decode-and-multiply over the resident layout (runtime/qtiles.py): y = x @ W^T, W never
+materialised, for the decode-time batches (M <= MAX_M rows of x).
+
+One program takes BLOCK_N rows of W and walks all of K, GROUPS groups of 32 columns at a time.
+Each group is three code words and eight sign+mantissa words per row; a word decodes to four
+fp32 weights with a dozen integer instructions (qtiles_common) and each weight costs one FFMA per
+row of x. Partial sums stay in a (BLOCK_M, BLOCK_N, GROUPS) accumulator, reduced once after the
+loop. Then the program adds the escapes of its rows (listed with column and exponent): each
+escaped weight was multiplied as its exponent-0 stand-in w0 (|w0| < 2^-126), so it adds
+x * (w - w0), the difference rounded to fp32: within 2^-24 of x * w, as the summation bound allows.
+
+The oracle in the tests is `F.linear(x.float(), W.float())` with W from the numpy decoder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .qtiles_common import bf16_pair, pair_f32, quad_codes, quad_planes
+
+GEMV_M = 4  # rows of x up to which the CUDA-core GEMV runs; beyond, the tensor-core kernel
+MAX_M = 64  # larger batches take decode + matmul
+_NO_GUARD = contextlib.nullcontext()
+# Triton 3.9's interpreter multiplies bf16 tl.dot operands as their integer bit patterns, so under
+# it the kernel feeds tl.dot fp32 operands; tests that patch the interpreter's dot set this True
+# to run the bf16 operands that a GPU gets
+INTERPRETER_BF16_DOT = False
+
+
+@triton.jit
+def qtiles_gemv_kernel(
+    # activations x (M, K) bf16 with row stride; output y (M, N) with row stride
+    x_ptr, y_ptr, M, stride_xm, stride_ym,
+    # W (N, K) in the resident layout: sm (N, 32G) uint8, codes (N, G, 3) words, base (N,) uint8,
+    # esc_row (N + 1,) int32, esc_col and esc_exp (one per listed escape)
+    sm_ptr, codes_ptr, base_ptr, esc_row_ptr, esc_col_ptr, esc_exp_ptr, N, K, G,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, ESC_BLOCK: tl.constexpr,
+    PRMT: tl.constexpr,  # byte permutes as inline PTX (a GPU); else their integer model (the interpreter)
+):
+    pid = tl.program_id(0)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,) rows of W
+    n_live = rn < N
+    rn64 = tl.where(n_live, rn, 0).to(tl.int64)
+    rm = tl.arange(0, BLOCK_M)  # (BLOCK_M,) rows of x
+    m_live = rm < M
+    x_row = x_ptr + rm.to(tl.int64)[:, None, None] * stride_xm  # (BLOCK_M, 1, 1)
+    x_words = x_row.to(tl.pointer_type(tl.uint32))  # K and the row stride are even (launcher)
+    sm_words = sm_ptr.to(tl.pointer_type(tl.uint32))
+    code_words = codes_ptr.to(tl.pointer_type(tl.uint32))
+    base_m1 = tl.load(base_ptr + rn64).to(tl.uint32)[None, :, None] - 1  # (1, BLOCK_N, 1)
+    acc = tl.zeros((BLOCK_M, BLOCK_N, GROUPS), dtype=tl.float32)
+    for g0 in range(0, G, GROUPS):
+        gi = g0 + tl.arange(0, GROUPS)  # (GROUPS,) groups of this step
+        live = n_live[None, :, None] & (gi < G)[None, None, :]  # (1, BLOCK_N, GROUPS)
+        grp = rn64[None, :, None] * G + gi[None, None, :]  # group index in W
+        a = tl.load(code_words + 3 * grp, mask=live, other=0)
+        b = tl.load(code_words + 3 * grp + 1, mask=live, other=0)
+        c = tl.load(code_words + 3 * grp + 2, mask=live, other=0)
+        for q in tl.static_range(8):
+            w = tl.load(sm_words + 8 * grp + q, mask=live, other=0)
+            h, lo = quad_planes(w, quad_codes(a, b, c, q), base_m1)
+            for p in tl.static_range(2):  # weights and x as bf16 pairs: lanes 2p, 2p + 1
+                k = gi * 32 + 4 * q + 2 * p  # (GROUPS,) column of lane 2p
+                xw = tl.load(x_words + (k // 2)[None, None, :], mask=m_live[:, None, None] & (k < K)[None, None, :], other=0)
+                wp = bf16_pair(h, lo, p, PRMT)
+                acc += pair_f32(xw, 0) * pair_f32(wp, 0)
+                acc += pair_f32(xw, 1) * pair_f32(wp, 1)
+    out = tl.sum(acc, axis=2)  # (BLOCK_M, BLOCK_N)
+
+    # escapes, one row at a time: ESC_BLOCK of the row's entries per step, one per thread, each
+    # adding x * (w - w0); the row's sum crosses threads once
+    row0 = pid * BLOCK_N
+    for i in tl.static_range(BLOCK_N):
+        if row0 + i < N:
+            r = (row0 + i).to(tl.int64)
+            first = tl.load(esc_row_ptr + r)
+            last = tl.load(esc_row_ptr + r + 1)
+            fix = tl.zeros((BLOCK_M, ESC_BLOCK), dtype=tl.float32)
+            for e0 in tl.range(first, last, ESC_BLOCK, loop_unroll_factor=1):  # about one step a row
+                ei = e0 + tl.arange(0, ESC_BLOCK)  # (ESC_BLOCK,)
+                e_live = ei < last
+                col = tl.load(esc_col_ptr + ei, mask=e_live, other=0).to(tl.int64)
+                exp = tl.load(esc_exp_ptr + ei, mask=e_live, other=0).to(tl.uint32)
+                smb = tl.load(sm_ptr + r * (G * 32) + col, mask=e_live, other=0).to(tl.uint32)
+                w0 = ((smb & 0x80) << 24) | ((smb & 0x7F) << 16)  # as the main loop multiplied it
+                delta = (w0 | (exp << 23)).to(tl.float32, bitcast=True) - w0.to(tl.float32, bitcast=True)  # within 2^-24 of w
+                xe = tl.load(x_row.reshape(BLOCK_M, 1) + col[None, :], mask=m_live[:, None] & e_live[None, :], other=0.0).to(tl.float32)
+                fix += xe * delta[None, :]  # (BLOCK_M, ESC_BLOCK)
+            out += tl.where((tl.arange(0, BLOCK_N) == i)[None, :], tl.sum(fix, axis=1)[:, None], 0.0)
+    y_ptrs = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn64[None, :]
+    tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=m_live[:, None] & n_live[None, :])
+
+
+
+@triton.jit
+def _quad_tile(a, b, c, w, base_m1, gi, Q: tl.constexpr, PRMT: tl.constexpr):
+    """Quad Q of each (row, group): its four BF16 weights as a (BLOCK_N, GROUPS, 2, 2) uint16
+    tensor and their columns as (GROUPS, 2, 2), both in the same order."""
+    h, lo = quad_planes(w, quad_codes(a, b, c, Q), base_m1)
+    p0 = bf16_pair(h, lo, 0, PRMT)
+    p1 = bf16_pair(h, lo, 1, PRMT)
+    halves = tl.join(tl.join(p0 & 0xFFFF, p0 >> 16), tl.join(p1 & 0xFFFF, p1 >> 16)).to(tl.uint16)
+    k = gi * 32 + 4 * Q
+    cols = tl.join(tl.join(k, k + 1), tl.join(k + 2, k + 3))
+    return halves, cols
+
+
+@triton.jit
+def qtiles_dot_kernel(
+    # activations x (M, K) bf16 with row stride; output y (M, N) with row stride
+    x_ptr, y_ptr, M, stride_xm, stride_ym,
+    # W (N, K) in the resident layout, as for qtiles_gemv_kernel
+    sm_ptr, codes_ptr, base_ptr, esc_row_ptr, esc_col_ptr, esc_exp_ptr, N, K, G,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
+    PRMT: tl.constexpr,  # byte permutes as inline PTX (a GPU); else their integer model (the interpreter)
+    DOT_F32: tl.constexpr,  # feed tl.dot fp32 operands (the interpreter, whose bf16 dot is wrong) instead of bf16
+):
+    """y tile (BLOCK_M, BLOCK_N) on the tensor cores: each step decodes a (BLOCK_N, 32 GROUPS) W
+    tile (its columns in the order the decode yields them; x is loaded in the same order)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_live = rm < M
+    n_live = rn < N
+    rm64 = tl.where(m_live, rm, 0).to(tl.int64)
+    rn64 = tl.where(n_live, rn, 0).to(tl.int64)
+    sm_words = sm_ptr.to(tl.pointer_type(tl.uint32))
+    code_words = codes_ptr.to(tl.pointer_type(tl.uint32))
+    base_m1 = tl.load(base_ptr + rn64).to(tl.uint32)[:, None] - 1  # (BLOCK_N, 1)
+    x_rows = x_ptr + rm64[:, None] * stride_xm  # (BLOCK_M, 1)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for g0 in range(0, G, GROUPS):
+        gi = g0 + tl.arange(0, GROUPS)
+        live = n_live[:, None] & (gi < G)[None, :]  # (BLOCK_N, GROUPS)
+        grp = rn64[:, None] * G + gi[None, :]
+        a = tl.load(code_words + 3 * grp, mask=live, other=0)
+        b = tl.load(code_words + 3 * grp + 1, mask=live, other=0)
+        c = tl.load(code_words + 3 * grp + 2, mask=live, other=0)
+        w0, k0 = _quad_tile(a, b, c, tl.load(sm_words + 8 * grp + 0, mask=live, other=0), base_m1, gi, 0, PRMT)
+        w1, k1 = _quad_tile(a, b, c, tl.load(sm_words + 8 * grp + 1, mask=live, other=0), base_m1, gi, 1, PRMT)
+        w2, k2 = _quad_tile(a, b, c, tl.load(sm_words + 8 * grp + 2, mask=live, other=0), base_m1, gi, 2, PRMT)
+        w3, k3 = _quad_tile(a, b, c, tl.load(sm_words + 8 * grp + 3, mask=live, other=0), base_m1, gi, 3, PRMT)
+        w4, k4 = _quad_tile(a, b, c, tl.load(sm_words + 8 * grp + 4, mask=live, other=0), base_m1, gi, 4, PRMT)
+        w5, k5 = _quad_tile(a, b, c, tl.load(sm_words + 8 * grp + 5, mask=live, other=0), base_m1, gi, 5, PRMT)
+        w6, k6 = _quad_tile(a, b, c, tl.load(sm_words + 8 * grp + 6, mask=live, other=0), base_m1, gi, 6, PRMT)
+        w7, k7 = _quad_tile(a, b, c, tl.load(sm_words + 8 * grp + 7, mask=live, other=0), base_m1, gi, 7, PRMT)
+        wt = tl.join(tl.join(tl.join(w0, w1), tl.join(w2, w3)), tl.join(tl.join(w4, w5), tl.join(w6, w7)))
+        kt = tl.join(tl.join(tl.join(k0, k1), tl.join(k2, k3)), tl.join(tl.join(k4, k5), tl.join(k6, k7)))
+        wt = wt.reshape(BLOCK_N, GROUPS * 32).to(tl.bfloat16, bitcast=True)
+        kt = kt.reshape(GROUPS * 32)
+        xt = tl.load(x_rows + kt[None, :], mask=m_live[:, None] & (kt < K)[None, :], other=0.0)  # (BLOCK_M, 32 GROUPS)
+        if DOT_F32:
+            acc += tl.dot(xt.to(tl.float32), tl.trans(wt.to(tl.float32)))
+        else:
+            acc += tl.dot(xt, tl.trans(wt))
+
+    # escapes, row by row: step j adds the j-th listed escape of every row of the tile (rows with
+    # fewer are masked), x * (w - w0) for each row of x: no row search, no one-hot
+    first = tl.load(esc_row_ptr + rn64, mask=n_live, other=0)  # (BLOCK_N,)
+    count = tl.load(esc_row_ptr + rn64 + 1, mask=n_live, other=0) - first
+    fixes = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for j in tl.range(0, tl.max(count), loop_unroll_factor=1):
+        e_live = j < count  # (BLOCK_N,)
+        ei = first + j
+        col = tl.load(esc_col_ptr + ei, mask=e_live, other=0).to(tl.int64)
+        exp = tl.load(esc_exp_ptr + ei, mask=e_live, other=0).to(tl.uint32)
+        smb = tl.load(sm_ptr + rn64 * (G * 32) + col, mask=e_live, other=0).to(tl.uint32)
+        w0 = ((smb & 0x80) << 24) | ((smb & 0x7F) << 16)  # as the main loop multiplied it
+        wt = w0 | (exp << 23)
+        xe = tl.load(x_rows + col[None, :], mask=m_live[:, None] & e_live[None, :], other=0.0).to(tl.float32)  # (BLOCK_M, BLOCK_N)
+        fixes += xe * (wt.to(tl.float32, bitcast=True) - w0.to(tl.float32, bitcast=True))[None, :]
+    acc += fixes
+    y_ptrs = y_ptr + rm64[:, None] * stride_ym + rn64[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_live[:, None] & n_live[None, :])
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _blocks(m: int, n: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, GROUPS) of the GEMV for m <= GEMV_M rows of x. Each thread takes one
+    group of 32 columns and BLOCK_N rows, so that x is loaded once for BLOCK_N rows; at m = 4 half
+    as many rows keep the registers under 128 (16 resident warps). benchmarks/kernel_isa.py
+    measured the instructions per weight of each choice (docs/kernels.md)."""
+    block_m = 1 if m == 1 else 2 if m == 2 else 4
+    return block_m, 8 if block_m <= 2 else 4, 128
+
+
+def _dot_blocks(m: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, GROUPS) of the tensor-core kernel for GEMV_M < m <= MAX_M."""
+    if m <= 16:
+        return 16, 64, 4
+    if m <= 32:
+        return 32, 128, 2
+    return 64, 64, 2
+
+
+def qtiles_linear(x: torch.Tensor, q: dict[str, torch.Tensor], out_features: int, in_features: int, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """y = x @ W^T for W (out_features, in_features) in the resident layout, W never materialised.
+
+    `x` is (..., in_features) BF16 with at most MAX_M rows, on the device of the streams `q`
+    (runtime.qtiles, as torch tensors); returns (..., out_features) in `out_dtype` (default x's),
+    accumulated in fp32. Launches one kernel on x's device and never synchronises."""
+    if x.dtype != torch.bfloat16:
+        raise ValueError(f"x must be bfloat16, not {x.dtype}")
+    if x.shape[-1] != in_features:
+        raise ValueError(f"x has {x.shape[-1]} features, the weight {in_features}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, in_features)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    if m > MAX_M:
+        raise ValueError(f"the fused kernels take at most {MAX_M} rows of x, not {m}")
+    sm = q["sm"]
+    if sm.device != x.device:
+        raise ValueError(f"weight streams are on {sm.device}, x on {x.device}")
+    y = torch.empty((m, out_features), dtype=out_dtype or x.dtype, device=x.device)
+    if m == 0:
+        return y.reshape(*lead, out_features)
+    g = -(-in_features // 32)
+    args = (x2, y, m, x2.stride(0), y.stride(0), sm, q["codes"], q["base"], q["esc_row"], q["esc_col"], q["esc_exp"], out_features, in_features, g)
+    interpreted = _interpreted()
+    with torch.cuda.device(x.device) if x.device.type == "cuda" else _NO_GUARD:
+        if m <= GEMV_M:
+            block_m, block_n, groups = _blocks(m, out_features)
+            qtiles_gemv_kernel[(-(-out_features // block_n),)](*args, BLOCK_M=block_m, BLOCK_N=block_n, GROUPS=groups, ESC_BLOCK=128, PRMT=not interpreted)
+        else:
+            block_m, block_n, groups = _dot_blocks(m)
+            qtiles_dot_kernel[(-(-m // block_m), -(-out_features // block_n))](
+                *args, BLOCK_M=block_m, BLOCK_N=block_n, GROUPS=groups, PRMT=not interpreted, DOT_F32=interpreted and not INTERPRETER_BF16_DOT
+            )
+    return y.reshape(*lead, out_features)

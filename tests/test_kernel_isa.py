@@ -1,0 +1,36 @@
+"""The compile-only kernel check (benchmarks/kernel_isa.py, quick mode): every variant the
+launchers produce compiles for sm_90a and sm_80 with the bundled ptxas, spills nothing, keeps
+every 32-bit index in range and stays within its instruction budget. No GPU needed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_kernels_compile_within_budget(tmp_path):
+    out = tmp_path / "isa.json"
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_isa.py"), "--quick", "--json", str(out)], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["cc"] for r in rows} == {80, 90}
+    kernels = {r["variant"].split()[1] for r in rows}
+    assert kernels == {"gemv", "dot", "decode"}
+    for r in rows:
+        assert r["ok"] and not r["problems"], r
+        assert r["spill_st"] == 0
+    gemv1 = [r for r in rows if r["cc"] == 90 and r["variant"].endswith("M=1")]
+    assert gemv1 and all(r["per_w"] <= 10 and r["ldg_per_w"] <= 0.5 and r["warps_per_sm"] >= 16 for r in gemv1)
+    assert all(r["mma"] > 0 for r in rows if " dot " in r["variant"])  # the tensor cores do the products
+
+
+def test_check_fails_on_a_budget_it_misses():
+    """The check is not a formality: with every budget tightened below what the kernels take, it
+    exits 1 and names the variants."""
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_isa.py"), "--quick", "--targets", "90", "--max-per-weight", "1"], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 1
+    assert "gemv BM=1" in done.stdout and "misses the budget 1" in done.stdout
