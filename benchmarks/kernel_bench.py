@@ -1,18 +1,26 @@
-"""Serving-layout kernels against torch.matmul on BF16, for Llama-3.1-8B layer shapes.
+"""The serving-layout kernels on an NVIDIA GPU (the target: an H200) against torch.matmul on BF16.
 
-On an NVIDIA GPU (the target: H200), in one run:
-  1. correctness first: for every shape, the Triton decode kernel is bit-exact against the numpy
-     decoder, and the fused kernel matches F.linear on the decoded weight within the fp32
-     summation bound (K * 2^-24 * sum|x w|) at batch 1 and 64; any failure stops the script;
-  2. timing (triton.testing.do_bench, medians): for each shape and batch, torch.matmul on dense
-     BF16 (the baseline), `fused` (tiles kernel), and `decode_matmul` (Triton decode to a BF16
-     workspace, then cuBLAS); the table gives each pipeline's speed-up over the baseline and the
-     weight bytes per second it achieved against the device's measured copy bandwidth.
+One run, in this order, writing JSON and the tables to --out:
+  1. correctness, before anything is timed: for every Llama-3.1-8B shape (q/o, k/v, stacked qkv,
+     gate/up, stacked gate_up, down, lm_head) the decode kernel is bit-exact against the numpy
+     decoder, and each pipeline at every batch (every fused variant the launcher picks) matches
+     F.linear on the decoded weight within the fp32 summation bound K * 2^-24 * sum|x w| (plus
+     the output's BF16 rounding); the first failure stops the script with exit status 1;
+  2. per shape and batch, medians of triton.testing.do_bench: torch.matmul on dense BF16 (the
+     baseline), `fused` (the qtiles kernels, batches <= 64) and `decode_matmul` (decode kernel,
+     then cuBLAS); each one's speed-up, the best pipeline's, and beside it the speed-up that the
+     compile-only counts predict (benchmarks/kernel_isa.py: instructions per weight against the
+     SMs' issue rate, bytes per weight against the measured copy bandwidth);
+  3. a whole decode step of a random Llama-3.1-8B-shaped model at batch 1 and 8 (32 layers that
+     share one layer's random weights, each streamed from memory all the same; attention over a
+     1024-token cache; lm_head), compressed against BF16, eager and replayed as a CUDA graph:
+     tokens/s.
 
-Writes JSON (--json). Meant to finish in under 5 minutes on an H200. With --device cpu it runs
-the same checks and timings on small shapes through the numba CPU pipelines (no Triton).
+--dry-run runs all of it on the CPU at tiny shapes through Triton's interpreter (no timing worth
+reading, no CUDA graph): it checks the script itself. Meant to finish in under 8 minutes on an
+H200.
 
-Run:  python benchmarks/kernel_bench.py [--device cuda|cpu] [--batches 1,2,4,...] [--json PATH]
+Run:  python benchmarks/kernel_bench.py --out DIR [--dry-run] [--batches 1,2,4] [--shapes q/o,down]
 """
 
 from __future__ import annotations
@@ -20,39 +28,55 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
+import subprocess
 import statistics
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
-import torch
-import torch.nn.functional as F
+DRY = "--dry-run" in sys.argv
+if DRY:
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
 
-from unweight.codec import tiles
-from unweight.runtime.tile_tensors import tile_tensors
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
-# Llama-3.1-8B linear layers, (out_features, in_features)
-LLAMA8B_SHAPES = {"q_proj/o_proj": (4096, 4096), "k_proj/v_proj": (1024, 4096), "gate/up": (14336, 4096), "down": (4096, 14336)}
-CPU_SHAPES = {"q-like": (1024, 1024), "up-like": (2816, 1024)}
-GPU_BATCHES = (1, 2, 4, 8, 16, 32, 64, 256, 1024, 4096)
-CPU_BATCHES = (1, 4, 16, 64)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import kernel_isa  # noqa: E402  (its constants; it runs in a process of its own)
+
+from unweight.runtime import qtiles  # noqa: E402
+from unweight.runtime.kernels.qtiles_decode import qtiles_decode  # noqa: E402
+from unweight.runtime.kernels.qtiles_matmul import MAX_M, qtiles_linear  # noqa: E402
+from unweight.runtime.linear import UnweightLinear  # noqa: E402
+
+BATCHES = (1, 2, 4, 8, 12, 16, 32, 64, 256, 1024, 4096)
+DRY_SHAPES = {"q/o 96x64": (96, 64), "down 40x200": (40, 200)}
+DRY_BATCHES = (1, 3, 8, 17, 40, 70)
+ISSUE = {"H200": (132, 1.98e9), "H100": (132, 1.98e9), "A100": (108, 1.41e9)}  # SMs, boost clock; 128 thread-instructions per SM per clock
 
 
-def make_weight(out_f: int, in_f: int, seed: int) -> np.ndarray:
-    """Trained-like BF16 weights: N(0, 0.02), as uint16."""
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(out_f, in_f, generator=g) * 0.02).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16).ravel()
+def make_weight(out_f: int, in_f: int, seed: int, device: str) -> torch.Tensor:
+    """Trained-like BF16 weights, N(0, 0.02), made on the device."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    return (torch.randn(out_f, in_f, generator=g, device=device) * 0.02).to(torch.bfloat16)
+
+
+def resident(w: torch.Tensor) -> dict[str, torch.Tensor]:
+    rows, cols = w.shape
+    host = w.view(torch.int16).cpu().numpy().view(np.uint16)
+    return {k: torch.from_numpy(np.ascontiguousarray(a)).to(w.device) for k, a in qtiles.encode(host, rows, cols).items()}
 
 
 def time_ms(fn, device: str) -> float:
     if device == "cuda":
         import triton.testing
 
-        return float(triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median"))
+        return float(triton.testing.do_bench(fn, warmup=10, rep=30, return_mode="median"))
     fn()
     times = []
-    for _ in range(5):
+    for _ in range(3):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
@@ -60,105 +84,206 @@ def time_ms(fn, device: str) -> float:
 
 
 def copy_bandwidth(device: str) -> float:
-    """Bytes per second of a device-to-device copy of 1 GiB (256 MiB on CPU): the napkin bound."""
-    n = (1 << 30) if device == "cuda" else (1 << 28)
+    """Bytes per second of a device-to-device copy (read + write): the napkin bound."""
+    n = (1 << 30) if device == "cuda" else (1 << 24)
     a = torch.empty(n, dtype=torch.uint8, device=device)
     b = torch.empty_like(a)
-    ms = time_ms(lambda: b.copy_(a), device)
-    return 2 * n / (ms / 1e3)  # read + write
+    return 2 * n / (time_ms(lambda: b.copy_(a), device) / 1e3)
 
 
-def pipelines(device: str, w_streams, p, out_f: int, in_f: int):
-    """name -> fn(x) for the serving-layout pipelines on this device."""
-    if device == "cuda":
-        from unweight.runtime.kernels.tiles_decode import tiles_decode
-        from unweight.runtime.kernels.tiles_matmul import tiles_linear
-
-        return {
-            "fused": lambda x: tiles_linear(x, w_streams, p.to_json(), out_f, in_f),
-            "decode_matmul": lambda x: F.linear(x, tiles_decode(w_streams, p.to_json(), out_f, in_f)),
-        }
-    from unweight.runtime.cpu_gemv import tiles_gemv_cpu
-
-    host = {k: v.numpy() for k, v in w_streams.items()}
-    host["esc_index"] = host["esc_index"].astype("<u4").view(np.uint8)
-    n_esc = int(w_streams["esc_index"][-1])
-    host["esc"] = host["esc"][:n_esc]
-
-    def decode_matmul(x):
-        flat = tiles.decode(host, p, out_f, in_f)
-        return F.linear(x, torch.from_numpy(flat.view(np.int16)).view(torch.bfloat16).reshape(out_f, in_f))
-
-    return {"fused": lambda x: tiles_gemv_cpu(x, w_streams, p.base, p.block, out_f, in_f).to(torch.bfloat16), "decode_matmul": decode_matmul}
+def pipelines(q, out_f: int, in_f: int, m: int):
+    pipes = {"decode_matmul": lambda x: F.linear(x, qtiles_decode(q, out_f, in_f))}
+    if m <= MAX_M:
+        pipes["fused"] = lambda x: qtiles_linear(x, q, out_f, in_f)
+    return pipes
 
 
-def check(device: str, name: str, v: np.ndarray, s, p, out_f: int, in_f: int, pipes, dense: torch.Tensor) -> None:
-    if device == "cuda":
-        from unweight.runtime.kernels.tiles_decode import tiles_decode
+def fail(msg: str) -> None:
+    print(f"FAIL {msg}", flush=True)
+    sys.exit(1)
 
-        got = tiles_decode(tile_tensors(s, device), p.to_json(), out_f, in_f)
-        if not np.array_equal(got.view(torch.int16).cpu().numpy().view(np.uint16).ravel(), v):
-            sys.exit(f"FAIL {name}: Triton decode is not bit-exact")
-    for m in (1, 64):
+
+def check(label: str, w: torch.Tensor, q, batches, device: str) -> None:
+    out_f, in_f = w.shape
+    if not torch.equal(qtiles_decode(q, out_f, in_f).view(torch.int16), w.view(torch.int16)):
+        fail(f"{label}: the decode kernel is not bit-exact")
+    rows = torch.tensor([out_f - 1, 0, out_f // 2], device=device)
+    if not torch.equal(qtiles_decode(q, out_f, in_f, rows).view(torch.int16), w[rows].view(torch.int16)):
+        fail(f"{label}: the decode kernel's row gather is not bit-exact")
+    wf = w.float()
+    for m in batches:
         x = torch.randn(m, in_f, device=device).to(torch.bfloat16)
-        ref = F.linear(x.float(), dense.float())
-        bound = in_f * 2.0**-24 * F.linear(x.float().abs(), dense.float().abs()) + 2.0**-8 * ref.abs()  # + bf16 output rounding
-        for pname, fn in pipes.items():
+        ref = F.linear(x.float(), wf)
+        # + the BF16 output's rounding: to nearest on a GPU (2^-8), truncated by the interpreter (2^-7)
+        bound = in_f * 2.0**-24 * F.linear(x.float().abs(), wf.abs()) + (2.0**-7 if DRY else 2.0**-8) * ref.abs()
+        for name, fn in pipelines(q, out_f, in_f, m).items():
             err = (fn(x).float() - ref).abs()
             if not torch.all(err <= bound):
-                sys.exit(f"FAIL {name} m={m} {pname}: max error {err.max().item():.3g}")
-    print(f"  ok  {name}: decode bit-exact, pipelines within the fp32 bound", flush=True)
+                fail(f"{label} m={m} {name}: error {err.max().item():.3g} over the bound")
+    print(f"  ok  {label}: decode bit-exact; pipelines within the fp32 bound at batches {', '.join(map(str, batches))}", flush=True)
+
+
+def predictions(out: Path, shapes: dict, batches: tuple[int, ...], device_name: str, bandwidth: float) -> dict[tuple[str, int], float]:
+    """(shape, batch) -> the fused speed-up that the compile-only counts predict: time per weight
+    max(bytes / bandwidth, instructions / issue rate) against BF16's 2 bytes / bandwidth."""
+    key = next((k for k in ISSUE if k in device_name), "H200")
+    sms, clock = ISSUE[key]
+    issue = sms * 128 * clock
+    json_path = out / "kernel_isa.json"
+    fused = ",".join(str(m) for m in batches if m <= MAX_M) or "1"
+    cmd = [sys.executable, str(Path(kernel_isa.__file__)), "--targets", "90", "--json", str(json_path), "--batches", fused,
+           "--shapes", ",".join(label.split()[0] + " " for label in shapes)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    (out / "kernel_isa.txt").write_text(done.stdout + done.stderr)
+    if not json_path.exists():
+        print(f"  kernel_isa.py failed (exit {done.returncode}): no predictions", flush=True)
+        return {}
+    kind = {label.split()[0]: label for label in shapes}  # "q/o", "down", ...: the dry run's small shapes take the 8B ones' counts
+    pred = {}
+    for row in json.loads(json_path.read_text())["rows"]:
+        for case in row["cases"] if row.get("ok") else ():
+            isa_label, m = case.removeprefix("fused ").rsplit(" m=", 1) if case.startswith("fused ") else ("", 0)
+            if isa_label.split(" ")[0] in kind:
+                in_f = kernel_isa.SHAPES[isa_label][1]
+                bytes_w = 1.0 + 3 / 8 + kernel_isa.ESCAPE_RATE * 3 + 5 / in_f  # sm, codes, listed escapes, row base and index
+                per_w = row["per_w"] + row.get("esc_per_w", 0.0)
+                pred[(kind[isa_label.split(" ")[0]], int(m))] = (2 / bandwidth) / max(bytes_w / bandwidth, per_w / issue)
+    return pred
+
+
+def decode_step_bench(device: str, dry: bool) -> list[dict]:
+    """Tokens/s of a decode step of a Llama-3.1-8B-shaped model (random weights), BF16 against
+    compressed, eager and as a CUDA graph."""
+    from torch import nn
+
+    if dry:
+        hidden, inter, heads, kv, vocab, layers, ctx = 64, 96, 4, 2, 128, 2, 16
+    else:
+        hidden, inter, heads, kv, vocab, layers, ctx = 4096, 14336, 32, 8, 128256, 32, 1024
+    hd = hidden // heads
+    shapes = {"qkv": ((heads + 2 * kv) * hd, hidden), "o": (hidden, hidden), "gate_up": (2 * inter, hidden), "down": (hidden, inter), "lm_head": (vocab, hidden)}
+    dense = {k: make_weight(*s, seed=i, device=device) for i, (k, s) in enumerate(shapes.items())}
+
+    class Dense(nn.Module):
+        def __init__(self, w):
+            super().__init__()
+            self.w = w
+
+        def forward(self, x):
+            return torch.matmul(x, self.w.T)
+
+    def compressed(w):
+        return UnweightLinear.from_weight(w.cpu()).to(device)
+
+    models = {"bf16": {k: Dense(w) for k, w in dense.items()}, "unweight": {k: compressed(w) for k, w in dense.items()}}
+    norm_w = torch.ones(hidden, dtype=torch.bfloat16, device=device)
+    results = []
+    for batch in (1, 8):
+        kc = torch.randn(layers, batch, kv, ctx, hd, device=device).to(torch.bfloat16)
+        vc = torch.randn_like(kc)
+        pos = torch.tensor([ctx - 1], device=device)
+
+        def step(x, mods, kc=kc, vc=vc, pos=pos, batch=batch):
+            for layer in range(layers):
+                h = F.rms_norm(x, (hidden,), norm_w, 1e-5)
+                qkv = mods["qkv"](h)
+                q, k, v = qkv.split([heads * hd, kv * hd, kv * hd], dim=-1)
+                kc[layer].index_copy_(2, pos, k.view(batch, kv, 1, hd))
+                vc[layer].index_copy_(2, pos, v.view(batch, kv, 1, hd))
+                a = F.scaled_dot_product_attention(q.view(batch, heads, 1, hd), kc[layer], vc[layer], enable_gqa=True)
+                x = x + mods["o"](a.reshape(batch, hidden))
+                gu = mods["gate_up"](F.rms_norm(x, (hidden,), norm_w, 1e-5))
+                g, u = gu.chunk(2, dim=-1)
+                x = x + mods["down"](F.silu(g) * u)
+            return mods["lm_head"](F.rms_norm(x, (hidden,), norm_w, 1e-5))
+
+        x0 = torch.randn(batch, hidden, device=device).to(torch.bfloat16)
+        for name, mods in models.items():
+            step(x0, mods)  # warm-up: compiles kernels, the autotuner chooses
+            eager = time_ms(lambda: step(x0, mods), device)
+            row = {"batch": batch, "model": name, "eager_ms": eager, "eager_tok_s": batch / eager * 1e3}
+            if device == "cuda":
+                graph = torch.cuda.CUDAGraph()
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    step(x0, mods)
+                torch.cuda.current_stream().wait_stream(side)
+                with torch.cuda.graph(graph):
+                    step(x0, mods)
+                replay = time_ms(graph.replay, device)
+                row.update(graph_ms=replay, graph_tok_s=batch / replay * 1e3)
+            results.append(row)
+            print(f"  decode step batch {batch} {name:>8}: eager {row['eager_tok_s']:8.1f} tok/s" + (f", CUDA graph {row['graph_tok_s']:8.1f} tok/s" if "graph_tok_s" in row else ""), flush=True)
+    by = {(r["batch"], r["model"]): r for r in results}
+    for batch in (1, 8):
+        for mode in ("eager", "graph"):
+            if f"{mode}_ms" in by[(batch, "bf16")]:
+                print(f"  batch {batch} {mode}: unweight {by[(batch, 'bf16')][f'{mode}_ms'] / by[(batch, 'unweight')][f'{mode}_ms']:.2f}x BF16 tokens/s")
+    return results
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"))
+    ap.add_argument("--out", type=Path, required=True, help="folder for kernel_bench.json, kernel_isa.json and the table")
+    ap.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU through Triton's interpreter: checks the script")
     ap.add_argument("--batches", default=None, help="comma-separated batch sizes")
-    ap.add_argument("--json", type=Path, default=Path("benchmarks/results/kernel_bench.json"))
+    ap.add_argument("--shapes", default=None, help="comma-separated shape labels (prefixes of: " + ", ".join(kernel_isa.SHAPES) + ")")
     args = ap.parse_args(argv)
-    device = args.device
+    device = "cpu" if args.dry_run else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
-        sys.exit("no CUDA device: run with --device cpu, or on a GPU machine")
-    shapes = LLAMA8B_SHAPES if device == "cuda" else CPU_SHAPES
-    batches = tuple(int(b) for b in args.batches.split(",")) if args.batches else (GPU_BATCHES if device == "cuda" else CPU_BATCHES)
-    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+        sys.exit("no CUDA device: run on a GPU machine, or with --dry-run")
+    shapes = DRY_SHAPES if args.dry_run else kernel_isa.SHAPES
+    if args.shapes:
+        wanted = args.shapes.split(",")
+        shapes = {k: v for k, v in shapes.items() if any(k.startswith(w) for w in wanted)}
+        if not shapes:
+            sys.exit(f"no shape matches {args.shapes!r}")
+    batches = tuple(int(b) for b in args.batches.split(",")) if args.batches else (DRY_BATCHES if args.dry_run else BATCHES)
+    args.out.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu (dry run: Triton interpreter)"
     bw = copy_bandwidth(device)
     print(f"device {name}: copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
 
+    print("correctness:", flush=True)
     prepared = {}
-    print("correctness:")
     for i, (label, (out_f, in_f)) in enumerate(shapes.items()):
-        v = make_weight(out_f, in_f, seed=i)
-        p, s = tiles.encode(v, out_f, in_f)
-        dense = torch.from_numpy(v.view(np.int16)).view(torch.bfloat16).reshape(out_f, in_f).to(device)
-        w = tile_tensors(s, device)
-        pipes = pipelines(device, w, p, out_f, in_f)
-        check(device, label, v, s, p, out_f, in_f, pipes, dense)
-        stored = sum(len(a) for a in s.values())
-        prepared[label] = (out_f, in_f, dense, pipes, stored)
+        w = make_weight(out_f, in_f, seed=i, device=device)
+        q = resident(w)
+        check(label, w, q, batches, device)
+        prepared[label] = (w, q, sum(t.numel() * t.element_size() for t in q.values()))
+
+    print("compile-only predictions (benchmarks/kernel_isa.py) ...", flush=True)
+    pred = predictions(args.out, shapes, batches, name, bw)
 
     rows = []
-    print(f"\n{'shape':<14} {'batch':>5} {'bf16 ms':>9} " + " ".join(f"{n + ' ×':>16} {'GB/s':>6}" for n in ("fused", "decode_matmul")))
-    for label, (out_f, in_f, dense, pipes, stored) in prepared.items():
+    hdr = f"{'shape':<22} {'batch':>5} {'bf16 ms':>9} {'fused x':>8} {'predicted':>9} {'dec+mm x':>8} {'best':>14} {'fused GB/s':>10}"
+    print("\n" + hdr, flush=True)
+    for label, (w, q, stored) in prepared.items():
+        out_f, in_f = w.shape
         for m in batches:
             x = torch.randn(m, in_f, device=device).to(torch.bfloat16)
-            base_ms = time_ms(lambda: torch.matmul(x, dense.T), device)
-            row = {"shape": label, "out": out_f, "in": in_f, "batch": m, "bf16_ms": base_ms, "bf16_weight_GBps": 2 * out_f * in_f / base_ms / 1e6}
-            cells = []
-            for pname, fn in pipes.items():
+            base = time_ms(lambda: torch.matmul(x, w.T), device)
+            row = {"shape": label, "out": out_f, "in": in_f, "batch": m, "bf16_ms": base, "stored_bytes_per_weight": stored / w.numel(),
+                   "predicted_fused_speedup": pred.get((label, m))}
+            for pname, fn in pipelines(q, out_f, in_f, m).items():
                 ms = time_ms(lambda: fn(x), device)
-                row[f"{pname}_ms"] = ms
-                row[f"{pname}_speedup"] = base_ms / ms
-                row[f"{pname}_weight_GBps"] = stored / ms / 1e6  # compressed bytes actually read
-                cells.append(f"{base_ms / ms:>16.2f} {stored / ms / 1e6:>6.1f}")
+                row[f"{pname}_ms"], row[f"{pname}_speedup"] = ms, base / ms
+                row[f"{pname}_GBps"] = stored / ms / 1e6
+            row["best"] = max((p for p in ("fused", "decode_matmul") if f"{p}_speedup" in row), key=lambda p: row[f"{p}_speedup"])
             rows.append(row)
-            print(f"{label:<14} {m:>5} {base_ms:>9.3f} " + " ".join(cells), flush=True)
+            f = f"{row['fused_speedup']:>8.2f}" if "fused_speedup" in row else f"{'-':>8}"
+            pr = f"{row['predicted_fused_speedup']:>9.2f}" if row["predicted_fused_speedup"] else f"{'-':>9}"
+            gb = f"{row['fused_GBps']:>10.0f}" if "fused_GBps" in row else f"{'-':>10}"
+            print(f"{label:<22} {m:>5} {base:>9.4f} {f} {pr} {row['decode_matmul_speedup']:>8.2f} {row['best'] + ' ' + format(row[row['best'] + '_speedup'], '.2f'):>14} {gb}", flush=True)
 
-    result = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "device": name,
-              "copy_bandwidth_GBps": bw / 1e9, "rows": rows}
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2))
-    print(f"\nresults written to {args.json}")
+    print("\ndecode step, Llama-3.1-8B-shaped, random weights:", flush=True)
+    step = decode_step_bench(device, args.dry_run)
+    result = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "device": name, "dry_run": args.dry_run,
+              "copy_bandwidth_GBps": bw / 1e9, "rows": rows, "decode_step": step, "seconds": time.perf_counter() - t_start}
+    (args.out / "kernel_bench.json").write_text(json.dumps(result, indent=2))
+    print(f"\nresults written to {args.out / 'kernel_bench.json'} ({result['seconds']:.0f} s)")
 
 
 if __name__ == "__main__":

@@ -22,7 +22,8 @@ estimated at ESCAPE_RATE listed escapes per weight (MiniLM's 2-D weights list 2.
 Exit status 1 on a compile error, a spill, zero occupancy, a grid or int32 overflow, or a main
 loop over its budget. Writes the table and, with --json, the same as JSON.
 
-Run:  python benchmarks/kernel_isa.py [--quick] [--targets 90,80] [--json PATH] [--keep-asm DIR]
+Run:  python benchmarks/kernel_isa.py [--quick] [--targets 90,80] [--shapes q/o,down] [--batches 1,2] [--json PATH]
+      [--keep-asm DIR] [--max-per-weight 8]
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 
-os.environ["TRITON_INTERPRET"] = "0"  # before triton is imported: the kernels must be JITFunctions
+if __name__ == "__main__":  # before the kernels are defined: they must be JITFunctions, not interpreted
+    os.environ["TRITON_INTERPRET"] = "0"
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
 import torch  # noqa: E402
@@ -114,7 +116,7 @@ def fake_streams(rows: int, cols: int) -> dict[str, torch.Tensor]:
     }
 
 
-def record_launches(quick: bool) -> list[dict]:
+def record_launches(shapes: dict[str, tuple[int, int]], batches: tuple[int, ...], gathers: tuple[int, ...]) -> list[dict]:
     """Every launch the runtime's CUDA pipelines make on the shapes: `fused` for the batches it
     takes (runtime.linear.UnweightLinear), `decode_matmul`'s decode, embedding gathers."""
     from unweight.runtime.kernels import qtiles_decode as qd
@@ -126,17 +128,16 @@ def record_launches(quick: bool) -> list[dict]:
         setattr(sys.modules[mod], name, Recorder(name, log))
     cases = []
     try:
-        shapes = {k: SHAPES[k] for k in QUICK_SHAPES} if quick else SHAPES
         for label, (n, k) in shapes.items():
             w = fake_streams(n, k)
-            for m in QUICK_BATCHES if quick else BATCHES:
+            for m in batches:
                 if m <= qm.MAX_M:
                     qm.qtiles_linear(torch.empty(m, k, dtype=torch.bfloat16), w, n, k)
                     cases.append(f"fused {label} m={m}")
             qd.qtiles_decode(w, n, k)
             cases.append(f"decode {label}")
         emb = fake_streams(128256, 4096)
-        for t in GATHER_TOKENS if not quick else GATHER_TOKENS[::2]:
+        for t in gathers:
             qd.qtiles_decode(emb, 128256, 4096, torch.zeros(t, dtype=torch.int64))
             cases.append(f"embed-gather 128256x4096 ids={t}")
     finally:
@@ -331,7 +332,15 @@ def main(argv=None) -> int:
     ap.add_argument("--keep-asm", default=None, help="folder for the .ttgir, .ptx and .sass of every variant")
     ap.add_argument("--cache-dir", default=None, help="Triton cache to reuse between runs (default: a fresh one, so ptxas -v always runs)")
     ap.add_argument("--max-per-weight", type=float, default=None, help="tighten every main-loop budget to this many instructions per weight (e.g. 8, the aim)")
+    ap.add_argument("--shapes", default=None, help="comma-separated prefixes of the shape labels to take (default: all, or the quick ones)")
+    ap.add_argument("--batches", default=None, help="comma-separated batch sizes (default: " + ",".join(map(str, BATCHES)) + ")")
     args = ap.parse_args(argv)
+    shapes = {k: SHAPES[k] for k in QUICK_SHAPES} if args.quick else SHAPES
+    if args.shapes:
+        shapes = {k: v for k, v in SHAPES.items() if any(k.startswith(p) for p in args.shapes.split(","))}
+        if not shapes:
+            ap.error(f"no shape label starts with any of {args.shapes!r}")
+    batches = tuple(int(b) for b in args.batches.split(",")) if args.batches else QUICK_BATCHES if args.quick else BATCHES
     budgets = {k: {a: (min(v, args.max_per_weight) if a == "per_w" and args.max_per_weight else v) for a, v in b.items()} for k, b in BUDGETS.items()}
     t_start = time.perf_counter()
     tmp = tempfile.TemporaryDirectory()
@@ -341,7 +350,7 @@ def main(argv=None) -> int:
         ap.error(f"unknown target {unknown[0]}: choose from {', '.join(map(str, TARGETS))}")
     print(f"triton {triton.__version__}, torch {torch.__version__}", flush=True)
 
-    launches = record_launches(args.quick)
+    launches = record_launches(shapes, batches, GATHER_TOKENS[::2] if args.quick else GATHER_TOKENS)
     jobs, recs = {}, []
     for cc in targets:
         for launch in launches:
