@@ -219,7 +219,8 @@ class UnweightLinear(nn.Module):
 
     def rows(self, ids: torch.Tensor | None, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """Rows `ids` of the weight (all rows if None), shape (len(ids), in_features), decoded on
-        the module's device; ids must lie in [0, out_features)."""
+        the module's device; ids must lie in [0, out_features). Checking them waits for the device
+        when they lie on a GPU: give host ids (the model does) and the lookup never waits."""
         _check_row_ids(ids, self.out_features)
         if self.sm.device.type == "cuda":
             from unweight.runtime.kernels.qtiles_decode import qtiles_decode

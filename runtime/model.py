@@ -152,9 +152,10 @@ class CausalLM(nn.Module):
             if seq.length + count > self.max_context:
                 raise ValueError(f"sequence would reach {seq.length + count} tokens, over the context length {self.max_context}")
             cache.reserve(seq, count)
+        # positions and token ids are known on the host: nothing in a step waits for the device
         positions = torch.cat([torch.arange(s.length, s.length + c) for s, c in segments]).to(self.device)
-        cos, sin = self.rope.cos_sin(positions, self.compute_dtype)
-        x = self.model.embed_tokens.rows(tokens.to(self.device), self.compute_dtype)
+        cos, sin = self.rope.cos_sin(positions, self.compute_dtype, end=max(s.length + c for s, c in segments))
+        x = self.model.embed_tokens.rows(tokens, self.compute_dtype).to(self.device)  # ids checked on the host by rows()
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, i, cache, segments)
         for seq, count in segments:

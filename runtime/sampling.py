@@ -1,4 +1,4 @@
-"""Sampling settings and the token choice from one row of logits.
+"""Sampling settings and the token choice from a row of logits (or, `sample_rows`, a batch of them).
 
 temperature 0 is greedy (argmax, ties to the lowest id, as torch.argmax does). Otherwise logits are
 divided by the temperature, cut to the top_k best (0: no cut), then to the smallest set whose
@@ -65,3 +65,20 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         keep = torch.cumsum(sorted_p, 0) - sorted_p < params.top_p  # always keeps the best token
         probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_p[keep])
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
+    """One token id per row of fp32 logits (batch, vocab), as `sample` gives each row, with one
+    transfer from the device for the whole batch instead of one wait per row: the greedy rows'
+    argmax on the device, the others' logits copied to the host together."""
+    greedy = [i for i, p in enumerate(params) if p.temperature == 0]
+    drawn = [i for i, p in enumerate(params) if p.temperature != 0]
+    out = [0] * len(params)
+    if greedy:
+        for i, t in zip(greedy, torch.argmax(logits[greedy], dim=-1).tolist()):
+            out[i] = t
+    if drawn:
+        host = logits[drawn].float().cpu()
+        for i, row in zip(drawn, host):
+            out[i] = sample(row, params[i], generators[i])
+    return out

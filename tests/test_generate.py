@@ -190,3 +190,34 @@ def test_cli_generate_bad_paths(smollm2_dir, smollm2_uw, tmp_path):
         f.unlink()
     r = run_cli("generate", no_tok, "--prompt", "Hi")
     assert r.returncode == 1 and "no usable tokenizer" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_decode_step_never_waits_for_the_gpu(smollm2_uw):
+    """With CUDA's sync debug mode set to error, any operation that waits for the device raises:
+    a decode step (embedding, every layer, lm_head) runs through without one; only reading the
+    tokens back, after it, waits (once for the batch)."""
+    from unweight.runtime.sampling import SamplingParams, sample_rows
+
+    gpu_model = unweight.load(smollm2_uw[0], device="cuda")
+    seqs = [gpu_model.new_sequence(), gpu_model.new_sequence()]
+    for s in seqs:
+        gpu_model.prefill(s, torch.tensor([1, 2, 3]))
+    gpu_model.decode_step(seqs, [4, 5])  # the autotuner's first timing waits, on purpose
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        logits = gpu_model.decode_step(seqs, [6, 7])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert len(sample_rows(logits, [SamplingParams()] * 2, [None, None])) == 2
+
+
+def test_sample_rows_is_sample_per_row(model, tok):
+    """The batch form gives each row what `sample` gives it: greedy and seeded rows mixed."""
+    from unweight.runtime.sampling import SamplingParams, sample, sample_rows
+
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(0))
+    params = [SamplingParams(), SamplingParams(temperature=0.8, seed=3), SamplingParams(), SamplingParams(temperature=1.2, top_k=5, top_p=0.9, seed=9)]
+    want = [sample(row, p, p.generator()) for row, p in zip(logits, params)]
+    assert sample_rows(logits, params, [p.generator() for p in params]) == want

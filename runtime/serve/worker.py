@@ -28,7 +28,7 @@ import torch
 
 from ..kv_cache import CacheFullError, SeqCache
 from ..loader import load
-from ..sampling import SamplingParams, sample
+from ..sampling import SamplingParams, sample, sample_rows
 from .kv_link import KVLink, Transfer
 from .protocol import HEARTBEAT_S, pack, unpack
 
@@ -176,8 +176,7 @@ class Worker:
         slots = list(self.running.values())
         logits = self.model.decode_step([s.seq for s in slots], [s.token for s in slots])
         items = []
-        for slot, row in zip(slots, logits):
-            token = sample(row, slot.params, slot.gen)
+        for slot, token in zip(slots, sample_rows(logits, [s.params for s in slots], [s.gen for s in slots])):
             slot.generated += 1
             if token in slot.eos:
                 items.append([slot.rid, None, "stop"])
