@@ -7,7 +7,7 @@ autotuner:
 | pipeline | CPU (`tiles` streams) | CUDA (`qtiles` streams, runtime/qtiles.py) |
 | --- | --- | --- |
 | `decode_matmul` | numba decode to BF16, then F.linear | Triton decode to BF16, then F.linear (cuBLAS) |
-| `fused` | numba GEMV that rebuilds each row in cache | Triton kernel that decodes W in registers (batches up to 64) |
+| `fused` | numba GEMV that rebuilds each row in cache | Triton kernel that decodes W in registers (batches up to 32) |
 
 Moving the layer between the CPU and a GPU (`.to`, `.cuda`, `.cpu`) transcodes its streams: the
 stored `tiles` layout on the CPU, the resident `qtiles` layout that the CUDA kernels read.

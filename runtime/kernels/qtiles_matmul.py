@@ -24,7 +24,9 @@ import triton.language as tl
 from .qtiles_common import bf16_pair, pair_f32, quad_codes, quad_planes
 
 GEMV_M = 4  # rows of x up to which the CUDA-core GEMV runs; beyond, the tensor-core kernel
-MAX_M = 64  # larger batches take decode + matmul
+MAX_M = 32  # larger batches take decode + matmul (a 64-row tile costs 17-23 instructions a weight, and spills on sm_80)
+MIN_PROGRAMS = 256  # about two per SM of an H200: fewer leave SMs without enough loads in flight
+MAX_SPLITS = 8
 _NO_GUARD = contextlib.nullcontext()
 # Triton 3.9's interpreter multiplies bf16 tl.dot operands as their integer bit patterns, so under
 # it the kernel feeds tl.dot fp32 operands; tests that patch the interpreter's dot set this True
@@ -116,14 +118,20 @@ def qtiles_dot_kernel(
     x_ptr, y_ptr, M, stride_xm, stride_ym,
     # W (N, K) in the resident layout, as for qtiles_gemv_kernel
     sm_ptr, codes_ptr, base_ptr, esc_row_ptr, esc_col_ptr, esc_exp_ptr, N, K, G,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
+    # split-K: program_id(2) takes groups [pid_k * groups_per_split, ...) and every SPLITS-th
+    # escape of each row; partials (SPLITS, M, N) fp32 in ws, tile counters (all 0 between calls)
+    ws_ptr, count_ptr, groups_per_split,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, SPLITS: tl.constexpr,
     PRMT: tl.constexpr,  # byte permutes as inline PTX (a GPU); else their integer model (the interpreter)
     DOT_F32: tl.constexpr,  # feed tl.dot fp32 operands (the interpreter, whose bf16 dot is wrong) instead of bf16
 ):
     """y tile (BLOCK_M, BLOCK_N) on the tensor cores: each step decodes a (BLOCK_N, 32 GROUPS) W
-    tile (its columns in the order the decode yields them; x is loaded in the same order)."""
+    tile (its columns in the order the decode yields them; x is loaded in the same order). With
+    SPLITS > 1 the tile's last program to finish (a counter) adds the partials in split order, so
+    the result does not depend on the schedule, and resets the counter: one launch, no memset."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_live = rm < M
@@ -135,9 +143,10 @@ def qtiles_dot_kernel(
     base_m1 = tl.load(base_ptr + rn64).to(tl.uint32)[:, None] - 1  # (BLOCK_N, 1)
     x_rows = x_ptr + rm64[:, None] * stride_xm  # (BLOCK_M, 1)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for g0 in range(0, G, GROUPS):
+    g_end = tl.minimum(G, (pid_k + 1) * groups_per_split)
+    for g0 in range(pid_k * groups_per_split, g_end, GROUPS):
         gi = g0 + tl.arange(0, GROUPS)
-        live = n_live[:, None] & (gi < G)[None, :]  # (BLOCK_N, GROUPS)
+        live = n_live[:, None] & (gi < g_end)[None, :]  # (BLOCK_N, GROUPS)
         grp = rn64[:, None] * G + gi[None, :]
         a = tl.load(code_words + 3 * grp, mask=live, other=0)
         b = tl.load(code_words + 3 * grp + 1, mask=live, other=0)
@@ -165,7 +174,7 @@ def qtiles_dot_kernel(
     first = tl.load(esc_row_ptr + rn64, mask=n_live, other=0)  # (BLOCK_N,)
     count = tl.load(esc_row_ptr + rn64 + 1, mask=n_live, other=0) - first
     fixes = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for j in tl.range(0, tl.max(count), loop_unroll_factor=1):
+    for j in tl.range(pid_k, tl.max(count), SPLITS, loop_unroll_factor=1):
         e_live = j < count  # (BLOCK_N,)
         ei = first + j
         col = tl.load(esc_col_ptr + ei, mask=e_live, other=0).to(tl.int64)
@@ -176,8 +185,22 @@ def qtiles_dot_kernel(
         xe = tl.load(x_rows + col[None, :], mask=m_live[:, None] & e_live[None, :], other=0.0).to(tl.float32)  # (BLOCK_M, BLOCK_N)
         fixes += xe * (wt.to(tl.float32, bitcast=True) - w0.to(tl.float32, bitcast=True))[None, :]
     acc += fixes
+    out_live = m_live[:, None] & n_live[None, :]
     y_ptrs = y_ptr + rm64[:, None] * stride_ym + rn64[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_live[:, None] & n_live[None, :])
+    if SPLITS == 1:
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_live)
+    else:
+        part = rm64[:, None] * N + rn64[None, :]  # (BLOCK_M, BLOCK_N) offsets in one split's partials
+        plane = M.to(tl.int64) * N
+        tl.store(ws_ptr + pid_k * plane + part, acc, mask=out_live)
+        tl.debug_barrier()  # every thread's partials, then one release-acquire on the tile's counter
+        tile = pid_m * tl.num_programs(1) + pid_n
+        if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k in tl.static_range(SPLITS):
+                total += tl.load(ws_ptr + k * plane + part, mask=out_live, other=0.0, cache_modifier=".cg")
+            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_live)
+            tl.store(count_ptr + tile, 0)  # ready for the next call
 
 def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -189,24 +212,38 @@ def _blocks(m: int, n: int) -> tuple[int, int, int]:
     as many rows keep the registers under 128 (16 resident warps). benchmarks/kernel_isa.py
     measured the instructions per weight of each choice (docs/kernels.md)."""
     block_m = 1 if m == 1 else 2 if m == 2 else 4
-    return block_m, 8 if block_m <= 2 else 4, 128
+    block_n = 8 if block_m <= 2 else 4
+    while block_n > 2 and -(-n // block_n) < MIN_PROGRAMS:  # k/v (1024 rows): more, smaller programs
+        block_n //= 2
+    return block_m, block_n, 128
 
 
 def _dot_blocks(m: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, GROUPS) of the tensor-core kernel for GEMV_M < m <= MAX_M."""
-    if m <= 16:
-        return 16, 64, 4
-    if m <= 32:
-        return 32, 128, 2
-    return 64, 64, 2
+    return (16, 64, 4) if m <= 16 else (32, 64, 4)
 
 
-def qtiles_linear(x: torch.Tensor, q: dict[str, torch.Tensor], out_features: int, in_features: int, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+_WORKSPACES: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _workspace(device: torch.device, floats: int, counters: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The device's split-K partials (fp32) and tile counters (int32, zero: each call leaves them
+    so), grown when a call needs more. One per device: calls on one stream run one at a time."""
+    ws, counts = _WORKSPACES.get(device, (None, None))
+    if ws is None or ws.numel() < max(floats, 1) or counts.numel() < max(counters, 1):
+        ws = torch.empty(max(floats, 1, 0 if ws is None else ws.numel()), dtype=torch.float32, device=device)
+        counts = torch.zeros(max(counters, 1, 0 if counts is None else counts.numel()), dtype=torch.int32, device=device)
+        _WORKSPACES[device] = ws, counts
+    return ws, counts
+
+
+def qtiles_linear(x: torch.Tensor, q: dict[str, torch.Tensor], out_features: int, in_features: int, out_dtype: torch.dtype | None = None, split_k: int | None = None) -> torch.Tensor:
     """y = x @ W^T for W (out_features, in_features) in the resident layout, W never materialised.
 
     `x` is (..., in_features) BF16 with at most MAX_M rows, on the device of the streams `q`
     (runtime.qtiles, as torch tensors); returns (..., out_features) in `out_dtype` (default x's),
-    accumulated in fp32. Launches one kernel on x's device and never synchronises."""
+    accumulated in fp32. Launches one kernel on x's device and never synchronises. Above GEMV_M
+    rows, `split_k` (default: enough splits for MIN_PROGRAMS programs) splits K among programs."""
     if x.dtype != torch.bfloat16:
         raise ValueError(f"x must be bfloat16, not {x.dtype}")
     if x.shape[-1] != in_features:
@@ -233,7 +270,13 @@ def qtiles_linear(x: torch.Tensor, q: dict[str, torch.Tensor], out_features: int
             qtiles_gemv_kernel[(-(-out_features // block_n),)](*args, BLOCK_M=block_m, BLOCK_N=block_n, GROUPS=groups, ESC_BLOCK=128, PRMT=not interpreted)
         else:
             block_m, block_n, groups = _dot_blocks(m)
-            qtiles_dot_kernel[(-(-m // block_m), -(-out_features // block_n))](
-                *args, BLOCK_M=block_m, BLOCK_N=block_n, GROUPS=groups, PRMT=not interpreted, DOT_F32=interpreted and not INTERPRETER_BF16_DOT
+            tiles_m, tiles_n = -(-m // block_m), -(-out_features // block_n)
+            splits = split_k if split_k is not None else max(1, min(MAX_SPLITS, -(-MIN_PROGRAMS // (tiles_m * tiles_n)), g // groups))
+            per_split = -(-g // (splits * groups)) * groups
+            splits = -(-g // per_split)
+            ws, counts = _workspace(x.device, splits * m * out_features if splits > 1 else 0, tiles_m * tiles_n if splits > 1 else 0)
+            qtiles_dot_kernel[(tiles_m, tiles_n, splits)](
+                *args, ws, counts, per_split,
+                BLOCK_M=block_m, BLOCK_N=block_n, GROUPS=groups, SPLITS=splits, PRMT=not interpreted, DOT_F32=interpreted and not INTERPRETER_BF16_DOT,
             )
     return y.reshape(*lead, out_features)
