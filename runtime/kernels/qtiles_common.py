@@ -12,6 +12,18 @@ import triton.language as tl
 
 
 @triton.jit
+def group_words(sm_ptr, codes_ptr, grp, live):
+    """(sm words, A, B, C) of groups `grp` (int64 group indices r * G + g, any shape): the eight
+    sign+mantissa words as a pointer to the first (add the quad), and the three code words."""
+    sm_words = sm_ptr.to(tl.pointer_type(tl.uint32)) + 8 * grp
+    code_words = codes_ptr.to(tl.pointer_type(tl.uint32)) + 3 * grp
+    a = tl.load(code_words, mask=live, other=0)
+    b = tl.load(code_words + 1, mask=live, other=0)
+    c = tl.load(code_words + 2, mask=live, other=0)
+    return sm_words, a, b, c
+
+
+@triton.jit
 def quad_codes(a, b, c, Q: tl.constexpr):
     """Codes of quad Q (0..7) of a group, one per byte lane, from the group's words A, B, C."""
     M: tl.constexpr = 0x07070707

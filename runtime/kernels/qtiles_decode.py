@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .qtiles_common import bf16_pair, quad_codes, quad_planes
+from .qtiles_common import bf16_pair, group_words, quad_codes, quad_planes
 
 _NO_GUARD = contextlib.nullcontext()
 
@@ -38,19 +38,15 @@ def qtiles_decode_kernel(
     i_live = ri < n_out
     ri64 = tl.where(i_live, ri, 0).to(tl.int64)
     rn64 = tl.load(ids_ptr + ri64, mask=i_live, other=0) if GATHER else ri64  # W rows
-    sm_words = sm_ptr.to(tl.pointer_type(tl.uint32))
-    code_words = codes_ptr.to(tl.pointer_type(tl.uint32))
     out_pairs = out_ptr.to(tl.pointer_type(tl.uint32))
     base_m1 = tl.load(base_ptr + rn64).to(tl.uint32)[:, None] - 1  # (BLOCK_N, 1)
     for g0 in range(0, G, GROUPS):
         gi = g0 + tl.arange(0, GROUPS)
         live = i_live[:, None] & (gi < G)[None, :]  # (BLOCK_N, GROUPS)
         grp = rn64[:, None] * G + gi[None, :]
-        a = tl.load(code_words + 3 * grp, mask=live, other=0)
-        b = tl.load(code_words + 3 * grp + 1, mask=live, other=0)
-        c = tl.load(code_words + 3 * grp + 2, mask=live, other=0)
+        words, a, b, c = group_words(sm_ptr, codes_ptr, grp, live)
         for q in tl.static_range(8):
-            h, lo = quad_planes(tl.load(sm_words + 8 * grp + q, mask=live, other=0), quad_codes(a, b, c, q), base_m1)
+            h, lo = quad_planes(tl.load(words + q, mask=live, other=0), quad_codes(a, b, c, q), base_m1)
             for p in tl.static_range(2):
                 pair = bf16_pair(h, lo, p, PRMT)
                 k = gi[None, :] * 32 + 4 * q + 2 * p  # (1, GROUPS) column of the pair's first weight

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .qtiles_common import bf16_pair, pair_f32, quad_codes, quad_planes
+from .qtiles_common import bf16_pair, group_words, pair_f32, quad_codes, quad_planes
 
 GEMV_M = 4  # rows of x up to which the CUDA-core GEMV runs; beyond, the tensor-core kernel
 MAX_M = 32  # larger batches take decode + matmul (a 64-row tile costs 17-23 instructions a weight, and spills on sm_80)
@@ -52,19 +52,15 @@ def qtiles_gemv_kernel(
     m_live = rm < M
     x_row = x_ptr + rm.to(tl.int64)[:, None, None] * stride_xm  # (BLOCK_M, 1, 1)
     x_words = x_row.to(tl.pointer_type(tl.uint32))  # K and the row stride are even (launcher)
-    sm_words = sm_ptr.to(tl.pointer_type(tl.uint32))
-    code_words = codes_ptr.to(tl.pointer_type(tl.uint32))
     base_m1 = tl.load(base_ptr + rn64).to(tl.uint32)[None, :, None] - 1  # (1, BLOCK_N, 1)
     acc = tl.zeros((BLOCK_M, BLOCK_N, GROUPS), dtype=tl.float32)
     for g0 in range(0, G, GROUPS):
         gi = g0 + tl.arange(0, GROUPS)  # (GROUPS,) groups of this step
         live = n_live[None, :, None] & (gi < G)[None, None, :]  # (1, BLOCK_N, GROUPS)
         grp = rn64[None, :, None] * G + gi[None, None, :]  # group index in W
-        a = tl.load(code_words + 3 * grp, mask=live, other=0)
-        b = tl.load(code_words + 3 * grp + 1, mask=live, other=0)
-        c = tl.load(code_words + 3 * grp + 2, mask=live, other=0)
+        words, a, b, c = group_words(sm_ptr, codes_ptr, grp, live)
         for q in tl.static_range(8):
-            w = tl.load(sm_words + 8 * grp + q, mask=live, other=0)
+            w = tl.load(words + q, mask=live, other=0)
             h, lo = quad_planes(w, quad_codes(a, b, c, q), base_m1)
             for p in tl.static_range(2):  # weights and x as bf16 pairs: lanes 2p, 2p + 1
                 k = gi * 32 + 4 * q + 2 * p  # (GROUPS,) column of lane 2p
@@ -138,8 +134,6 @@ def qtiles_dot_kernel(
     n_live = rn < N
     rm64 = tl.where(m_live, rm, 0).to(tl.int64)
     rn64 = tl.where(n_live, rn, 0).to(tl.int64)
-    sm_words = sm_ptr.to(tl.pointer_type(tl.uint32))
-    code_words = codes_ptr.to(tl.pointer_type(tl.uint32))
     base_m1 = tl.load(base_ptr + rn64).to(tl.uint32)[:, None] - 1  # (BLOCK_N, 1)
     x_rows = x_ptr + rm64[:, None] * stride_xm  # (BLOCK_M, 1)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -148,17 +142,15 @@ def qtiles_dot_kernel(
         gi = g0 + tl.arange(0, GROUPS)
         live = n_live[:, None] & (gi < g_end)[None, :]  # (BLOCK_N, GROUPS)
         grp = rn64[:, None] * G + gi[None, :]
-        a = tl.load(code_words + 3 * grp, mask=live, other=0)
-        b = tl.load(code_words + 3 * grp + 1, mask=live, other=0)
-        c = tl.load(code_words + 3 * grp + 2, mask=live, other=0)
-        w0, k0 = _quad_tile(a, b, c, tl.load(sm_words + 8 * grp + 0, mask=live, other=0), base_m1, gi, 0, PRMT)
-        w1, k1 = _quad_tile(a, b, c, tl.load(sm_words + 8 * grp + 1, mask=live, other=0), base_m1, gi, 1, PRMT)
-        w2, k2 = _quad_tile(a, b, c, tl.load(sm_words + 8 * grp + 2, mask=live, other=0), base_m1, gi, 2, PRMT)
-        w3, k3 = _quad_tile(a, b, c, tl.load(sm_words + 8 * grp + 3, mask=live, other=0), base_m1, gi, 3, PRMT)
-        w4, k4 = _quad_tile(a, b, c, tl.load(sm_words + 8 * grp + 4, mask=live, other=0), base_m1, gi, 4, PRMT)
-        w5, k5 = _quad_tile(a, b, c, tl.load(sm_words + 8 * grp + 5, mask=live, other=0), base_m1, gi, 5, PRMT)
-        w6, k6 = _quad_tile(a, b, c, tl.load(sm_words + 8 * grp + 6, mask=live, other=0), base_m1, gi, 6, PRMT)
-        w7, k7 = _quad_tile(a, b, c, tl.load(sm_words + 8 * grp + 7, mask=live, other=0), base_m1, gi, 7, PRMT)
+        words, a, b, c = group_words(sm_ptr, codes_ptr, grp, live)
+        w0, k0 = _quad_tile(a, b, c, tl.load(words + 0, mask=live, other=0), base_m1, gi, 0, PRMT)
+        w1, k1 = _quad_tile(a, b, c, tl.load(words + 1, mask=live, other=0), base_m1, gi, 1, PRMT)
+        w2, k2 = _quad_tile(a, b, c, tl.load(words + 2, mask=live, other=0), base_m1, gi, 2, PRMT)
+        w3, k3 = _quad_tile(a, b, c, tl.load(words + 3, mask=live, other=0), base_m1, gi, 3, PRMT)
+        w4, k4 = _quad_tile(a, b, c, tl.load(words + 4, mask=live, other=0), base_m1, gi, 4, PRMT)
+        w5, k5 = _quad_tile(a, b, c, tl.load(words + 5, mask=live, other=0), base_m1, gi, 5, PRMT)
+        w6, k6 = _quad_tile(a, b, c, tl.load(words + 6, mask=live, other=0), base_m1, gi, 6, PRMT)
+        w7, k7 = _quad_tile(a, b, c, tl.load(words + 7, mask=live, other=0), base_m1, gi, 7, PRMT)
         wt = tl.join(tl.join(tl.join(w0, w1), tl.join(w2, w3)), tl.join(tl.join(w4, w5), tl.join(w6, w7)))
         kt = tl.join(tl.join(tl.join(k0, k1), tl.join(k2, k3)), tl.join(tl.join(k4, k5), tl.join(k6, k7)))
         wt = wt.reshape(BLOCK_N, GROUPS * 32).to(tl.bfloat16, bitcast=True)
