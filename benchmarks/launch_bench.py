@@ -4,7 +4,7 @@ A small-batch decode step on an H200 spends ~5.5 us of GPU time in a 4096x4096 l
 host must not spend more than that launching it (or the step must be a CUDA graph, which
 replays without the host). This measures, per `qtiles_linear` call on Llama-3.1-8B shapes:
 
-  launcher   our Python: checks, output allocation, block choice (the kernel swapped for a no-op)
+  launcher   our Python: checks, output allocation, block and split choice (the kernel swapped for a no-op)
   triton     Triton's per-launch Python in JITFunction.run before the driver call: binding and
              specialising the arguments (its `binder`) and the kernel-cache key
   total      the two together: the host cost of a launch short of the CUDA driver call itself
