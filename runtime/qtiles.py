@@ -30,13 +30,16 @@ and kernels add its exact contribution apart (or overwrite it, when decoding to 
 from __future__ import annotations
 
 import numpy as np
+from numba import njit
 
 from unweight.codec import tiles
+from unweight.codec.parallel import map_chunk_ranges
 
 GROUP = 32  # columns per code group
 WINDOW = 7  # exponents a code names; code 0 is the escape
 ROLES = ("sm", "codes", "base", "esc_row", "esc_col", "esc_exp")
-_ROW_CHUNK = 1 << 22  # elements binned at a time when choosing each row's window
+_ROW_CHUNK = 1 << 22  # elements binned at a time when choosing each row's window (the reference)
+_SPAN = 1 << 18  # elements of rows one encoding task takes
 
 
 def groups(cols: int) -> int:
@@ -59,8 +62,86 @@ def row_bases(values: np.ndarray) -> np.ndarray:
     return out
 
 
-def encode(values: np.ndarray, rows: int, cols: int) -> dict[str, np.ndarray]:
-    """The qtiles streams of a rows x cols BF16 matrix given as uint16 (C order, any shape)."""
+@njit(nogil=True, cache=True)
+def _encode_rows(v, r0, r1, sm, words, base, listed):
+    """Rows r0..r1 of `encode`, loop by loop: each row's window, its sign+mantissa bytes and codes,
+    and the count of its listed escapes."""
+    rows, cols = v.shape
+    hist = np.zeros(256, dtype=np.int64)
+    for r in range(r0, r1):
+        hist[:] = 0
+        for j in range(cols):
+            hist[(v[r, j] >> 7) & 0xFF] += 1
+        best, cover = 1, -1
+        run = hist[1:1 + WINDOW].sum()
+        for b in range(1, 257 - WINDOW):
+            if b > 1:
+                run += hist[b + WINDOW - 1] - hist[b - 1]
+            if run > cover:
+                best, cover = b, run
+        base[r] = best
+        n = 0
+        for j in range(cols):
+            x = np.int64(v[r, j])
+            e = (x >> 7) & 0xFF
+            sm[r, j] = ((x >> 8) & 0x80) | (x & 0x7F)
+            c = e - best + 1
+            if c < 1 or c > WINDOW:
+                c = 0
+                if e != 0:
+                    n += 1
+            g, q, i = j >> 5, (j >> 2) & 7, j & 3
+            if q < 6:
+                words[r, g, q >> 1, i] |= c << (3 * (q & 1))
+            elif q == 6:
+                words[r, g, 0, i] |= (c & 3) << 6
+                words[r, g, 1, i] |= (c >> 2) << 6
+            else:
+                words[r, g, 1, i] |= (c & 1) << 7
+                words[r, g, 2, i] |= (c >> 1) << 6
+        listed[r] = n
+
+
+@njit(nogil=True, cache=True)
+def _list_escapes(v, r0, r1, base, esc_row, esc_col, esc_exp):
+    """The listed escapes of rows r0..r1, at the offsets esc_row gives."""
+    cols = v.shape[1]
+    for r in range(r0, r1):
+        k = esc_row[r]
+        b = np.int64(base[r])
+        for j in range(cols):
+            e = (np.int64(v[r, j]) >> 7) & 0xFF
+            if e != 0 and (e < b or e > b + WINDOW - 1):
+                esc_col[k] = j
+                esc_exp[k] = e
+                k += 1
+
+
+def encode(values: np.ndarray, rows: int, cols: int, threads: int | None = None) -> dict[str, np.ndarray]:
+    """The qtiles streams of a rows x cols BF16 matrix given as uint16 (C order, any shape): numba
+    kernels over row ranges on `threads` threads (default: all). `encode_reference` is the oracle."""
+    v = np.ascontiguousarray(np.asarray(values, dtype=np.uint16).reshape(rows, cols))
+    g = groups(cols)
+    sm = np.zeros((rows, g * GROUP), dtype=np.uint8)
+    words = np.zeros((rows, g, 3, 4), dtype=np.uint8)
+    base = np.empty(rows, dtype=np.uint8)
+    listed = np.empty(rows, dtype=np.int64)
+    step = max(1, _SPAN // max(cols, 1))
+    spans = [(r0, min(rows, r0 + step)) for r0 in range(0, rows, step)]
+    map_chunk_ranges(lambda a, b: [_encode_rows(v, *spans[i], sm, words, base, listed) for i in range(a, b)], len(spans), threads)
+    esc_row = np.zeros(rows + 1, dtype=np.int64)
+    np.cumsum(listed, out=esc_row[1:])
+    if esc_row[-1] >= 2**31:
+        raise ValueError(f"{esc_row[-1]} escapes do not fit the int32 escape index")
+    esc_col = np.empty(esc_row[-1], dtype=np.uint16 if cols <= 1 << 16 else np.int32)
+    esc_exp = np.empty(esc_row[-1], dtype=np.uint8)
+    map_chunk_ranges(lambda a, b: [_list_escapes(v, *spans[i], base, esc_row, esc_col, esc_exp) for i in range(a, b)], len(spans), threads)
+    return {"sm": sm.ravel(), "codes": words.ravel(), "base": base, "esc_row": esc_row.astype(np.int32), "esc_col": esc_col, "esc_exp": esc_exp}
+
+
+def encode_reference(values: np.ndarray, rows: int, cols: int) -> dict[str, np.ndarray]:
+    """The qtiles streams of a rows x cols BF16 matrix given as uint16, in plain numpy, written from
+    the table above: the oracle for `encode`."""
     v = np.asarray(values, dtype=np.uint16).reshape(rows, cols)
     g = groups(cols)
     width = g * GROUP
@@ -93,9 +174,9 @@ def encode(values: np.ndarray, rows: int, cols: int) -> dict[str, np.ndarray]:
     }
 
 
-def from_tiles(streams: dict[str, np.ndarray], params: dict, rows: int, cols: int) -> dict[str, np.ndarray]:
+def from_tiles(streams: dict[str, np.ndarray], params: dict, rows: int, cols: int, threads: int | None = None) -> dict[str, np.ndarray]:
     """Transcode stored `tiles` streams (already checked) into the resident layout."""
-    return encode(tiles.decode(streams, tiles.TilesParams.from_json(params), rows, cols), rows, cols)
+    return encode(tiles.decode(streams, tiles.TilesParams.from_json(params), rows, cols), rows, cols, threads)
 
 
 def unpack_codes(codes: np.ndarray, rows: int, cols: int) -> np.ndarray:

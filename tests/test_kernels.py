@@ -72,6 +72,16 @@ def test_qtiles_round_trip_is_bit_exact(rows, cols):
     assert q["sm"].size == rows * 32 * qtiles.groups(cols) and q["codes"].size == 12 * rows * qtiles.groups(cols)
 
 
+@pytest.mark.parametrize("rows,cols", [(16, 64), (9, 100), (3, 5), (2, 70000), (1100, 2048)])  # the last: 9 row ranges on 2 threads
+def test_qtiles_encoder_matches_its_reference(rows, cols):
+    """The numba encoder (row ranges on threads) writes what the plain numpy one writes."""
+    v = edge_case_matrix(rows, cols, seed=rows * 7 + cols)
+    fast, ref = qtiles.encode(v, rows, cols, threads=2), qtiles.encode_reference(v, rows, cols)
+    assert fast.keys() == ref.keys()
+    for role in ref:
+        assert fast[role].dtype == ref[role].dtype and np.array_equal(fast[role], ref[role]), role
+
+
 def test_qtiles_every_exponent_and_sign():
     """All 256 exponents under both signs and three mantissas, in one row: each is coded in the
     window, decoded exactly with exponent 0 (zeros, subnormals), or listed."""
