@@ -289,3 +289,18 @@ def test_qtiles_linear_on_gpu_every_bucket():
     finite = finite_matrix(1000, 4096, seed=5)
     for m in (1, 2, 4, 8, 16, 32):
         check_product(finite, 1000, 4096, m, seed=m)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_kernels_launch_on_the_inputs_device():
+    """A layer on cuda:1 runs there although cuda:0 is the current device."""
+    v = finite_matrix(64, 256, seed=6)
+    q = resident(v, 64, 256, device="cuda:1")
+    dense = torch.from_numpy(v.view(np.int16)).view(torch.bfloat16).reshape(64, 256).to("cuda:1")
+    assert torch.cuda.current_device() == 0
+    for m in (1, 8):
+        x = torch.randn(m, 256, device="cuda:1").to(torch.bfloat16)
+        y = qtiles_linear(x, q, 64, 256, out_dtype=torch.float32)
+        assert y.device == x.device
+        assert torch.allclose(y, F.linear(x.float(), dense.float()), rtol=1e-4, atol=1e-4)
+    assert torch.equal(qtiles_decode(q, 64, 256).view(torch.int16), dense.view(torch.int16))
