@@ -217,6 +217,27 @@ def test_qtiles_linear_odd_widths(m):
     check_product(finite_matrix(7, 45, seed=2), 7, 45, m)
 
 
+def test_qtiles_gemv_reads_only_its_rows_of_x():
+    """The GEMV reads x as 32-bit pairs: with K odd, or x a view starting off a 4-byte boundary,
+    the launcher pads or copies, so no pair reaches past a row (an inf placed right after each
+    row would turn the product into NaN through the padding weight 0)."""
+    v = finite_matrix(5, 45, seed=3)
+    dense = torch.from_numpy(v.view(np.int16)).view(torch.bfloat16).reshape(5, 45)
+    q = resident(v, 5, 45)
+    for m in (1, 3):
+        buf = torch.full((m, 46), float("inf")).to(torch.bfloat16)
+        buf[:, :45] = torch.randn(m, 45).to(torch.bfloat16)
+        x = buf[:, :45]  # rows of odd length, each followed by an inf
+        y = qtiles_linear(x.to(DEVICE), q, 5, 45, out_dtype=torch.float32).cpu()
+        assert torch.isfinite(y).all()
+        assert torch.allclose(y, F.linear(x.float(), dense.float()), rtol=1e-4, atol=1e-5)
+        flat = torch.full((m * 45 + 1,), float("inf")).to(torch.bfloat16)
+        flat[1:] = x.reshape(-1)
+        shifted = flat[1:].view(m, 45)  # 2 bytes past an aligned start
+        y = qtiles_linear(shifted.to(DEVICE) if DEVICE == "cpu" else shifted.cuda(), q, 5, 45, out_dtype=torch.float32).cpu()
+        assert torch.isfinite(y).all()
+
+
 @pytest.fixture
 def interpreter_bf16_dot(monkeypatch):
     """Triton 3.9's interpreter multiplies bf16 tl.dot operands as integers (a 16x32 product is off

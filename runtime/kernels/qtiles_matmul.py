@@ -18,6 +18,7 @@ import contextlib
 import os
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -51,7 +52,7 @@ def qtiles_gemv_kernel(
     rm = tl.arange(0, BLOCK_M)  # (BLOCK_M,) rows of x
     m_live = rm < M
     x_row = x_ptr + rm.to(tl.int64)[:, None, None] * stride_xm  # (BLOCK_M, 1, 1)
-    x_words = x_row.to(tl.pointer_type(tl.uint32))  # K and the row stride are even (launcher)
+    x_words = x_row.to(tl.pointer_type(tl.uint32))  # rows word-aligned and of even length (launcher)
     base_m1 = tl.load(base_ptr + rn64).to(tl.uint32)[None, :, None] - 1  # (1, BLOCK_N, 1)
     acc = tl.zeros((BLOCK_M, BLOCK_N, GROUPS), dtype=tl.float32)
     for g0 in range(0, G, GROUPS):
@@ -244,6 +245,10 @@ def qtiles_linear(x: torch.Tensor, q: dict[str, torch.Tensor], out_features: int
     x2 = x.reshape(-1, in_features)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
+    if x2.shape[0] <= GEMV_M and (in_features % 2 or x2.stride(0) % 2 or x2.data_ptr() % 4):
+        # the GEMV reads x as 32-bit pairs: rows of even length (an odd one gets a zero column),
+        # even stride, 4-byte aligned
+        x2 = F.pad(x2, (0, in_features % 2))
     m = x2.shape[0]
     if m > MAX_M:
         raise ValueError(f"the fused kernels take at most {MAX_M} rows of x, not {m}")
