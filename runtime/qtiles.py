@@ -1,15 +1,15 @@
 """The resident GPU layout of a serving-layout weight (`qtiles`): what the CUDA kernels read.
 
 The stored `tiles` codec (formats/SPEC.md §3.4) is decoded by counting escapes element by
-element, which no kernel can afford inside a matmul. At load, `UnweightLinear` transcodes it
-into this layout, which a kernel decodes four weights per 32-bit word with no per-element
+element, which no kernel can afford inside a matmul. When an `UnweightLinear` moves to a GPU it
+transcodes it into this layout, which a kernel decodes four weights per 32-bit word with no per-element
 branch, gather or prefix count. Same bits per weight for the codes and sign+mantissa; the
 escape list grows (see docs/kernels.md for the sizes). For an R x K BF16 matrix, G = ceil(K/32)
 groups of 32 columns per row, element (r, j) = s | e (8 bits) | m (7 bits):
 
 | stream | dtype, length | content |
 | --- | --- | --- |
-| `sm` | uint8, R*32G | byte 32G*r + j is s << 7 - m; 0 for the padding columns j >= K |
+| `sm` | uint8, R*32G | byte 32G*r + j is s << 7 \| m; 0 for the padding columns j >= K |
 | `codes` | uint8, R*G*12 | three little-endian uint32 words A, B, C per (r, g) (below) |
 | `base` | uint8, R | the row's window: exponents base .. base+6 get codes 1 .. 7 (1 <= base <= 249) |
 | `esc_row` | int32, R+1 | escapes of rows < r (the escape list is in row-major order) |

@@ -1,15 +1,19 @@
 """Fused decode-and-multiply over the resident layout (runtime/qtiles.py): y = x @ W^T, W never
-materialised, for the decode-time batches (M <= MAX_M rows of x).
+materialised, for the decode-time batches (M <= MAX_M rows of x). Two kernels, one launch each:
 
-One program takes BLOCK_N rows of W and walks all of K, GROUPS groups of 32 columns at a time.
-Each group is three code words and eight sign+mantissa words per row; a word decodes to four
-fp32 weights with a dozen integer instructions (qtiles_common) and each weight costs one FFMA per
-row of x. Partial sums stay in a (BLOCK_M, BLOCK_N, GROUPS) accumulator, reduced once after the
-loop. Then the program adds the escapes of its rows (listed with column and exponent): each
-escaped weight was multiplied as its exponent-0 stand-in w0 (|w0| < 2^-126), so it adds
-x * (w - w0), the difference rounded to fp32: within 2^-24 of x * w, as the summation bound allows.
+- `qtiles_gemv_kernel` (M <= GEMV_M), on CUDA cores: one program takes BLOCK_N rows of W and walks
+  all of K, one group of 32 columns per thread per step, so each x value loaded serves BLOCK_N
+  rows. A word of four weights decodes with about a dozen integer instructions (qtiles_common)
+  and each weight costs one FFMA per row of x; partial sums stay in a (BLOCK_M, BLOCK_N, GROUPS)
+  accumulator, reduced once after the loop.
+- `qtiles_dot_kernel` (GEMV_M < M <= MAX_M), on the tensor cores: (BLOCK_M, BLOCK_N) tiles of y,
+  W decoded to BF16 a (BLOCK_N, 32 GROUPS) tile at a time for `tl.dot`, K split among programs
+  when the tiles alone would leave SMs idle.
 
-The oracle in the tests is `F.linear(x.float(), W.float())` with W from the numpy decoder.
+Both then add the listed escapes of their rows: each escaped weight was multiplied as its
+exponent-0 stand-in w0 (|w0| < 2^-126), so it adds x * (w - w0), the difference rounded to fp32:
+within 2^-24 of x * w, as the summation bound allows. The oracle in the tests is
+`F.linear(x.float(), W.float())` with W from the numpy decoder.
 """
 
 from __future__ import annotations
