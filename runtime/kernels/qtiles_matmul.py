@@ -101,16 +101,17 @@ def qtiles_gemv_kernel(
 
 
 @triton.jit
-def _quad_tile(a, b, c, w, base_m1, gi, Q: tl.constexpr, PRMT: tl.constexpr):
-    """Quad Q of each (row, group): its four BF16 weights as a (BLOCK_N, GROUPS, 2, 2) uint16
-    tensor and their columns as (GROUPS, 2, 2), both in the same order."""
+def _quad_pairs(a, b, c, w, base_m1, Q: tl.constexpr, PRMT: tl.constexpr):
+    """Quad Q of each (row, group) as two BF16 pairs: lanes 0-1 and lanes 2-3."""
     h, lo = quad_planes(w, quad_codes(a, b, c, Q), base_m1)
-    p0 = bf16_pair(h, lo, 0, PRMT)
-    p1 = bf16_pair(h, lo, 1, PRMT)
-    halves = tl.join(tl.join(p0 & 0xFFFF, p0 >> 16), tl.join(p1 & 0xFFFF, p1 >> 16)).to(tl.uint16)
-    k = gi * 32 + 4 * Q
-    cols = tl.join(tl.join(k, k + 1), tl.join(k + 2, k + 3))
-    return halves, cols
+    return bf16_pair(h, lo, 0, PRMT), bf16_pair(h, lo, 1, PRMT)
+
+
+@triton.jit
+def _by_quad(t0, t1, t2, t3, t4, t5, t6, t7):
+    """(..., 2, 2, 2) from eight per-quad tensors, flattening to quad 4a + 2b + c: each tl.join
+    adds the innermost dimension, so quads 4 apart are joined first."""
+    return tl.join(tl.join(tl.join(t0, t4), tl.join(t2, t6)), tl.join(tl.join(t1, t5), tl.join(t3, t7)))
 
 
 @triton.jit
@@ -148,19 +149,20 @@ def qtiles_dot_kernel(
         live = n_live[:, None] & (gi < g_end)[None, :]  # (BLOCK_N, GROUPS)
         grp = rn64[:, None] * G + gi[None, :]
         words, a, b, c = group_words(sm_ptr, codes_ptr, grp, live)
-        w0, k0 = _quad_tile(a, b, c, tl.load(words + 0, mask=live, other=0), base_m1, gi, 0, PRMT)
-        w1, k1 = _quad_tile(a, b, c, tl.load(words + 1, mask=live, other=0), base_m1, gi, 1, PRMT)
-        w2, k2 = _quad_tile(a, b, c, tl.load(words + 2, mask=live, other=0), base_m1, gi, 2, PRMT)
-        w3, k3 = _quad_tile(a, b, c, tl.load(words + 3, mask=live, other=0), base_m1, gi, 3, PRMT)
-        w4, k4 = _quad_tile(a, b, c, tl.load(words + 4, mask=live, other=0), base_m1, gi, 4, PRMT)
-        w5, k5 = _quad_tile(a, b, c, tl.load(words + 5, mask=live, other=0), base_m1, gi, 5, PRMT)
-        w6, k6 = _quad_tile(a, b, c, tl.load(words + 6, mask=live, other=0), base_m1, gi, 6, PRMT)
-        w7, k7 = _quad_tile(a, b, c, tl.load(words + 7, mask=live, other=0), base_m1, gi, 7, PRMT)
-        wt = tl.join(tl.join(tl.join(w0, w1), tl.join(w2, w3)), tl.join(tl.join(w4, w5), tl.join(w6, w7)))
-        kt = tl.join(tl.join(tl.join(k0, k1), tl.join(k2, k3)), tl.join(tl.join(k4, k5), tl.join(k6, k7)))
+        a0, b0 = _quad_pairs(a, b, c, tl.load(words + 0, mask=live, other=0), base_m1, 0, PRMT)
+        a1, b1 = _quad_pairs(a, b, c, tl.load(words + 1, mask=live, other=0), base_m1, 1, PRMT)
+        a2, b2 = _quad_pairs(a, b, c, tl.load(words + 2, mask=live, other=0), base_m1, 2, PRMT)
+        a3, b3 = _quad_pairs(a, b, c, tl.load(words + 3, mask=live, other=0), base_m1, 3, PRMT)
+        a4, b4 = _quad_pairs(a, b, c, tl.load(words + 4, mask=live, other=0), base_m1, 4, PRMT)
+        a5, b5 = _quad_pairs(a, b, c, tl.load(words + 5, mask=live, other=0), base_m1, 5, PRMT)
+        a6, b6 = _quad_pairs(a, b, c, tl.load(words + 6, mask=live, other=0), base_m1, 6, PRMT)
+        a7, b7 = _quad_pairs(a, b, c, tl.load(words + 7, mask=live, other=0), base_m1, 7, PRMT)
+        # (BLOCK_N, GROUPS, quad 2x2x2, pair, half): flattens to column 32 g + 4 q + 2 pair + half
+        pairs = tl.join(_by_quad(a0, a1, a2, a3, a4, a5, a6, a7), _by_quad(b0, b1, b2, b3, b4, b5, b6, b7))
+        wt = tl.join((pairs & 0xFFFF).to(tl.uint16), (pairs >> 16).to(tl.uint16))
         wt = wt.reshape(BLOCK_N, GROUPS * 32).to(tl.bfloat16, bitcast=True)
-        kt = kt.reshape(GROUPS * 32)
-        xt = tl.load(x_rows + kt[None, :], mask=m_live[:, None] & (kt < K)[None, :], other=0.0)  # (BLOCK_M, 32 GROUPS)
+        kt = g0 * 32 + tl.arange(0, GROUPS * 32)  # (32 GROUPS,) columns, in order
+        xt = tl.load(x_rows + kt[None, :], mask=m_live[:, None] & (kt < tl.minimum(K, g_end * 32))[None, :], other=0.0)
         if DOT_F32:
             acc += tl.dot(xt.to(tl.float32), tl.trans(wt.to(tl.float32)))
         else:
