@@ -188,14 +188,14 @@ def check_product(v: np.ndarray, rows: int, cols: int, m: int, seed: int = 0) ->
     assert torch.all((y - ref).abs() <= cols * 2.0**-24 * bound), (y - ref).abs().max()
 
 
-# every batch the launcher maps to a distinct kernel: GEMV at BLOCK_M 1, 2, 4; tensor cores at 16, 32
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 16, 17, 32])
+# every batch the launcher maps to a distinct kernel: GEMV at BLOCK_M 1, 2; tensor cores at 16, 32
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 16, 17, 32])
 def test_qtiles_linear_matches_f_linear(m):
     rows, cols = 70, 200
     check_product(finite_matrix(rows, cols, seed=m), rows, cols, m, seed=m)
 
 
-@pytest.mark.parametrize("m,split_k", [(5, 2), (20, 3), (32, 8)])
+@pytest.mark.parametrize("m,split_k", [(3, 2), (20, 3), (32, 8)])
 def test_qtiles_dot_split_k(m, split_k):
     """Split K: each program adds its columns and every split_k-th escape of its rows; the last of
     a tile adds the partials in order and leaves the tile counter at 0 for the next call."""
@@ -224,7 +224,7 @@ def test_qtiles_gemv_reads_only_its_rows_of_x():
     v = finite_matrix(5, 45, seed=3)
     dense = torch.from_numpy(v.view(np.int16)).view(torch.bfloat16).reshape(5, 45)
     q = resident(v, 5, 45)
-    for m in (1, 3):
+    for m in (1, 2):
         buf = torch.full((m, 46), float("inf")).to(torch.bfloat16)
         buf[:, :45] = torch.randn(m, 45).to(torch.bfloat16)
         x = buf[:, :45]  # rows of odd length, each followed by an inf
@@ -262,7 +262,7 @@ def interpreter_bf16_dot(monkeypatch):
     monkeypatch.setattr(qtiles_matmul, "INTERPRETER_BF16_DOT", True)
 
 
-@pytest.mark.parametrize("m", [5, 30])
+@pytest.mark.parametrize("m", [3, 30])
 def test_qtiles_dot_bf16_operands(interpreter_bf16_dot, m):
     check_product(finite_matrix(70, 200, seed=m), 70, 200, m, seed=m)
 

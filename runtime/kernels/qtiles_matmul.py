@@ -28,7 +28,8 @@ import triton.language as tl
 
 from .qtiles_common import bf16_pair, group_words, pair_f32, quad_codes, quad_planes
 
-GEMV_M = 4  # rows of x up to which the CUDA-core GEMV runs; beyond, the tensor-core kernel
+GEMV_M = 2  # rows of x up to which the CUDA-core GEMV runs; beyond, the tensor-core kernel (at 3-4 rows
+# the GEMV's FFMAs cost 14 instructions a weight, the 16-row tensor-core tile 11)
 MAX_M = 32  # larger batches take decode + matmul (a 64-row tile costs 17-23 instructions a weight, and spills on sm_80)
 MIN_PROGRAMS = 256  # about two per SM of an H200: fewer leave SMs without enough loads in flight
 MAX_SPLITS = 8
@@ -207,19 +208,18 @@ def _interpreted() -> bool:
 
 def _blocks(m: int, n: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, GROUPS) of the GEMV for m <= GEMV_M rows of x. Each thread takes one
-    group of 32 columns and BLOCK_N rows, so that x is loaded once for BLOCK_N rows; at m = 4 half
-    as many rows keep the registers under 128 (16 resident warps). benchmarks/kernel_isa.py
-    measured the instructions per weight of each choice (docs/kernels.md)."""
-    block_m = 1 if m == 1 else 2 if m == 2 else 4
-    block_n = 8 if block_m <= 2 else 4
+    group of 32 columns and BLOCK_N rows, so that x is loaded once for BLOCK_N rows (8: 96
+    registers, 20 resident warps). benchmarks/kernel_isa.py measured the instructions per weight
+    of each choice (docs/kernels.md)."""
+    block_n = 8
     while block_n > 2 and -(-n // block_n) < MIN_PROGRAMS:  # k/v (1024 rows): more, smaller programs
         block_n //= 2
-    return block_m, block_n, 128
+    return m, block_n, 128
 
 
 def _dot_blocks(m: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, GROUPS) of the tensor-core kernel for GEMV_M < m <= MAX_M."""
-    return (16, 64, 4) if m <= 16 else (32, 64, 4)
+    return (16, 128, 2) if m <= 16 else (32, 64, 4)
 
 
 _WORKSPACES: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
