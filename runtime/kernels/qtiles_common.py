@@ -103,3 +103,20 @@ def lane_bf16(h, lo, I: tl.constexpr):
 def bf16_as_f32(bits):
     """fp32 value of BF16 bit patterns held in the low 16 bits of int32 values."""
     return (bits << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def quad_pairs(a, b, c, w, base_m1, Q: tl.constexpr, PRMT: tl.constexpr):
+    """Quad Q of each (row, group) as two BF16 pairs, lanes 0-1 and lanes 2-3, from the group's
+    code words, the quad's sign+mantissa word and the row's base - 1."""
+    h, lo = quad_planes(w, quad_codes(a, b, c, Q), base_m1)
+    return bf16_pair(h, lo, 0, PRMT), bf16_pair(h, lo, 1, PRMT)
+
+
+@triton.jit
+def escape_delta(smb, exp):
+    """w - w0 in fp32 for listed escapes (int32 sign+mantissa bytes and exponent bytes): the true
+    weight less the exponent-0 stand-in the main loops multiplied (|w0| < 2^-126), rounded once,
+    so within 2^-24 of w; inf and NaN weights stay inf and NaN."""
+    w0 = ((smb & 0x80) << 24) | ((smb & 0x7F) << 16)
+    return (w0 | (exp << 23)).to(tl.float32, bitcast=True) - w0.to(tl.float32, bitcast=True)

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .qtiles_common import bf16_pair, group_words, pair_f32, quad_codes, quad_planes
+from .qtiles_common import escape_delta, group_words, pair_f32, quad_pairs
 
 GEMV_M = 2  # rows of x up to which the CUDA-core GEMV runs; beyond, the tensor-core kernel (at 3-4 rows
 # the GEMV's FFMAs cost 14 instructions a weight, the 16-row tensor-core tile 11)
@@ -66,14 +66,12 @@ def qtiles_gemv_kernel(
         grp = rn64[None, :, None] * G + gi[None, None, :]  # group index in W
         words, a, b, c = group_words(sm_ptr, codes_ptr, grp, live)
         for q in tl.static_range(8):
-            w = tl.load(words + q, mask=live, other=0)
-            h, lo = quad_planes(w, quad_codes(a, b, c, q), base_m1)
+            pairs = quad_pairs(a, b, c, tl.load(words + q, mask=live, other=0), base_m1, q, PRMT)
             for p in tl.static_range(2):  # weights and x as bf16 pairs: lanes 2p, 2p + 1
                 k = gi * 32 + 4 * q + 2 * p  # (GROUPS,) column of lane 2p
                 xw = tl.load(x_words + (k // 2)[None, None, :], mask=m_live[:, None, None] & (k < K)[None, None, :], other=0)
-                wp = bf16_pair(h, lo, p, PRMT)
-                acc += pair_f32(xw, 0) * pair_f32(wp, 0)
-                acc += pair_f32(xw, 1) * pair_f32(wp, 1)
+                acc += pair_f32(xw, 0) * pair_f32(pairs[p], 0)
+                acc += pair_f32(xw, 1) * pair_f32(pairs[p], 1)
     out = tl.sum(acc, axis=2)  # (BLOCK_M, BLOCK_N)
 
     # escapes, one row at a time: ESC_BLOCK of the row's entries per step, one per thread, each
@@ -91,21 +89,11 @@ def qtiles_gemv_kernel(
                 col = tl.load(esc_col_ptr + ei, mask=e_live, other=0).to(tl.int64)
                 exp = tl.load(esc_exp_ptr + ei, mask=e_live, other=0).to(tl.uint32)
                 smb = tl.load(sm_ptr + r * (G * 32) + col, mask=e_live, other=0).to(tl.uint32)
-                w0 = ((smb & 0x80) << 24) | ((smb & 0x7F) << 16)  # as the main loop multiplied it
-                delta = (w0 | (exp << 23)).to(tl.float32, bitcast=True) - w0.to(tl.float32, bitcast=True)  # within 2^-24 of w
                 xe = tl.load(x_row.reshape(BLOCK_M, 1) + col[None, :], mask=m_live[:, None] & e_live[None, :], other=0.0).to(tl.float32)
-                fix += xe * delta[None, :]  # (BLOCK_M, ESC_BLOCK)
+                fix += xe * escape_delta(smb, exp)[None, :]  # (BLOCK_M, ESC_BLOCK)
             out += tl.where((tl.arange(0, BLOCK_N) == i)[None, :], tl.sum(fix, axis=1)[:, None], 0.0)
     y_ptrs = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn64[None, :]
     tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=m_live[:, None] & n_live[None, :])
-
-
-
-@triton.jit
-def _quad_pairs(a, b, c, w, base_m1, Q: tl.constexpr, PRMT: tl.constexpr):
-    """Quad Q of each (row, group) as two BF16 pairs: lanes 0-1 and lanes 2-3."""
-    h, lo = quad_planes(w, quad_codes(a, b, c, Q), base_m1)
-    return bf16_pair(h, lo, 0, PRMT), bf16_pair(h, lo, 1, PRMT)
 
 
 @triton.jit
@@ -150,14 +138,14 @@ def qtiles_dot_kernel(
         live = n_live[:, None] & (gi < g_end)[None, :]  # (BLOCK_N, GROUPS)
         grp = rn64[:, None] * G + gi[None, :]
         words, a, b, c = group_words(sm_ptr, codes_ptr, grp, live)
-        a0, b0 = _quad_pairs(a, b, c, tl.load(words + 0, mask=live, other=0), base_m1, 0, PRMT)
-        a1, b1 = _quad_pairs(a, b, c, tl.load(words + 1, mask=live, other=0), base_m1, 1, PRMT)
-        a2, b2 = _quad_pairs(a, b, c, tl.load(words + 2, mask=live, other=0), base_m1, 2, PRMT)
-        a3, b3 = _quad_pairs(a, b, c, tl.load(words + 3, mask=live, other=0), base_m1, 3, PRMT)
-        a4, b4 = _quad_pairs(a, b, c, tl.load(words + 4, mask=live, other=0), base_m1, 4, PRMT)
-        a5, b5 = _quad_pairs(a, b, c, tl.load(words + 5, mask=live, other=0), base_m1, 5, PRMT)
-        a6, b6 = _quad_pairs(a, b, c, tl.load(words + 6, mask=live, other=0), base_m1, 6, PRMT)
-        a7, b7 = _quad_pairs(a, b, c, tl.load(words + 7, mask=live, other=0), base_m1, 7, PRMT)
+        a0, b0 = quad_pairs(a, b, c, tl.load(words + 0, mask=live, other=0), base_m1, 0, PRMT)
+        a1, b1 = quad_pairs(a, b, c, tl.load(words + 1, mask=live, other=0), base_m1, 1, PRMT)
+        a2, b2 = quad_pairs(a, b, c, tl.load(words + 2, mask=live, other=0), base_m1, 2, PRMT)
+        a3, b3 = quad_pairs(a, b, c, tl.load(words + 3, mask=live, other=0), base_m1, 3, PRMT)
+        a4, b4 = quad_pairs(a, b, c, tl.load(words + 4, mask=live, other=0), base_m1, 4, PRMT)
+        a5, b5 = quad_pairs(a, b, c, tl.load(words + 5, mask=live, other=0), base_m1, 5, PRMT)
+        a6, b6 = quad_pairs(a, b, c, tl.load(words + 6, mask=live, other=0), base_m1, 6, PRMT)
+        a7, b7 = quad_pairs(a, b, c, tl.load(words + 7, mask=live, other=0), base_m1, 7, PRMT)
         # (BLOCK_N, GROUPS, quad 2x2x2, pair, half): flattens to column 32 g + 4 q + 2 pair + half
         pairs = tl.join(_by_quad(a0, a1, a2, a3, a4, a5, a6, a7), _by_quad(b0, b1, b2, b3, b4, b5, b6, b7))
         wt = tl.join((pairs & 0xFFFF).to(tl.uint16), (pairs >> 16).to(tl.uint16))
@@ -180,10 +168,8 @@ def qtiles_dot_kernel(
         col = tl.load(esc_col_ptr + ei, mask=e_live, other=0).to(tl.int64)
         exp = tl.load(esc_exp_ptr + ei, mask=e_live, other=0).to(tl.uint32)
         smb = tl.load(sm_ptr + rn64 * (G * 32) + col, mask=e_live, other=0).to(tl.uint32)
-        w0 = ((smb & 0x80) << 24) | ((smb & 0x7F) << 16)  # as the main loop multiplied it
-        wt = w0 | (exp << 23)
         xe = tl.load(x_rows + col[None, :], mask=m_live[:, None] & e_live[None, :], other=0.0).to(tl.float32)  # (BLOCK_M, BLOCK_N)
-        fixes += xe * (wt.to(tl.float32, bitcast=True) - w0.to(tl.float32, bitcast=True))[None, :]
+        fixes += xe * escape_delta(smb, exp)[None, :]
     acc += fixes
     out_live = m_live[:, None] & n_live[None, :]
     y_ptrs = y_ptr + rm64[:, None] * stride_ym + rn64[None, :]
