@@ -194,8 +194,8 @@ def _interpreted() -> bool:
 
 def _blocks(m: int, n: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, GROUPS) of the GEMV for m <= GEMV_M rows of x. Each thread takes one
-    group of 32 columns and BLOCK_N rows, so that x is loaded once for BLOCK_N rows (8: 96
-    registers, 20 resident warps). benchmarks/kernel_isa.py measured the instructions per weight
+    group of 32 columns and BLOCK_N rows, so that x is loaded once for BLOCK_N rows (8: 80
+    registers at batch 1, 24 resident warps). benchmarks/kernel_isa.py measured the instructions per weight
     of each choice (docs/kernels.md)."""
     block_n = 8
     while block_n > 2 and -(-n // block_n) < MIN_PROGRAMS:  # k/v (1024 rows): more, smaller programs
