@@ -173,7 +173,7 @@ def decode_step_bench(device: str, dry: bool) -> list[dict]:
             return torch.matmul(x, self.w.T)
 
     def compressed(w):
-        return UnweightLinear.from_weight(w.cpu()).to(device)
+        return UnweightLinear.from_weight(w.cpu(), device=device).to(device)
 
     models = {"bf16": {k: Dense(w) for k, w in dense.items()}, "unweight": {k: compressed(w) for k, w in dense.items()}}
     norm_w = torch.ones(hidden, dtype=torch.bfloat16, device=device)

@@ -120,32 +120,51 @@ class UnweightLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, streams: dict[str, np.ndarray], params: dict, bias: torch.Tensor | None = None, autotuner: Autotuner | None = None):
         super().__init__()
+        p = tiles.TilesParams.from_json(params)
+        tiles.check(streams, p, out_features, in_features)  # a corrupt tile set stops here
+        self._setup(in_features, out_features, p, TILES_ROLES, tile_tensors(streams), bias, autotuner)
+
+    def _setup(self, in_features: int, out_features: int, params: tiles.TilesParams, roles: tuple[str, ...], buffers: dict[str, torch.Tensor], bias, autotuner) -> None:
         self.in_features, self.out_features = in_features, out_features
-        self.params = tiles.TilesParams.from_json(params)
-        tiles.check(streams, self.params, out_features, in_features)  # a corrupt tile set stops here
-        self._roles = TILES_ROLES  # the layout the buffers hold: tiles (CPU) or qtiles (CUDA)
-        for role, tensor in tile_tensors(streams).items():
-            self.register_buffer(role, tensor)
+        self.params = params  # of the tiles layout (its block size is kept when moving back to the CPU)
+        self._roles = roles  # the layout the buffers hold: tiles (CPU) or qtiles (CUDA)
+        for role in roles:
+            self.register_buffer(role, buffers[role])
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
         self.autotuner = autotuner or DEFAULT
         self._warned: set[str] = set()
         self._chosen: dict[tuple, str] = {}
 
     @classmethod
-    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, **kw) -> "UnweightLinear":
-        """Compress a dense (out, in) BF16 weight into a new layer."""
+    def _from_values(cls, values: np.ndarray, out_f: int, in_f: int, bias, device, autotuner: Autotuner | None = None) -> "UnweightLinear":
+        """A layer from W as uint16 values, encoded once into the layout `device` reads: for a GPU
+        straight into qtiles, without the tiles encode and decode that moving it there would run."""
+        if device is None or torch.device(device).type != "cuda":
+            p, streams = tiles.encode(values, out_f, in_f)
+            return cls(in_f, out_f, streams, p.to_json(), bias, autotuner)
+        q = qtiles.encode(values, out_f, in_f)
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        buffers = {k: torch.from_numpy(v) for k, v in q.items()}
+        layer._setup(in_f, out_f, tiles.TilesParams(0, tiles.DEFAULT_BLOCK), qtiles.ROLES, buffers, bias, autotuner)
+        return layer
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, device: torch.device | str | None = None, **kw) -> "UnweightLinear":
+        """Compress a dense (out, in) BF16 weight into a new layer, on the CPU; with `device` a GPU,
+        already in the layout the GPU reads (move it there with .to)."""
         if weight.dtype != torch.bfloat16 or weight.dim() != 2:
             raise ValueError(f"weight must be a 2-D bfloat16 tensor, not {weight.dtype}{list(weight.shape)}")
         out_f, in_f = weight.shape
         values = weight.detach().cpu().contiguous().view(torch.int16).numpy().view(np.uint16).ravel()
-        p, streams = tiles.encode(values, out_f, in_f)
-        return cls(in_f, out_f, streams, p.to_json(), bias, **kw)
+        return cls._from_values(values, out_f, in_f, bias, device, **kw)
 
     @classmethod
-    def from_entry(cls, entry, streams: dict[str, np.ndarray], bias: torch.Tensor | None = None, threads: int | None = None, **kw) -> "UnweightLinear":
+    def from_entry(cls, entry, streams: dict[str, np.ndarray], bias: torch.Tensor | None = None, threads: int | None = None, device: torch.device | str | None = None, **kw) -> "UnweightLinear":
         """A layer from one tensor of a compressed checkpoint. Serving-layout tensors are checked
         and taken as they are; archive-layout ones (any codec) are transcoded at load time:
-        decoded on the CPU, then re-encoded as tiles. Errors name the tensor."""
+        decoded on the CPU, then re-encoded as tiles, or as qtiles when `device` is a GPU. Errors
+        name the tensor."""
         from unweight.codec import decode_tensor
         from unweight.errors import CorruptDataError
 
@@ -160,22 +179,21 @@ class UnweightLinear(nn.Module):
             raise
         except ValueError as e:
             raise CorruptDataError(None, str(e), entry.name) from None
-        p, tile_streams = tiles.encode(values, out_f, in_f)
-        return cls(in_f, out_f, tile_streams, p.to_json(), bias, **kw)
+        return cls._from_values(values, out_f, in_f, bias, device, **kw)
 
     @classmethod
-    def from_entries(cls, parts: list[tuple], bias: torch.Tensor | None = None, threads: int | None = None, **kw) -> "UnweightLinear":
+    def from_entries(cls, parts: list[tuple], bias: torch.Tensor | None = None, threads: int | None = None, device: torch.device | str | None = None, **kw) -> "UnweightLinear":
         """One layer whose rows are those of several checkpoint tensors, stacked in order (q, k
-        and v as one qkv matmul): each is decoded, the rows concatenated and encoded as tiles."""
+        and v as one qkv matmul): each is decoded, the rows concatenated and encoded as tiles
+        (qtiles for a GPU `device`)."""
         if len(parts) == 1:
-            return cls.from_entry(*parts[0], bias, threads, **kw)
+            return cls.from_entry(*parts[0], bias, threads, device, **kw)
         from unweight.codec import decode_tensor
 
         in_f = _check_parts([e for e, _ in parts])
         values = np.concatenate([decode_tensor(e, st, threads).view(np.uint16) for e, st in parts])
         out_f = sum(e.shape[0] for e, _ in parts)
-        p, tile_streams = tiles.encode(values, out_f, in_f)
-        return cls(in_f, out_f, tile_streams, p.to_json(), bias, **kw)
+        return cls._from_values(values, out_f, in_f, bias, device, **kw)
 
     @property
     def stored_bytes(self) -> int:

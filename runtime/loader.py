@@ -117,7 +117,7 @@ def _linear(ckpt: CompressedCheckpoint, name: str, shape: tuple[int, int], dev: 
     bias = torch.cat(biases) if biases else None
     if layout == "archive":
         return ArchiveLinear(parts, bias, threads)
-    return UnweightLinear.from_entries(parts, bias, threads).to(dev)
+    return UnweightLinear.from_entries(parts, bias, threads, dev).to(dev)  # encoded once, in the layout dev reads
 
 
 def _dense(ckpt: CompressedCheckpoint, name: str, shape: tuple[int, ...], dtype: torch.dtype, dev: torch.device) -> torch.Tensor:

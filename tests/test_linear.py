@@ -276,3 +276,19 @@ def test_layer_on_gpu_matches_f_linear_every_pipeline(monkeypatch):
             ref = F.linear(x.float(), w.cuda().float())
             assert torch.allclose(lin(x).float(), ref, rtol=2**-7, atol=1e-3)
     assert torch.equal(lin.cpu().decoded_weight().view(torch.int16), w.view(torch.int16))
+
+
+def test_a_layer_built_for_a_gpu_is_encoded_once_in_its_layout():
+    """from_weight / from_entry with a GPU device encode W straight into qtiles (no tiles encode
+    and decode first); the streams are what the transcode would give, and .to('cpu') brings the
+    layer back to tiles, bit-exact. Runs without a GPU: the layer is built, not moved, there."""
+    from unweight.runtime import qtiles
+
+    w = random_bf16(24, 160, seed=8)
+    values = w.view(torch.int16).numpy().view(np.uint16)
+    lin = UnweightLinear.from_weight(w, device="cuda")
+    assert lin._roles == qtiles.ROLES
+    want = qtiles.encode(values, 24, 160)
+    assert all(np.array_equal(lin._streams()[k].numpy(), want[k]) for k in want)
+    lin.to("cpu")
+    assert lin._roles != qtiles.ROLES and torch.equal(lin.decoded_weight().view(torch.int16), w.view(torch.int16))
