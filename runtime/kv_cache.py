@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .transfer import to_device
+
 DEFAULT_BLOCK_SIZE = 16
 
 
@@ -92,7 +94,7 @@ class KVCache:
 
     def _ids(self, seq: SeqCache) -> torch.Tensor:
         if seq._block_ids is None:
-            seq._block_ids = torch.tensor(seq.blocks, dtype=torch.int64, device=self.k.device)
+            seq._block_ids = to_device(torch.tensor(seq.blocks, dtype=torch.int64), self.k.device)
         return seq._block_ids
 
     def write(self, layer: int, seq: SeqCache, start: int, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -37,6 +37,7 @@ from . import qtiles
 from .autotune import DEFAULT, FORCE_ENV, Autotuner, batch_bucket, code_version, device_name
 from .cpu_gemv import tiles_gemv_cpu, tiles_rows_cpu
 from .tile_tensors import tile_tensors
+from .transfer import to_device
 
 log = logging.getLogger(__name__)
 PIPELINES = ("decode_matmul", "fused")
@@ -243,7 +244,7 @@ class UnweightLinear(nn.Module):
         if self.sm.device.type == "cuda":
             from unweight.runtime.kernels.qtiles_decode import qtiles_decode
 
-            ids_dev = None if ids is None else ids.to(self.sm.device)
+            ids_dev = None if ids is None else to_device(ids, self.sm.device)
             return qtiles_decode(self._streams(), self.out_features, self.in_features, ids_dev).to(dtype)
         return tiles_rows_cpu(self._streams(), self.params.base, self.params.block, self.out_features, self.in_features, ids).to(dtype)
 

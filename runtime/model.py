@@ -21,6 +21,7 @@ from torch import nn
 from .kv_cache import KVCache, SeqCache
 from .model_config import ModelConfig
 from .rope import Rope
+from .transfer import to_device
 
 
 class RMSNorm(nn.Module):
@@ -153,7 +154,7 @@ class CausalLM(nn.Module):
                 raise ValueError(f"sequence would reach {seq.length + count} tokens, over the context length {self.max_context}")
             cache.reserve(seq, count)
         # positions and token ids are known on the host: nothing in a step waits for the device
-        positions = torch.cat([torch.arange(s.length, s.length + c) for s, c in segments]).to(self.device)
+        positions = to_device(torch.cat([torch.arange(s.length, s.length + c) for s, c in segments]), self.device)
         cos, sin = self.rope.cos_sin(positions, self.compute_dtype, end=max(s.length + c for s, c in segments))
         x = self.model.embed_tokens.rows(tokens, self.compute_dtype).to(self.device)  # ids checked on the host by rows()
         for i, layer in enumerate(self.model.layers):
