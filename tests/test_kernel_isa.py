@@ -34,3 +34,21 @@ def test_check_fails_on_a_budget_it_misses():
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_isa.py"), "--quick", "--targets", "90", "--max-per-weight", "1"], capture_output=True, text=True, timeout=900)
     assert done.returncode == 1
     assert "gemv BM=1" in done.stdout and "misses the budget 1" in done.stdout
+
+
+def test_check_names_an_int32_overflow():
+    """The index check on its own: a launch whose escape list passes 2^31 entries is flagged."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import kernel_isa
+    finally:
+        sys.path.pop(0)
+    import torch
+
+    huge = torch.zeros(1, dtype=torch.uint8).expand(2**31 + 5)
+    rec = {"kernel": "qtiles_gemv_kernel", "grid": (512, 1, 1), "bound": {"M": 1, "G": 128, "BLOCK_N": 8, "BLOCK_M": 1, "esc_exp_ptr": huge}}
+    assert any("escape entry" in p and "int32" in p for p in kernel_isa.check_launch(rec))
+    rec["bound"]["esc_exp_ptr"] = huge[:1000]
+    assert kernel_isa.check_launch(rec) == []
+    rec["grid"] = (1, 70000, 1)
+    assert any("grid" in p for p in kernel_isa.check_launch(rec))
