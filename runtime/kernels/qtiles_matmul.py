@@ -109,16 +109,18 @@ def qtiles_dot_kernel(
     x_ptr, y_ptr, M, stride_xm, stride_ym,
     # W (N, K) in the resident layout, as for qtiles_gemv_kernel
     sm_ptr, codes_ptr, base_ptr, esc_row_ptr, esc_col_ptr, esc_exp_ptr, N, K, G,
-    # split-K: program_id(2) takes groups [pid_k * groups_per_split, ...) and every SPLITS-th
-    # escape of each row; partials (SPLITS, M, N) fp32 in ws, tile counters (all 0 between calls)
-    ws_ptr, count_ptr, groups_per_split,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, SPLITS: tl.constexpr,
+    # split-K: program_id(2) of splits takes groups [pid_k * groups_per_split, ...) and every
+    # splits-th escape of each row; partials (splits, M, N) fp32 in ws, tile counters (all 0
+    # between calls). A runtime value, so that one variant serves every split count (Triton's
+    # JIT still specialises splits == 1, the plain store)
+    ws_ptr, count_ptr, groups_per_split, splits,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
     PRMT: tl.constexpr,  # byte permutes as inline PTX (a GPU); else their integer model (the interpreter)
     DOT_F32: tl.constexpr,  # feed tl.dot fp32 operands (the interpreter, whose bf16 dot is wrong) instead of bf16
 ):
     """y tile (BLOCK_M, BLOCK_N) on the tensor cores: each step decodes a (BLOCK_N, 32 GROUPS) W
     tile (its columns in the order the decode yields them; x is loaded in the same order). With
-    SPLITS > 1 the tile's last program to finish (a counter) adds the partials in split order, so
+    splits > 1 the tile's last program to finish (a counter) adds the partials in split order, so
     the result does not depend on the schedule, and resets the counter: one launch, no memset."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -162,7 +164,7 @@ def qtiles_dot_kernel(
     first = tl.load(esc_row_ptr + rn64, mask=n_live, other=0)  # (BLOCK_N,)
     count = tl.load(esc_row_ptr + rn64 + 1, mask=n_live, other=0) - first
     fixes = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for j in tl.range(pid_k, tl.max(count), SPLITS, loop_unroll_factor=1):
+    for j in tl.range(pid_k, tl.max(count), splits, loop_unroll_factor=1):
         e_live = j < count  # (BLOCK_N,)
         ei = first + j
         col = tl.load(esc_col_ptr + ei, mask=e_live, other=0).to(tl.int64)
@@ -173,7 +175,7 @@ def qtiles_dot_kernel(
     acc += fixes
     out_live = m_live[:, None] & n_live[None, :]
     y_ptrs = y_ptr + rm64[:, None] * stride_ym + rn64[None, :]
-    if SPLITS == 1:
+    if splits == 1:
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_live)
     else:
         part = rm64[:, None] * N + rn64[None, :]  # (BLOCK_M, BLOCK_N) offsets in one split's partials
@@ -181,9 +183,9 @@ def qtiles_dot_kernel(
         tl.store(ws_ptr + pid_k * plane + part, acc, mask=out_live)
         tl.debug_barrier()  # every thread's partials, then one release-acquire on the tile's counter
         tile = pid_m * tl.num_programs(1) + pid_n
-        if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
+        if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu") == splits - 1:
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for k in tl.static_range(SPLITS):
+            for k in range(splits):
                 total += tl.load(ws_ptr + k * plane + part, mask=out_live, other=0.0, cache_modifier=".cg")
             tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_live)
             tl.store(count_ptr + tile, 0)  # ready for the next call
@@ -265,7 +267,7 @@ def qtiles_linear(x: torch.Tensor, q: dict[str, torch.Tensor], out_features: int
             splits = -(-g // per_split)
             ws, counts = _workspace(x.device, splits * m * out_features if splits > 1 else 0, tiles_m * tiles_n if splits > 1 else 0)
             qtiles_dot_kernel[(tiles_m, tiles_n, splits)](
-                *args, ws, counts, per_split,
-                BLOCK_M=block_m, BLOCK_N=block_n, GROUPS=groups, SPLITS=splits, PRMT=not interpreted, DOT_F32=interpreted and not INTERPRETER_BF16_DOT,
+                *args, ws, counts, per_split, splits,
+                BLOCK_M=block_m, BLOCK_N=block_n, GROUPS=groups, PRMT=not interpreted, DOT_F32=interpreted and not INTERPRETER_BF16_DOT,
             )
     return y.reshape(*lead, out_features)
