@@ -84,28 +84,6 @@ def pair_f32(pair, J: tl.constexpr):
 
 
 @triton.jit
-def lane_f32(h, lo, I: tl.constexpr):
-    """fp32 value of byte lane I (0..3) from the (H, L) words."""
-    if I == 3:
-        bits = (h & 0xFF000000) | ((lo >> 8) & 0x00FF0000)
-    else:
-        bits = ((h << (24 - 8 * I)) & 0xFF000000) | ((lo << (16 - 8 * I)) & 0x00FF0000)
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def lane_bf16(h, lo, I: tl.constexpr):
-    """BF16 bit pattern (int32, low 16 bits) of byte lane I from the (H, L) words."""
-    return ((h >> (8 * I)) & 0xFF) << 8 | ((lo >> (8 * I)) & 0xFF)
-
-
-@triton.jit
-def bf16_as_f32(bits):
-    """fp32 value of BF16 bit patterns held in the low 16 bits of int32 values."""
-    return (bits << 16).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def quad_pairs(a, b, c, w, base_m1, Q: tl.constexpr, PRMT: tl.constexpr):
     """Quad Q of each (row, group) as two BF16 pairs, lanes 0-1 and lanes 2-3, from the group's
     code words, the quad's sign+mantissa word and the row's base - 1."""

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .qtiles_common import bf16_pair, group_words, quad_codes, quad_planes
+from .qtiles_common import group_words, quad_pairs
 
 _NO_GUARD = contextlib.nullcontext()
 
@@ -46,9 +46,9 @@ def qtiles_decode_kernel(
         grp = rn64[:, None] * G + gi[None, :]
         words, a, b, c = group_words(sm_ptr, codes_ptr, grp, live)
         for q in tl.static_range(8):
-            h, lo = quad_planes(tl.load(words + q, mask=live, other=0), quad_codes(a, b, c, q), base_m1)
+            pairs = quad_pairs(a, b, c, tl.load(words + q, mask=live, other=0), base_m1, q, PRMT)
             for p in tl.static_range(2):
-                pair = bf16_pair(h, lo, p, PRMT)
+                pair = pairs[p]
                 k = gi[None, :] * 32 + 4 * q + 2 * p  # (1, GROUPS) column of the pair's first weight
                 if EVEN_K:
                     tl.store(out_pairs + ri64[:, None] * (K // 2) + k // 2, pair, mask=live)
