@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from .model import CausalLM
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams, Sequence
 
 
 def load_tokenizer(path: str | os.PathLike):
@@ -135,17 +135,18 @@ class Generation:
         return next(self._it)
 
     def _run(self) -> Iterator[str]:
-        model, p, r = self.model, self.params, self.result
-        gen = p.generator()
+        model, r = self.model, self.result
+        state = Sequence(self.params, self.prompt_ids, self.eos)
         seq = model.new_sequence()
         t0 = time.perf_counter()
         try:
             logits = model.prefill(seq, torch.tensor(self.prompt_ids))
-            for i in range(p.max_new_tokens):
-                token = sample(logits, p, gen)
-                if i == 0:
+            while True:
+                token = state.choose(logits).token
+                if not state.output:
                     r.time_to_first_token_s = time.perf_counter() - t0
-                if token in self.eos:
+                reason = state.append(token)
+                if reason == "stop":  # a stop token: not part of the text
                     r.finish_reason = "stop"
                     break
                 r.token_ids.append(token)
@@ -156,8 +157,9 @@ class Generation:
                 if self.text.finished:
                     r.finish_reason = "stop"
                     break
-                if i + 1 < p.max_new_tokens:
-                    logits = model.decode_step([seq], torch.tensor([token]))[0]
+                if reason == "length":
+                    break
+                logits = model.decode_step([seq], torch.tensor([token]))[0]
             rest = self.text.flush()
             r.text, r.total_s = self.text.text, time.perf_counter() - t0
             if rest:
@@ -172,7 +174,8 @@ def stream(model: CausalLM, tokenizer, prompt: str | list[dict], *, chat: bool =
 
 
 def generate(model: CausalLM, tokenizer, prompt: str | list[dict], *, chat: bool = False, **sampling) -> GenerationResult:
-    """Generate a whole completion. sampling: max_new_tokens, temperature, top_p, top_k, seed, stop.
+    """Generate a whole completion. sampling: the fields of `SamplingParams` (max_new_tokens,
+    temperature, top_p, top_k, min_p, seed, stop, penalties, logit_bias, min_tokens, ...).
     A list of messages (or chat=True) goes through the checkpoint's chat template."""
     g = stream(model, tokenizer, prompt, chat=chat, **sampling)
     for _ in g:

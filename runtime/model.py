@@ -21,6 +21,7 @@ from torch import nn
 from .kv_cache import KVCache, SeqCache
 from .model_config import ModelConfig
 from .rope import Rope
+from .sampling import token_logprobs
 from .transfer import to_device
 
 
@@ -177,6 +178,21 @@ class CausalLM(nn.Module):
             raise ValueError("prefill needs at least one token")
         h = self._forward(tokens, [(seq, tokens.numel())])
         return self.lm_head(h).float() if all_logits else self.lm_head(h[-1:]).float()[0]
+
+    def prefill_logprobs(self, seq: SeqCache, tokens, top: int, chunk: int = 256) -> tuple[torch.Tensor, list[tuple[float, list[tuple[int, float]]]]]:
+        """`prefill` that also scores the prompt: fp32 logits of its last token, and for every
+        token after the first its log-probability given the tokens before it and the `top` best
+        (id, logprob) there. lm_head runs on `chunk` rows at a time, so a long prompt never holds
+        (tokens, vocab) logits at once."""
+        tokens = self._check_tokens(tokens)
+        if tokens.numel() == 0:
+            raise ValueError("prefill needs at least one token")
+        h = self._forward(tokens, [(seq, tokens.numel())])
+        scored = []
+        for a in range(0, tokens.numel() - 1, chunk):
+            b = min(a + chunk, tokens.numel() - 1)
+            scored += token_logprobs(self.lm_head(h[a:b]), tokens[a + 1:b + 1], top, chunk)
+        return self.lm_head(h[-1:]).float()[0], scored
 
     def decode_step(self, seqs: list[SeqCache], tokens) -> torch.Tensor:
         """One new token for each sequence of a running batch; fp32 logits (batch, vocab)."""

@@ -1,4 +1,4 @@
-"""The resident GPU layout of a serving-layout weight (`qtiles`): what the CUDA kernels read.
+r"""The resident GPU layout of a serving-layout weight (`qtiles`): what the CUDA kernels read.
 
 The stored `tiles` codec (formats/SPEC.md §3.4) is decoded by counting escapes element by
 element, which no kernel can afford inside a matmul. When an `UnweightLinear` moves to a GPU it

@@ -197,7 +197,7 @@ def test_decode_step_never_waits_for_the_gpu(smollm2_uw):
     """With CUDA's sync debug mode set to error, any operation that waits for the device raises:
     a decode step (embedding, every layer, lm_head) runs through without one; only reading the
     tokens back, after it, waits (once for the batch)."""
-    from unweight.runtime.sampling import SamplingParams, sample_rows
+    from unweight.runtime.sampling import SamplingParams, Sequence, choose_rows
 
     gpu_model = unweight.load(smollm2_uw[0], device="cuda")
     seqs = [gpu_model.new_sequence(), gpu_model.new_sequence()]
@@ -210,14 +210,20 @@ def test_decode_step_never_waits_for_the_gpu(smollm2_uw):
         logits = gpu_model.decode_step(seqs, [6, 7])
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert len(sample_rows(logits, [SamplingParams()] * 2, [None, None])) == 2
+    assert len(choose_rows(logits, [Sequence(SamplingParams(), [1], [0])] * 2)) == 2
 
 
-def test_sample_rows_is_sample_per_row(model, tok):
-    """The batch form gives each row what `sample` gives it: greedy and seeded rows mixed."""
-    from unweight.runtime.sampling import SamplingParams, sample, sample_rows
+def test_choose_rows_is_choose_per_row():
+    """The batch form gives each row what `Sequence.choose` gives it: simple greedy rows (argmax
+    on the device), seeded rows and rows with penalties or logprobs mixed."""
+    from unweight.runtime.sampling import SamplingParams, Sequence, choose_rows
 
-    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(0))
-    params = [SamplingParams(), SamplingParams(temperature=0.8, seed=3), SamplingParams(), SamplingParams(temperature=1.2, top_k=5, top_p=0.9, seed=9)]
-    want = [sample(row, p, p.generator()) for row, p in zip(logits, params)]
-    assert sample_rows(logits, params, [p.generator() for p in params]) == want
+    logits = torch.randn(5, 300, generator=torch.Generator().manual_seed(0))
+    params = [SamplingParams(), SamplingParams(temperature=0.8, seed=3), SamplingParams(repetition_penalty=1.3),
+              SamplingParams(temperature=1.2, top_k=5, top_p=0.9, seed=9), SamplingParams(logprobs=3)]
+
+    def seqs():
+        return [Sequence(p, [4, 5, 6], [0]) for p in params]
+
+    want = [s.choose(row) for s, row in zip(seqs(), logits)]
+    assert choose_rows(logits, seqs()) == want

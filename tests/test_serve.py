@@ -162,7 +162,8 @@ def test_sixteen_concurrent_clients_get_complete_correct_answers(server, expecte
     ({"model": "uw", "messages": MESSAGES[0], "max_tokens": 0}, 400, "max_tokens"),
     ({"model": "gpt-4", "messages": MESSAGES[0]}, 400, "is not served here"),
     ({"model": "uw", "messages": [{"role": "user", "content": "word " * 600}]}, 400, "context length"),
-    ({"model": "uw", "messages": MESSAGES[0], "n": 2}, 400, "n=1"),
+    ({"model": "uw", "messages": MESSAGES[0], "n": 65}, 400, "n"),
+    ({"model": "uw", "messages": MESSAGES[0], "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ({"model": "uw", "messages": "hello"}, 400, "messages"),
 ])
 def test_bad_requests_get_openai_errors(server, body, status, fragment):

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -20,6 +21,7 @@ from ..generate import TextStream, encode_prompt, load_tokenizer
 from ..loader import _generation_eos
 from ..model_config import ModelConfig
 from . import api
+from .logprobs import TokenText
 from .metrics import Metrics
 from .protocol import ServeConfig
 from .router import Overloaded, Router, Unavailable
@@ -34,12 +36,91 @@ class HTTPError(Exception):
         self.status, self.body = status, api.error_body(message, kind, param, code)
 
 
+class Choice:
+    """One sequence of a response: its events from the router, its text, its logprobs. A request
+    has one per prompt and per n (or per best_of candidate)."""
+
+    def __init__(self, index: int, r, text: TextStream, prompt: list[int], prefix: str, top: int | None):
+        self.index, self.r, self.text, self.prompt, self.prefix, self.top = index, r, text, prompt, prefix, top
+        self.finish: str | None = None
+        self.entries: list[tuple[int, float, list]] = []  # (token, logprob, alternatives) of each generated token
+        self.prompt_logprobs: list | None = None  # [[logprob, alternatives], ...] of prompt tokens 1.. (echo)
+        self.cumulative = 0.0  # the chosen tokens' logprobs added up (best_of ranks by it)
+        self.unsent = ""  # streaming: text not yet in a chunk
+        self.sent = 0  # streaming: entries already in a chunk
+        self.head_sent = False  # streaming: the echoed prompt is out
+        self.offset = 0  # streaming: text_offset of the next token
+
+    def push(self, token: int | None, logprobs: list | None, finish: str | None) -> str | None:
+        """Take one token event; returns the finish reason once the choice is over."""
+        if token is not None and not self.text.finished:
+            self.unsent += self.text.push(token)
+            if logprobs is not None:
+                self.entries.append((token, logprobs[0], logprobs[1]))
+                self.cumulative += logprobs[0]
+        if self.text.finished:  # a stop string
+            finish = "stop"
+        if finish is not None:
+            self.finish = finish
+            self.unsent += self.text.flush()
+        return finish
+
+    async def collect(self) -> None:
+        """Run to the end (non-streaming)."""
+        while True:
+            kind, value, finish, logprobs = await self.r.events.get()
+            if kind == "error":
+                raise HTTPError(503, value, "server_error", code="worker_failed")
+            if kind == "prompt":
+                self.prompt_logprobs = value
+            elif self.push(value, logprobs, finish) is not None:
+                return
+
+    def take_text(self) -> str:
+        """Streaming: the text for the next chunk, the echoed prompt first."""
+        out, self.unsent = self.unsent, ""
+        if self.prefix and not self.head_sent:
+            out = self.prefix + out
+        return out
+
+    @property
+    def pending(self) -> bool:
+        return self.top is not None and self.sent < len(self.entries)
+
+    def _entries(self, streaming: bool) -> list:
+        if not streaming:
+            return self.entries
+        out, self.sent = self.entries[self.sent:], len(self.entries)
+        return out
+
+    def _prompt_entries(self) -> list:
+        lps = self.prompt_logprobs or []
+        return [(self.prompt[0], None, None)] + [(t, lp, alts) for t, (lp, alts) in zip(self.prompt[1:], lps)]
+
+    def completion_logprobs(self, texts: TokenText, streaming: bool = False) -> dict | None:
+        """The choice's logprobs (streaming: those not sent yet), the echoed prompt's first."""
+        if self.top is None:
+            return None
+        head = self._prompt_entries() if self.prefix and not (streaming and self.head_sent) else []
+        offset = self.offset if streaming else 0
+        out = texts.completion(head + self._entries(streaming), offset)
+        if streaming:
+            self.head_sent = True
+            self.offset = offset + sum(len(t) for t in out["tokens"])
+        return out
+
+    def chat_logprobs(self, texts: TokenText, streaming: bool = False) -> list[dict] | None:
+        return None if self.top is None else texts.chat(self._entries(streaming))
+
+
 def create_app(cfg: ServeConfig) -> FastAPI:
     model_cfg = ModelConfig.from_folder(cfg.model)
     tokenizer = load_tokenizer(cfg.model)
     eos = sorted(set(model_cfg.eos_token_ids) | set(_generation_eos(Path(cfg.model))) | ({tokenizer.eos_token_id} - {None}))
     max_len = min(cfg.max_model_len or model_cfg.max_position_embeddings, model_cfg.max_position_embeddings)
     name = cfg.served_model_name or Path(cfg.model).resolve().name
+    vocab_size = model_cfg.vocab_size
+    texts = TokenText(tokenizer)
     metrics = Metrics()
     router = Router(cfg, eos, metrics)
 
@@ -63,13 +144,16 @@ def create_app(cfg: ServeConfig) -> FastAPI:
         if cfg.api_key and request.headers.get("authorization") != f"Bearer {cfg.api_key}":
             raise HTTPError(401, "invalid API key", "authentication_error", code="invalid_api_key")
 
-    async def parse(request: Request, schema):
+    async def parse(request: Request, schema, endpoint: str):
         try:
             body = json.loads(await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise HTTPError(400, f"the body is not valid JSON: {e}") from None
         if not isinstance(body, dict):
             raise HTTPError(400, "the body must be a JSON object")
+        field = api.unsupported(body, endpoint)
+        if field is not None:
+            raise HTTPError(400, f"{field}: this server does not support {field!r}", param=field, code="unsupported_parameter")
         try:
             req = schema.model_validate(body)
         except ValidationError as e:
@@ -80,12 +164,12 @@ def create_app(cfg: ServeConfig) -> FastAPI:
             raise HTTPError(400, f"model {req.model!r} is not served here; this server serves {name!r}", param="model", code="model_not_found")
         return req
 
-    def budget(req, prompt_ids: list[int]) -> int:
+    def budget(req, prompt_ids: list[int], param: str) -> int:
         n = len(prompt_ids)
         if n == 0:
-            raise HTTPError(400, "the prompt encodes to no tokens", param="prompt")
+            raise HTTPError(400, "the prompt encodes to no tokens", param=param)
         if n >= max_len:
-            raise HTTPError(400, f"the prompt has {n} tokens; the context length is {max_len}", param="messages" if hasattr(req, "messages") else "prompt", code="context_length_exceeded")
+            raise HTTPError(400, f"the prompt has {n} tokens; the context length is {max_len}", param=param, code="context_length_exceeded")
         limit = req.limit()
         if limit is None:
             return min(api.DEFAULT_MAX_TOKENS, max_len - n)
@@ -93,88 +177,147 @@ def create_app(cfg: ServeConfig) -> FastAPI:
             raise HTTPError(400, f"the prompt has {n} tokens; with max_tokens {limit} that exceeds the context length {max_len}", param="max_tokens", code="context_length_exceeded")
         return limit
 
+    def encode(req, chat: bool) -> list[list[int]]:
+        """Token ids of each prompt: chat messages through the chat template, text through the
+        tokenizer, token-id prompts checked against the vocabulary."""
+        if chat:
+            prompts = [[m.template_dict() for m in req.messages]]
+        else:
+            prompts = req.prompts()
+        out = []
+        for p in prompts:
+            if isinstance(p, list) and p and isinstance(p[0], int):
+                bad = [t for t in p if not 0 <= t < vocab_size]
+                if bad:
+                    raise HTTPError(400, f"prompt: token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})", param="prompt")
+                out.append(list(p))
+                continue
+            try:
+                out.append(encode_prompt(tokenizer, p))  # messages go through the chat template
+            except ValueError as e:
+                raise HTTPError(400, str(e), param="messages" if chat else "prompt") from None
+        return out
+
     async def handle(request: Request, schema, endpoint: str, chat: bool):
+        choices: list[Choice] = []
         try:
             check_key(request)
-            req = await parse(request, schema)
-            prompt = [m.model_dump() for m in req.messages] if chat else req.prompt
-            try:
-                ids = encode_prompt(tokenizer, prompt)  # messages go through the chat template
-            except ValueError as e:
-                raise HTTPError(400, str(e)) from None
-            sampling = {"max_tokens": budget(req, ids), "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "seed": req.seed}
+            req = await parse(request, schema, endpoint)
+            prompts = encode(req, chat)
+            param = "messages" if chat else "prompt"
+            limits = [budget(req, ids, param) for ids in prompts]
+            per_prompt, n = req.choices(), req.n or 1
+            top = req.token_logprobs()
+            echo = not chat and bool(req.echo)
+            if len(prompts) * per_prompt > router.room():
+                raise HTTPError(429, f"server busy: {len(prompts) * per_prompt} sequences asked, room for {max(router.room(), 0)}", "rate_limit_error", code="overloaded")
             rid = api.new_id("chatcmpl" if chat else "cmpl")
             try:
-                r = await router.submit(rid, ids, sampling)
+                for pi, ids in enumerate(prompts):
+                    for j in range(per_prompt):
+                        try:
+                            # best_of ranks by the chosen tokens' logprobs: ask for them even if the client did not
+                            params = req.params(limits[pi], top if per_prompt == n else (top or 0))
+                            params.seed = api.seed_of(req, j)
+                            params.check_vocab(vocab_size)
+                        except ValueError as e:
+                            raise HTTPError(400, str(e)) from None
+                        r = await router.submit(f"{rid}-{pi}-{j}", ids, params, prompt_logprobs=top if echo and top is not None else None)
+                        prefix = (req.prompts()[pi] if isinstance(req.prompts()[pi], str) else tokenizer.decode(ids)) if echo else ""
+                        choices.append(Choice(pi * n + j, r, TextStream(tokenizer, req.stop or []), ids, prefix, top))
             except Overloaded as e:
                 raise HTTPError(429, f"server busy: {e}", "rate_limit_error", code="overloaded") from None
             except Unavailable as e:
                 raise HTTPError(503, f"server not ready: {e}", "server_error", code="unavailable") from None
         except HTTPError as e:
+            for c in choices:
+                await router.cancel(c.r)
             return fail(e, endpoint)
-        text = TextStream(tokenizer, req.stop or [])
+        n_prompt = sum(len(ids) for ids in prompts)
         if req.stream:
             metrics.requests.labels(endpoint, "200").inc()
-            return StreamingResponse(_sse(r, text, req, rid, chat, len(ids)), media_type="text/event-stream")
+            return StreamingResponse(_sse(choices, req, rid, chat, n_prompt), media_type="text/event-stream")
         try:
-            completion, finish = await _collect(r, text)
+            await asyncio.gather(*(c.collect() for c in choices))
         except HTTPError as e:
             return fail(e, endpoint)
         finally:
-            if not r.done:
-                await router.cancel(r)
+            for c in choices:
+                if not c.r.done:
+                    await router.cancel(c.r)
+        completion = sum(len(c.text.tokens) for c in choices)
         metrics.requests.labels(endpoint, "200").inc()
-        metrics.tokens.inc(len(text.tokens))
-        body = (api.chat_body if chat else api.completion_body)(rid, name, text.text, finish, len(ids), len(text.tokens))
+        metrics.tokens.inc(completion)
+        if per_prompt > n:  # best_of: the n most likely of each prompt's candidates
+            kept = []
+            for pi in range(len(prompts)):
+                ranked = sorted(choices[pi * per_prompt:(pi + 1) * per_prompt], key=lambda c: -c.cumulative)
+                for j, c in enumerate(ranked[:n]):
+                    c.index = pi * n + j
+                    kept.append(c)
+            choices = kept
+        if chat:
+            body = api.chat_body(rid, name, [api.chat_choice(c.index, c.text.text, c.finish, c.chat_logprobs(texts)) for c in choices], n_prompt, completion)
+        else:
+            body = api.completion_body(rid, name, [api.completion_choice(c.index, c.prefix + c.text.text, c.finish, c.completion_logprobs(texts)) for c in choices],
+                                       n_prompt, completion)
         return JSONResponse(body)
 
-    async def _collect(r, text: TextStream) -> tuple[str, str]:
-        while True:
-            kind, token, finish = await r.events.get()
-            if kind == "error":
-                raise HTTPError(503, token, "server_error", code="worker_failed")
-            if token is not None:
-                text.push(token)
-            if text.finished:
-                return text.text, "stop"
-            if finish is not None:
-                return text.text, finish
-
-    async def _sse(r, text: TextStream, req, rid: str, chat: bool, n_prompt: int):
+    async def _sse(choices: list[Choice], req, rid: str, chat: bool, n_prompt: int):
         obj = "chat.completion.chunk" if chat else "text_completion"
+        events: asyncio.Queue = asyncio.Queue()
 
-        def chunk(piece: str, finish: str | None) -> str:
-            if chat:
-                body = api.chat_chunk(rid, name, {"content": piece} if piece or finish is None else {}, finish)
-            else:
-                body = api.completion_chunk(rid, name, piece, finish)
+        async def pump(c: Choice):
+            while True:
+                ev = await c.r.events.get()
+                await events.put((c, ev))
+                if ev[0] == "error" or (ev[0] == "token" and ev[2] is not None):
+                    return
+
+        def data(body: dict) -> str:
             return f"data: {json.dumps(body)}\n\n"
 
+        def chunk(c: Choice, piece: str, finish: str | None) -> str:
+            if chat:
+                lp = c.chat_logprobs(texts, streaming=True)
+                return data(api.chat_chunk(rid, name, c.index, {"content": piece} if piece or finish is None else {}, finish, lp))
+            lp = c.completion_logprobs(texts, streaming=True)
+            c.head_sent = True
+            return data(api.completion_chunk(rid, name, c.index, piece, finish, lp))
+
+        pumps = [asyncio.create_task(pump(c)) for c in choices]
         try:
             if chat:
-                yield f"data: {json.dumps(api.chat_chunk(rid, name, {'role': 'assistant', 'content': ''}, None))}\n\n"
-            while True:
-                kind, token, finish = await r.events.get()
-                if kind == "error":
-                    yield f"data: {json.dumps(api.error_body(token, 'server_error', code='worker_failed'))}\n\n"
+                for c in choices:
+                    yield data(api.chat_chunk(rid, name, c.index, {"role": "assistant", "content": ""}, None))
+            open_ = len(choices)
+            while open_:
+                c, ev = await events.get()
+                if ev[0] == "error":
+                    yield data(api.error_body(ev[1], "server_error", code="worker_failed"))
                     break
-                piece = text.push(token) if token is not None else ""
-                if text.finished:
-                    finish = "stop"
+                if ev[0] == "prompt":
+                    c.prompt_logprobs = ev[1]
+                    continue
+                finish = c.push(ev[1], ev[3], ev[2])
+                piece = c.take_text()  # with echo, the prompt comes first (and its logprobs)
+                if piece or (finish is not None and c.pending):
+                    yield chunk(c, piece, None)
                 if finish is not None:
-                    piece += text.flush()
-                if piece:
-                    yield chunk(piece, None)
-                if finish is not None:
-                    yield chunk("", finish)
-                    metrics.tokens.inc(len(text.tokens))
-                    if req.include_usage:
-                        yield f"data: {json.dumps(api.usage_chunk(rid, name, obj, n_prompt, len(text.tokens)))}\n\n"
-                    break
+                    yield chunk(c, "", finish)
+                    open_ -= 1
+            else:
+                completion = sum(len(c.text.tokens) for c in choices)
+                metrics.tokens.inc(completion)
+                if req.include_usage:
+                    yield data(api.usage_chunk(rid, name, obj, n_prompt, completion))
             yield "data: [DONE]\n\n"
-        finally:  # also when the client went away mid-stream: free its slot and KV cache
-            if not r.done:
-                await router.cancel(r)
+        finally:  # also when the client went away mid-stream: free its slots and KV caches
+            for t in pumps:
+                t.cancel()
+            for c in choices:
+                if not c.r.done:
+                    await router.cancel(c.r)
 
     @app.post("/v1/completions")
     async def completions(request: Request):

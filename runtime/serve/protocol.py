@@ -5,18 +5,25 @@ worker connects a DEALER whose identity is its name (`prefill-0`, `decode-1`, `w
 Tensors never travel this way: a KV cache goes from a prefill worker to a decode worker over
 torch.distributed (runtime/serve/kv_link.py).
 
+A sequence's generation state (`seq`: settings, prompt, tokens made, EOS ids, random state) is
+`runtime.sampling.Sequence.state()`; the receiving worker rebuilds and checks it with
+`Sequence.from_state`. A token's `logprobs` is [logprob, [[id, logprob], ...]] or null.
+
 Router -> worker
-    prefill   {id, tag, tokens, sampling, decode: name, decode_incarnation}   (disaggregated)
-    generate  {id, tokens, sampling}                                          (aggregated worker)
-    decode    {id, tag, first_token, kv_shape, kv_dtype, prefill: name, prefill_incarnation, sampling, rng}
+    prefill   {id, tag, seq, prompt_logprobs, decode: name, decode_incarnation}   (disaggregated)
+    generate  {id, seq, prompt_logprobs}                                          (aggregated worker)
+    decode    {id, tag, seq, kv_shape, kv_dtype, prefill: name, prefill_incarnation}
               (with discard: true, receive the KV and drop it: its request was cancelled meanwhile)
     cancel    {id}
     shutdown  {}
 Worker -> router
     hello     {role, pid, incarnation}
     beat      {running, queued, kv_blocks_used, kv_blocks_total}  (every HEARTBEAT_S)
-    prefilled {id, tag, first_token, kv_shape, kv_dtype, rng, kv_bytes, decode}  (the KV is on its way)
-    tokens    {items: [[id, token, finish_reason or null], ...]}  (one message per step)
+    prompt_logprobs {id, items: [[logprob, [[id, logprob], ...]], ...]}  (one per prompt token after
+              the first; sent before the first token when prompt_logprobs is not null)
+    prefilled {id, tag, first_token, logprobs, seq, kv_shape, kv_dtype, kv_bytes, decode}  (the KV is on its way)
+    tokens    {items: [[id, token, finish_reason or null, logprobs], ...]}  (one message per step;
+              token is null when a stop token ended the sequence)
     failed    {id, error}
 """
 

@@ -23,6 +23,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from ..sampling import SamplingParams, Sequence
 from .metrics import Metrics
 from .protocol import DEAD_AFTER_S, ServeConfig, pack, unpack
 
@@ -71,8 +72,7 @@ class Request:
     rid: str
     tag: int
     tokens: list[int]
-    sampling: dict
-    events: asyncio.Queue
+    events: asyncio.Queue  # ("token", id or None, finish reason or None, logprobs or None) | ("prompt", logprobs) | ("error", message)
     created: float = field(default_factory=time.monotonic)
     holder: str | None = None  # the worker holding its state now
     decode: str | None = None
@@ -202,7 +202,7 @@ class Router:
                     "op": "decode", "id": msg["id"], "tag": msg["tag"], "kv_shape": msg["kv_shape"], "kv_dtype": msg["kv_dtype"],
                     "prefill": name, "prefill_incarnation": w.incarnation, "discard": True}))
                 return
-            self._token(r, msg["first_token"], None)
+            self._token(r, msg["first_token"], None, msg["logprobs"])
             d = self.workers.get(r.decode)
             if d is None or d.state == "dead":
                 self._finish_error(r, f"decode worker {r.decode} died")
@@ -211,19 +211,23 @@ class Router:
             d.inflight.add(r.rid)
             d.served += 1
             asyncio.get_running_loop().create_task(self._send(d.name, {
-                "op": "decode", "id": r.rid, "tag": r.tag, "first_token": msg["first_token"], "kv_shape": msg["kv_shape"], "kv_dtype": msg["kv_dtype"],
-                "prefill": name, "prefill_incarnation": w.incarnation, "sampling": r.sampling, "rng": msg["rng"]}))
+                "op": "decode", "id": r.rid, "tag": r.tag, "kv_shape": msg["kv_shape"], "kv_dtype": msg["kv_dtype"],
+                "prefill": name, "prefill_incarnation": w.incarnation, "seq": msg["seq"]}))
         elif op == "tokens":
-            for rid, token, finish in msg["items"]:
+            for rid, token, finish, logprobs in msg["items"]:
                 r = self.requests.get(rid)
                 if r is not None and not r.done:
-                    self._token(r, token, finish)
+                    self._token(r, token, finish, logprobs)
+        elif op == "prompt_logprobs":
+            r = self.requests.get(msg["id"])
+            if r is not None and not r.done:
+                r.events.put_nowait(("prompt", msg["items"], None, None))
         elif op == "failed":
             r = self.requests.get(msg["id"])
             if r is not None:
                 self._finish_error(r, msg["error"])
 
-    def _token(self, r: Request, token: int | None, finish: str | None) -> None:
+    def _token(self, r: Request, token: int | None, finish: str | None, logprobs: list | None = None) -> None:
         now = time.monotonic()
         if token is not None:
             if r.first_at is None:
@@ -232,13 +236,13 @@ class Router:
             else:
                 self.metrics.itl.observe(now - r.last_at)
             r.last_at = now
-        r.events.put_nowait(("token", token, finish))
+        r.events.put_nowait(("token", token, finish, logprobs))
         if finish is not None:
             self._release(r)
 
     def _finish_error(self, r: Request, error: str) -> None:
         if not r.done:
-            r.events.put_nowait(("error", error, None))
+            r.events.put_nowait(("error", error, None, None))
             self._release(r)
 
     def _release(self, r: Request) -> None:
@@ -280,19 +284,25 @@ class Router:
             raise Unavailable(f"no {role} worker is ready")
         return min(ready, key=lambda w: (w.load + w.running, w.name))
 
-    async def submit(self, rid: str, tokens: list[int], sampling: dict) -> Request:
-        if len(self.requests) >= self.cfg.max_queue:
+    def room(self) -> int:
+        """Requests that may still be admitted before new ones get 429."""
+        return self.cfg.max_queue - len(self.requests)
+
+    async def submit(self, rid: str, tokens: list[int], params: SamplingParams, prompt_logprobs: int | None = None) -> Request:
+        """Start one sequence (a choice of a request): its events arrive on the returned
+        Request's queue. prompt_logprobs: also score the prompt, with that many alternatives."""
+        if self.room() < 1:
             raise Overloaded(f"{len(self.requests)} requests in flight (max {self.cfg.max_queue})")
-        sampling = {**sampling, "eos": self.eos}
-        r = Request(rid, next(self._tags) % (1 << 30), tokens, sampling, asyncio.Queue())
+        seq = Sequence(params, tokens, self.eos).state()
+        r = Request(rid, next(self._tags) % (1 << 30), tokens, asyncio.Queue())
         if self.cfg.disaggregated:
             p, d = self._pick("prefill"), self._pick("decode")
             r.holder, r.decode = p.name, d.name
-            msg = {"op": "prefill", "id": rid, "tag": r.tag, "tokens": tokens, "sampling": sampling, "decode": d.name, "decode_incarnation": d.incarnation}
+            msg = {"op": "prefill", "id": rid, "tag": r.tag, "seq": seq, "prompt_logprobs": prompt_logprobs, "decode": d.name, "decode_incarnation": d.incarnation}
         else:
             p = self._pick("worker")
             r.holder = p.name
-            msg = {"op": "generate", "id": rid, "tokens": tokens, "sampling": sampling}
+            msg = {"op": "generate", "id": rid, "seq": seq, "prompt_logprobs": prompt_logprobs}
         p.inflight.add(rid)
         p.served += 1
         self.requests[rid] = r

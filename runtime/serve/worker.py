@@ -14,7 +14,6 @@ Token ids go back to the router, which detokenises and streams.
 
 from __future__ import annotations
 
-import base64
 import logging
 import os
 import signal
@@ -28,42 +27,25 @@ import torch
 
 from ..kv_cache import CacheFullError, SeqCache
 from ..loader import load
-from ..sampling import SamplingParams, sample, sample_rows
+from ..sampling import Pick, Sequence, choose_rows
 from .kv_link import KVLink, Transfer
 from .protocol import HEARTBEAT_S, pack, unpack
 
 log = logging.getLogger(__name__)
 
 
-def sampling_from(job: dict) -> tuple[SamplingParams, set[int]]:
-    s = job["sampling"]
-    params = SamplingParams(max_new_tokens=s["max_tokens"], temperature=s["temperature"], top_p=s["top_p"], top_k=s.get("top_k", 0), seed=s.get("seed"))
-    return params, set(s.get("eos", []))
-
-
-def rng_state(gen: torch.Generator | None) -> str | None:
-    return None if gen is None else base64.b64encode(gen.get_state().numpy().tobytes()).decode()
-
-
-def rng_from(state: str | None) -> torch.Generator | None:
-    if state is None:
-        return None
-    g = torch.Generator()
-    g.set_state(torch.frombuffer(bytearray(base64.b64decode(state)), dtype=torch.uint8))
-    return g
+def lp_item(pick: Pick) -> list | None:
+    """A token's logprobs as they travel: [logprob, [[id, logprob], ...]], or None."""
+    return None if pick.logprob is None else [pick.logprob, [list(t) for t in pick.top]]
 
 
 @dataclass(slots=True)
 class Slot:
-    """One sequence in the running decode batch."""
+    """One sequence in the running decode batch: its KV cache and its generation state."""
 
     rid: str
-    seq: SeqCache
-    token: int  # the last token, fed to the next step
-    generated: int  # tokens made so far (the first came from prefill)
-    params: SamplingParams
-    gen: torch.Generator | None
-    eos: set[int]
+    cache: SeqCache
+    seq: Sequence
 
 
 class Worker:
@@ -152,41 +134,56 @@ class Worker:
     def cancel(self, rid: str) -> None:
         slot = self.running.pop(rid, None)
         if slot is not None:
-            self.model.free(slot.seq)
+            self.model.free(slot.cache)
         elif rid in self.pending:
             self.cancelled.add(rid)  # its KV is still arriving: drop it when it lands
         self.waiting = deque(w for w in self.waiting if (w[0] if isinstance(w, tuple) else w)["id"] != rid)
 
     # -- phases -------------------------------------------------------------------------------
-    def prefill(self, job: dict) -> tuple[SeqCache, int, SamplingParams, torch.Generator | None, set[int], str | None]:
-        """Run a prompt; returns its cache, first token, sampling state and a finish reason."""
-        params, eos = sampling_from(job)
-        gen = params.generator()
-        seq = self.model.new_sequence()
+    def prefill(self, job: dict) -> tuple[SeqCache, Sequence, Pick, str | None]:
+        """Run a prompt: its KV cache, its generation state, the first token and a finish reason.
+        With `prompt_logprobs` set, the prompt's own logprobs go to the router first."""
+        seq = Sequence.from_state(job["seq"], self.model.config.vocab_size)
+        cache = self.model.new_sequence()
         try:
-            logits = self.model.prefill(seq, torch.tensor(job["tokens"]))
+            tokens = torch.tensor(seq.prompt, dtype=torch.int64)
+            top = job.get("prompt_logprobs")
+            if top is not None:
+                logits, scored = self.model.prefill_logprobs(cache, tokens, top)
+                self.send({"op": "prompt_logprobs", "id": job["id"], "items": [[lp, [list(t) for t in alts]] for lp, alts in scored]})
+            else:
+                logits = self.model.prefill(cache, tokens)
+            pick = seq.choose(logits)
         except BaseException:
-            self.model.free(seq)
+            self.model.free(cache)
             raise
-        token = sample(logits, params, gen)
-        reason = "stop" if token in eos else "length" if params.max_new_tokens <= 1 else None
-        return seq, token, params, gen, eos, reason
+        return cache, seq, pick, seq.append(pick.token)
+
+    def _picks(self, logits: torch.Tensor, slots: list[Slot]) -> list[Pick | None]:
+        """The batch's choices; should one sequence's fail, only that one is lost (None)."""
+        try:
+            return choose_rows(logits, [s.seq for s in slots])
+        except Exception:  # noqa: BLE001 - never expected (sampling is total); isolate it rather than lose the batch
+            log.exception("%s: batched sampling failed; choosing row by row", self.name)
+        picks = []
+        for row, slot in zip(logits, slots):
+            try:
+                picks.append(choose_rows(row[None], [slot.seq])[0])
+            except Exception as e:  # noqa: BLE001
+                picks.append(None)
+                self.fail(slot.rid, f"sampling failed: {type(e).__name__}: {e}")
+        return picks
 
     def decode_step(self) -> None:
         slots = list(self.running.values())
-        logits = self.model.decode_step([s.seq for s in slots], [s.token for s in slots])
+        logits = self.model.decode_step([s.cache for s in slots], [s.seq.output[-1] for s in slots])
         items = []
-        for slot, token in zip(slots, sample_rows(logits, [s.params for s in slots], [s.gen for s in slots])):
-            slot.generated += 1
-            if token in slot.eos:
-                items.append([slot.rid, None, "stop"])
-            elif slot.generated >= slot.params.max_new_tokens:
-                items.append([slot.rid, token, "length"])
-            else:
-                items.append([slot.rid, token, None])
-                slot.token = token
-                continue
-            self.model.free(self.running.pop(slot.rid).seq)
+        for slot, pick in zip(slots, self._picks(logits, slots)):
+            reason = None if pick is None else slot.seq.append(pick.token)
+            if pick is not None:
+                items.append([slot.rid, None if reason == "stop" else pick.token, reason, None if reason == "stop" else lp_item(pick)])
+            if pick is None or reason is not None:
+                self.model.free(self.running.pop(slot.rid).cache)
         self.emit(items)
 
     def fail(self, rid: str, error: str) -> None:
@@ -217,18 +214,18 @@ class Worker:
             return
         job = self.waiting.popleft()
         try:
-            seq, token, params, gen, eos, reason = self.prefill(job)
+            cache, seq, pick, reason = self.prefill(job)
         except (ValueError, CacheFullError) as e:
             self.fail(job["id"], str(e))
             return
         if reason is not None:
-            self.model.free(seq)
-            self.emit([[job["id"], None if reason == "stop" else token, reason]])
+            self.model.free(cache)
+            self.emit([[job["id"], None if reason == "stop" else pick.token, reason, None if reason == "stop" else lp_item(pick)]])
             return
-        kv = self.model.cache.export(seq).cpu()  # gloo moves host tensors; a GPU cache is staged through them
-        self.model.free(seq)
-        self.send({"op": "prefilled", "id": job["id"], "tag": job["tag"], "first_token": token, "kv_shape": list(kv.shape), "kv_dtype": str(kv.dtype).removeprefix("torch."),
-                   "rng": rng_state(gen), "kv_bytes": kv.numel() * kv.element_size(), "decode": job["decode"]})
+        kv = self.model.cache.export(cache).cpu()  # gloo moves host tensors; a GPU cache is staged through them
+        self.model.free(cache)
+        self.send({"op": "prefilled", "id": job["id"], "tag": job["tag"], "first_token": pick.token, "logprobs": lp_item(pick), "seq": seq.state(),
+                   "kv_shape": list(kv.shape), "kv_dtype": str(kv.dtype).removeprefix("torch."), "kv_bytes": kv.numel() * kv.element_size(), "decode": job["decode"]})
         self.link.submit(Transfer(job["id"], job["tag"], job["decode"], job["decode_incarnation"], tensor=kv))
 
     def _drain_transfers(self) -> None:
@@ -248,12 +245,14 @@ class Worker:
         while self.waiting and len(self.running) < self.max_batch:
             job, kv = self.waiting.popleft()
             try:
-                seq = self.model.cache.import_(kv)
+                seq = Sequence.from_state(job["seq"], self.model.config.vocab_size)
+                if not seq.output:
+                    raise ValueError("a decode job needs the sequence's first token")
+                cache = self.model.cache.import_(kv)
             except (ValueError, CacheFullError) as e:
                 self.fail(job["id"], str(e))
                 continue
-            params, eos = sampling_from(job)
-            self.running[job["id"]] = Slot(job["id"], seq, job["first_token"], 1, params, rng_from(job.get("rng")), eos)
+            self.running[job["id"]] = Slot(job["id"], cache, seq)
 
     def _decode_loop(self) -> None:
         self.poll(0 if self.running else 20)
@@ -267,17 +266,16 @@ class Worker:
         if self.waiting and len(self.running) < self.max_batch:
             job = self.waiting.popleft()  # the whole prompt now: every running sequence waits for it
             try:
-                seq, token, params, gen, eos, reason = self.prefill(job)
+                cache, seq, pick, reason = self.prefill(job)
             except (ValueError, CacheFullError) as e:
                 self.fail(job["id"], str(e))
-                seq = None
-            if seq is not None:
+                cache = None
+            if cache is not None:
+                self.emit([[job["id"], None if reason == "stop" else pick.token, reason, None if reason == "stop" else lp_item(pick)]])
                 if reason is not None:
-                    self.model.free(seq)
-                    self.emit([[job["id"], None if reason == "stop" else token, reason]])
+                    self.model.free(cache)
                 else:
-                    self.emit([[job["id"], token, None]])
-                    self.running[job["id"]] = Slot(job["id"], seq, token, 1, params, gen, eos)
+                    self.running[job["id"]] = Slot(job["id"], cache, seq)
         if self.running:
             self.decode_step()
 
