@@ -278,12 +278,15 @@ def create_app(cfg: ServeConfig) -> FastAPI:
             return f"data: {json.dumps(body)}\n\n"
 
         def chunk(c: Choice, piece: str, finish: str | None) -> str:
+            if finish is not None:  # the last chunk: its logprobs went out with the text before it
+                body = api.chat_chunk(rid, name, c.index, {}, finish) if chat else api.completion_chunk(rid, name, c.index, "", finish)
+                return data(body)
             if chat:
                 lp = c.chat_logprobs(texts, streaming=True)
-                return data(api.chat_chunk(rid, name, c.index, {"content": piece} if piece or finish is None else {}, finish, lp))
+                return data(api.chat_chunk(rid, name, c.index, {"content": piece}, None, lp))
             lp = c.completion_logprobs(texts, streaming=True)
             c.head_sent = True
-            return data(api.completion_chunk(rid, name, c.index, piece, finish, lp))
+            return data(api.completion_chunk(rid, name, c.index, piece, None, lp))
 
         pumps = [asyncio.create_task(pump(c)) for c in choices]
         try:
