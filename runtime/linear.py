@@ -125,8 +125,10 @@ class UnweightLinear(nn.Module):
         tiles.check(streams, p, out_features, in_features)  # a corrupt tile set stops here
         self._setup(in_features, out_features, p, TILES_ROLES, tile_tensors(streams), bias, autotuner)
 
-    def _setup(self, in_features: int, out_features: int, params: tiles.TilesParams, roles: tuple[str, ...], buffers: dict[str, torch.Tensor], bias, autotuner) -> None:
+    def _setup(self, in_features: int, out_features: int, params: tiles.TilesParams, roles: tuple[str, ...], buffers: dict[str, torch.Tensor], bias, autotuner,
+               qmode: int = 0) -> None:
         self.in_features, self.out_features = in_features, out_features
+        self._qmode = qmode  # of the qtiles layout (runtime/qtiles.py), kept on the host: the launchers take it from here, no device read
         self.params = params  # of the tiles layout (its block size is kept when moving back to the CPU)
         self._roles = roles  # the layout the buffers hold: tiles (CPU) or qtiles (CUDA)
         for role in roles:
@@ -146,8 +148,9 @@ class UnweightLinear(nn.Module):
         q = qtiles.encode(values, out_f, in_f)
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
+        qmode = int(q.pop("mode")[0])
         buffers = {k: torch.from_numpy(v) for k, v in q.items()}
-        layer._setup(in_f, out_f, tiles.TilesParams(0, tiles.DEFAULT_BLOCK), qtiles.ROLES, buffers, bias, autotuner)
+        layer._setup(in_f, out_f, tiles.TilesParams(0, tiles.DEFAULT_BLOCK), qtiles.ROLES, buffers, bias, autotuner, qmode)
         return layer
 
     @classmethod
@@ -218,9 +221,10 @@ class UnweightLinear(nn.Module):
             host["esc_index"] = host["esc_index"].astype("<u4").view(np.uint8)
             host["esc"] = host["esc"][: int(host["esc_index"].view("<u4")[-1])]
             new = qtiles.from_tiles(host, self.params.to_json(), rows, cols)
+            self._qmode = int(new.pop("mode")[0])
             tensors, roles = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in new.items()}, qtiles.ROLES
         else:
-            values = qtiles.decode_reference(host, rows, cols).ravel()
+            values = qtiles.decode_reference({**host, "mode": np.array([self._qmode], np.uint8)}, rows, cols).ravel()
             p, streams = tiles.encode(values, rows, cols, self.params.block)
             self.params = p
             tensors, roles = tile_tensors(streams), TILES_ROLES
@@ -245,7 +249,7 @@ class UnweightLinear(nn.Module):
             from unweight.runtime.kernels.qtiles_decode import qtiles_decode
 
             ids_dev = None if ids is None else to_device(ids, self.sm.device)
-            return qtiles_decode(self._streams(), self.out_features, self.in_features, ids_dev).to(dtype)
+            return qtiles_decode(self._streams(), self.out_features, self.in_features, ids_dev, mode=self._qmode).to(dtype)
         return tiles_rows_cpu(self._streams(), self.params.base, self.params.block, self.out_features, self.in_features, ids).to(dtype)
 
     def _pipelines(self, m: int, device: torch.device) -> tuple[str, ...]:
@@ -260,7 +264,7 @@ class UnweightLinear(nn.Module):
         if x.device.type == "cuda":
             from unweight.runtime.kernels.qtiles_matmul import qtiles_linear
 
-            return qtiles_linear(x, self._streams(), self.out_features, self.in_features)
+            return qtiles_linear(x, self._streams(), self.out_features, self.in_features, mode=self._qmode)
         return tiles_gemv_cpu(x, self._streams(), self.params.base, self.params.block, self.out_features, self.in_features).to(x.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -47,7 +47,7 @@ def finite_matrix(rows: int, cols: int, seed: int) -> np.ndarray:
     """Trained-like BF16 weights with escapes (subnormals, zeros, large values) but no inf/NaN."""
     v = (torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed)) * 0.02).to(torch.bfloat16)
     v = v.view(torch.int16).numpy().view(np.uint16).ravel().copy()
-    v[::13] = 0x0001  # subnormal: below the exponent window, decoded exactly without a list entry
+    v[::13] = 0x0001  # subnormal: below the exponent window (these zeros and subnormals make the encoder pick mode 1)
     v[5::29] = 0xC200  # -32.0: above it, a listed escape
     v[7::31] = 0x0000
     v[3::37] = 0x3A00  # 2^-11: just below the window, listed
@@ -58,27 +58,30 @@ def as_u16(t: torch.Tensor) -> np.ndarray:
     return t.cpu().view(torch.int16).numpy().view(np.uint16).ravel()
 
 
-def resident(v: np.ndarray, rows: int, cols: int, device: str = DEVICE) -> dict[str, torch.Tensor]:
-    return {k: torch.from_numpy(np.ascontiguousarray(a)).to(device) for k, a in qtiles.encode(v, rows, cols).items()}
+def resident(v: np.ndarray, rows: int, cols: int, device: str = DEVICE, mode: int | None = None) -> dict[str, torch.Tensor]:
+    return {k: torch.from_numpy(np.ascontiguousarray(a)).to(device) for k, a in qtiles.encode(v, rows, cols, mode=mode).items()}
 
 
 # -- the layout ------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("mode", [0, 1])
 @pytest.mark.parametrize("rows,cols", [(16, 64), (9, 100), (3, 5), (1, 300), (2, 70000)])
-def test_qtiles_round_trip_is_bit_exact(rows, cols):
+def test_qtiles_round_trip_is_bit_exact(rows, cols, mode):
     v = edge_case_matrix(rows, cols, seed=rows + cols)
-    q = qtiles.encode(v, rows, cols)
+    q = qtiles.encode(v, rows, cols, mode=mode)
     assert np.array_equal(qtiles.decode_reference(q, rows, cols).ravel(), v)
     assert q["esc_col"].dtype == (np.uint16 if cols <= 1 << 16 else np.int32)
     assert q["sm"].size == rows * 32 * qtiles.groups(cols) and q["codes"].size == 12 * rows * qtiles.groups(cols)
 
 
+@pytest.mark.parametrize("mode", [None, 0, 1])
 @pytest.mark.parametrize("rows,cols", [(16, 64), (9, 100), (3, 5), (2, 70000), (1100, 2048)])  # the last: 9 row ranges on 2 threads
-def test_qtiles_encoder_matches_its_reference(rows, cols):
-    """The numba encoder (row ranges on threads) writes what the plain numpy one writes."""
+def test_qtiles_encoder_matches_its_reference(rows, cols, mode):
+    """The numba encoder (row ranges on threads) writes what the plain numpy one writes, in either
+    mode and in the one they choose."""
     v = edge_case_matrix(rows, cols, seed=rows * 7 + cols)
-    fast, ref = qtiles.encode(v, rows, cols, threads=2), qtiles.encode_reference(v, rows, cols)
+    fast, ref = qtiles.encode(v, rows, cols, threads=2, mode=mode), qtiles.encode_reference(v, rows, cols, mode=mode)
     assert fast.keys() == ref.keys()
     for role in ref:
         assert fast[role].dtype == ref[role].dtype and np.array_equal(fast[role], ref[role]), role
@@ -86,16 +89,43 @@ def test_qtiles_encoder_matches_its_reference(rows, cols):
 
 def test_qtiles_every_exponent_and_sign():
     """All 256 exponents under both signs and three mantissas, in one row: each is coded in the
-    window, decoded exactly with exponent 0 (zeros, subnormals), or listed."""
+    row's window of eight (code e - base), or listed with code 0 below it and 7 above it."""
     e = np.arange(256, dtype=np.uint16)
     v = np.concatenate([(s << 15) | (e << 7) | m for s in (0, 1) for m in (0, 1, 0x7F)]).astype(np.uint16)
     q = qtiles.encode(v, 1, v.size)
     assert np.array_equal(qtiles.decode_reference(q, 1, v.size).ravel(), v)
     code = qtiles.unpack_codes(q["codes"], 1, v.size).ravel()
     base = int(q["base"][0])
-    window = (((v >> 7) & 0xFF) >= base) & (((v >> 7) & 0xFF) <= base + 6)
-    assert np.array_equal(code != 0, window)
-    assert len(q["esc_exp"]) == np.sum(~window & (((v >> 7) & 0xFF) != 0))
+    exp = ((v >> 7) & 0xFF).astype(np.int64)
+    window = (exp >= base) & (exp <= base + 7)
+    assert np.array_equal(code, np.clip(exp - base, 0, 7))
+    assert len(q["esc_exp"]) == np.sum(~window)
+
+
+@pytest.mark.parametrize("mode", [0, 1])
+def test_qtiles_windows_reach_the_inf_exponent_without_carrying(mode):
+    """A row of huge values, infs and NaNs gets the highest base its mode allows (the codes of
+    exponent 255 still fit their byte lanes) and decodes exactly; every stand-in below the window
+    (mode 0: the base) is finite."""
+    v = ((np.full(64, 250, dtype=np.uint16) << 7) | np.arange(64, dtype=np.uint16)).astype(np.uint16)
+    v[::2], v[1::4] = 0x7F80, 0xFFC1  # +inf, a NaN
+    q = qtiles.encode(v, 1, 64, mode=mode)
+    assert int(q["base"][0]) == qtiles.MAX_BASE[mode]
+    assert np.array_equal(qtiles.decode_reference(q, 1, 64).ravel(), v)
+    assert all(np.array_equal(q[k], r) for k, r in qtiles.encode_reference(v, 1, 64, mode=mode).items())
+
+
+def test_qtiles_mode_follows_the_zeros():
+    """Trained weights (few exact zeros) take the eight-exponent windows; a pruned matrix, whose
+    zeros mode 0 would all list, takes the zero code. Each lists fewer escapes than the other mode."""
+    dense = (torch.randn(64, 256, generator=torch.Generator().manual_seed(5)) * 0.02).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    pruned = dense.copy()
+    pruned.reshape(-1)[::2] = 0  # every other weight (a row of zeros alone mode 0 takes with base 0)
+    for v, want in ((dense, 0), (pruned, 1)):
+        got = qtiles.encode(v, 64, 256)
+        other = qtiles.encode(v, 64, 256, mode=1 - want)
+        assert int(got["mode"][0]) == want == qtiles.choose_mode(v.reshape(64, 256))
+        assert len(got["esc_exp"]) < len(other["esc_exp"])
 
 
 def test_qtiles_transcodes_the_stored_tiles_layout():
@@ -149,10 +179,11 @@ def test_bf16_pair_model_is_prmt():
 # -- decode to BF16 ----------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("mode", [0, 1])
 @pytest.mark.parametrize("rows,cols", [(16, 64), (9, 100), (3, 5), (1, 300), (5, 1100)])
-def test_qtiles_decode_kernel_is_bit_exact(rows, cols):
+def test_qtiles_decode_kernel_is_bit_exact(rows, cols, mode):
     v = edge_case_matrix(rows, cols, seed=rows * cols)
-    out = qtiles_decode(resident(v, rows, cols), rows, cols)
+    out = qtiles_decode(resident(v, rows, cols, mode=mode), rows, cols)
     assert out.dtype == torch.bfloat16 and tuple(out.shape) == (rows, cols)
     assert np.array_equal(as_u16(out), v)
 
@@ -176,25 +207,30 @@ def test_qtiles_decode_on_gpu_large():
 # -- fused products ----------------------------------------------------------------------------
 
 
-def check_product(v: np.ndarray, rows: int, cols: int, m: int, seed: int = 0) -> None:
-    """Fused decode+matmul vs F.linear on the decoded weight, both accumulated in fp32. The weights
-    are bit-identical and products of bf16 values are exact in fp32, so only the order of the fp32
-    additions differs (and each listed escape's w - w0, rounded once): |error| <= K * 2^-24 *
-    sum_k |x_k w_k| per output, the standard bound for recursive summation."""
+def check_product(v: np.ndarray, rows: int, cols: int, m: int, seed: int = 0, mode: int | None = None) -> None:
+    """Fused decode+matmul vs F.linear on the decoded weight, both accumulated in fp32. Products
+    of bf16 values are exact in fp32, so the error comes from the order of the fp32 additions,
+    over the K stand-in products and each row's escape corrections x (w - w0) (w - w0 rounded
+    once): |error| <= (K + escapes + 1) * 2^-24 * sum_k |x_k| (|w0_k| + |w_k - w0_k|) per output,
+    the standard bound for recursive summation."""
+    q = qtiles.encode(v, rows, cols, mode=mode)
     dense = torch.from_numpy(v.view(np.int16)).view(torch.bfloat16).reshape(rows, cols).to(DEVICE)
+    stand = torch.from_numpy(qtiles.stand_ins_reference(q, rows, cols).view(np.int16)).view(torch.bfloat16).reshape(rows, cols).to(DEVICE).float()
     x = torch.randn(m, cols, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16).to(DEVICE)
-    y = qtiles_linear(x, resident(v, rows, cols), rows, cols, out_dtype=torch.float32)
+    y = qtiles_linear(x, resident(v, rows, cols, mode=mode), rows, cols, out_dtype=torch.float32)
     ref = F.linear(x.float(), dense.float())
-    bound = F.linear(x.float().abs(), dense.float().abs())
+    bound = F.linear(x.float().abs(), stand.abs() + (dense.float() - stand).abs())
+    terms = cols + int(np.diff(q["esc_row"]).max(initial=0)) + 1
     assert y.shape == (m, rows)
-    assert torch.all((y - ref).abs() <= cols * 2.0**-24 * bound), (y - ref).abs().max()
+    assert torch.all((y - ref).abs() <= terms * 2.0**-24 * bound), (y - ref).abs().max()
 
 
 # every batch the launcher maps to a distinct kernel: GEMV at BLOCK_M 1, 2; tensor cores at 16, 32
+@pytest.mark.parametrize("mode", [0, 1])
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 16, 17, 32])
-def test_qtiles_linear_matches_f_linear(m):
+def test_qtiles_linear_matches_f_linear(m, mode):
     rows, cols = 70, 200
-    check_product(finite_matrix(rows, cols, seed=m), rows, cols, m, seed=m)
+    check_product(finite_matrix(rows, cols, seed=m), rows, cols, m, seed=m, mode=mode)
 
 
 @pytest.mark.parametrize("m,split_k", [(3, 2), (20, 3), (32, 8)])

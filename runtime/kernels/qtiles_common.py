@@ -2,13 +2,24 @@
 
 Everything works on uint32 words holding four weights, one byte lane each: a word of four
 sign+mantissa bytes and the word of the four matching 3-bit codes. No per-element branch,
-gather or prefix count; code-0 lanes decode with exponent 0 (escapes are fixed apart).
+gather or prefix count (escapes are fixed apart). MODE is the matrix's (runtime/qtiles.py): 0, a
+lane with code c gets exponent base + c; 1, base - 1 + c, and a code-0 lane exponent 0.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+
+def stream_mode(q: dict, mode: int | None) -> int:
+    """The matrix's mode: as given, else read from its `mode` stream (a wait, if that is on a GPU:
+    callers that care, as UnweightLinear does, keep the mode on the host and pass it)."""
+    if mode is None:
+        mode = int(q["mode"].reshape(-1)[0])
+    if mode not in (0, 1):
+        raise ValueError(f"qtiles mode must be 0 or 1, not {mode}")
+    return mode
 
 
 @triton.jit
@@ -49,12 +60,25 @@ def quad_codes(a, b, c, Q: tl.constexpr):
 
 
 @triton.jit
-def quad_planes(w, z, base_m1):
+def row_offsets(base, MODE: tl.constexpr):
+    """What quad_planes adds to the codes, from the rows' bases (uint32): mode 0 the base in every
+    byte lane, mode 1 base - 1 (spread by the lanes' nonzero flags)."""
+    if MODE == 0:
+        return base * 0x01010101
+    else:
+        return base - 1
+
+
+@triton.jit
+def quad_planes(w, z, off, MODE: tl.constexpr):
     """(H, L): the high and low BF16 bytes of four weights, a byte lane each, from the word `w` of
-    their sign+mantissa bytes, their codes `z` and the row's base - 1 (`base_m1`, int32). A lane
-    with code c >= 1 gets exponent base - 1 + c, a code-0 lane exponent 0."""
-    nz = ((z + 0x7F7F7F7F) & 0x80808080) >> 7  # 1 in the lanes whose code is not 0
-    e = nz * base_m1 + z  # exponent bytes; no lane carries into the next (<= 255)
+    their sign+mantissa bytes, their codes `z` and the row's offsets (`row_offsets`). The exponent
+    bytes take one add in mode 0, a flag and a multiply-add in mode 1; no lane carries (<= 255)."""
+    if MODE == 0:
+        e = z + off
+    else:
+        nz = ((z + 0x7F7F7F7F) & 0x80808080) >> 7  # 1 in the lanes whose code is not 0
+        e = nz * off + z
     h = (w & 0x80808080) | ((e >> 1) & 0x7F7F7F7F)
     lo = (w & 0x7F7F7F7F) | ((e << 7) & 0x80808080)
     return h, lo
@@ -84,17 +108,23 @@ def pair_f32(pair, J: tl.constexpr):
 
 
 @triton.jit
-def quad_pairs(a, b, c, w, base_m1, Q: tl.constexpr, PRMT: tl.constexpr):
+def quad_pairs(a, b, c, w, off, Q: tl.constexpr, PRMT: tl.constexpr, MODE: tl.constexpr):
     """Quad Q of each (row, group) as two BF16 pairs, lanes 0-1 and lanes 2-3, from the group's
-    code words, the quad's sign+mantissa word and the row's base - 1."""
-    h, lo = quad_planes(w, quad_codes(a, b, c, Q), base_m1)
+    code words, the quad's sign+mantissa word and the row's offsets."""
+    h, lo = quad_planes(w, quad_codes(a, b, c, Q), off, MODE)
     return bf16_pair(h, lo, 0, PRMT), bf16_pair(h, lo, 1, PRMT)
 
 
 @triton.jit
-def escape_delta(smb, exp):
-    """w - w0 in fp32 for listed escapes (int32 sign+mantissa bytes and exponent bytes): the true
-    weight less the exponent-0 stand-in the main loops multiplied (|w0| < 2^-126), rounded once,
-    so within 2^-24 of w; inf and NaN weights stay inf and NaN."""
-    w0 = ((smb & 0x80) << 24) | ((smb & 0x7F) << 16)
-    return (w0 | (exp << 23)).to(tl.float32, bitcast=True) - w0.to(tl.float32, bitcast=True)
+def escape_delta(smb, exp, base, MODE: tl.constexpr):
+    """w - w0 in fp32 for listed escapes (uint32 sign+mantissa bytes, exponent bytes and their
+    rows' bases): the true weight less the stand-in the main loops multiplied. In mode 0 the
+    stand-in has the escape's code, 0 (exponent base) below the window and 7 (base + 7) above it;
+    in mode 1 exponent 0 (|w0| < 2^-126). Exact while the two exponents differ by at most 16, else
+    rounded once; inf and NaN weights stay inf and NaN."""
+    sm = ((smb & 0x80) << 24) | ((smb & 0x7F) << 16)
+    if MODE == 0:
+        e0 = tl.where(exp < base, base, base + 7)
+    else:
+        e0 = exp * 0
+    return (sm | (exp << 23)).to(tl.float32, bitcast=True) - (sm | (e0 << 23)).to(tl.float32, bitcast=True)

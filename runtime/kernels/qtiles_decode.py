@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .qtiles_common import group_words, quad_pairs
+from .qtiles_common import group_words, quad_pairs, row_offsets, stream_mode
 
 _NO_GUARD = contextlib.nullcontext()
 
@@ -31,6 +31,7 @@ def qtiles_decode_kernel(
     BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, ESC_BLOCK: tl.constexpr,
     GATHER: tl.constexpr,  # output row i is W row ids[i] (embedding lookups); else all rows
     PRMT: tl.constexpr,  # byte permutes as inline PTX (a GPU); else their integer model (the interpreter)
+    MODE: tl.constexpr,  # the matrix's mode (runtime/qtiles.py): 0, eight-exponent windows; 1, seven and a zero code
     EVEN_K: tl.constexpr,  # K % 32 == 0: whole groups, stored as 32-bit BF16 pairs
 ):
     pid = tl.program_id(0)
@@ -39,14 +40,14 @@ def qtiles_decode_kernel(
     ri64 = tl.where(i_live, ri, 0).to(tl.int64)
     rn64 = tl.load(ids_ptr + ri64, mask=i_live, other=0) if GATHER else ri64  # W rows
     out_pairs = out_ptr.to(tl.pointer_type(tl.uint32))
-    base_m1 = tl.load(base_ptr + rn64).to(tl.uint32)[:, None] - 1  # (BLOCK_N, 1)
+    off = row_offsets(tl.load(base_ptr + rn64).to(tl.uint32), MODE)[:, None]  # (BLOCK_N, 1)
     for g0 in range(0, G, GROUPS):
         gi = g0 + tl.arange(0, GROUPS)
         live = i_live[:, None] & (gi < G)[None, :]  # (BLOCK_N, GROUPS)
         grp = rn64[:, None] * G + gi[None, :]
         words, a, b, c = group_words(sm_ptr, codes_ptr, grp, live)
         for q in tl.static_range(8):
-            pairs = quad_pairs(a, b, c, tl.load(words + q, mask=live, other=0), base_m1, q, PRMT)
+            pairs = quad_pairs(a, b, c, tl.load(words + q, mask=live, other=0), off, q, PRMT, MODE)
             for p in tl.static_range(2):
                 pair = pairs[p]
                 k = gi[None, :] * 32 + 4 * q + 2 * p  # (1, GROUPS) column of the pair's first weight
@@ -77,10 +78,12 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def qtiles_decode(q: dict[str, torch.Tensor], rows: int, cols: int, ids: torch.Tensor | None = None) -> torch.Tensor:
+def qtiles_decode(q: dict[str, torch.Tensor], rows: int, cols: int, ids: torch.Tensor | None = None, mode: int | None = None) -> torch.Tensor:
     """The (rows, cols) BF16 matrix of resident-layout streams `q` (runtime.qtiles, as torch
     tensors), decoded on their device; with `ids` (int64, on that device, each in [0, rows): the
-    caller checks), only those rows, as a (len(ids), cols) matrix. Never synchronises."""
+    caller checks), only those rows, as a (len(ids), cols) matrix. Never synchronises (given
+    `mode`; see qtiles_common.stream_mode)."""
+    mode = stream_mode(q, mode)
     sm = q["sm"]
     gather = ids is not None
     if gather:
@@ -95,6 +98,6 @@ def qtiles_decode(q: dict[str, torch.Tensor], rows: int, cols: int, ids: torch.T
             qtiles_decode_kernel[(-(-n_out // block_n),)](
                 sm, q["codes"], q["base"], q["esc_row"], q["esc_col"], q["esc_exp"], rows, cols, -(-cols // 32),
                 out, ids if gather else out, n_out,
-                BLOCK_N=block_n, GROUPS=32, ESC_BLOCK=128, GATHER=gather, PRMT=not _interpreted(), EVEN_K=cols % 32 == 0,
+                BLOCK_N=block_n, GROUPS=32, ESC_BLOCK=128, GATHER=gather, PRMT=not _interpreted(), MODE=mode, EVEN_K=cols % 32 == 0,
             )
     return out.view(torch.bfloat16)

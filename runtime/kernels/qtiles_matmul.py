@@ -26,7 +26,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .qtiles_common import escape_delta, group_words, pair_f32, quad_pairs
+from .qtiles_common import escape_delta, group_words, pair_f32, quad_pairs, row_offsets, stream_mode
 
 GEMV_M = 2  # rows of x up to which the CUDA-core GEMV runs; beyond, the tensor-core kernel (at 3-4 rows
 # the GEMV's FFMAs cost 14 instructions a weight, the 16-row tensor-core tile 11)
@@ -49,6 +49,7 @@ def qtiles_gemv_kernel(
     sm_ptr, codes_ptr, base_ptr, esc_row_ptr, esc_col_ptr, esc_exp_ptr, N, K, G,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, ESC_BLOCK: tl.constexpr,
     PRMT: tl.constexpr,  # byte permutes as inline PTX (a GPU); else their integer model (the interpreter)
+    MODE: tl.constexpr,  # the matrix's mode (runtime/qtiles.py): 0, eight-exponent windows; 1, seven and a zero code
 ):
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,) rows of W
@@ -58,7 +59,7 @@ def qtiles_gemv_kernel(
     m_live = rm < M
     x_row = x_ptr + rm.to(tl.int64)[:, None, None] * stride_xm  # (BLOCK_M, 1, 1)
     x_words = x_row.to(tl.pointer_type(tl.uint32))  # rows word-aligned and of even length (launcher)
-    base_m1 = tl.load(base_ptr + rn64).to(tl.uint32)[None, :, None] - 1  # (1, BLOCK_N, 1)
+    off = row_offsets(tl.load(base_ptr + rn64).to(tl.uint32), MODE)[None, :, None]  # (1, BLOCK_N, 1)
     acc = tl.zeros((BLOCK_M, BLOCK_N, GROUPS), dtype=tl.float32)
     for g0 in range(0, G, GROUPS):
         gi = g0 + tl.arange(0, GROUPS)  # (GROUPS,) groups of this step
@@ -66,7 +67,7 @@ def qtiles_gemv_kernel(
         grp = rn64[None, :, None] * G + gi[None, None, :]  # group index in W
         words, a, b, c = group_words(sm_ptr, codes_ptr, grp, live)
         for q in tl.static_range(8):
-            pairs = quad_pairs(a, b, c, tl.load(words + q, mask=live, other=0), base_m1, q, PRMT)
+            pairs = quad_pairs(a, b, c, tl.load(words + q, mask=live, other=0), off, q, PRMT, MODE)
             for p in tl.static_range(2):  # weights and x as bf16 pairs: lanes 2p, 2p + 1
                 k = gi * 32 + 4 * q + 2 * p  # (GROUPS,) column of lane 2p
                 xw = tl.load(x_words + (k // 2)[None, None, :], mask=m_live[:, None, None] & (k < K)[None, None, :], other=0)
@@ -82,6 +83,7 @@ def qtiles_gemv_kernel(
             r = (row0 + i).to(tl.int64)
             first = tl.load(esc_row_ptr + r)
             last = tl.load(esc_row_ptr + r + 1)
+            row_base = tl.load(base_ptr + r).to(tl.uint32)
             fix = tl.zeros((BLOCK_M, ESC_BLOCK), dtype=tl.float32)
             for e0 in tl.range(first, last, ESC_BLOCK, loop_unroll_factor=1):  # about one step a row
                 ei = e0 + tl.arange(0, ESC_BLOCK)  # (ESC_BLOCK,)
@@ -90,7 +92,7 @@ def qtiles_gemv_kernel(
                 exp = tl.load(esc_exp_ptr + ei, mask=e_live, other=0).to(tl.uint32)
                 smb = tl.load(sm_ptr + r * (G * 32) + col, mask=e_live, other=0).to(tl.uint32)
                 xe = tl.load(x_row.reshape(BLOCK_M, 1) + col[None, :], mask=m_live[:, None] & e_live[None, :], other=0.0).to(tl.float32)
-                fix += xe * escape_delta(smb, exp)[None, :]  # (BLOCK_M, ESC_BLOCK)
+                fix += xe * escape_delta(smb, exp, row_base, MODE)[None, :]  # (BLOCK_M, ESC_BLOCK)
             out += tl.where((tl.arange(0, BLOCK_N) == i)[None, :], tl.sum(fix, axis=1)[:, None], 0.0)
     y_ptrs = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn64[None, :]
     tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=m_live[:, None] & n_live[None, :])
@@ -116,6 +118,7 @@ def qtiles_dot_kernel(
     ws_ptr, count_ptr, groups_per_split, splits,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
     PRMT: tl.constexpr,  # byte permutes as inline PTX (a GPU); else their integer model (the interpreter)
+    MODE: tl.constexpr,  # the matrix's mode (runtime/qtiles.py): 0, eight-exponent windows; 1, seven and a zero code
     DOT_F32: tl.constexpr,  # feed tl.dot fp32 operands (the interpreter, whose bf16 dot is wrong) instead of bf16
 ):
     """y tile (BLOCK_M, BLOCK_N) on the tensor cores: each step decodes a (BLOCK_N, 32 GROUPS) W
@@ -131,7 +134,8 @@ def qtiles_dot_kernel(
     n_live = rn < N
     rm64 = tl.where(m_live, rm, 0).to(tl.int64)
     rn64 = tl.where(n_live, rn, 0).to(tl.int64)
-    base_m1 = tl.load(base_ptr + rn64).to(tl.uint32)[:, None] - 1  # (BLOCK_N, 1)
+    base = tl.load(base_ptr + rn64).to(tl.uint32)  # (BLOCK_N,)
+    off = row_offsets(base, MODE)[:, None]  # (BLOCK_N, 1)
     x_rows = x_ptr + rm64[:, None] * stride_xm  # (BLOCK_M, 1)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     g_end = tl.minimum(G, (pid_k + 1) * groups_per_split)
@@ -140,14 +144,14 @@ def qtiles_dot_kernel(
         live = n_live[:, None] & (gi < g_end)[None, :]  # (BLOCK_N, GROUPS)
         grp = rn64[:, None] * G + gi[None, :]
         words, a, b, c = group_words(sm_ptr, codes_ptr, grp, live)
-        a0, b0 = quad_pairs(a, b, c, tl.load(words + 0, mask=live, other=0), base_m1, 0, PRMT)
-        a1, b1 = quad_pairs(a, b, c, tl.load(words + 1, mask=live, other=0), base_m1, 1, PRMT)
-        a2, b2 = quad_pairs(a, b, c, tl.load(words + 2, mask=live, other=0), base_m1, 2, PRMT)
-        a3, b3 = quad_pairs(a, b, c, tl.load(words + 3, mask=live, other=0), base_m1, 3, PRMT)
-        a4, b4 = quad_pairs(a, b, c, tl.load(words + 4, mask=live, other=0), base_m1, 4, PRMT)
-        a5, b5 = quad_pairs(a, b, c, tl.load(words + 5, mask=live, other=0), base_m1, 5, PRMT)
-        a6, b6 = quad_pairs(a, b, c, tl.load(words + 6, mask=live, other=0), base_m1, 6, PRMT)
-        a7, b7 = quad_pairs(a, b, c, tl.load(words + 7, mask=live, other=0), base_m1, 7, PRMT)
+        a0, b0 = quad_pairs(a, b, c, tl.load(words + 0, mask=live, other=0), off, 0, PRMT, MODE)
+        a1, b1 = quad_pairs(a, b, c, tl.load(words + 1, mask=live, other=0), off, 1, PRMT, MODE)
+        a2, b2 = quad_pairs(a, b, c, tl.load(words + 2, mask=live, other=0), off, 2, PRMT, MODE)
+        a3, b3 = quad_pairs(a, b, c, tl.load(words + 3, mask=live, other=0), off, 3, PRMT, MODE)
+        a4, b4 = quad_pairs(a, b, c, tl.load(words + 4, mask=live, other=0), off, 4, PRMT, MODE)
+        a5, b5 = quad_pairs(a, b, c, tl.load(words + 5, mask=live, other=0), off, 5, PRMT, MODE)
+        a6, b6 = quad_pairs(a, b, c, tl.load(words + 6, mask=live, other=0), off, 6, PRMT, MODE)
+        a7, b7 = quad_pairs(a, b, c, tl.load(words + 7, mask=live, other=0), off, 7, PRMT, MODE)
         # (BLOCK_N, GROUPS, quad 2x2x2, pair, half): flattens to column 32 g + 4 q + 2 pair + half
         pairs = tl.join(_by_quad(a0, a1, a2, a3, a4, a5, a6, a7), _by_quad(b0, b1, b2, b3, b4, b5, b6, b7))
         wt = tl.join((pairs & 0xFFFF).to(tl.uint16), (pairs >> 16).to(tl.uint16))
@@ -171,7 +175,7 @@ def qtiles_dot_kernel(
         exp = tl.load(esc_exp_ptr + ei, mask=e_live, other=0).to(tl.uint32)
         smb = tl.load(sm_ptr + rn64 * (G * 32) + col, mask=e_live, other=0).to(tl.uint32)
         xe = tl.load(x_rows + col[None, :], mask=m_live[:, None] & e_live[None, :], other=0.0).to(tl.float32)  # (BLOCK_M, BLOCK_N)
-        fixes += xe * escape_delta(smb, exp)[None, :]
+        fixes += xe * escape_delta(smb, exp, base, MODE)[None, :]
     acc += fixes
     out_live = m_live[:, None] & n_live[None, :]
     y_ptrs = y_ptr + rm64[:, None] * stride_ym + rn64[None, :]
@@ -224,13 +228,15 @@ def _workspace(device: torch.device, floats: int, counters: int) -> tuple[torch.
     return ws, counts
 
 
-def qtiles_linear(x: torch.Tensor, q: dict[str, torch.Tensor], out_features: int, in_features: int, out_dtype: torch.dtype | None = None, split_k: int | None = None) -> torch.Tensor:
+def qtiles_linear(x: torch.Tensor, q: dict[str, torch.Tensor], out_features: int, in_features: int, out_dtype: torch.dtype | None = None, split_k: int | None = None,
+                  mode: int | None = None) -> torch.Tensor:
     """y = x @ W^T for W (out_features, in_features) in the resident layout, W never materialised.
 
     `x` is (..., in_features) BF16 with at most MAX_M rows, on the device of the streams `q`
     (runtime.qtiles, as torch tensors); returns (..., out_features) in `out_dtype` (default x's),
-    accumulated in fp32. Launches one kernel on x's device and never synchronises. Above GEMV_M
-    rows, `split_k` (default: enough splits for MIN_PROGRAMS programs) splits K among programs."""
+    accumulated in fp32. Launches one kernel on x's device and never synchronises (given `mode`).
+    Above GEMV_M rows, `split_k` (default: enough splits for MIN_PROGRAMS programs) splits K among
+    programs."""
     if x.dtype != torch.bfloat16:
         raise ValueError(f"x must be bfloat16, not {x.dtype}")
     if x.shape[-1] != in_features:
@@ -252,13 +258,14 @@ def qtiles_linear(x: torch.Tensor, q: dict[str, torch.Tensor], out_features: int
     y = torch.empty((m, out_features), dtype=out_dtype or x.dtype, device=x.device)
     if m == 0:
         return y.reshape(*lead, out_features)
+    mode = stream_mode(q, mode)
     g = -(-in_features // 32)
     args = (x2, y, m, x2.stride(0), y.stride(0), sm, q["codes"], q["base"], q["esc_row"], q["esc_col"], q["esc_exp"], out_features, in_features, g)
     interpreted = _interpreted()
     with torch.cuda.device(x.device) if x.device.type == "cuda" else _NO_GUARD:
         if m <= GEMV_M:
             block_m, block_n, groups = _blocks(m, out_features)
-            qtiles_gemv_kernel[(-(-out_features // block_n),)](*args, BLOCK_M=block_m, BLOCK_N=block_n, GROUPS=groups, ESC_BLOCK=128, PRMT=not interpreted)
+            qtiles_gemv_kernel[(-(-out_features // block_n),)](*args, BLOCK_M=block_m, BLOCK_N=block_n, GROUPS=groups, ESC_BLOCK=128, PRMT=not interpreted, MODE=mode)
         else:
             block_m, block_n, groups = _dot_blocks(m)
             tiles_m, tiles_n = -(-m // block_m), -(-out_features // block_n)
@@ -268,6 +275,6 @@ def qtiles_linear(x: torch.Tensor, q: dict[str, torch.Tensor], out_features: int
             ws, counts = _workspace(x.device, splits * m * out_features if splits > 1 else 0, tiles_m * tiles_n if splits > 1 else 0)
             qtiles_dot_kernel[(tiles_m, tiles_n, splits)](
                 *args, ws, counts, per_split, splits,
-                BLOCK_M=block_m, BLOCK_N=block_n, GROUPS=groups, PRMT=not interpreted, DOT_F32=interpreted and not INTERPRETER_BF16_DOT,
+                BLOCK_M=block_m, BLOCK_N=block_n, GROUPS=groups, PRMT=not interpreted, MODE=mode, DOT_F32=interpreted and not INTERPRETER_BF16_DOT,
             )
     return y.reshape(*lead, out_features)
