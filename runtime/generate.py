@@ -21,6 +21,7 @@ import torch
 
 from .model import CausalLM
 from .sampling import SamplingParams, Sequence
+from .threads import governor
 
 
 def load_tokenizer(path: str | os.PathLike):
@@ -137,6 +138,7 @@ class Generation:
     def _run(self) -> Iterator[str]:
         model, r = self.model, self.result
         state = Sequence(self.params, self.prompt_ids, self.eos)
+        cores = governor() if model.device.type == "cpu" else None
         seq = model.new_sequence()
         t0 = time.perf_counter()
         try:
@@ -159,6 +161,8 @@ class Generation:
                     break
                 if reason == "length":
                     break
+                if cores is not None:
+                    cores.step()  # fewer threads while another process holds a core
                 logits = model.decode_step([seq], torch.tensor([token]))[0]
             rest = self.text.flush()
             r.text, r.total_s = self.text.text, time.perf_counter() - t0

@@ -28,6 +28,7 @@ import torch
 from ..kv_cache import CacheFullError, SeqCache
 from ..loader import load
 from ..sampling import Pick, Sequence, choose_rows
+from ..threads import governor, set_threads
 from .kv_link import KVLink, Transfer
 from .protocol import HEARTBEAT_S, pack, unpack
 
@@ -71,6 +72,7 @@ class Worker:
         self.pending: dict[str, dict] = {}  # decode: jobs whose KV is on its way
         self.cancelled: set[str] = set()
         self.stopping = False
+        self.cores = governor() if self.model.device.type == "cpu" else None
         self.send({"op": "hello", "role": role, "pid": os.getpid(), "incarnation": self.incarnation})
 
     # -- messages -----------------------------------------------------------------------------
@@ -144,6 +146,8 @@ class Worker:
         """Run a prompt: its KV cache, its generation state, the first token and a finish reason.
         With `prompt_logprobs` set, the prompt's own logprobs go to the router first."""
         seq = Sequence.from_state(job["seq"], self.model.config.vocab_size)
+        if self.cores is not None:
+            self.cores.step()
         cache = self.model.new_sequence()
         try:
             tokens = torch.tensor(seq.prompt, dtype=torch.int64)
@@ -175,6 +179,8 @@ class Worker:
         return picks
 
     def decode_step(self) -> None:
+        if self.cores is not None:
+            self.cores.step()  # fewer threads while another process holds a core
         slots = list(self.running.values())
         logits = self.model.decode_step([s.cache for s in slots], [s.seq.output[-1] for s in slots])
         items = []
@@ -286,8 +292,5 @@ def main(role: str, name: str, model_path: str, router: tuple[str, int], kv_stor
     CPU threads for torch and numba (workers sharing one machine split its cores)."""
     torch.set_grad_enabled(False)
     if threads:
-        import numba
-
-        torch.set_num_threads(threads)
-        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+        set_threads(threads)
     Worker(role, name, model_path, router, kv_store, device, max_batch, max_model_len, parent_pid).run()
