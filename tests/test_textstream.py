@@ -19,7 +19,8 @@ def tok(smollm2_dir):
 
 
 class Reference:
-    """The plain version (the oracle): decode every token at each push."""
+    """The plain version (the oracle): decode every token at each push and cut the text before the
+    earliest occurrence of any stop string."""
 
     def __init__(self, tokenizer, stop):
         self.tokenizer, self.stop, self.tokens, self.text, self.finished = tokenizer, list(stop), [], "", False
@@ -27,10 +28,9 @@ class Reference:
     def push(self, token):
         self.tokens.append(token)
         full = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        for s in self.stop:
-            at = full.find(s)
-            if at >= 0:
-                full, self.finished = full[:at], True
+        hits = [at for at in (full.find(s) for s in self.stop) if at >= 0]
+        if hits:
+            full, self.finished = full[:min(hits)], True
         self.text = full
 
 
@@ -132,3 +132,12 @@ def test_held_back_text_comes_out_whole(tok):
     assert stream.flush() == "😀"
     stream = TextStream(tok, ["😀"])
     assert "".join(stream.push(t) for t in ids) == "x" and stream.finished and stream.text == "x"
+
+
+def test_overlapping_stop_strings_cut_at_the_earliest(tok):
+    """One token completes " t" (at 0) and "t" (at 1): the text ends before " t", whatever the
+    order of the list (the version before cut at "t" first, and then " t" was no longer found)."""
+    (token,) = tok(" t", add_special_tokens=False)["input_ids"]
+    for stops in (["t", " t"], [" t", "t"]):
+        stream = TextStream(tok, stops)
+        assert stream.push(token) == "" and stream.finished and stream.text == ""
