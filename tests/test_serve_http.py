@@ -295,6 +295,9 @@ def test_metrics_use_vllms_names_types_and_labels(server):
     assert metric(text, "vllm:request_success_total", finished_reason="length") - metric(text0, "vllm:request_success_total", finished_reason="length") == 1
     assert metric(text, "vllm:inter_token_latency_seconds_count") - metric(text0, "vllm:inter_token_latency_seconds_count") == completion - 1
     assert metric(text, "http_requests_total", status="404") >= 1 + metric(text0, "http_requests_total", status="404")
+    for i in range(3):  # client-chosen methods do not become label values (one series each would grow without bound)
+        server.http.request(f"X{i}", "/v1/models")
+    assert "X0" not in server.http.get("/metrics").text
     assert 'le="2560.0"' in text and 'le="7680.0"' in text  # vLLM's TTFT and request-latency buckets
 
 

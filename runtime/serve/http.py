@@ -31,6 +31,7 @@ from . import api
 DEFAULT_MAX_BODY_BYTES = 16 << 20
 MAX_JSON_DEPTH = 64
 OVER_LIMIT = "unweight.over_connection_limit"  # set in a connection's ASGI scope["state"] by the protocol
+_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})  # any other token counts as "other"
 
 _STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
@@ -206,8 +207,9 @@ class CountResponses:
             status.append(500)
             raise
         finally:
-            route = scope.get("route")
-            self.record(getattr(route, "path", None) or "none", scope["method"], status[0] if status else 499)
+            route = scope.get("route")  # its path template: a bounded set of label values, like the method's
+            method = scope["method"] if scope["method"] in _METHODS else "other"
+            self.record(getattr(route, "path", None) or "none", method, status[0] if status else 499)
 
 
 __all__ = ["BodyLimit", "DEFAULT_MAX_BODY_BYTES", "MAX_JSON_DEPTH", "CountResponses", "guarded_protocol", "openai_errors", "parse_json"]
