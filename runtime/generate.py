@@ -105,12 +105,12 @@ class TextStream:
         if cut is not None:
             full, self.finished = full[:cut], True
         self.text = full
-        safe = min(len(self._settled), len(full))
+        end = safe = min(len(self._settled), len(full))  # the unsettled tail is never shown early
         if not self.finished:
-            for s in self.stop:  # the start of a stop string may still become the whole of it
-                for k in range(min(len(s) - 1, len(full)), 0, -1):
-                    if full.endswith(s[:k]):
-                        safe = min(safe, len(full) - k)
+            for s in self.stop:  # what ends the settled text may begin a stop string: hold it back
+                for k in range(min(len(s) - 1, end), 0, -1):
+                    if full.endswith(s[:k], 0, end):
+                        safe = min(safe, end - k)
                         break
         return self.flush(safe)
 

@@ -134,6 +134,16 @@ def test_held_back_text_comes_out_whole(tok):
     assert "".join(stream.push(t) for t in ids) == "x" and stream.finished and stream.text == "x"
 
 
+def test_a_stop_string_ending_in_an_unfinished_character_is_held_back(tok):
+    """" t" is settled text, then a half character arrives: " t" may begin the stop " t¡", so it
+    is not shown; the next byte completes "¡" and the stop (found by hypothesis)."""
+    ids = [252, 141, 111]  # " t", then the two bytes of "¡"
+    assert tok.decode(ids) == " t¡" and tok.decode(ids[:2]) == " t\ufffd"
+    stream = TextStream(tok, [" t¡"])
+    text, pushed = run(stream, ids)
+    assert (text, stream.text, stream.finished, pushed) == ("", "", True, 3)
+
+
 def test_overlapping_stop_strings_cut_at_the_earliest(tok):
     """One token completes " t" (at 0) and "t" (at 1): the text ends before " t", whatever the
     order of the list (the version before cut at "t" first, and then " t" was no longer found)."""
