@@ -704,9 +704,9 @@ def main() -> int:
                 "server_alive_after_run": alive_after, "stop": stop_info, "health": worker_summary(samples),
                 "health_samples": samples,
                 "server_metrics": {line.split(" ")[0]: line.split(" ")[1] for line in (metrics_text or "").splitlines()
-                                   if line.startswith(("unweight_requests_total", "unweight_generated_tokens_total", "unweight_kv_transferred_bytes_total",
-                                                       "unweight_time_to_first_token_seconds_count", "unweight_time_to_first_token_seconds_sum",
-                                                       "unweight_inter_token_latency_seconds_count", "unweight_inter_token_latency_seconds_sum"))},
+                                   if line.startswith(("http_requests_total", "vllm:generation_tokens_total", "unweight:kv_transfer_bytes_total",
+                                                       "vllm:time_to_first_token_seconds_count", "vllm:time_to_first_token_seconds_sum",
+                                                       "vllm:inter_token_latency_seconds_count", "vllm:inter_token_latency_seconds_sum"))},
                 "server_log": str(server.log_path), "server_log_tail": server.log_tail(),
                 "requests": [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in asdict(r).items() if k != "gaps"} | {"gaps": [round(g, 4) for g in r.gaps]}
                              for r in results],

@@ -245,7 +245,12 @@ def serve(
     max_model_len: Annotated[Optional[int], typer.Option("--max-model-len", help="Longest prompt + completion (default: the model's).")] = None,
     max_queue: Annotated[int, typer.Option("--max-queue", help="Requests in flight beyond which new ones get HTTP 429.")] = 64,
     device: Annotated[str, typer.Option(help="cpu or cuda[:n] for the workers.")] = "cpu",
-    api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="UNWEIGHT_API_KEY", help="Require `Authorization: Bearer KEY`.")] = None,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="UNWEIGHT_API_KEY", help="Require `Authorization: Bearer KEY` on every endpoint, /health and /metrics included.")] = None,
+    public_health: Annotated[bool, typer.Option("--public-health", help="Let /health and /metrics answer without the API key.")] = False,
+    max_body_bytes: Annotated[int, typer.Option("--max-body-bytes", min=1024, help="Largest request body; larger ones get HTTP 413 before they are read.")] = 16 << 20,
+    timeout_keep_alive: Annotated[float, typer.Option("--timeout-keep-alive", min=0.001, help="Seconds an idle connection (before or between requests) stays open.")] = 5.0,
+    timeout_header: Annotated[float, typer.Option("--timeout-header", min=0.001, help="Seconds a client has to send a request's head, from connecting or from the previous response.")] = 10.0,
+    limit_concurrency: Annotated[int, typer.Option("--limit-concurrency", min=1, help="Open connections beyond which requests get HTTP 503.")] = 512,
     no_disagg: Annotated[bool, typer.Option("--no-disagg", help="One aggregated worker that prefills and decodes (for comparison).")] = False,
     role: Annotated[str, typer.Option(help="all (default: router plus local workers), router, prefill, decode or worker.")] = "all",
     name: Annotated[Optional[str], typer.Option(help="Worker name (with --role prefill|decode|worker), unique per router.")] = None,
@@ -263,7 +268,7 @@ def serve(
     over torch.distributed.
 
     Endpoints: POST /v1/completions, POST /v1/chat/completions (stream: true for SSE),
-    GET /v1/models, GET /health, GET /metrics.
+    GET /v1/models, GET /v1/models/ID, GET /health, GET /metrics (Prometheus, vLLM's metric names).
 
     Examples:
 
@@ -284,7 +289,9 @@ def serve(
         if not model.is_dir():
             raise ValueError(f"{model}: no such model folder")
         cfg = ServeConfig(str(model), host, port, prefill_workers, decode_workers, max_batch, max_model_len, max_queue, device, api_key,
-                          not no_disagg, control_port, kv_port, served_model_name, worker_threads)
+                          not no_disagg, control_port, kv_port, served_model_name, worker_threads, public_health=public_health,
+                          max_body_bytes=max_body_bytes, timeout_keep_alive=timeout_keep_alive, timeout_header=timeout_header,
+                          limit_concurrency=limit_concurrency)
         if role in ("all", "router"):
             if role == "router":
                 cfg.prefill_workers = cfg.decode_workers = 0

@@ -61,7 +61,19 @@ def eos_ids(model: CausalLM, tokenizer) -> set[int]:
 
 class TextStream:
     """Incremental detokenisation with stop strings: `push(token)` returns the new text that is
-    safe to show; `finished` turns true when a stop string appears (the text ends before it)."""
+    safe to show; `finished` turns true when a stop string appears (the text ends before it);
+    `flush()` returns what was held back. `text` is always `tokenizer.decode(tokens)` (special
+    tokens skipped), cut before the first stop string.
+
+    Each push decodes only a window, as vLLM and TGI do (and tokenizers' DecodeStream): the
+    tokens since the last two *clean* boundaries (`_prefix`, `_read`), where the text decoded so far
+    ends on a whole character. The new text is decode(window) minus decode(tokens[_prefix:_read]);
+    while it ends in U+FFFD (a character whose bytes have not all arrived) the boundary does not
+    move. Text before a clean boundary never changes, so the window holds the last piece of text
+    plus any unfinished character: a few tokens, whatever the length of the completion. Stop
+    strings are searched only where a new one can appear (the unsettled tail and the
+    len(stop) - 1 characters before it), and the start of one is held back until it is decided.
+    """
 
     def __init__(self, tokenizer, stop: list[str] = ()):
         self.tokenizer, self.stop = tokenizer, list(stop)
@@ -69,25 +81,43 @@ class TextStream:
         self.text = ""  # the final text so far (stop string excluded)
         self.sent = 0  # characters of text already returned
         self.finished = False
+        self._settled = ""  # decode(tokens[:_read]): text that later tokens cannot change
+        self._prefix = self._read = 0  # token offsets of the last two clean boundaries
+        self._prefix_text = ""  # decode(tokens[_prefix:_read])
+        self._longest_stop = max((len(s) for s in self.stop), default=0)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def push(self, token: int) -> str:
+        if self.finished:
+            return ""
         self.tokens.append(token)
-        full = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        for s in self.stop:
-            at = full.find(s)
-            if at >= 0:
-                full, self.finished = full[:at], True
+        searched = len(self._settled)  # no stop string lies wholly before this (checked at the last push)
+        window = self._decode(self.tokens[self._prefix:])
+        tail = window[len(self._prefix_text):]
+        if len(window) > len(self._prefix_text) and not window.endswith("\ufffd"):  # a clean boundary
+            self._settled += tail
+            self._prefix, self._read = self._read, len(self.tokens)
+            self._prefix_text = self._decode(self.tokens[self._prefix:self._read])
+            tail = ""
+        full = self._settled + tail if tail else self._settled
+        cut = self._find_stop(full, max(0, searched - self._longest_stop + 1))
+        if cut is not None:
+            full, self.finished = full[:cut], True
         self.text = full
-        safe = len(full)
+        end = safe = min(len(self._settled), len(full))  # the unsettled tail is never shown early
         if not self.finished:
-            if full.endswith("\ufffd"):  # half of a multi-byte character
-                safe -= 1
-            for s in self.stop:  # the start of a stop string may still become the whole of it
-                for k in range(min(len(s) - 1, len(full)), 0, -1):
-                    if full.endswith(s[:k]):
-                        safe = min(safe, len(full) - k)
+            for s in self.stop:  # what ends the settled text may begin a stop string: hold it back
+                for k in range(min(len(s) - 1, end), 0, -1):
+                    if full.endswith(s[:k], 0, end):
+                        safe = min(safe, end - k)
                         break
         return self.flush(safe)
+
+    def _find_stop(self, text: str, start: int) -> int | None:
+        hits = [at for at in (text.find(s, start) for s in self.stop) if at >= 0]
+        return min(hits) if hits else None
 
     def flush(self, upto: int | None = None) -> str:
         upto = len(self.text) if upto is None else upto

@@ -125,8 +125,8 @@ def test_prefill_and_decode_ran_in_different_processes(server):
     assert workers["prefill"]["pid"] != workers["decode"]["pid"] != server.proc.pid
     assert workers["prefill"]["served"] >= 1 and workers["decode"]["served"] >= 1
     metrics = server.http.get("/metrics").text
-    assert 'unweight_kv_transferred_bytes_total{decode="decode-0",prefill="prefill-0"}' in metrics
-    assert "unweight_time_to_first_token_seconds_bucket" in metrics and "unweight_inter_token_latency_seconds_count" in metrics
+    assert 'unweight:kv_transfer_bytes_total{decode="decode-0",model_name="uw",prefill="prefill-0"}' in metrics
+    assert "vllm:time_to_first_token_seconds_bucket" in metrics and "vllm:inter_token_latency_seconds_count" in metrics
 
 
 def test_streaming_equals_non_streaming_with_the_openai_client(server):
@@ -160,7 +160,7 @@ def test_sixteen_concurrent_clients_get_complete_correct_answers(server, expecte
     (b"{not json", 400, "not valid JSON"),
     ({"model": "uw", "messages": MESSAGES[0], "max_tokens": "ten"}, 400, "max_tokens"),
     ({"model": "uw", "messages": MESSAGES[0], "max_tokens": 0}, 400, "max_tokens"),
-    ({"model": "gpt-4", "messages": MESSAGES[0]}, 400, "is not served here"),
+    ({"model": "gpt-4", "messages": MESSAGES[0]}, 404, "is not served here"),
     ({"model": "uw", "messages": [{"role": "user", "content": "word " * 600}]}, 400, "context length"),
     ({"model": "uw", "messages": MESSAGES[0], "n": 65}, 400, "n"),
     ({"model": "uw", "messages": MESSAGES[0], "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),

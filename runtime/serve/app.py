@@ -7,7 +7,9 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import hmac
 import json
 import logging
 import time
@@ -21,6 +23,7 @@ from ..generate import TextStream, encode_prompt, load_tokenizer
 from ..loader import _generation_eos
 from ..model_config import ModelConfig
 from . import api
+from .http import BodyLimit, CountResponses, guarded_protocol, openai_errors, parse_json
 from .logprobs import TokenText
 from .metrics import Metrics
 from .protocol import ServeConfig
@@ -28,6 +31,7 @@ from .router import Overloaded, Router, Unavailable
 
 log = logging.getLogger(__name__)
 RETRY_AFTER_S = "1"
+JSON_IN_THREAD_BYTES = 64 << 10  # bodies larger than this are parsed off the event loop
 
 
 class HTTPError(Exception):
@@ -121,8 +125,11 @@ def create_app(cfg: ServeConfig) -> FastAPI:
     name = cfg.served_model_name or Path(cfg.model).resolve().name
     vocab_size = model_cfg.vocab_size
     texts = TokenText(tokenizer)
-    metrics = Metrics()
+    metrics = Metrics(name, max_len)
     router = Router(cfg, eos, metrics)
+    metrics.watch(lambda: router.workers.values(), lambda: router.requests.values())
+    tokenizing = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="tokenize")  # prompts never tokenise on the event loop
+    max_chars = _max_prompt_chars(tokenizer, max_len)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -131,24 +138,32 @@ def create_app(cfg: ServeConfig) -> FastAPI:
             yield
         finally:
             await router.stop()
+            tokenizing.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="unweight serve", lifespan=lifespan)
     app.state.router = router
+    app.add_middleware(BodyLimit, max_bytes=cfg.max_body_bytes)
+    app.add_middleware(CountResponses, record=metrics.response)  # outermost: sees the 413s and 503s too
+    openai_errors(app)
+    expected_auth = f"Bearer {cfg.api_key}".encode() if cfg.api_key else None
 
     def fail(e: HTTPError, endpoint: str) -> JSONResponse:
-        metrics.requests.labels(endpoint, str(e.status)).inc()
         headers = {"Retry-After": RETRY_AFTER_S} if e.status in (429, 503) else None
         return JSONResponse(e.body, status_code=e.status, headers=headers)
 
     def check_key(request: Request) -> None:
-        if cfg.api_key and request.headers.get("authorization") != f"Bearer {cfg.api_key}":
+        if expected_auth is None:
+            return
+        got = request.headers.get("authorization", "").encode("latin-1")  # the header's own bytes
+        if not hmac.compare_digest(got, expected_auth):
             raise HTTPError(401, "invalid API key", "authentication_error", code="invalid_api_key")
 
     async def parse(request: Request, schema, endpoint: str):
+        data = await request.body()
         try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise HTTPError(400, f"the body is not valid JSON: {e}") from None
+            body = await asyncio.to_thread(parse_json, data) if len(data) > JSON_IN_THREAD_BYTES else parse_json(data)
+        except ValueError as e:
+            raise HTTPError(400, str(e)) from None
         if not isinstance(body, dict):
             raise HTTPError(400, "the body must be a JSON object")
         field = api.unsupported(body, endpoint)
@@ -161,7 +176,7 @@ def create_app(cfg: ServeConfig) -> FastAPI:
             param = ".".join(str(p) for p in err["loc"]) or None
             raise HTTPError(400, f"{param}: {err['msg']}" if param else err["msg"], param=param) from None
         if req.model != name:
-            raise HTTPError(400, f"model {req.model!r} is not served here; this server serves {name!r}", param="model", code="model_not_found")
+            raise HTTPError(404, f"model {req.model!r} is not served here; this server serves {name!r}", param="model", code="model_not_found")
         return req
 
     def budget(req, prompt_ids: list[int], param: str) -> int:
@@ -177,13 +192,12 @@ def create_app(cfg: ServeConfig) -> FastAPI:
             raise HTTPError(400, f"the prompt has {n} tokens; with max_tokens {limit} that exceeds the context length {max_len}", param="max_tokens", code="context_length_exceeded")
         return limit
 
-    def encode(req, chat: bool) -> list[list[int]]:
+    async def encode(req, chat: bool) -> list[list[int]]:
         """Token ids of each prompt: chat messages through the chat template, text through the
-        tokenizer, token-id prompts checked against the vocabulary."""
-        if chat:
-            prompts = [[m.template_dict() for m in req.messages]]
-        else:
-            prompts = req.prompts()
+        tokenizer (on a thread; a prompt with more characters than max_len tokens can cover is
+        refused before the tokenizer sees it), token-id prompts checked against the vocabulary."""
+        param = "messages" if chat else "prompt"
+        prompts = [[m.template_dict() for m in req.messages]] if chat else req.prompts()
         out = []
         for p in prompts:
             if isinstance(p, list) and p and isinstance(p[0], int):
@@ -192,10 +206,13 @@ def create_app(cfg: ServeConfig) -> FastAPI:
                     raise HTTPError(400, f"prompt: token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})", param="prompt")
                 out.append(list(p))
                 continue
+            if max_chars is not None and _chars(p) > max_chars:
+                raise HTTPError(400, f"the prompt has more than {max_chars} characters, more than {max_len} tokens of context can hold",
+                                param=param, code="context_length_exceeded")
             try:
-                out.append(encode_prompt(tokenizer, p))  # messages go through the chat template
+                out.append(await asyncio.get_running_loop().run_in_executor(tokenizing, encode_prompt, tokenizer, p))
             except ValueError as e:
-                raise HTTPError(400, str(e), param="messages" if chat else "prompt") from None
+                raise HTTPError(400, str(e), param=param) from None
         return out
 
     async def handle(request: Request, schema, endpoint: str, chat: bool):
@@ -203,7 +220,7 @@ def create_app(cfg: ServeConfig) -> FastAPI:
         try:
             check_key(request)
             req = await parse(request, schema, endpoint)
-            prompts = encode(req, chat)
+            prompts = await encode(req, chat)
             param = "messages" if chat else "prompt"
             limits = [budget(req, ids, param) for ids in prompts]
             per_prompt, n = req.choices(), req.n or 1
@@ -235,19 +252,16 @@ def create_app(cfg: ServeConfig) -> FastAPI:
             return fail(e, endpoint)
         n_prompt = sum(len(ids) for ids in prompts)
         if req.stream:
-            metrics.requests.labels(endpoint, "200").inc()
             return StreamingResponse(_sse(choices, req, rid, chat, n_prompt), media_type="text/event-stream")
         try:
-            await asyncio.gather(*(c.collect() for c in choices))
+            await _unless_disconnected(request, asyncio.gather(*(c.collect() for c in choices)))
         except HTTPError as e:
             return fail(e, endpoint)
         finally:
             for c in choices:
                 if not c.r.done:
-                    await router.cancel(c.r)
+                    await router.cancel(c.r, "stop" if c.text.finished else "abort")
         completion = sum(len(c.text.tokens) for c in choices)
-        metrics.requests.labels(endpoint, "200").inc()
-        metrics.tokens.inc(completion)
         if per_prompt > n:  # best_of: the n most likely of each prompt's candidates
             kept = []
             for pi in range(len(prompts)):
@@ -310,17 +324,15 @@ def create_app(cfg: ServeConfig) -> FastAPI:
                     yield chunk(c, "", finish)
                     open_ -= 1
             else:
-                completion = sum(len(c.text.tokens) for c in choices)
-                metrics.tokens.inc(completion)
                 if req.include_usage:
-                    yield data(api.usage_chunk(rid, name, obj, n_prompt, completion))
+                    yield data(api.usage_chunk(rid, name, obj, n_prompt, sum(len(c.text.tokens) for c in choices)))
             yield "data: [DONE]\n\n"
         finally:  # also when the client went away mid-stream: free its slots and KV caches
             for t in pumps:
                 t.cancel()
             for c in choices:
                 if not c.r.done:
-                    await router.cancel(c.r)
+                    await router.cancel(c.r, "stop" if c.text.finished else "abort")
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -336,10 +348,31 @@ def create_app(cfg: ServeConfig) -> FastAPI:
             check_key(request)
         except HTTPError as e:
             return fail(e, "models")
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": int(time.time()), "owned_by": "unweight", "max_model_len": max_len}]}
+        return {"object": "list", "data": [model_card()]}
+
+    def model_card() -> dict:
+        return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "unweight", "max_model_len": max_len}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str):
+        try:
+            check_key(request)
+            if model_id != name:
+                raise HTTPError(404, f"The model `{model_id}` does not exist.", param="model", code="model_not_found")
+        except HTTPError as e:
+            return fail(e, "models")
+        return model_card()
+
+    def check_private(request: Request) -> None:
+        if not cfg.public_health:
+            check_key(request)
 
     @app.get("/health")
-    async def health():
+    async def health(request: Request):
+        try:
+            check_private(request)
+        except HTTPError as e:
+            return fail(e, "health")
         ok = router.ready()
         body = {"status": "ok" if ok else "starting" if not router.workers or any(w.state == "starting" for w in router.workers.values()) else "degraded",
                 "mode": "disaggregated" if cfg.disaggregated else "aggregated", "model": name,
@@ -347,7 +380,11 @@ def create_app(cfg: ServeConfig) -> FastAPI:
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")
-    async def prometheus():
+    async def prometheus(request: Request):
+        try:
+            check_private(request)
+        except HTTPError as e:
+            return fail(e, "metrics")
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.exception_handler(Exception)
@@ -363,7 +400,63 @@ def serve(cfg: ServeConfig) -> None:
     import uvicorn
 
     app = create_app(cfg)
-    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning", timeout_graceful_shutdown=10)
+    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning", timeout_graceful_shutdown=10,
+                http=guarded_protocol(cfg.timeout_header, cfg.limit_concurrency), timeout_keep_alive=cfg.timeout_keep_alive)
+
+
+class ClientGone(HTTPError):
+    def __init__(self):
+        super().__init__(499, "the client closed the connection", code="client_closed_request")
+
+
+async def _unless_disconnected(request: Request, work):
+    """Await `work` (a coroutine) unless the client hangs up first: then cancel it and raise
+    ClientGone, so the caller frees the request's slot as a broken stream does. The body is read by
+    now, so the next ASGI message is the disconnect."""
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    job, watch = asyncio.ensure_future(work), asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({job, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not job.done():
+            job.cancel()
+    if job.done() and not job.cancelled():
+        return job.result()
+    raise ClientGone()
+
+
+def _chars(prompt) -> int:
+    """Characters of text in a prompt: a string, or the contents of chat messages (strings or
+    lists of {"type": "text", "text": ...} parts). Anything else counts 0 (no pre-check)."""
+    if isinstance(prompt, str):
+        return len(prompt)
+    if not isinstance(prompt, list) or not all(isinstance(m, dict) for m in prompt):
+        return 0
+    n = 0
+    for m in prompt:
+        content = m.get("content")
+        if isinstance(content, str):
+            n += len(content)
+        elif isinstance(content, list):
+            n += sum(len(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return n
+
+
+def _max_prompt_chars(tokenizer, max_len: int) -> int | None:
+    """Characters beyond which a prompt certainly needs more than max_len tokens: max_len times the
+    longest token. A token's text in the vocabulary has one character per byte (byte-level BPE) or
+    per character, never fewer than it decodes to; a normalizer could drop characters, so with one
+    there is no such bound (None)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or backend.normalizer is not None:
+        return None
+    longest = max(len(t) for t in tokenizer.get_vocab())
+    return max_len * max(1, longest)
 
 
 def run_worker(role: str, name: str, cfg: ServeConfig, router_address: tuple[str, int], kv_address: tuple[str, int] | None, parent_pid: int | None) -> None:

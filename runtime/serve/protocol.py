@@ -73,6 +73,11 @@ class ServeConfig:
     kv_port: int = 0
     served_model_name: str | None = None
     worker_threads: int = 0  # CPU threads per worker; 0: the machine's cores split among the local workers
+    public_health: bool = False  # /health and /metrics answer without the API key
+    max_body_bytes: int = 16 << 20  # larger request bodies get 413, before they are read
+    timeout_keep_alive: float = 5.0  # an idle connection (before or between requests) is closed after this
+    timeout_header: float = 10.0  # a request's head must arrive within this (from connect or the last response)
+    limit_concurrency: int = 512  # open connections beyond which requests get 503
 
     def __post_init__(self) -> None:
         for name in ("prefill_workers", "decode_workers"):
@@ -86,6 +91,13 @@ class ServeConfig:
             raise ValueError(f"max-model-len must be >= 2, not {self.max_model_len}")
         if self.worker_threads < 0:
             raise ValueError(f"worker-threads must be >= 0, not {self.worker_threads}")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max-body-bytes must be >= 1024, not {self.max_body_bytes}")
+        for name in ("timeout_keep_alive", "timeout_header"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name.replace('_', '-')} must be > 0 seconds, not {getattr(self, name)}")
+        if self.limit_concurrency < 1:
+            raise ValueError(f"limit-concurrency must be >= 1, not {self.limit_concurrency}")
         for name in ("port", "control_port", "kv_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ValueError(f"{name.replace('_', '-')} {getattr(self, name)} is not a TCP port")

@@ -192,11 +192,10 @@ class Router:
             w.kv_blocks_used, w.kv_blocks_total = msg["kv_blocks_used"], msg["kv_blocks_total"]
             if w.state == "unresponsive":
                 w.state = "ready"
-            self.metrics.worker(w)
         elif op == "prefilled":
             r = self.requests.get(msg["id"])
             w.inflight.discard(msg["id"])
-            self.metrics.kv_bytes.labels(name, msg["decode"]).inc(msg["kv_bytes"])
+            self.metrics.kv_sent(name, msg["decode"], msg["kv_bytes"])
             if r is None or r.done:  # cancelled during its prefill: the KV is sent anyway, so receive and drop it
                 asyncio.get_running_loop().create_task(self._send(msg["decode"], {
                     "op": "decode", "id": msg["id"], "tag": msg["tag"], "kv_shape": msg["kv_shape"], "kv_dtype": msg["kv_dtype"],
@@ -232,20 +231,20 @@ class Router:
         if token is not None:
             if r.first_at is None:
                 r.first_at = now
-                self.metrics.ttft.observe(now - r.created)
-            else:
-                self.metrics.itl.observe(now - r.last_at)
+            self.metrics.token(r.rid, r.holder, now)
             r.last_at = now
         r.events.put_nowait(("token", token, finish, logprobs))
         if finish is not None:
-            self._release(r)
+            self._release(r, finish)
 
     def _finish_error(self, r: Request, error: str) -> None:
         if not r.done:
             r.events.put_nowait(("error", error, None, None))
-            self._release(r)
+            self._release(r, "error")
 
-    def _release(self, r: Request) -> None:
+    def _release(self, r: Request, reason: str) -> None:
+        if not r.done:
+            self.metrics.finished(r.rid, reason)
         r.done = True
         self.requests.pop(r.rid, None)
         for w in self.workers.values():
@@ -266,7 +265,6 @@ class Router:
                         if r is not None:
                             self._finish_error(r, f"worker {w.name} died while serving this request")
                     w.inflight.clear()
-                    self.metrics.worker(w)
                 elif not exited and w.state == "ready" and now - w.last_seen > DEAD_AFTER_S:
                     w.state = "unresponsive"
                 if w.state == "dead" and w.command is not None and not self.closing and now - w.died_at >= RESTART_BACKOFF_S:
@@ -306,15 +304,16 @@ class Router:
         p.inflight.add(rid)
         p.served += 1
         self.requests[rid] = r
+        self.metrics.admitted(rid, len(tokens), r.created)
         await self._send(p.name, msg)
         return r
 
-    async def cancel(self, r: Request) -> None:
-        """The client left or a stop string ended it: free its batch slot and KV cache."""
+    async def cancel(self, r: Request, reason: str = "abort") -> None:
+        """The client left ("abort") or a stop string ended it ("stop"): free its batch slot and KV cache."""
         if r.done and r.holder is None:
             return
         holder = r.holder
-        self._release(r)
+        self._release(r, reason)
         for name in {holder, r.decode} - {None}:
             await self._send(name, {"op": "cancel", "id": r.rid})
 
