@@ -147,6 +147,9 @@ def test_content_parts_tool_histories_and_nulls(server, client):
     assert r.status_code == 200, r.text
     r = server.http.post("/v1/completions", json={"model": "uw", "prompt": "Hi", "temperature": None, "echo": None, "best_of": None, "suffix": None, "max_tokens": 4})
     assert r.status_code == 200, r.text
+    unused = {"tool_choice": "auto", "parallel_tool_calls": True, "response_format": {"type": "text"}, "modalities": ["text"], "tools": []}
+    r = server.http.post("/v1/chat/completions", json={"model": "uw", "messages": CHAT, "max_tokens": 2, **unused})
+    assert r.status_code == 200, r.text
     r = server.http.post("/v1/chat/completions", json={"model": "uw", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]})
     assert r.status_code == 400 and "image_url" in r.json()["error"]["message"]
 

@@ -38,10 +38,14 @@ UNSUPPORTED = {
 
 def unsupported(body: dict, endpoint: str) -> str | None:
     """The first field of a request body that asks for something this server does not do."""
+    no_tools = not body.get("tools")
     for name, unused in UNSUPPORTED[endpoint].items():
         v = body.get(name)
-        if v is not None and v != unused and not (name == "parallel_tool_calls" and not body.get("tools")):
-            return name
+        if v is None or v == unused:
+            continue
+        if no_tools and (name == "parallel_tool_calls" or (name == "tool_choice" and v == "auto")):
+            continue  # about tools, and there are none
+        return name
     return None
 
 
