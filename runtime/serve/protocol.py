@@ -17,9 +17,10 @@ Router -> worker
     decode    {id, tag, first_token, kv_shape, kv_dtype, prefill: name, prefill_incarnation, sampling, rng}
               (with discard: true, receive the KV and drop it: its request was cancelled meanwhile)
     cancel    {id}
+    announce  {}        (a heartbeat came from a worker the router does not know: say hello again)
     shutdown  {}
 Worker -> router
-    hello     {role, pid, incarnation}
+    hello     {role, pid, incarnation}   (on the main socket: a worker is used only once it said it)
     beat      {running, queued, kv_blocks_used, kv_blocks_total}  (every HEARTBEAT_S)
     prefilled {id, tag, first_token, kv_shape, kv_dtype, rng, kv_bytes, decode}  (the KV is on its way)
     tokens    {items: [[id, token, finish_reason or null], ...]}  (one message per step)
@@ -135,6 +136,10 @@ class Shutdown(_Msg):
     op: Literal["shutdown"]
 
 
+class Announce(_Msg):
+    op: Literal["announce"]
+
+
 class Hello(_Msg):
     op: Literal["hello"]
     role: Literal["prefill", "decode", "worker"]
@@ -173,7 +178,7 @@ class Failed(_Msg):
     error: ErrorText
 
 
-ToWorker = TypeAdapter(Annotated[Union[Prefill, Generate, Decode, Cancel, Shutdown], Field(discriminator="op")])
+ToWorker = TypeAdapter(Annotated[Union[Prefill, Generate, Decode, Cancel, Shutdown, Announce], Field(discriminator="op")])
 ToRouter = TypeAdapter(Annotated[Union[Hello, Beat, Prefilled, TokensMsg, Failed], Field(discriminator="op")])
 
 

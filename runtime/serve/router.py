@@ -205,13 +205,18 @@ class Router:
                 if len(frames) != 2:
                     raise BadMessage(f"{len(frames) - 1} frames, not 1", None)
                 ident, data = frames
-                name = ident.decode("ascii", "replace").removesuffix("#beat")  # a worker's heartbeat socket
+                name = ident.decode("ascii", "replace")
+                beat_socket = name.endswith("#beat")  # a worker's heartbeat socket
+                name = name.removesuffix("#beat")
                 msg = unpack(data, ToRouter)
             except BadMessage as e:
                 self.rejected.warning("dropped a bad control message from %r: %s", frames[0][:64], e)
                 self._bad_message_from(frames[0].decode("ascii", "replace").removesuffix("#beat"), e.rid)
                 continue
             try:
+                if beat_socket != (msg["op"] == "beat"):
+                    self.rejected.warning("dropped %s from %r: beats come on NAME#beat, everything else on NAME", msg["op"], ident[:64])
+                    continue
                 self._handle(name, msg)
             except Exception:  # noqa: BLE001 - a bug here must not take the router down
                 log.exception("error handling %s from %r", msg["op"], name)
@@ -246,6 +251,8 @@ class Router:
             w.pid, w.incarnation, w.state = msg["pid"], msg["incarnation"], "ready"
         if w is None:
             self.rejected.warning("dropped %s from %r: no hello from it yet", op, name)
+            if op == "beat":  # its hello was lost (a connection that failed), or this router restarted
+                asyncio.get_running_loop().create_task(self._send(name, {"op": "announce"}))
             return
         w.last_seen = time.monotonic()
         if op == "beat":

@@ -34,6 +34,16 @@ from .kv_link import KVLink, Transfer
 from .protocol import HEARTBEAT_S, MAX_MESSAGE_BYTES, BadMessage, RateLimitedLog, ToWorker, curve_keys, pack, unpack
 
 log = logging.getLogger(__name__)
+RECONNECT_AFTER_REFUSAL_S = 1.0
+
+
+def _handshake_failed_events() -> int:
+    import zmq
+
+    return zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+
+
+HANDSHAKE_FAILED = _handshake_failed_events()
 
 
 def sampling_from(job: dict) -> tuple[SamplingParams, set[int]]:
@@ -91,7 +101,8 @@ class Worker:
         self.router_url = f"tcp://{router[0]}:{router[1]}"
         self.sock.connect(self.router_url)
         # a peer that fails the CURVE handshake (not the router of this server) is logged here
-        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+        self.monitor = self.sock.get_monitor_socket(HANDSHAKE_FAILED)
+        self._reconnect_at: float | None = None
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
         self.poller.register(self.monitor, zmq.POLLIN)
@@ -126,19 +137,42 @@ class Worker:
         if items:
             self.send({"op": "tokens", "items": items})
 
-    def poll(self, timeout_ms: int) -> None:
+    def _refused(self, monitor) -> bool:
+        """Log the handshakes that failed on a socket (its monitor); True if any did."""
         import zmq
         from zmq.utils.monitor import parse_monitor_message
 
+        failed = False
+        while True:
+            try:
+                event = parse_monitor_message(monitor.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                return failed
+            failed = True
+            self.rejected.warning("%s: the control peer at %s failed the CURVE handshake (event %s, error %s): not this server's router",
+                                  self.name, self.router_url, event["event"], event["value"])
+
+    def _reconnect(self, sock) -> None:
+        """ZeroMQ gives up on an endpoint whose handshake failed: connect again (the real router
+        may take the address over)."""
+        import zmq
+
+        try:
+            sock.disconnect(self.router_url)
+        except zmq.ZMQError:
+            pass
+        sock.connect(self.router_url)
+
+    def poll(self, timeout_ms: int) -> None:
+        import zmq
+
         events = dict(self.poller.poll(timeout_ms))
-        if self.monitor in events:
-            while True:
-                try:
-                    event = parse_monitor_message(self.monitor.recv_multipart(zmq.NOBLOCK))
-                except zmq.Again:
-                    break
-                self.rejected.warning("%s: the control peer at %s failed the CURVE handshake (event %s, error %s): not this server's router",
-                                      self.name, self.router_url, event["event"], event["value"])
+        if self.monitor in events and self._refused(self.monitor) and self._reconnect_at is None:
+            self._reconnect_at = time.monotonic() + RECONNECT_AFTER_REFUSAL_S
+        if self._reconnect_at is not None and time.monotonic() >= self._reconnect_at:
+            self._reconnect_at = None
+            self._reconnect(self.sock)
+            self.send({"op": "hello", "role": self.role, "pid": os.getpid(), "incarnation": self.incarnation})
         if self.sock in events:
             while True:
                 try:
@@ -167,9 +201,12 @@ class Worker:
 
         sock = self._control_socket(f"{self.name}#beat")
         sock.setsockopt(zmq.LINGER, 0)
+        monitor = sock.get_monitor_socket(HANDSHAKE_FAILED)
         sock.connect(self.router_url)
         try:
             while not self.stopping:
+                if self._refused(monitor):
+                    self._reconnect(sock)  # at most once a heartbeat
                 cache = self.model.cache
                 sock.send(pack({"op": "beat", "running": len(self.running), "queued": len(self.waiting) + len(self.pending) + len(self.preempted),
                                 "kv_blocks_used": cache.used_blocks, "kv_blocks_total": cache.max_blocks}))
@@ -177,12 +214,16 @@ class Worker:
                     self.stopping = True
                 time.sleep(HEARTBEAT_S)
         finally:
+            sock.disable_monitor()
+            monitor.close()
             sock.close()
 
     def handle(self, msg: dict) -> None:
         op = msg["op"]
         if op == "shutdown":
             self.stopping = True
+        elif op == "announce":  # the router does not know us (our hello was lost, or it restarted)
+            self.send({"op": "hello", "role": self.role, "pid": os.getpid(), "incarnation": self.incarnation})
         elif op == "cancel":
             self.cancel(msg["id"])
         elif op == "prefill" and self.role == "prefill":
