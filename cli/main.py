@@ -260,6 +260,9 @@ def serve(
     kv_port: Annotated[int, typer.Option("--kv-port", help="Router KV rendezvous port (0: any free port).")] = 0,
     served_model_name: Annotated[Optional[str], typer.Option("--served-model-name", help="Model id clients use (default: the folder name).")] = None,
     worker_threads: Annotated[int, typer.Option("--worker-threads", min=0, help="CPU threads per worker (0: this machine's cores split among the local workers).")] = 0,
+    kv_cache_tokens: Annotated[Optional[int], typer.Option("--kv-cache-tokens", help="KV cache pool of each decode (or --no-disagg) worker, in tokens (default: --max-batch sequences of the full context). The context served is at most this; when the pool is full, new sequences wait and the newest running one is swapped out.")] = None,
+    control_secret_file: Annotated[Optional[Path], typer.Option("--control-secret-file", help="File (mode 600, one line of >= 32 characters) holding the secret that authenticates router and workers to each other. Needed by --role router and by workers started by hand; without it the router makes one for the workers it starts.")] = None,
+    worker_timeout: Annotated[float, typer.Option("--worker-timeout", envvar="UNWEIGHT_WORKER_TIMEOUT", help="Seconds without a heartbeat after which a worker counts as hung and its requests fail (503).")] = 10.0,
     parent_pid: Annotated[Optional[int], typer.Option("--parent-pid", hidden=True)] = None,
 ) -> None:
     """Serve a compressed model behind an OpenAI-compatible API.
@@ -276,13 +279,16 @@ def serve(
 
         unweight serve ./smollm2-uw --no-disagg
 
-        unweight serve ./llama-uw --role router --host 10.0.0.1 --control-port 5555 --kv-port 5556 --prefill-workers 0 --decode-workers 0
+        unweight serve ./llama-uw --role router --host 10.0.0.1 --control-port 5555 --kv-port 5556 --control-secret-file ~/.unweight-secret
 
-        unweight serve ./llama-uw --role decode --name decode-0 --router-address 10.0.0.1:5555 --kv-address 10.0.0.1:5556
+        unweight serve ./llama-uw --role decode --name decode-0 --router-address 10.0.0.1:5555 --kv-address 10.0.0.1:5556 --control-secret-file ~/.unweight-secret
+
+    The control plane (router <-> workers) is ZeroMQ CURVE with keys derived from the control
+    secret: no process without it can join as a worker, or pose as the router.
     """
 
     def body() -> None:
-        from unweight.runtime.serve.protocol import ROLES, ServeConfig, parse_address
+        from unweight.runtime.serve.protocol import ROLES, ServeConfig, parse_address, read_secret_file
 
         if role not in ("all", *ROLES):
             raise ValueError(f"role {role!r} is not one of all, {', '.join(ROLES)}")
@@ -291,9 +297,15 @@ def serve(
         cfg = ServeConfig(str(model), host, port, prefill_workers, decode_workers, max_batch, max_model_len, max_queue, device, api_key,
                           not no_disagg, control_port, kv_port, served_model_name, worker_threads, public_health=public_health,
                           max_body_bytes=max_body_bytes, timeout_keep_alive=timeout_keep_alive, timeout_header=timeout_header,
-                          limit_concurrency=limit_concurrency)
+                          limit_concurrency=limit_concurrency,
+                          control_secret_file=str(control_secret_file) if control_secret_file else None, worker_timeout=worker_timeout,
+                          kv_cache_tokens=kv_cache_tokens)
+        if cfg.control_secret_file:
+            read_secret_file(cfg.control_secret_file)  # a clear error now, not from inside a process
         if role in ("all", "router"):
             if role == "router":
+                if not control_secret_file:
+                    raise ValueError("--role router needs --control-secret-file PATH: the workers started elsewhere authenticate with the same file")
                 cfg.prefill_workers = cfg.decode_workers = 0
             from unweight.runtime.serve.app import serve as _serve
 

@@ -26,7 +26,7 @@ from . import api
 from .http import BodyLimit, CountResponses, guarded_protocol, openai_errors, parse_json
 from .logprobs import TokenText
 from .metrics import Metrics
-from .protocol import ServeConfig
+from .protocol import ServeConfig, context_limits
 from .router import Overloaded, Router, Unavailable
 
 log = logging.getLogger(__name__)
@@ -121,7 +121,7 @@ def create_app(cfg: ServeConfig) -> FastAPI:
     model_cfg = ModelConfig.from_folder(cfg.model)
     tokenizer = load_tokenizer(cfg.model)
     eos = sorted(set(model_cfg.eos_token_ids) | set(_generation_eos(Path(cfg.model))) | ({tokenizer.eos_token_id} - {None}))
-    max_len = min(cfg.max_model_len or model_cfg.max_position_embeddings, model_cfg.max_position_embeddings)
+    max_len, _ = context_limits(cfg, model_cfg.max_position_embeddings)  # what the workers' KV pools really hold
     name = cfg.served_model_name or Path(cfg.model).resolve().name
     vocab_size = model_cfg.vocab_size
     texts = TokenText(tokenizer)
@@ -460,9 +460,20 @@ def _max_prompt_chars(tokenizer, max_len: int) -> int | None:
 
 
 def run_worker(role: str, name: str, cfg: ServeConfig, router_address: tuple[str, int], kv_address: tuple[str, int] | None, parent_pid: int | None) -> None:
+    """A worker process. Its control secret comes from --control-secret-file, else from the
+    environment of the router that started it (taken out of the environment at once)."""
+    import os
+
+    from .protocol import SECRET_ENV, read_secret_file
     from .worker import main
 
-    main(role, name, cfg.model, router_address, kv_address, cfg.device, cfg.max_batch, cfg.max_model_len, parent_pid, cfg.worker_threads)
+    secret = os.environ.pop(SECRET_ENV, None)
+    if cfg.control_secret_file:
+        secret = read_secret_file(cfg.control_secret_file)
+    if not secret:
+        raise ValueError(f"--role {role} needs --control-secret-file PATH (the file the router was given), unless the router started it")
+    main(role, name, cfg.model, router_address, kv_address, cfg.device, cfg.max_batch, cfg.max_model_len, parent_pid, cfg.worker_threads,
+         secret=secret, kv_cache_tokens=cfg.kv_cache_tokens)
 
 
 __all__ = ["create_app", "run_worker", "serve"]

@@ -42,10 +42,15 @@ class Transfer:
 class KVLink:
     """One worker's end of its hand-offs. `rank` 0 sends (prefill), 1 receives (decode)."""
 
-    def __init__(self, store_address: tuple[str, int], incarnation: str, rank: int):
+    def __init__(self, store_address: tuple[str, int], incarnation: str, rank: int, bind_host: str = "127.0.0.1"):
         host, port = store_address
         timeout = datetime.timedelta(seconds=KV_TIMEOUT_S)
         self.store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+        # gloo's own listening socket: on the address this worker reaches the router from, not
+        # wherever gloo's default (the hostname's address) would put it
+        self.options = dist.ProcessGroupGloo._Options()
+        self.options._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host)]
+        self.options._timeout = timeout
         self.incarnation, self.rank, self.timeout = incarnation, rank, timeout
         self.done: queue.Queue[Transfer] = queue.Queue()  # finished transfers, for the worker loop
         self._groups: dict[tuple[str, str], dist.ProcessGroup] = {}
@@ -67,7 +72,7 @@ class KVLink:
         if g is None:
             pre, dec = (self.incarnation, key[1]) if self.rank == 0 else (key[1], self.incarnation)
             store = dist.PrefixStore(f"kv/{pre}/{dec}", self.store)
-            g = self._groups[key] = dist.ProcessGroupGloo(store, self.rank, 2, self.timeout)
+            g = self._groups[key] = dist.ProcessGroupGloo(store, self.rank, 2, self.options)
         return g
 
     def _serve_peer(self, key: tuple[str, str], q: queue.Queue) -> None:

@@ -5,6 +5,12 @@ worker connects a DEALER whose identity is its name (`prefill-0`, `decode-1`, `w
 Tensors never travel this way: a KV cache goes from a prefill worker to a decode worker over
 torch.distributed (runtime/serve/kv_link.py).
 
+Every control connection is ZeroMQ CURVE (encrypted, and authenticated both ways): the router's
+key pair and the one key pair all workers share are derived from one per-server secret
+(`curve_keys`), the router admits only the workers' public key (a ZAP allow-list) and a worker
+accepts only a server holding the router's secret key. Every message is then checked against its
+typed model below (`ToWorker`, `ToRouter`: strict types, bounded sizes) before anything reads it.
+
 A sequence's generation state (`seq`: settings, prompt, tokens made, EOS ids, random state) is
 `runtime.sampling.Sequence.state()`; the receiving worker rebuilds and checks it with
 `Sequence.from_state`. A token's `logprobs` is [logprob, [[id, logprob], ...]] or null.
@@ -15,9 +21,10 @@ Router -> worker
     decode    {id, tag, seq, kv_shape, kv_dtype, prefill: name, prefill_incarnation}
               (with discard: true, receive the KV and drop it: its request was cancelled meanwhile)
     cancel    {id}
+    announce  {}        (a heartbeat came from a worker the router does not know: say hello again)
     shutdown  {}
 Worker -> router
-    hello     {role, pid, incarnation}
+    hello     {role, pid, incarnation}   (on the main socket: a worker is used only once it said it)
     beat      {running, queued, kv_blocks_used, kv_blocks_total}  (every HEARTBEAT_S)
     prompt_logprobs {id, items: [[logprob, [[id, logprob], ...]], ...]}  (one per prompt token after
               the first; sent before the first token when prompt_logprobs is not null)
@@ -29,24 +36,257 @@ Worker -> router
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
+import logging
+import os
+import secrets
+import stat
+import time
 from dataclasses import dataclass
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 ROLES = ("router", "prefill", "decode", "worker")  # "worker": one aggregated process (--no-disagg)
 HEARTBEAT_S = 0.5
-DEAD_AFTER_S = 10.0  # a worker silent this long is reported unresponsive
+DEAD_AFTER_S = 10.0  # default --worker-timeout: a worker silent this long is unresponsive and its requests fail
 KV_TIMEOUT_S = 20.0  # a KV hand-off that takes longer fails its request instead of hanging
+KV_BLOCK_TOKENS = 16  # tokens per KV cache block (the pool is sized in whole blocks)
+MAX_MESSAGE_BYTES = 64 << 20  # ZeroMQ drops the connection of a peer that sends a bigger message
+SECRET_ENV = "UNWEIGHT_CONTROL_SECRET"  # how the router hands its secret to the workers it starts
+MIN_SECRET_CHARS = 32
 
 
 def pack(msg: dict) -> bytes:
     return json.dumps(msg, separators=(",", ":")).encode()
 
 
-def unpack(data: bytes) -> dict:
-    msg = json.loads(data)
-    if not isinstance(msg, dict) or not isinstance(msg.get("op"), str):
-        raise ValueError("control message without an op")
-    return msg
+# -- typed messages ---------------------------------------------------------------------------
+# Every field a peer sends is checked here, strictly (no "1" for 1, no extra fields, bounded
+# lengths), before the router or a worker looks at it: a bad message is dropped whole.
+Name = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:@-]+$")]
+Rid = Annotated[str, Field(min_length=1, max_length=128)]
+Incarnation = Annotated[str, Field(min_length=1, max_length=64)]
+Count = Annotated[int, Field(ge=0, le=1 << 31)]
+Tag = Annotated[int, Field(ge=0, lt=1 << 31)]
+TokenId = Annotated[int, Field(ge=0, lt=1 << 31)]
+Tokens = Annotated[list[TokenId], Field(min_length=1, max_length=1 << 21)]
+Finish = Literal["stop", "length"] | None
+KVShape = Annotated[list[Annotated[int, Field(ge=0, le=1 << 24)]], Field(min_length=5, max_length=5)]
+KVDtype = Literal["float32", "bfloat16", "float16"]
+ErrorText = Annotated[str, Field(max_length=1 << 13)]
+
+
+class _Msg(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+Logprob = Annotated[float, Field(allow_inf_nan=False)]
+Alternatives = Annotated[list[tuple[TokenId, Logprob]], Field(max_length=20)]
+TokenLogprobs = tuple[Logprob, Alternatives] | None  # a token's logprob and the best alternatives
+
+
+class SeqState(_Msg):
+    """A sequence's generation state (runtime.sampling.Sequence.state()). `sampling` is checked by
+    the worker's own SamplingParams.from_json, within the message size."""
+
+    sampling: dict
+    prompt: Tokens
+    output: Annotated[list[TokenId], Field(max_length=1 << 24)]
+    eos: Annotated[list[TokenId], Field(max_length=1024)]
+    rng: Annotated[list[Annotated[int, Field(ge=0, le=255)]], Field(max_length=1 << 14)] | None
+
+
+PromptLogprobsTop = Annotated[int, Field(ge=0, le=20)] | None
+
+
+class Prefill(_Msg):
+    op: Literal["prefill"]
+    id: Rid
+    tag: Tag
+    seq: SeqState
+    prompt_logprobs: PromptLogprobsTop
+    decode: Name
+    decode_incarnation: Incarnation | None
+
+
+class Generate(_Msg):
+    op: Literal["generate"]
+    id: Rid
+    seq: SeqState
+    prompt_logprobs: PromptLogprobsTop
+
+
+class Decode(_Msg):
+    op: Literal["decode"]
+    id: Rid
+    tag: Tag
+    kv_shape: KVShape
+    kv_dtype: KVDtype
+    prefill: Name
+    prefill_incarnation: Incarnation | None
+    seq: SeqState | None = None
+    discard: bool = False
+
+    @model_validator(mode="after")
+    def _complete(self):
+        if not self.discard and (self.seq is None or not self.seq.output):
+            raise ValueError("a decode job needs the sequence with its first token")
+        return self
+
+
+class Cancel(_Msg):
+    op: Literal["cancel"]
+    id: Rid
+
+
+class Shutdown(_Msg):
+    op: Literal["shutdown"]
+
+
+class Announce(_Msg):
+    op: Literal["announce"]
+
+
+class Hello(_Msg):
+    op: Literal["hello"]
+    role: Literal["prefill", "decode", "worker"]
+    pid: Annotated[int, Field(ge=1, le=1 << 31)]
+    incarnation: Incarnation
+
+
+class Beat(_Msg):
+    op: Literal["beat"]
+    running: Count
+    queued: Count
+    kv_blocks_used: Count
+    kv_blocks_total: Count
+
+
+class Prefilled(_Msg):
+    op: Literal["prefilled"]
+    id: Rid
+    tag: Tag
+    first_token: TokenId
+    logprobs: TokenLogprobs
+    seq: SeqState
+    kv_shape: KVShape
+    kv_dtype: KVDtype
+    kv_bytes: Annotated[int, Field(ge=0, le=1 << 50)]
+    decode: Name
+
+
+class TokensMsg(_Msg):
+    op: Literal["tokens"]
+    items: Annotated[list[tuple[Rid, TokenId | None, Finish, TokenLogprobs]], Field(min_length=1, max_length=1 << 16)]
+
+
+class PromptLogprobs(_Msg):
+    op: Literal["prompt_logprobs"]
+    id: Rid
+    items: Annotated[list[tuple[Logprob, Alternatives]], Field(max_length=1 << 21)]
+
+
+class Failed(_Msg):
+    op: Literal["failed"]
+    id: Rid
+    error: ErrorText
+
+
+ToWorker = TypeAdapter(Annotated[Union[Prefill, Generate, Decode, Cancel, Shutdown, Announce], Field(discriminator="op")])
+ToRouter = TypeAdapter(Annotated[Union[Hello, Beat, PromptLogprobs, Prefilled, TokensMsg, Failed], Field(discriminator="op")])
+
+
+class BadMessage(ValueError):
+    """A control message that does not match its op's model; `rid` is its request id if it had one."""
+
+    def __init__(self, text: str, rid: str | None):
+        super().__init__(text)
+        self.rid = rid
+
+
+def unpack(data: bytes, schema: TypeAdapter) -> dict:
+    """The message as a dict, every field checked against its op's model; else BadMessage (one line)."""
+    try:
+        return schema.validate_json(data).model_dump()
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        where = ".".join(str(p) for p in err["loc"])
+        rid = None
+        try:
+            raw = json.loads(data)
+            rid = raw.get("id") if isinstance(raw, dict) and isinstance(raw.get("id"), str) else None
+        except ValueError:
+            pass
+        raise BadMessage(f"{where + ': ' if where else ''}{err['msg']} ({e.error_count()} error(s), {len(data)} bytes)", rid) from None
+
+
+class RateLimitedLog:
+    """Warnings about hostile or broken peers: at most one per kind (format string) every `every`
+    seconds, the rest counted, so a flood of junk cannot flood the log."""
+
+    def __init__(self, logger: logging.Logger, every: float = 5.0):
+        self.logger, self.every = logger, every
+        self.kinds: dict[str, list] = {}  # format -> [last logged, suppressed since]; the formats are the code's own
+
+    def warning(self, fmt: str, *args) -> None:
+        now = time.monotonic()
+        kind = self.kinds.setdefault(fmt, [-float("inf"), 0])
+        if now - kind[0] < self.every:
+            kind[1] += 1
+            return
+        if kind[1]:
+            fmt += f" ({kind[1]} similar in the last {now - kind[0]:.0f} s not shown)"
+        kind[0], kind[1] = now, 0
+        self.logger.warning(fmt, *args)
+
+
+# -- the control secret -----------------------------------------------------------------------
+def new_secret() -> str:
+    return secrets.token_hex(32)
+
+
+def read_secret_file(path: str | os.PathLike) -> str:
+    """The control secret from a file only its owner can read (one line, >= 32 characters)."""
+    try:
+        st = os.stat(path)
+        if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+            raise ValueError(f"control secret file {path} is readable by group or others (mode {stat.S_IMODE(st.st_mode):o}); run chmod 600 {path}")
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except OSError as e:
+        raise ValueError(f"cannot read control secret file {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"control secret file {path} is not text") from None
+    lines = [line.strip() for line in lines if line.strip()]
+    if len(lines) != 1 or len(lines[0]) < MIN_SECRET_CHARS:
+        raise ValueError(f"control secret file {path} must hold one line of at least {MIN_SECRET_CHARS} characters (make one: python -c 'import secrets; print(secrets.token_hex(32))' > {path}; chmod 600 {path})")
+    return lines[0]
+
+
+def curve_keys(secret: str) -> dict[str, tuple[bytes, bytes]]:
+    """{"router": (public, secret), "worker": (public, secret)} Z85 CURVE keys derived from the secret."""
+    import zmq
+    from zmq.utils import z85
+
+    keys = {}
+    for who in ("router", "worker"):
+        sk = z85.encode(hmac.new(secret.encode(), f"unweight serve control: {who} key".encode(), hashlib.sha256).digest())
+        keys[who] = (zmq.curve_public(sk), sk)
+    return keys
+
+
+def context_limits(cfg: "ServeConfig", model_context: int) -> tuple[int, int]:
+    """The one place the sizes come from: (admitted context in tokens, KV pool tokens of a decode
+    or aggregated worker). The pool holds --kv-cache-tokens (default: --max-batch sequences of the
+    full context), rounded up to whole blocks; the admitted context is never more than the model's
+    context, --max-model-len, or the pool, so one admitted sequence always fits."""
+    max_len = min(cfg.max_model_len or model_context, model_context)
+    pool = cfg.kv_cache_tokens or max_len * cfg.max_batch
+    pool = -(-pool // KV_BLOCK_TOKENS) * KV_BLOCK_TOKENS
+    return min(max_len, pool), pool
 
 
 def parse_address(text: str, what: str) -> tuple[str, int]:
@@ -78,6 +318,9 @@ class ServeConfig:
     timeout_keep_alive: float = 5.0  # an idle connection (before or between requests) is closed after this
     timeout_header: float = 10.0  # a request's head must arrive within this (from connect or the last response)
     limit_concurrency: int = 512  # open connections beyond which requests get 503
+    control_secret_file: str | None = None  # None: the router makes a secret for the workers it starts
+    worker_timeout: float = DEAD_AFTER_S  # seconds of silence after which a worker's requests fail
+    kv_cache_tokens: int | None = None  # KV pool of a decode/aggregated worker; None: max_batch full contexts
 
     def __post_init__(self) -> None:
         for name in ("prefill_workers", "decode_workers"):
@@ -89,6 +332,10 @@ class ServeConfig:
                 raise ValueError(f"{name.replace('_', '-')} must be >= 1, not {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max-model-len must be >= 2, not {self.max_model_len}")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < 2:
+            raise ValueError(f"kv-cache-tokens must be >= 2, not {self.kv_cache_tokens}")
+        if not self.worker_timeout > 0:
+            raise ValueError(f"worker-timeout must be > 0 seconds, not {self.worker_timeout}")
         if self.worker_threads < 0:
             raise ValueError(f"worker-threads must be >= 0, not {self.worker_threads}")
         if self.max_body_bytes < 1024:

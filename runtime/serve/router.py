@@ -14,6 +14,7 @@ string (then the router cancels the rest). Aggregated (--no-disagg): one worker 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import itertools
 import logging
 import os
@@ -25,7 +26,7 @@ from dataclasses import dataclass, field
 
 from ..sampling import SamplingParams, Sequence
 from .metrics import Metrics
-from .protocol import DEAD_AFTER_S, ServeConfig, pack, unpack
+from .protocol import KV_TIMEOUT_S, MAX_MESSAGE_BYTES, SECRET_ENV, BadMessage, RateLimitedLog, ServeConfig, ToRouter, curve_keys, new_secret, pack, read_secret_file, unpack
 
 log = logging.getLogger(__name__)
 RESTART_BACKOFF_S = 1.0
@@ -56,6 +57,8 @@ class WorkerHandle:
     restarts: int = 0
     served: int = 0  # requests this worker took part in
     inflight: set[str] = field(default_factory=set)
+    sending: set[str] = field(default_factory=set)  # prefill: requests whose KV it may still be sending (it may report them failed)
+    draining: dict[str, tuple[str, float]] = field(default_factory=dict)  # prefill: cancelled mid-prefill -> (decode worker, when)
     died_at: float = 0.0
 
     def to_json(self) -> dict:
@@ -90,17 +93,31 @@ class Router:
         self._tasks: list[asyncio.Task] = []
         self.store = None
         self.closing = False
+        self.rejected = RateLimitedLog(log)  # unauthenticated peers and bad messages: logged, rate-limited
+        self.secret = read_secret_file(cfg.control_secret_file) if cfg.control_secret_file else new_secret()
 
     # -- start and stop -----------------------------------------------------------------------
     async def start(self) -> None:
         import zmq
         import zmq.asyncio
 
+        from zmq.auth.asyncio import AsyncioAuthenticator
+
         cfg = self.cfg
         self.ctx = zmq.asyncio.Context()
+        # CURVE: the ZAP handler admits only the workers' key, derived from the secret (a peer
+        # without it cannot even finish the handshake, so none of its bytes reach _handle)
+        keys = curve_keys(self.secret)
+        self.auth = AsyncioAuthenticator(self.ctx, log=logging.getLogger(f"{__name__}.zap"))
+        self.auth.start()
+        self.auth.configure_curve_callback("*", _AllowList(keys["worker"][0], self.rejected))
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted worker takes its name back
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        self.sock.curve_server = True
+        self.sock.curve_publickey, self.sock.curve_secretkey = keys["router"]
+        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
         bind_host = cfg.host if cfg.host not in ("localhost",) else "127.0.0.1"
         if cfg.control_port:
             self.sock.bind(f"tcp://{bind_host}:{cfg.control_port}")
@@ -112,9 +129,16 @@ class Router:
 
             import torch.distributed as dist
 
-            self.kv_port = cfg.kv_port or _free_port(bind_host)
-            self.store = dist.TCPStore(bind_host, self.kv_port, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30))
-        self._tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._watch())]
+            # torch binds its own master socket to every interface whatever the host says: hand it
+            # one bound where the other sockets are (kept open for as long as the store lives)
+            self.store_sock = socket.socket(socket.AF_INET6 if ":" in bind_host else socket.AF_INET)
+            self.store_sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self.store_sock.bind((bind_host, cfg.kv_port))
+            self.store_sock.listen(128)
+            self.kv_port = self.store_sock.getsockname()[1]
+            self.store = dist.TCPStore(bind_host, self.kv_port, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30),
+                                       master_listen_fd=self.store_sock.fileno())
+        self._tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._watch()), asyncio.create_task(self._watch_handshakes())]
         for role, count in self._local_workers():
             for i in range(count):
                 self._spawn(WorkerHandle(f"{role}-{i}", role))
@@ -132,11 +156,14 @@ class Router:
                          "--max-batch", str(cfg.max_batch), "--parent-pid", str(os.getpid())]
             if cfg.max_model_len:
                 w.command += ["--max-model-len", str(cfg.max_model_len)]
+            if cfg.kv_cache_tokens:
+                w.command += ["--kv-cache-tokens", str(cfg.kv_cache_tokens)]
             local = sum(n for _, n in self._local_workers()) or 1
             w.command += ["--worker-threads", str(cfg.worker_threads or max(1, _cpus() // local))]
             if cfg.disaggregated:
                 w.command += ["--kv-address", f"{_connect_host(cfg.host)}:{self.kv_port}"]
-        w.proc = subprocess.Popen(w.command, stdin=subprocess.DEVNULL)
+        env = {**os.environ, SECRET_ENV: self.secret}  # the environment, not argv: argv is visible to every user in ps
+        w.proc = subprocess.Popen(w.command, stdin=subprocess.DEVNULL, env=env)
         w.pid, w.state, w.incarnation, w.last_seen = w.proc.pid, "starting", None, time.monotonic()
         self.workers[w.name] = w
 
@@ -158,7 +185,10 @@ class Router:
                 w.proc.wait()
         for t in self._tasks:
             t.cancel()
+        self.sock.disable_monitor()
+        self.monitor.close()
         self.sock.close()
+        self.auth.stop()
         self.ctx.term()
 
     # -- worker traffic -----------------------------------------------------------------------
@@ -170,21 +200,59 @@ class Router:
 
     async def _receive(self) -> None:
         while True:
-            ident, data = await self.sock.recv_multipart()
+            frames = await self.sock.recv_multipart()
             try:
-                self._handle(ident.decode(), unpack(data))
-            except Exception:  # noqa: BLE001 - one bad message must not take the router down
-                log.exception("bad message from %r", ident)
+                if len(frames) != 2:
+                    raise BadMessage(f"{len(frames) - 1} frames, not 1", None)
+                ident, data = frames
+                name = ident.decode("ascii", "replace")
+                beat_socket = name.endswith("#beat")  # a worker's heartbeat socket
+                name = name.removesuffix("#beat")
+                msg = unpack(data, ToRouter)
+            except BadMessage as e:
+                self.rejected.warning("dropped a bad control message from %r: %s", frames[0][:64], e)
+                self._bad_message_from(frames[0].decode("ascii", "replace").removesuffix("#beat"), e.rid)
+                continue
+            try:
+                if beat_socket != (msg["op"] == "beat"):
+                    self.rejected.warning("dropped %s from %r: beats come on NAME#beat, everything else on NAME", msg["op"], ident[:64])
+                    continue
+                self._handle(name, msg)
+            except Exception:  # noqa: BLE001 - a bug here must not take the router down
+                log.exception("error handling %s from %r", msg["op"], name)
+
+    def _bad_message_from(self, name: str, rid: str | None) -> None:
+        """A worker's message about a request it holds was unreadable: that request cannot go on."""
+        w = self.workers.get(name)
+        r = self.requests.get(rid) if rid is not None else None
+        if w is not None and r is not None and (rid in w.inflight or rid in w.sending):
+            self._finish_error(r, f"worker {name} sent an invalid message about this request")
+
+    async def _watch_handshakes(self) -> None:
+        """Peers that failed the CURVE handshake (no key, or not this server's): logged, rate-limited."""
+        from zmq.utils.monitor import parse_monitor_message
+
+        while True:
+            event = parse_monitor_message(await self.monitor.recv_multipart())
+            self.rejected.warning("refused a control connection on %s: CURVE handshake failed (event %s, error %s): not a worker of this server",
+                                  event["endpoint"].decode(errors="replace"), event["event"], event["value"])
 
     def _handle(self, name: str, msg: dict) -> None:
-        name = name.removesuffix("#beat")  # a worker's heartbeat socket
         w = self.workers.get(name)
         op = msg["op"]
         if op == "hello":
             if w is None:  # a worker started by hand (--role prefill|decode on another host)
                 w = self.workers[name] = WorkerHandle(name, msg["role"])
+            elif w.role != msg["role"]:
+                self.rejected.warning("dropped hello from %s: it says role %s, it was registered as %s", name, msg["role"], w.role)
+                return
+            if w.incarnation is not None and w.incarnation != msg["incarnation"]:  # restarted by hand: it holds nothing now
+                self._fail_held(w, f"worker {name} restarted while serving this request")
             w.pid, w.incarnation, w.state = msg["pid"], msg["incarnation"], "ready"
         if w is None:
+            self.rejected.warning("dropped %s from %r: no hello from it yet", op, name)
+            if op == "beat":  # its hello was lost (a connection that failed), or this router restarted
+                asyncio.get_running_loop().create_task(self._send(name, {"op": "announce"}))
             return
         w.last_seen = time.monotonic()
         if op == "beat":
@@ -193,18 +261,23 @@ class Router:
             if w.state == "unresponsive":
                 w.state = "ready"
         elif op == "prefilled":
-            r = self.requests.get(msg["id"])
-            w.inflight.discard(msg["id"])
-            self.metrics.kv_sent(name, msg["decode"], msg["kv_bytes"])
-            if r is None or r.done:  # cancelled during its prefill: the KV is sent anyway, so receive and drop it
-                asyncio.get_running_loop().create_task(self._send(msg["decode"], {
-                    "op": "decode", "id": msg["id"], "tag": msg["tag"], "kv_shape": msg["kv_shape"], "kv_dtype": msg["kv_dtype"],
-                    "prefill": name, "prefill_incarnation": w.incarnation, "discard": True}))
+            rid = msg["id"]
+            r = self.requests.get(rid)
+            if rid in w.draining:  # cancelled during its prefill: the KV is sent anyway, so receive and drop it
+                self._discard_kv(w, msg, w.draining.pop(rid)[0])
                 return
+            if r is None or rid not in w.inflight or r.done:
+                self.rejected.warning("dropped prefilled for %s from %s: not a request it holds", rid, name)
+                return
+            w.inflight.discard(rid)
+            w.sending.add(rid)
+            self.metrics.kv_sent(name, r.decode, msg["kv_bytes"])
             self._token(r, msg["first_token"], None, msg["logprobs"])
             d = self.workers.get(r.decode)
-            if d is None or d.state == "dead":
-                self._finish_error(r, f"decode worker {r.decode} died")
+            if d is None or d.state != "ready":
+                if d is not None and d.state == "unresponsive":  # it may wake up: its receive must pair with the send
+                    self._discard_kv(w, msg, d.name)
+                self._finish_error(r, f"decode worker {r.decode} is {'gone' if d is None else d.state}")
                 return
             r.holder = d.name
             d.inflight.add(r.rid)
@@ -215,16 +288,38 @@ class Router:
         elif op == "tokens":
             for rid, token, finish, logprobs in msg["items"]:
                 r = self.requests.get(rid)
+                if rid not in w.inflight:  # finished or cancelled meanwhile, or never its request
+                    continue
                 if r is not None and not r.done:
                     self._token(r, token, finish, logprobs)
         elif op == "prompt_logprobs":
             r = self.requests.get(msg["id"])
-            if r is not None and not r.done:
+            if r is not None and not r.done and msg["id"] in w.inflight and len(msg["items"]) == len(r.tokens) - 1:
                 r.events.put_nowait(("prompt", msg["items"], None, None))
         elif op == "failed":
-            r = self.requests.get(msg["id"])
-            if r is not None:
+            rid = msg["id"]
+            if w.draining.pop(rid, None) is not None:
+                return
+            r = self.requests.get(rid)
+            if r is not None and (rid in w.inflight or rid in w.sending):
                 self._finish_error(r, msg["error"])
+
+    def _discard_kv(self, w: WorkerHandle, msg: dict, decode: str) -> None:
+        asyncio.get_running_loop().create_task(self._send(decode, {
+            "op": "decode", "id": msg["id"], "tag": msg["tag"], "kv_shape": msg["kv_shape"], "kv_dtype": msg["kv_dtype"],
+            "prefill": w.name, "prefill_incarnation": w.incarnation, "discard": True}))
+
+    def _fail_held(self, w: WorkerHandle, error: str, gone: bool = True) -> None:
+        """Fail the requests the worker holds. Those whose KV it was sending are held by their decode
+        worker now, which fails them itself if the KV never arrives."""
+        for rid in list(w.inflight):
+            r = self.requests.get(rid)
+            if r is not None:
+                self._finish_error(r, error)
+        w.inflight.clear()
+        if gone:  # nothing more will come from this incarnation (a hung one may still send `prefilled`)
+            w.sending.clear()
+            w.draining.clear()
 
     def _token(self, r: Request, token: int | None, finish: str | None, logprobs: list | None = None) -> None:
         now = time.monotonic()
@@ -235,20 +330,25 @@ class Router:
             r.last_at = now
         r.events.put_nowait(("token", token, finish, logprobs))
         if finish is not None:
-            self._release(r, finish)
+            self._release(r, finish, finished=True)
 
     def _finish_error(self, r: Request, error: str) -> None:
         if not r.done:
             r.events.put_nowait(("error", error, None, None))
             self._release(r, "error")
 
-    def _release(self, r: Request, reason: str) -> None:
+    def _release(self, r: Request, reason: str, finished: bool = False) -> None:
+        """The request is over (`reason`, for the metrics): `finished` when its worker ended it,
+        else (cancelled, failed) a prefill may still send its KV, to be received and dropped."""
         if not r.done:
             self.metrics.finished(r.rid, reason)
         r.done = True
         self.requests.pop(r.rid, None)
         for w in self.workers.values():
+            if not finished and r.rid in w.inflight and w.role == "prefill" and r.decode is not None:
+                w.draining[r.rid] = (r.decode, time.monotonic())  # its `prefilled` may still come
             w.inflight.discard(r.rid)
+            w.sending.discard(r.rid)
 
     async def _watch(self) -> None:
         """Find dead or silent workers; fail their requests; restart the ones we started."""
@@ -260,13 +360,19 @@ class Router:
                 if exited and w.state != "dead":
                     log.error("worker %s (pid %s) exited with %s", w.name, w.pid, w.proc.returncode)
                     w.state, w.died_at = "dead", now
-                    for rid in list(w.inflight):
-                        r = self.requests.get(rid)
-                        if r is not None:
-                            self._finish_error(r, f"worker {w.name} died while serving this request")
-                    w.inflight.clear()
-                elif not exited and w.state == "ready" and now - w.last_seen > DEAD_AFTER_S:
+                    self._fail_held(w, f"worker {w.name} died while serving this request")
+                elif not exited and w.state == "ready" and now - w.last_seen > self.cfg.worker_timeout:
+                    # hung (stopped, stuck, cut off): its requests fail now rather than wait forever;
+                    # if it comes back, its beats make it ready again and it is told to drop them
+                    log.error("worker %s (pid %s) silent for %.1f s: failing its %d request(s)", w.name, w.pid, now - w.last_seen, len(w.inflight))
                     w.state = "unresponsive"
+                    held = set(w.inflight)
+                    self._fail_held(w, f"worker {w.name} stopped responding while serving this request", gone=False)
+                    for rid in held:
+                        asyncio.get_running_loop().create_task(self._send(w.name, {"op": "cancel", "id": rid}))
+                for rid, (_, since) in list(w.draining.items()):  # a `prefilled` that never came
+                    if now - since > 3 * KV_TIMEOUT_S:
+                        del w.draining[rid]
                 if w.state == "dead" and w.command is not None and not self.closing and now - w.died_at >= RESTART_BACKOFF_S:
                     w.restarts += 1
                     self._spawn(w)
@@ -318,17 +424,24 @@ class Router:
             await self._send(name, {"op": "cancel", "id": r.rid})
 
 
+class _AllowList:
+    """ZAP credentials check: only the workers' public key (from the shared secret) gets in."""
+
+    def __init__(self, worker_key: bytes, rejected: RateLimitedLog):
+        self.key, self.rejected = worker_key, rejected
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        ok = hmac.compare_digest(key, self.key)
+        if not ok:
+            self.rejected.warning("refused a control connection: CURVE key %s is not this server's worker key", key[:8].decode(errors="replace") + "...")
+        return ok
+
+
 def _cpus() -> int:
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:
         return os.cpu_count() or 1
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _connect_host(host: str) -> str:

@@ -27,17 +27,35 @@ import torch
 
 from ..kv_cache import CacheFullError, SeqCache
 from ..loader import load
+from ..model_config import ModelConfig
 from ..sampling import Pick, Sequence, choose_rows
 from ..threads import governor, set_threads
 from .kv_link import KVLink, Transfer
-from .protocol import HEARTBEAT_S, pack, unpack
+from .protocol import HEARTBEAT_S, MAX_MESSAGE_BYTES, BadMessage, RateLimitedLog, ToWorker, curve_keys, pack, unpack
 
 log = logging.getLogger(__name__)
+RECONNECT_AFTER_REFUSAL_S = 1.0
+
+
+def _handshake_failed_events() -> int:
+    import zmq
+
+    return zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+
+
+HANDSHAKE_FAILED = _handshake_failed_events()
+
+
+LOGPROB_FLOOR = -9999.0  # what a logprob of -inf is sent as (as vLLM does): JSON has no infinities
+
+
+def finite(lp: float) -> float:
+    return lp if lp > LOGPROB_FLOOR else LOGPROB_FLOOR
 
 
 def lp_item(pick: Pick) -> list | None:
     """A token's logprobs as they travel: [logprob, [[id, logprob], ...]], or None."""
-    return None if pick.logprob is None else [pick.logprob, [list(t) for t in pick.top]]
+    return None if pick.logprob is None else [finite(pick.logprob), [[t, finite(v)] for t, v in pick.top]]
 
 
 @dataclass(slots=True)
@@ -51,23 +69,37 @@ class Slot:
 
 class Worker:
     def __init__(self, role: str, name: str, model_path: str, router: tuple[str, int], kv_store: tuple[str, int] | None,
-                 device: str, max_batch: int, max_model_len: int | None, parent_pid: int | None):
+                 device: str, max_batch: int, max_model_len: int | None, parent_pid: int | None, *, secret: str,
+                 kv_cache_tokens: int | None = None):
         import zmq
 
+        from .protocol import ServeConfig, context_limits
+
         self.role, self.name, self.max_batch, self.parent_pid = role, name, max_batch, parent_pid
-        self.incarnation = uuid.uuid4().hex[:12]
-        cache_tokens = (max_model_len or 8192) * (max_batch if role != "prefill" else 1)
-        self.model = load(model_path, device, max_cache_tokens=cache_tokens)
+        self.incarnation = uuid.uuid4().hex
+        # the same sizes as the router's (one function): a prefill worker holds one sequence of the
+        # admitted context, a decode or aggregated worker the pool that its admission and
+        # preemption keep within
+        limits = ServeConfig(model_path, max_batch=max_batch, max_model_len=max_model_len, kv_cache_tokens=kv_cache_tokens)
+        self.max_len, pool = context_limits(limits, ModelConfig.from_folder(model_path).max_position_embeddings)
+        self.model = load(model_path, device, max_cache_tokens=self.max_len if role == "prefill" else pool)
         self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.IDENTITY, name.encode())
-        self.sock.setsockopt(zmq.LINGER, 1000)
+        self.keys = curve_keys(secret)
+        self.rejected = RateLimitedLog(log)
+        self.pool_log = RateLimitedLog(log)  # preemptions: worth knowing about, not every one
+        self.sock = self._control_socket(name)
         self.router_url = f"tcp://{router[0]}:{router[1]}"
         self.sock.connect(self.router_url)
+        # a peer that fails the CURVE handshake (not the router of this server) is logged here
+        self.monitor = self.sock.get_monitor_socket(HANDSHAKE_FAILED)
+        self._reconnect_at: float | None = None
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
-        self.link = KVLink(kv_store, self.incarnation, 0 if role == "prefill" else 1) if role in ("prefill", "decode") else None
+        self.poller.register(self.monitor, zmq.POLLIN)
+        bind_host = local_address_towards(router[0])
+        self.link = KVLink(kv_store, self.incarnation, 0 if role == "prefill" else 1, bind_host) if role in ("prefill", "decode") else None
         self.running: dict[str, Slot] = {}
+        self.preempted: deque[tuple[Slot, torch.Tensor]] = deque()  # swapped out to host memory while the pool was full
         self.waiting: deque = deque()  # prompts (aggregated) or received caches (decode) not yet running
         self.pending: dict[str, dict] = {}  # decode: jobs whose KV is on its way
         self.cancelled: set[str] = set()
@@ -76,6 +108,19 @@ class Worker:
         self.send({"op": "hello", "role": role, "pid": os.getpid(), "incarnation": self.incarnation})
 
     # -- messages -----------------------------------------------------------------------------
+    def _control_socket(self, identity: str):
+        """A DEALER that talks CURVE to the router and accepts no server but the one holding the
+        router's secret key: a fake router cannot feed this worker jobs."""
+        import zmq
+
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, identity.encode())
+        sock.setsockopt(zmq.LINGER, 1000)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        sock.curve_publickey, sock.curve_secretkey = self.keys["worker"]
+        sock.curve_serverkey = self.keys["router"][0]
+        return sock
+
     def send(self, msg: dict) -> None:
         self.sock.send(pack(msg))
 
@@ -83,16 +128,61 @@ class Worker:
         if items:
             self.send({"op": "tokens", "items": items})
 
+    def _refused(self, monitor) -> bool:
+        """Log the handshakes that failed on a socket (its monitor); True if any did."""
+        import zmq
+        from zmq.utils.monitor import parse_monitor_message
+
+        failed = False
+        while True:
+            try:
+                event = parse_monitor_message(monitor.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                return failed
+            failed = True
+            self.rejected.warning("%s: the control peer at %s failed the CURVE handshake (event %s, error %s): not this server's router",
+                                  self.name, self.router_url, event["event"], event["value"])
+
+    def _reconnect(self, sock) -> None:
+        """ZeroMQ gives up on an endpoint whose handshake failed: connect again (the real router
+        may take the address over)."""
+        import zmq
+
+        try:
+            sock.disconnect(self.router_url)
+        except zmq.ZMQError:
+            pass
+        sock.connect(self.router_url)
+
     def poll(self, timeout_ms: int) -> None:
         import zmq
 
-        if self.poller.poll(timeout_ms):
+        events = dict(self.poller.poll(timeout_ms))
+        if self.monitor in events and self._refused(self.monitor) and self._reconnect_at is None:
+            self._reconnect_at = time.monotonic() + RECONNECT_AFTER_REFUSAL_S
+        if self._reconnect_at is not None and time.monotonic() >= self._reconnect_at:
+            self._reconnect_at = None
+            self._reconnect(self.sock)
+            self.send({"op": "hello", "role": self.role, "pid": os.getpid(), "incarnation": self.incarnation})
+        if self.sock in events:
             while True:
                 try:
                     data = self.sock.recv(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                self.handle(unpack(data))
+                try:
+                    msg = unpack(data, ToWorker)
+                except BadMessage as e:
+                    self.rejected.warning("%s: dropped a bad control message: %s", self.name, e)
+                    if e.rid is not None:
+                        self.fail(e.rid, f"{self.name} got an invalid job: {e}")
+                    continue
+                try:
+                    self.handle(msg)
+                except Exception as e:  # noqa: BLE001 - one job's problem is that job's failure, not the worker's
+                    log.exception("%s: cannot take %s %s", self.name, msg["op"], msg.get("id"))
+                    if msg.get("id") is not None:
+                        self.fail(msg["id"], f"{self.name} could not take this job: {type(e).__name__}: {e}")
 
     def _beat(self) -> None:
         """Heartbeats from a thread with a socket of its own (`NAME#beat`; ZeroMQ sockets are not
@@ -100,25 +190,31 @@ class Worker:
         Also stops the worker if the router that started it is gone: no orphans."""
         import zmq
 
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, f"{self.name}#beat".encode())
+        sock = self._control_socket(f"{self.name}#beat")
         sock.setsockopt(zmq.LINGER, 0)
+        monitor = sock.get_monitor_socket(HANDSHAKE_FAILED)
         sock.connect(self.router_url)
         try:
             while not self.stopping:
+                if self._refused(monitor):
+                    self._reconnect(sock)  # at most once a heartbeat
                 cache = self.model.cache
-                sock.send(pack({"op": "beat", "running": len(self.running), "queued": len(self.waiting) + len(self.pending),
+                sock.send(pack({"op": "beat", "running": len(self.running), "queued": len(self.waiting) + len(self.pending) + len(self.preempted),
                                 "kv_blocks_used": cache.used_blocks, "kv_blocks_total": cache.max_blocks}))
                 if self.parent_pid is not None and os.getppid() != self.parent_pid:
                     self.stopping = True
                 time.sleep(HEARTBEAT_S)
         finally:
+            sock.disable_monitor()
+            monitor.close()
             sock.close()
 
     def handle(self, msg: dict) -> None:
         op = msg["op"]
         if op == "shutdown":
             self.stopping = True
+        elif op == "announce":  # the router does not know us (our hello was lost, or it restarted)
+            self.send({"op": "hello", "role": self.role, "pid": os.getpid(), "incarnation": self.incarnation})
         elif op == "cancel":
             self.cancel(msg["id"])
         elif op == "prefill" and self.role == "prefill":
@@ -126,10 +222,13 @@ class Worker:
         elif op == "generate" and self.role == "worker":
             self.waiting.append(msg)
         elif op == "decode" and self.role == "decode":
+            shape, cache = tuple(msg["kv_shape"]), self.model.cache
+            if shape[:2] != (cache.layers, 2) or shape[3:] != (cache.kv_heads, cache.head_dim) or shape[2] > self.max_len:
+                raise ValueError(f"KV shape {list(shape)} does not fit this model's cache ({cache.layers}, 2, <= {self.max_len}, {cache.kv_heads}, {cache.head_dim})")
             self.pending[msg["id"]] = msg
             if msg.get("discard"):  # sends and receives must pair up on a link: take it, then drop it
                 self.cancelled.add(msg["id"])
-            self.link.submit(Transfer(msg["id"], msg["tag"], msg["prefill"], msg["prefill_incarnation"], shape=tuple(msg["kv_shape"]), dtype=msg["kv_dtype"]))
+            self.link.submit(Transfer(msg["id"], msg["tag"], msg["prefill"], msg["prefill_incarnation"], shape=shape, dtype=msg["kv_dtype"]))
         else:
             log.warning("%s: ignoring %s", self.name, op)
 
@@ -140,6 +239,60 @@ class Worker:
         elif rid in self.pending:
             self.cancelled.add(rid)  # its KV is still arriving: drop it when it lands
         self.waiting = deque(w for w in self.waiting if (w[0] if isinstance(w, tuple) else w)["id"] != rid)
+        self.preempted = deque(p for p in self.preempted if p[0].rid != rid)
+
+    # -- the KV pool: admission and preemption ---------------------------------------------------
+    # A sequence joins the batch only if the pool has room for it and for the next step of those
+    # already running; when a step would still not fit (sequences grow), the newest sequence is
+    # swapped out to host memory and comes back first once blocks are free. The admitted context
+    # fits the pool (protocol.context_limits), so a sequence alone always fits: nothing is failed
+    # for want of room.
+    def _blocks(self, tokens: int) -> int:
+        return -(-tokens // self.model.cache.block_size)
+
+    def _free_blocks(self) -> int:
+        cache = self.model.cache
+        return cache.max_blocks - cache.used_blocks
+
+    def _step_blocks(self) -> int:
+        """New blocks the next decode step of the running batch needs."""
+        return sum(max(0, self._blocks(s.cache.length + 1) - len(s.cache.blocks)) for s in self.running.values())
+
+    def _fits(self, tokens: int) -> bool:
+        """Room for a sequence of `tokens` stored tokens (and its next one) beside the running batch."""
+        return not self.running or self._blocks(tokens + 1) + self._step_blocks() <= self._free_blocks()
+
+    def _preempt_newest(self) -> None:
+        rid, slot = next(reversed(self.running.items()))
+        kv = self.model.cache.export(slot.cache).cpu()
+        self.model.free(self.running.pop(rid).cache)
+        self.preempted.append((slot, kv))
+        self.pool_log.warning("%s: KV pool full (%d blocks of %d tokens): %s swapped out (%d tokens) until blocks free up",
+                              self.name, self.model.cache.max_blocks, self.model.cache.block_size, rid, kv.shape[2])
+
+    def _make_room(self) -> None:
+        while len(self.running) > 1 and self._step_blocks() > self._free_blocks():
+            self._preempt_newest()
+
+    def _resume_preempted(self) -> None:
+        """Swapped-out sequences come back before any new one is admitted (oldest first)."""
+        while self.preempted and len(self.running) < self.max_batch and self._fits(self.preempted[0][1].shape[2]):
+            slot, kv = self.preempted.popleft()
+            slot.cache = self.model.cache.import_(kv)
+            self.running[slot.rid] = slot
+
+    def _step(self) -> None:
+        """One decode step of the running batch, within the pool."""
+        self._make_room()
+        try:
+            self.decode_step()
+        except CacheFullError as e:  # not expected after _make_room; if it happens, shrink the batch
+            if len(self.running) > 1:
+                self._preempt_newest()
+            else:  # one sequence longer than the pool: only a router configured unlike this worker sends one
+                rid, slot = self.running.popitem()
+                self.model.free(slot.cache)
+                self.fail(rid, str(e))
 
     # -- phases -------------------------------------------------------------------------------
     def prefill(self, job: dict) -> tuple[SeqCache, Sequence, Pick, str | None]:
@@ -154,7 +307,7 @@ class Worker:
             top = job.get("prompt_logprobs")
             if top is not None:
                 logits, scored = self.model.prefill_logprobs(cache, tokens, top)
-                self.send({"op": "prompt_logprobs", "id": job["id"], "items": [[lp, [list(t) for t in alts]] for lp, alts in scored]})
+                self.send({"op": "prompt_logprobs", "id": job["id"], "items": [[finite(lp), [[t, finite(v)] for t, v in alts]] for lp, alts in scored]})
             else:
                 logits = self.model.prefill(cache, tokens)
             pick = seq.choose(logits)
@@ -210,6 +363,8 @@ class Worker:
             beat.join(timeout=2 * HEARTBEAT_S)
             if self.link is not None:
                 self.link.close()
+            self.sock.disable_monitor()
+            self.monitor.close()
             self.sock.close()
             self.ctx.term()
 
@@ -221,8 +376,8 @@ class Worker:
         job = self.waiting.popleft()
         try:
             cache, seq, pick, reason = self.prefill(job)
-        except (ValueError, CacheFullError) as e:
-            self.fail(job["id"], str(e))
+        except Exception as e:  # noqa: BLE001 - a job that cannot run fails alone
+            self.fail(job["id"], f"{type(e).__name__}: {e}" if not isinstance(e, (ValueError, CacheFullError)) else str(e))
             return
         if reason is not None:
             self.model.free(cache)
@@ -248,7 +403,8 @@ class Worker:
                 self.waiting.append((job, t.tensor))
 
     def _admit(self) -> None:
-        while self.waiting and len(self.running) < self.max_batch:
+        self._resume_preempted()
+        while self.waiting and not self.preempted and len(self.running) < self.max_batch and self._fits(self.waiting[0][1].shape[2]):
             job, kv = self.waiting.popleft()
             try:
                 seq = Sequence.from_state(job["seq"], self.model.config.vocab_size)
@@ -265,16 +421,17 @@ class Worker:
         self._drain_transfers()
         self._admit()
         if self.running:
-            self.decode_step()
+            self._step()
 
     def _aggregated_loop(self) -> None:
-        self.poll(0 if (self.running or self.waiting) else 50)
-        if self.waiting and len(self.running) < self.max_batch:
+        self.poll(0 if (self.running or self.waiting or self.preempted) else 50)
+        self._resume_preempted()
+        if self.waiting and not self.preempted and len(self.running) < self.max_batch and self._fits(len(self.waiting[0]["seq"]["prompt"])):
             job = self.waiting.popleft()  # the whole prompt now: every running sequence waits for it
             try:
                 cache, seq, pick, reason = self.prefill(job)
-            except (ValueError, CacheFullError) as e:
-                self.fail(job["id"], str(e))
+            except Exception as e:  # noqa: BLE001 - a job that cannot run fails alone
+                self.fail(job["id"], f"{type(e).__name__}: {e}" if not isinstance(e, (ValueError, CacheFullError)) else str(e))
                 cache = None
             if cache is not None:
                 self.emit([[job["id"], None if reason == "stop" else pick.token, reason, None if reason == "stop" else lp_item(pick)]])
@@ -283,14 +440,30 @@ class Worker:
                 else:
                     self.running[job["id"]] = Slot(job["id"], cache, seq)
         if self.running:
-            self.decode_step()
+            self._step()
+
+
+def local_address_towards(host: str) -> str:
+    """This host's address on the route to `host` (where the worker's own KV sockets listen)."""
+    import socket
+
+    if host in ("localhost", "127.0.0.1", "::1"):
+        return "127.0.0.1" if host != "::1" else "::1"
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))  # UDP: picks the route, sends nothing
+            return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
 
 
 def main(role: str, name: str, model_path: str, router: tuple[str, int], kv_store: tuple[str, int] | None, device: str,
-         max_batch: int, max_model_len: int | None, parent_pid: int | None, threads: int | None = None) -> None:
+         max_batch: int, max_model_len: int | None, parent_pid: int | None, threads: int | None = None, *, secret: str,
+         kv_cache_tokens: int | None = None) -> None:
     """Entry point of a worker process (`unweight serve --role prefill|decode|worker`). threads:
-    CPU threads for torch and numba (workers sharing one machine split its cores)."""
+    CPU threads for torch and numba (workers sharing one machine split its cores); secret: the
+    control secret the router's and workers' keys are derived from."""
     torch.set_grad_enabled(False)
     if threads:
         set_threads(threads)
-    Worker(role, name, model_path, router, kv_store, device, max_batch, max_model_len, parent_pid).run()
+    Worker(role, name, model_path, router, kv_store, device, max_batch, max_model_len, parent_pid, secret=secret, kv_cache_tokens=kv_cache_tokens).run()
