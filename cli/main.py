@@ -263,7 +263,6 @@ def serve(
     kv_cache_tokens: Annotated[Optional[int], typer.Option("--kv-cache-tokens", help="KV cache pool of each decode (or --no-disagg) worker, in tokens (default: --max-batch sequences of the full context). The context served is at most this; when the pool is full, new sequences wait and the newest running one is swapped out.")] = None,
     control_secret_file: Annotated[Optional[Path], typer.Option("--control-secret-file", help="File (mode 600, one line of >= 32 characters) holding the secret that authenticates router and workers to each other. Needed by --role router and by workers started by hand; without it the router makes one for the workers it starts.")] = None,
     worker_timeout: Annotated[float, typer.Option("--worker-timeout", envvar="UNWEIGHT_WORKER_TIMEOUT", help="Seconds without a heartbeat after which a worker counts as hung and its requests fail (503).")] = 10.0,
-    parent_pid: Annotated[Optional[int], typer.Option("--parent-pid", hidden=True)] = None,
 ) -> None:
     """Serve a compressed model behind an OpenAI-compatible API.
 
@@ -318,7 +317,7 @@ def serve(
         from unweight.runtime.serve.app import run_worker
 
         kv = parse_address(kv_address, "--kv-address") if kv_address else None
-        run_worker(role, name or f"{role}-{os.getpid()}", cfg, parse_address(router_address, "--router-address"), kv, parent_pid)
+        run_worker(role, name or f"{role}-{os.getpid()}", cfg, parse_address(router_address, "--router-address"), kv, None)
 
     _run(body)
 

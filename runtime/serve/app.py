@@ -460,20 +460,15 @@ def _max_prompt_chars(tokenizer, max_len: int) -> int | None:
 
 
 def run_worker(role: str, name: str, cfg: ServeConfig, router_address: tuple[str, int], kv_address: tuple[str, int] | None, parent_pid: int | None) -> None:
-    """A worker process. Its control secret comes from --control-secret-file, else from the
-    environment of the router that started it (taken out of the environment at once)."""
-    import os
-
-    from .protocol import SECRET_ENV, read_secret_file
+    """A worker started by hand (`unweight serve --role prefill|decode|worker`), its control secret
+    from --control-secret-file. (The router starts its own workers without the CLI, with the same
+    WorkerSpec.)"""
+    from .protocol import WorkerSpec, read_secret_file
     from .worker import main
 
-    secret = os.environ.pop(SECRET_ENV, None)
-    if cfg.control_secret_file:
-        secret = read_secret_file(cfg.control_secret_file)
-    if not secret:
-        raise ValueError(f"--role {role} needs --control-secret-file PATH (the file the router was given), unless the router started it")
-    main(role, name, cfg.model, router_address, kv_address, cfg.device, cfg.max_batch, cfg.max_model_len, parent_pid, cfg.worker_threads,
-         secret=secret, kv_cache_tokens=cfg.kv_cache_tokens)
+    if not cfg.control_secret_file:
+        raise ValueError(f"--role {role} needs --control-secret-file PATH (the file the router was given)")
+    main(WorkerSpec(cfg, role, name, router_address, kv_address, parent_pid, cfg.worker_threads), read_secret_file(cfg.control_secret_file))
 
 
 __all__ = ["create_app", "run_worker", "serve"]

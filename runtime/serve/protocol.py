@@ -348,3 +348,35 @@ class ServeConfig:
         for name in ("port", "control_port", "kv_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ValueError(f"{name.replace('_', '-')} {getattr(self, name)} is not a TCP port")
+
+
+SPEC_ENV = "UNWEIGHT_WORKER_SPEC"  # how the router hands a worker it starts its WorkerSpec
+
+
+@dataclass(slots=True)
+class WorkerSpec:
+    """Everything a worker process needs, whole: the server's config, its role and name, where the
+    router's control socket and KV rendezvous are. The router starts its workers with this (as JSON
+    in SPEC_ENV, `python -m unweight.runtime.serve.worker`), not with the CLI's flags; a worker
+    started by hand (`unweight serve --role decode ...`) builds the same from its flags."""
+
+    cfg: ServeConfig
+    role: Literal["prefill", "decode", "worker"]
+    name: str
+    router: tuple[str, int]
+    kv_store: tuple[str, int] | None = None
+    parent_pid: int | None = None  # stop when this process (the router that started it) is gone
+    threads: int = 0  # CPU threads for torch and numba; 0: leave them as they are
+
+    def to_json(self) -> str:
+        from dataclasses import asdict
+
+        return json.dumps({**asdict(self), "cfg": asdict(self.cfg)})
+
+    @classmethod
+    def from_json(cls, text: str) -> WorkerSpec:
+        d = json.loads(text)
+        d["cfg"] = ServeConfig(**d["cfg"])
+        d["router"] = tuple(d["router"])
+        d["kv_store"] = tuple(d["kv_store"]) if d.get("kv_store") else None
+        return cls(**d)

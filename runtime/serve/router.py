@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 
 from ..sampling import SamplingParams, Sequence
 from .metrics import Metrics
-from .protocol import KV_TIMEOUT_S, MAX_MESSAGE_BYTES, SECRET_ENV, BadMessage, RateLimitedLog, ServeConfig, ToRouter, curve_keys, new_secret, pack, read_secret_file, unpack
+from .protocol import (KV_TIMEOUT_S, MAX_MESSAGE_BYTES, SECRET_ENV, SPEC_ENV, BadMessage, RateLimitedLog, ServeConfig, ToRouter, WorkerSpec, curve_keys, new_secret,
+                       pack, read_secret_file, unpack)
 
 log = logging.getLogger(__name__)
 RESTART_BACKOFF_S = 1.0
@@ -45,6 +46,7 @@ class WorkerHandle:
     name: str
     role: str
     command: list[str] | None = None  # how to start it again (None: started by someone else)
+    spec: str = ""  # its WorkerSpec, as JSON
     proc: subprocess.Popen | None = None
     pid: int | None = None
     incarnation: str | None = None
@@ -150,19 +152,14 @@ class Router:
 
     def _spawn(self, w: WorkerHandle) -> None:
         cfg = self.cfg
-        if w.command is None:
-            w.command = [sys.executable, "-m", "unweight.cli.main", "serve", cfg.model, "--role", w.role, "--name", w.name,
-                         "--router-address", f"{_connect_host(cfg.host)}:{self.control_port}", "--device", cfg.device,
-                         "--max-batch", str(cfg.max_batch), "--parent-pid", str(os.getpid())]
-            if cfg.max_model_len:
-                w.command += ["--max-model-len", str(cfg.max_model_len)]
-            if cfg.kv_cache_tokens:
-                w.command += ["--kv-cache-tokens", str(cfg.kv_cache_tokens)]
+        if w.command is None:  # the worker's own entry point, its whole config as a WorkerSpec: no CLI flags to keep in step
             local = sum(n for _, n in self._local_workers()) or 1
-            w.command += ["--worker-threads", str(cfg.worker_threads or max(1, _cpus() // local))]
-            if cfg.disaggregated:
-                w.command += ["--kv-address", f"{_connect_host(cfg.host)}:{self.kv_port}"]
-        env = {**os.environ, SECRET_ENV: self.secret}  # the environment, not argv: argv is visible to every user in ps
+            spec = WorkerSpec(cfg, w.role, w.name, (_connect_host(cfg.host), self.control_port),
+                              (_connect_host(cfg.host), self.kv_port) if cfg.disaggregated else None, os.getpid(),
+                              cfg.worker_threads or max(1, _cpus() // local))
+            w.command = [sys.executable, "-m", "unweight.runtime.serve.worker"]
+            w.spec = spec.to_json()
+        env = {**os.environ, SECRET_ENV: self.secret, SPEC_ENV: w.spec}  # the environment, not argv: argv is visible to every user in ps
         w.proc = subprocess.Popen(w.command, stdin=subprocess.DEVNULL, env=env)
         w.pid, w.state, w.incarnation, w.last_seen = w.proc.pid, "starting", None, time.monotonic()
         self.workers[w.name] = w

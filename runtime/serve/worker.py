@@ -1,15 +1,20 @@
-"""Worker processes of `unweight serve`: prefill, decode, or one aggregated worker.
+"""Worker processes of `unweight serve`: PrefillWorker, DecodeWorker, or one AggregatedWorker.
 
-Each worker loads the compressed model itself, connects to the router's control socket and runs a
-loop:
+The router starts each with `python -m unweight.runtime.serve.worker`, its WorkerSpec (the whole
+ServeConfig, its role, name and the router's addresses) and the control secret in the
+environment; a worker on another host is started with `unweight serve --role ...`, which builds
+the same WorkerSpec. Each loads the compressed model itself, connects to the router's control
+socket and runs its loop:
 - prefill: one prompt at a time -> first token -> KV cache exported and sent to the decode worker
   the router chose (a compute-bound phase: large matmuls, the decode-then-matmul pipeline wins);
 - decode: continuous batching. KV caches arriving from prefill workers join the running batch
   between steps, finished sequences leave it, one `decode_step` advances every sequence by one
   token (memory-bound: the fused compressed GEMV wins);
-- worker (--no-disagg): both in one process; a waiting prompt is prefilled between decode steps,
-  stalling every running sequence meanwhile: the baseline disaggregation is measured against.
-Token ids go back to the router, which detokenises and streams.
+- aggregated (--no-disagg): both in one process; a waiting prompt is prefilled between decode
+  steps, stalling every running sequence meanwhile: the baseline disaggregation is measured against.
+Each sequence's settings, tokens and stop decision live in its `Sequence` (runtime/sampling.py),
+handed from prefill to decode worker whole. Token ids go back to the router, which detokenises
+and streams.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from ..model_config import ModelConfig
 from ..sampling import Pick, Sequence, choose_rows
 from ..threads import governor, set_threads
 from .kv_link import KVLink, Transfer
-from .protocol import HEARTBEAT_S, MAX_MESSAGE_BYTES, BadMessage, RateLimitedLog, ToWorker, curve_keys, pack, unpack
+from .protocol import HEARTBEAT_S, MAX_MESSAGE_BYTES, SECRET_ENV, SPEC_ENV, BadMessage, RateLimitedLog, ToWorker, WorkerSpec, curve_keys, pack, unpack
 
 log = logging.getLogger(__name__)
 RECONNECT_AFTER_REFUSAL_S = 1.0
@@ -68,21 +73,28 @@ class Slot:
 
 
 class Worker:
-    def __init__(self, role: str, name: str, model_path: str, router: tuple[str, int], kv_store: tuple[str, int] | None,
-                 device: str, max_batch: int, max_model_len: int | None, parent_pid: int | None, *, secret: str,
-                 kv_cache_tokens: int | None = None):
+    """What every worker does: load the model, talk to the router (CURVE, typed messages,
+    heartbeats), cancel, keep its KV pool within bounds, prefill and step sequences. Its kind
+    (PrefillWorker, DecodeWorker, AggregatedWorker) takes one kind of job (`JOB`) and runs one loop
+    (`step`)."""
+
+    ROLE = ""
+    JOB = ""
+
+    def __init__(self, spec: WorkerSpec, *, secret: str):
         import zmq
 
-        from .protocol import ServeConfig, context_limits
+        from .protocol import context_limits
 
-        self.role, self.name, self.max_batch, self.parent_pid = role, name, max_batch, parent_pid
+        cfg, name, router = spec.cfg, spec.name, spec.router
+        self.role, self.name, self.max_batch, self.parent_pid = self.ROLE, name, cfg.max_batch, spec.parent_pid
+        role = self.role
         self.incarnation = uuid.uuid4().hex
         # the same sizes as the router's (one function): a prefill worker holds one sequence of the
         # admitted context, a decode or aggregated worker the pool that its admission and
         # preemption keep within
-        limits = ServeConfig(model_path, max_batch=max_batch, max_model_len=max_model_len, kv_cache_tokens=kv_cache_tokens)
-        self.max_len, pool = context_limits(limits, ModelConfig.from_folder(model_path).max_position_embeddings)
-        self.model = load(model_path, device, max_cache_tokens=self.max_len if role == "prefill" else pool)
+        self.max_len, pool = context_limits(cfg, ModelConfig.from_folder(cfg.model).max_position_embeddings)
+        self.model = load(cfg.model, cfg.device, max_cache_tokens=self.max_len if role == "prefill" else pool)
         self.ctx = zmq.Context()
         self.keys = curve_keys(secret)
         self.rejected = RateLimitedLog(log)
@@ -97,7 +109,7 @@ class Worker:
         self.poller.register(self.sock, zmq.POLLIN)
         self.poller.register(self.monitor, zmq.POLLIN)
         bind_host = local_address_towards(router[0])
-        self.link = KVLink(kv_store, self.incarnation, 0 if role == "prefill" else 1, bind_host) if role in ("prefill", "decode") else None
+        self.link = KVLink(spec.kv_store, self.incarnation, 0 if role == "prefill" else 1, bind_host) if role in ("prefill", "decode") else None
         self.running: dict[str, Slot] = {}
         self.preempted: deque[tuple[Slot, torch.Tensor]] = deque()  # swapped out to host memory while the pool was full
         self.waiting: deque = deque()  # prompts (aggregated) or received caches (decode) not yet running
@@ -217,20 +229,14 @@ class Worker:
             self.send({"op": "hello", "role": self.role, "pid": os.getpid(), "incarnation": self.incarnation})
         elif op == "cancel":
             self.cancel(msg["id"])
-        elif op == "prefill" and self.role == "prefill":
-            self.waiting.append(msg)
-        elif op == "generate" and self.role == "worker":
-            self.waiting.append(msg)
-        elif op == "decode" and self.role == "decode":
-            shape, cache = tuple(msg["kv_shape"]), self.model.cache
-            if shape[:2] != (cache.layers, 2) or shape[3:] != (cache.kv_heads, cache.head_dim) or shape[2] > self.max_len:
-                raise ValueError(f"KV shape {list(shape)} does not fit this model's cache ({cache.layers}, 2, <= {self.max_len}, {cache.kv_heads}, {cache.head_dim})")
-            self.pending[msg["id"]] = msg
-            if msg.get("discard"):  # sends and receives must pair up on a link: take it, then drop it
-                self.cancelled.add(msg["id"])
-            self.link.submit(Transfer(msg["id"], msg["tag"], msg["prefill"], msg["prefill_incarnation"], shape=shape, dtype=msg["kv_dtype"]))
+        elif op == self.JOB:
+            self.accept(msg)
         else:
             log.warning("%s: ignoring %s", self.name, op)
+
+    def accept(self, job: dict) -> None:
+        """A job of this worker's kind: it waits for the loop."""
+        self.waiting.append(job)
 
     def cancel(self, rid: str) -> None:
         slot = self.running.pop(rid, None)
@@ -352,12 +358,11 @@ class Worker:
     def run(self) -> None:
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopping", True))
         signal.signal(signal.SIGINT, lambda *_: setattr(self, "stopping", True))
-        step = {"prefill": self._prefill_loop, "decode": self._decode_loop, "worker": self._aggregated_loop}[self.role]
         beat = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
         beat.start()
         try:
             while not self.stopping:
-                step()
+                self.step()
         finally:
             self.stopping = True
             beat.join(timeout=2 * HEARTBEAT_S)
@@ -368,32 +373,14 @@ class Worker:
             self.sock.close()
             self.ctx.term()
 
-    def _prefill_loop(self) -> None:
-        self.poll(0 if self.waiting else 50)
-        self._drain_transfers()
-        if not self.waiting:
-            return
-        job = self.waiting.popleft()
-        try:
-            cache, seq, pick, reason = self.prefill(job)
-        except Exception as e:  # noqa: BLE001 - a job that cannot run fails alone
-            self.fail(job["id"], f"{type(e).__name__}: {e}" if not isinstance(e, (ValueError, CacheFullError)) else str(e))
-            return
-        if reason is not None:
-            self.model.free(cache)
-            self.emit([[job["id"], None if reason == "stop" else pick.token, reason, None if reason == "stop" else lp_item(pick)]])
-            return
-        kv = self.model.cache.export(cache).cpu()  # gloo moves host tensors; a GPU cache is staged through them
-        self.model.free(cache)
-        self.send({"op": "prefilled", "id": job["id"], "tag": job["tag"], "first_token": pick.token, "logprobs": lp_item(pick), "seq": seq.state(),
-                   "kv_shape": list(kv.shape), "kv_dtype": str(kv.dtype).removeprefix("torch."), "kv_bytes": kv.numel() * kv.element_size(), "decode": job["decode"]})
-        self.link.submit(Transfer(job["id"], job["tag"], job["decode"], job["decode_incarnation"], tensor=kv))
+    def step(self) -> None:
+        raise NotImplementedError
 
     def _drain_transfers(self) -> None:
         """Finished KV transfers: failures are reported; received caches queue for the batch."""
         while self.link is not None and not self.link.done.empty():
             t = self.link.done.get()
-            job = self.pending.pop(t.rid, None) if self.role == "decode" else None
+            job = self.pending.pop(t.rid, None)
             if t.rid in self.cancelled:
                 self.cancelled.discard(t.rid)
                 continue
@@ -401,6 +388,57 @@ class Worker:
                 self.fail(t.rid, t.error)
             elif job is not None:
                 self.waiting.append((job, t.tensor))
+
+    def _first_token(self, job: dict) -> tuple[SeqCache, Sequence, Pick, str | None] | None:
+        """Prefill a job and report a first token that ends it; None if the job failed."""
+        try:
+            cache, seq, pick, reason = self.prefill(job)
+        except Exception as e:  # noqa: BLE001 - a job that cannot run fails alone
+            self.fail(job["id"], f"{type(e).__name__}: {e}" if not isinstance(e, (ValueError, CacheFullError)) else str(e))
+            return None
+        if reason is not None:
+            self.model.free(cache)
+            self.emit([[job["id"], None if reason == "stop" else pick.token, reason, None if reason == "stop" else lp_item(pick)]])
+        return cache, seq, pick, reason
+
+
+class PrefillWorker(Worker):
+    """One prompt at a time -> first token -> its KV cache exported and sent to the decode worker
+    the router chose (compute-bound: large matmuls)."""
+
+    ROLE, JOB = "prefill", "prefill"
+
+    def step(self) -> None:
+        self.poll(0 if self.waiting else 50)
+        self._drain_transfers()
+        if not self.waiting:
+            return
+        job = self.waiting.popleft()
+        done = self._first_token(job)
+        if done is None or done[3] is not None:
+            return
+        cache, seq, pick, _ = done
+        kv = self.model.cache.export(cache).cpu()  # gloo moves host tensors; a GPU cache is staged through them
+        self.model.free(cache)
+        self.send({"op": "prefilled", "id": job["id"], "tag": job["tag"], "first_token": pick.token, "logprobs": lp_item(pick), "seq": seq.state(),
+                   "kv_shape": list(kv.shape), "kv_dtype": str(kv.dtype).removeprefix("torch."), "kv_bytes": kv.numel() * kv.element_size(), "decode": job["decode"]})
+        self.link.submit(Transfer(job["id"], job["tag"], job["decode"], job["decode_incarnation"], tensor=kv))
+
+
+class DecodeWorker(Worker):
+    """Continuous batching: KV caches arriving from prefill workers join the running batch between
+    steps, finished sequences leave it (memory-bound: the fused compressed GEMV)."""
+
+    ROLE, JOB = "decode", "decode"
+
+    def accept(self, msg: dict) -> None:
+        shape, cache = tuple(msg["kv_shape"]), self.model.cache
+        if shape[:2] != (cache.layers, 2) or shape[3:] != (cache.kv_heads, cache.head_dim) or shape[2] > self.max_len:
+            raise ValueError(f"KV shape {list(shape)} does not fit this model's cache ({cache.layers}, 2, <= {self.max_len}, {cache.kv_heads}, {cache.head_dim})")
+        self.pending[msg["id"]] = msg
+        if msg.get("discard"):  # sends and receives must pair up on a link: take it, then drop it
+            self.cancelled.add(msg["id"])
+        self.link.submit(Transfer(msg["id"], msg["tag"], msg["prefill"], msg["prefill_incarnation"], shape=shape, dtype=msg["kv_dtype"]))
 
     def _admit(self) -> None:
         self._resume_preempted()
@@ -416,31 +454,35 @@ class Worker:
                 continue
             self.running[job["id"]] = Slot(job["id"], cache, seq)
 
-    def _decode_loop(self) -> None:
+    def step(self) -> None:
         self.poll(0 if self.running else 20)
         self._drain_transfers()
         self._admit()
         if self.running:
             self._step()
 
-    def _aggregated_loop(self) -> None:
+
+class AggregatedWorker(Worker):
+    """Both phases in one process (--no-disagg): a waiting prompt is prefilled between decode steps,
+    stalling every running sequence meanwhile: the baseline disaggregation is measured against."""
+
+    ROLE, JOB = "worker", "generate"
+
+    def step(self) -> None:
         self.poll(0 if (self.running or self.waiting or self.preempted) else 50)
         self._resume_preempted()
         if self.waiting and not self.preempted and len(self.running) < self.max_batch and self._fits(len(self.waiting[0]["seq"]["prompt"])):
             job = self.waiting.popleft()  # the whole prompt now: every running sequence waits for it
-            try:
-                cache, seq, pick, reason = self.prefill(job)
-            except Exception as e:  # noqa: BLE001 - a job that cannot run fails alone
-                self.fail(job["id"], f"{type(e).__name__}: {e}" if not isinstance(e, (ValueError, CacheFullError)) else str(e))
-                cache = None
-            if cache is not None:
-                self.emit([[job["id"], None if reason == "stop" else pick.token, reason, None if reason == "stop" else lp_item(pick)]])
-                if reason is not None:
-                    self.model.free(cache)
-                else:
-                    self.running[job["id"]] = Slot(job["id"], cache, seq)
+            done = self._first_token(job)
+            if done is not None and done[3] is None:
+                cache, seq, pick, _ = done
+                self.emit([[job["id"], pick.token, None, lp_item(pick)]])
+                self.running[job["id"]] = Slot(job["id"], cache, seq)
         if self.running:
             self._step()
+
+
+WORKERS = {cls.ROLE: cls for cls in (PrefillWorker, DecodeWorker, AggregatedWorker)}
 
 
 def local_address_towards(host: str) -> str:
@@ -457,13 +499,15 @@ def local_address_towards(host: str) -> str:
         return "127.0.0.1"
 
 
-def main(role: str, name: str, model_path: str, router: tuple[str, int], kv_store: tuple[str, int] | None, device: str,
-         max_batch: int, max_model_len: int | None, parent_pid: int | None, threads: int | None = None, *, secret: str,
-         kv_cache_tokens: int | None = None) -> None:
-    """Entry point of a worker process (`unweight serve --role prefill|decode|worker`). threads:
-    CPU threads for torch and numba (workers sharing one machine split its cores); secret: the
-    control secret the router's and workers' keys are derived from."""
+def main(spec: WorkerSpec, secret: str) -> None:
+    """Run a worker process: `spec` says what (WorkerSpec), `secret` is the control secret the
+    router's and workers' keys are derived from."""
     torch.set_grad_enabled(False)
-    if threads:
-        set_threads(threads)
-    Worker(role, name, model_path, router, kv_store, device, max_batch, max_model_len, parent_pid, secret=secret, kv_cache_tokens=kv_cache_tokens).run()
+    if spec.threads:
+        set_threads(spec.threads)
+    WORKERS[spec.role](spec, secret=secret).run()
+
+
+if __name__ == "__main__":  # how the router starts its workers: the spec and the secret in the environment
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    main(WorkerSpec.from_json(os.environ.pop(SPEC_ENV)), os.environ.pop(SECRET_ENV))
