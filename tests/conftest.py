@@ -46,3 +46,11 @@ def smollm2_uw(smollm2_dir, tmp_path_factory) -> tuple[Path, dict]:
     r = run_cli("compress", smollm2_dir, out, "--json")
     assert r.returncode == 0, r.stderr
     return out, json.loads(r.stdout)
+
+
+@pytest.fixture(scope="session")
+def uw(smollm2_uw, tmp_path_factory) -> Path:
+    """The compressed SmolLM2 under the folder name "uw": the model id the serve tests ask for."""
+    link = tmp_path_factory.mktemp("served") / "uw"
+    link.symlink_to(smollm2_uw[0])
+    return link

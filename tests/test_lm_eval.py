@@ -64,13 +64,6 @@ def run_lm_eval(server: Server, folder: Path, model: str, task: str, extra: str)
 
 
 @pytest.fixture(scope="module")
-def uw(smollm2_uw, tmp_path_factory):
-    link = tmp_path_factory.mktemp("lm-eval") / "uw"
-    link.symlink_to(smollm2_uw[0])
-    return link
-
-
-@pytest.fixture(scope="module")
 def server(uw):
     s = Server(str(uw), "--api-key", KEY, "--max-model-len", "512", "--max-batch", "4")
     yield s

@@ -86,14 +86,6 @@ def alive(pid: int) -> bool:
 
 
 @pytest.fixture(scope="module")
-def uw(smollm2_uw, tmp_path_factory):
-    """The compressed model under the folder name "uw" (the served model id)."""
-    link = tmp_path_factory.mktemp("serve") / "uw"
-    link.symlink_to(smollm2_uw[0])
-    return link
-
-
-@pytest.fixture(scope="module")
 def server(uw):
     s = Server(str(uw), "--api-key", KEY, "--max-model-len", "512", "--max-queue", "24")
     yield s

@@ -22,13 +22,6 @@ TOL = 2e-3  # the server's fused CPU GEMV and this process's pipeline sum in dif
 
 
 @pytest.fixture(scope="module")
-def uw(smollm2_uw, tmp_path_factory):
-    link = tmp_path_factory.mktemp("serve-api") / "uw"
-    link.symlink_to(smollm2_uw[0])
-    return link
-
-
-@pytest.fixture(scope="module")
 def server(uw):
     s = Server(str(uw), "--api-key", KEY, "--max-model-len", "512")
     yield s

@@ -126,13 +126,6 @@ def sse_text(lines: list[str]) -> str:
 
 
 @pytest.fixture(scope="module")
-def uw(smollm2_uw, tmp_path_factory):
-    link = tmp_path_factory.mktemp("serve-control") / "uw"
-    link.symlink_to(smollm2_uw[0])
-    return link
-
-
-@pytest.fixture(scope="module")
 def secret(tmp_path_factory):
     path = tmp_path_factory.mktemp("secret") / "control-secret"
     return path, write_secret(path)
