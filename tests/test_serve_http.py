@@ -16,7 +16,7 @@ import time
 
 import httpx
 import pytest
-from test_serve import KEY, MESSAGES, Server, uw  # noqa: F401 - uw is a fixture
+from test_serve import KEY, MESSAGES, Server
 
 LIMIT_BODY = 4_000_000
 LIMIT_CONNECTIONS = 64
