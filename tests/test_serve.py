@@ -38,28 +38,34 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, *args: str, port: int | None = None, wait: bool = True):
+    """`unweight serve` as a subprocess (stderr to a pipe, or to the file object `stderr`)."""
+
+    def __init__(self, *args: str, port: int | None = None, wait: bool = True, env: dict | None = None, stderr=subprocess.PIPE):
         self.port = port or free_port()
-        env = {**os.environ, "UNWEIGHT_PIPELINE": "fused"}
+        env = {**os.environ, "UNWEIGHT_PIPELINE": "fused", **(env or {})}
         cmd = [sys.executable, "-m", "unweight.cli.main", "serve", *args, "--port", str(self.port)]
-        self.proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=stderr, text=True)
         self.url = f"http://127.0.0.1:{self.port}"
         self.http = httpx.Client(base_url=self.url, timeout=120, headers={"Authorization": f"Bearer {KEY}"})
         if wait:
             self.wait_ready()
 
+    def output(self) -> str:
+        """What the server wrote to stderr (from a pipe: once it has exited, else nothing)."""
+        return self.proc.stderr.read() if self.proc.poll() is not None else ""
+
     def wait_ready(self, timeout: float = 180) -> dict:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.proc.stderr.read()
+            assert self.proc.poll() is None, self.output()[-3000:]
             try:
                 r = self.http.get("/health")
                 if r.status_code == 200:
                     return r.json()
             except httpx.TransportError:
                 pass
-            time.sleep(0.5)
-        raise TimeoutError("server did not become ready")
+            time.sleep(0.3)
+        raise TimeoutError(f"server did not become ready: {self.output()[-3000:]}")
 
     def health(self) -> dict:
         return self.http.get("/health").json()

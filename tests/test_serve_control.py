@@ -23,7 +23,7 @@ import uuid
 import httpx
 import pytest
 import zmq
-from test_serve import KEY, MESSAGES, alive, free_port
+from test_serve import KEY, MESSAGES, Server, alive, free_port
 
 import unweight
 from unweight.runtime.generate import encode_prompt
@@ -34,35 +34,19 @@ POOL_TOKENS = 112  # the small KV pool of the module's server: 7 blocks of 16 to
 POOL_MAX_TOKENS = 64  # each completion: a few prompt tokens + 64 fit the pool alone; four at once need ~3x the pool
 
 
-class LoggedServer:
+class LoggedServer(Server):
     """`unweight serve` as a subprocess whose stderr (router and workers) goes to a file to grep."""
 
     def __init__(self, log_dir, *args: str, env: dict | None = None):
-        self.port = free_port()
-        self.log_path = log_dir / f"serve-{self.port}.log"
+        port = free_port()
+        self.log_path = log_dir / f"serve-{port}.log"
         self._log = open(self.log_path, "w")
-        env = {**os.environ, "UNWEIGHT_PIPELINE": "fused", **(env or {})}
-        cmd = [sys.executable, "-m", "unweight.cli.main", "serve", *args, "--port", str(self.port)]
-        self.proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=self._log)
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.http = httpx.Client(base_url=self.url, timeout=120, headers={"Authorization": f"Bearer {KEY}"})
-        self.wait_ready()
+        super().__init__(*args, port=port, env=env, stderr=self._log)
 
     def logs(self) -> str:
         return self.log_path.read_text()
 
-    def wait_ready(self, timeout: float = 180) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.logs()[-3000:]
-            try:
-                r = self.http.get("/health")
-                if r.status_code == 200:
-                    return r.json()
-            except httpx.TransportError:
-                pass
-            time.sleep(0.3)
-        raise TimeoutError(f"server did not become ready: {self.logs()[-3000:]}")
+    output = logs
 
     def workers(self) -> dict[str, dict]:
         return {w["name"]: w for w in self.http.get("/health").json()["workers"]}
@@ -119,6 +103,18 @@ def wait_for(predicate, timeout: float, what: str, step: float = 0.2):
             return value
         time.sleep(step)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def rogue_worker(ctx: zmq.Context, srv: LoggedServer, name: str, keys: dict) -> tuple[zmq.Socket, zmq.Socket]:
+    """A peer holding the workers' key that says hello as a decode worker and beats (running=1000,
+    so the router never picks it): its main socket and its heartbeat socket, both kept open (a
+    closed socket drops what it queued)."""
+    sock = dealer(ctx, srv.control, name, keys["worker"], keys["router"][0])
+    send(sock, hello("decode"))
+    wait_for(lambda: srv.workers().get(name, {}).get("state") == "ready", 20, f"{name}'s hello")
+    beat = retire(ctx, srv.control, name, keys)
+    wait_for(lambda: srv.workers()[name]["running"] == 1000, 20, f"{name}'s beat")
+    return sock, beat
 
 
 def sse_text(lines: list[str]) -> str:
@@ -214,11 +210,7 @@ def test_a_worker_only_reports_on_requests_it_holds(srv, secret, expected_long):
     keys = curve_keys(secret[1])
     ctx = zmq.Context()
     try:
-        rogue = dealer(ctx, srv.control, "zz-rogue", keys["worker"], keys["router"][0])
-        send(rogue, hello("decode"))
-        wait_for(lambda: srv.workers().get("zz-rogue", {}).get("state") == "ready", 20, "the rogue's hello")
-        beat = retire(ctx, srv.control, "zz-rogue", keys)  # noqa: F841 - kept open: a closed socket drops what it queued
-        wait_for(lambda: srv.workers()["zz-rogue"]["running"] == 1000, 20, "the rogue's beat")
+        rogue, _beat = rogue_worker(ctx, srv, "zz-rogue", keys)
         body = {"model": "uw", "prompt": PROMPTS[0], "max_tokens": POOL_MAX_TOKENS, "temperature": 0, "stream": True}
         with srv.http.stream("POST", "/v1/completions", json=body) as r:
             lines = r.iter_lines()
@@ -241,11 +233,7 @@ def test_malformed_messages_are_dropped_and_nothing_else_is_affected(srv, secret
     keys = curve_keys(secret[1])
     ctx = zmq.Context()
     try:
-        rogue = dealer(ctx, srv.control, "zz-buggy", keys["worker"], keys["router"][0])
-        send(rogue, hello("decode"))
-        wait_for(lambda: srv.workers().get("zz-buggy", {}).get("state") == "ready", 20, "the buggy worker's hello")
-        beat = retire(ctx, srv.control, "zz-buggy", keys)
-        wait_for(lambda: srv.workers()["zz-buggy"]["running"] == 1000, 20, "the buggy worker's beat")
+        rogue, beat = rogue_worker(ctx, srv, "zz-buggy", keys)
         for bad in [
             {"op": "beat", "running": "x", "queued": 0, "kv_blocks_used": 0, "kv_blocks_total": 1},  # made every request a 500
             {"op": "beat", "running": -1, "queued": 0, "kv_blocks_used": 0, "kv_blocks_total": 1},
