@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from .model import CausalLM
+from .model_config import ModelConfig
 from .sampling import SamplingParams, Sequence
 from .threads import governor
 
@@ -52,8 +53,10 @@ def encode_prompt(tokenizer, prompt: str | list[dict], chat: bool = False) -> li
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def eos_ids(model: CausalLM, tokenizer) -> set[int]:
-    ids = set(model.config.eos_token_ids)
+def eos_ids(config: ModelConfig, tokenizer) -> set[int]:
+    """The ids that end a generation: the model config's (with generation_config.json's, see
+    loader.model_config) and the tokenizer's EOS."""
+    ids = set(config.eos_token_ids)
     if getattr(tokenizer, "eos_token_id", None) is not None:
         ids.add(tokenizer.eos_token_id)
     return ids
@@ -155,7 +158,7 @@ class Generation:
         if n + params.max_new_tokens > limit:
             raise ValueError(f"the prompt has {n} tokens; with max_new_tokens {params.max_new_tokens} that exceeds the context length {limit}")
         self.text = TextStream(tokenizer, params.stop)
-        self.eos = eos_ids(model, tokenizer)
+        self.eos = eos_ids(model.config, tokenizer)
         self.result = GenerationResult(prompt_tokens=n)
         self._it = self._run()
 

@@ -54,8 +54,7 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu", layout: st
     path = Path(path)
     if not path.is_dir():
         raise SourceError(f"{path}: not a folder (load takes the folder `unweight compress` wrote)")
-    cfg = ModelConfig.from_folder(path)
-    cfg.eos_token_ids = tuple(dict.fromkeys(cfg.eos_token_ids + _generation_eos(path)))
+    cfg = model_config(path)
     with torch.device("meta"):
         model = CausalLM(cfg)
     with CompressedCheckpoint(path, threads) as ckpt:
@@ -65,6 +64,14 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu", layout: st
     model.init_cache(tokens, dtype)
     model.eval()
     return model
+
+
+def model_config(path: str | os.PathLike) -> ModelConfig:
+    """The folder's ModelConfig as `load` builds its model with: config.json, and the end-of-turn
+    ids that generation_config.json adds."""
+    cfg = ModelConfig.from_folder(path)
+    cfg.eos_token_ids = tuple(dict.fromkeys(cfg.eos_token_ids + _generation_eos(Path(path))))
+    return cfg
 
 
 def _generation_eos(path: Path) -> tuple[int, ...]:

@@ -19,9 +19,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
-from ..generate import TextStream, encode_prompt, load_tokenizer
-from ..loader import _generation_eos
-from ..model_config import ModelConfig
+from ..generate import TextStream, encode_prompt, eos_ids, load_tokenizer
+from ..loader import model_config
 from . import api
 from .http import BodyLimit, CountResponses, guarded_protocol, openai_errors, parse_json
 from .logprobs import TokenText
@@ -118,9 +117,9 @@ class Choice:
 
 
 def create_app(cfg: ServeConfig) -> FastAPI:
-    model_cfg = ModelConfig.from_folder(cfg.model)
+    model_cfg = model_config(cfg.model)
     tokenizer = load_tokenizer(cfg.model)
-    eos = sorted(set(model_cfg.eos_token_ids) | set(_generation_eos(Path(cfg.model))) | ({tokenizer.eos_token_id} - {None}))
+    eos = sorted(eos_ids(model_cfg, tokenizer))  # the same ids `unweight generate` stops at
     max_len, _ = context_limits(cfg, model_cfg.max_position_embeddings)  # what the workers' KV pools really hold
     name = cfg.served_model_name or Path(cfg.model).resolve().name
     vocab_size = model_cfg.vocab_size
