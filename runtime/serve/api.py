@@ -104,10 +104,12 @@ class _Sampling(BaseModel):
         """Sequences to run per prompt (best_of where it is larger than n)."""
         return max(self.n or 1, getattr(self, "best_of", None) or 1)
 
-    def params(self, max_new_tokens: int, logprobs: int | None) -> SamplingParams:
-        """The sampling settings, with defaults for what the request left out (raises ValueError)."""
+    def params(self, max_new_tokens: int, logprobs: int | None, choice: int = 0) -> SamplingParams:
+        """The sampling settings of one choice, with defaults for what the request left out (raises
+        ValueError). Choice i draws with seed + i."""
         given = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                                               "logit_bias", "seed", "stop_token_ids", "min_tokens", "ignore_eos") if getattr(self, k) is not None}
+                                               "logit_bias", "stop_token_ids", "min_tokens", "ignore_eos") if getattr(self, k) is not None}
+        given["seed"] = Sequence.seed_for(self.seed, choice)
         if given.get("top_k") == -1:
             given["top_k"] = 0
         if given.get("min_tokens", 0) > max_new_tokens:
@@ -212,10 +214,6 @@ class ChatRequest(_Sampling):
 
     def token_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
-
-
-def seed_of(req: _Sampling, index: int) -> int | None:
-    return Sequence.seed_for(req.seed, index)
 
 
 # -- bodies ------------------------------------------------------------------------------------

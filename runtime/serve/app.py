@@ -230,16 +230,15 @@ def create_app(cfg: ServeConfig) -> FastAPI:
             rid = api.new_id("chatcmpl" if chat else "cmpl")
             try:
                 for pi, ids in enumerate(prompts):
+                    prefix = "" if not echo else given if isinstance(given := req.prompts()[pi], str) else tokenizer.decode(ids)
                     for j in range(per_prompt):
                         try:
                             # best_of ranks by the chosen tokens' logprobs: ask for them even if the client did not
-                            params = req.params(limits[pi], top if per_prompt == n else (top or 0))
-                            params.seed = api.seed_of(req, j)
+                            params = req.params(limits[pi], top if per_prompt == n else (top or 0), choice=j)
                             params.check_vocab(vocab_size)
                         except ValueError as e:
                             raise HTTPError(400, str(e)) from None
                         r = await router.submit(f"{rid}-{pi}-{j}", ids, params, prompt_logprobs=top if echo and top is not None else None)
-                        prefix = (req.prompts()[pi] if isinstance(req.prompts()[pi], str) else tokenizer.decode(ids)) if echo else ""
                         choices.append(Choice(pi * n + j, r, TextStream(tokenizer, req.stop or []), ids, prefix, top))
             except Overloaded as e:
                 raise HTTPError(429, f"server busy: {e}", "rate_limit_error", code="overloaded") from None
