@@ -105,31 +105,27 @@ def _best_window(hist, mode):
 
 
 @njit(nogil=True, cache=True)
-def _kept_rows(v, r0, r1, kept):
-    """Elements each mode would not list, added up over rows r0..r1 (kept[r0] = (mode 0, mode 1))."""
+def _windows(v, r0, r1, bases, kept):
+    """Each row's best window in both modes (bases[r] = (mode 0, mode 1)), and the elements each
+    would not list (kept[r], the same)."""
     hist = np.zeros(256, dtype=np.int64)
-    k0, k1 = 0, 0
     for r in range(r0, r1):
         hist[:] = 0
         for j in range(v.shape[1]):
             hist[(v[r, j] >> 7) & 0xFF] += 1
-        k0 += _best_window(hist, 0)[1]
-        k1 += _best_window(hist, 1)[1]
-    kept[r0, 0] = k0
-    kept[r0, 1] = k1
+        for mode in range(2):
+            b, k = _best_window(hist, mode)
+            bases[r, mode] = b
+            kept[r, mode] = k
 
 
 @njit(nogil=True, cache=True)
-def _encode_rows(v, r0, r1, mode, sm, words, base, listed):
-    """Rows r0..r1 of `encode`, loop by loop: each row's window, its sign+mantissa bytes and codes,
-    and the count of its listed escapes."""
+def _encode_rows(v, r0, r1, mode, row_base, sm, words, base, listed):
+    """Rows r0..r1 of `encode`, loop by loop: each row's sign+mantissa bytes and codes in its
+    window (row_base, from _windows), and the count of its listed escapes."""
     rows, cols = v.shape
-    hist = np.zeros(256, dtype=np.int64)
     for r in range(r0, r1):
-        hist[:] = 0
-        for j in range(cols):
-            hist[(v[r, j] >> 7) & 0xFF] += 1
-        best = _best_window(hist, mode)[0]
+        best = np.int64(row_base[r])
         base[r] = best
         n = 0
         for j in range(cols):
@@ -185,15 +181,17 @@ def encode(values: np.ndarray, rows: int, cols: int, threads: int | None = None,
     g = groups(cols)
     step = max(1, _SPAN // max(cols, 1))
     spans = [(r0, min(rows, r0 + step)) for r0 in range(0, rows, step)]
+    bases = np.empty((rows, 2), dtype=np.int64)
+    kept = np.empty((rows, 2), dtype=np.int64)
+    map_chunk_ranges(lambda a, b: [_windows(v, *spans[i], bases, kept) for i in range(a, b)], len(spans), threads)
     if mode is None:
-        kept = np.zeros((rows + 1, 2), dtype=np.int64)
-        map_chunk_ranges(lambda a, b: [_kept_rows(v, *spans[i], kept) for i in range(a, b)], len(spans), threads)
         mode = int(kept[:, 1].sum() > kept[:, 0].sum())
+    row_base = np.ascontiguousarray(bases[:, mode])
     sm = np.zeros((rows, g * GROUP), dtype=np.uint8)
     words = np.zeros((rows, g, 3, 4), dtype=np.uint8)
     base = np.empty(rows, dtype=np.uint8)
     listed = np.empty(rows, dtype=np.int64)
-    map_chunk_ranges(lambda a, b: [_encode_rows(v, *spans[i], mode, sm, words, base, listed) for i in range(a, b)], len(spans), threads)
+    map_chunk_ranges(lambda a, b: [_encode_rows(v, *spans[i], mode, row_base, sm, words, base, listed) for i in range(a, b)], len(spans), threads)
     esc_row = np.zeros(rows + 1, dtype=np.int64)
     np.cumsum(listed, out=esc_row[1:])
     if esc_row[-1] >= 2**31:
