@@ -124,7 +124,7 @@ def escape_delta(smb, exp, base, MODE: tl.constexpr):
     rounded once; inf and NaN weights stay inf and NaN."""
     sm = ((smb & 0x80) << 24) | ((smb & 0x7F) << 16)
     if MODE == 0:
-        e0 = tl.where(exp < base, base, base + 7)
+        w0 = sm | (tl.where(exp < base, base, base + 7) << 23)
     else:
-        e0 = exp * 0
-    return (sm | (exp << 23)).to(tl.float32, bitcast=True) - (sm | (e0 << 23)).to(tl.float32, bitcast=True)
+        w0 = sm  # exponent 0
+    return (sm | (exp << 23)).to(tl.float32, bitcast=True) - w0.to(tl.float32, bitcast=True)
