@@ -308,7 +308,7 @@ def test_a_worker_takes_jobs_only_from_its_router_and_survives_bad_ones(uw, secr
                     return msg
                 if announce:  # its first hello may have gone down with a refused connection: ask again, as the router does
                     router.send_multipart([b"worker-t", json.dumps({"op": "announce"}).encode()])
-            raise AssertionError("the worker said nothing")
+            raise AssertionError(f"the worker said nothing in {timeout} s; its log:\n{log_path.read_text()}")
 
         assert from_worker(announce=True)["op"] == "hello"
         def seq(prompt, **sampling) -> dict:

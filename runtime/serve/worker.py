@@ -42,13 +42,11 @@ log = logging.getLogger(__name__)
 RECONNECT_AFTER_REFUSAL_S = 1.0
 
 
-def _handshake_failed_events() -> int:
+def _handshake_events() -> int:
+    """What a control socket's monitor reports: its handshakes, failed and succeeded."""
     import zmq
 
-    return zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-
-
-HANDSHAKE_FAILED = _handshake_failed_events()
+    return zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_SUCCEEDED
 
 
 LOGPROB_FLOOR = -9999.0  # what a logprob of -inf is sent as (as vLLM does): JSON has no infinities
@@ -103,7 +101,7 @@ class Worker:
         self.router_url = f"tcp://{router[0]}:{router[1]}"
         self.sock.connect(self.router_url)
         # a peer that fails the CURVE handshake (not the router of this server) is logged here
-        self.monitor = self.sock.get_monitor_socket(HANDSHAKE_FAILED)
+        self.monitor = self.sock.get_monitor_socket(_handshake_events())
         self._reconnect_at: float | None = None
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
@@ -140,20 +138,25 @@ class Worker:
         if items:
             self.send({"op": "tokens", "items": items})
 
-    def _refused(self, monitor) -> bool:
-        """Log the handshakes that failed on a socket (its monitor); True if any did."""
+    def _handshakes(self, monitor) -> bool | None:
+        """The handshakes a socket's monitor reported since last asked, failures logged: whether
+        the last one succeeded (None if there was none). ZeroMQ retries by itself after some
+        failures (a dropped connection) and not after others (a peer speaking another security
+        mechanism): a failure followed by a success needs no reconnect of ours, and one would cut
+        the working connection and lose what was in flight on it."""
         import zmq
         from zmq.utils.monitor import parse_monitor_message
 
-        failed = False
+        last = None
         while True:
             try:
                 event = parse_monitor_message(monitor.recv_multipart(zmq.NOBLOCK))
             except zmq.Again:
-                return failed
-            failed = True
-            self.rejected.warning("%s: the control peer at %s failed the CURVE handshake (event %s, error %s): not this server's router",
-                                  self.name, self.router_url, event["event"], event["value"])
+                return last
+            last = event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
+            if not last:
+                self.rejected.warning("%s: the control peer at %s failed the CURVE handshake (event %s, error %s): not this server's router",
+                                      self.name, self.router_url, event["event"], event["value"])
 
     def _reconnect(self, sock) -> None:
         """ZeroMQ gives up on an endpoint whose handshake failed: connect again (the real router
@@ -170,8 +173,12 @@ class Worker:
         import zmq
 
         events = dict(self.poller.poll(timeout_ms))
-        if self.monitor in events and self._refused(self.monitor) and self._reconnect_at is None:
-            self._reconnect_at = time.monotonic() + RECONNECT_AFTER_REFUSAL_S
+        if self.monitor in events:
+            last = self._handshakes(self.monitor)
+            if last is True:
+                self._reconnect_at = None
+            elif last is False and self._reconnect_at is None:
+                self._reconnect_at = time.monotonic() + RECONNECT_AFTER_REFUSAL_S
         if self._reconnect_at is not None and time.monotonic() >= self._reconnect_at:
             self._reconnect_at = None
             self._reconnect(self.sock)
@@ -204,11 +211,11 @@ class Worker:
 
         sock = self._control_socket(f"{self.name}#beat")
         sock.setsockopt(zmq.LINGER, 0)
-        monitor = sock.get_monitor_socket(HANDSHAKE_FAILED)
+        monitor = sock.get_monitor_socket(_handshake_events())
         sock.connect(self.router_url)
         try:
             while not self.stopping:
-                if self._refused(monitor):
+                if self._handshakes(monitor) is False:
                     self._reconnect(sock)  # at most once a heartbeat
                 cache = self.model.cache
                 sock.send(pack({"op": "beat", "running": len(self.running), "queued": len(self.waiting) + len(self.pending) + len(self.preempted),
