@@ -237,7 +237,7 @@ def generate(
 @app.command()
 def serve(
     model: Annotated[Path, typer.Argument(help="Compressed model folder (made by `unweight compress`).")],
-    host: Annotated[str, typer.Option(help="Address to listen on (HTTP, control and KV rendezvous).")] = "127.0.0.1",
+    host: Annotated[str, typer.Option(help="Address to listen on (HTTP and control).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="HTTP port.")] = 8000,
     prefill_workers: Annotated[int, typer.Option("--prefill-workers", help="Prefill worker processes to start.")] = 1,
     decode_workers: Annotated[int, typer.Option("--decode-workers", help="Decode worker processes to start.")] = 1,
@@ -255,9 +255,7 @@ def serve(
     role: Annotated[str, typer.Option(help="all (default: router plus local workers), router, prefill, decode or worker.")] = "all",
     name: Annotated[Optional[str], typer.Option(help="Worker name (with --role prefill|decode|worker), unique per router.")] = None,
     router_address: Annotated[Optional[str], typer.Option("--router-address", help="HOST:PORT of the router's control socket (worker roles).")] = None,
-    kv_address: Annotated[Optional[str], typer.Option("--kv-address", help="HOST:PORT of the router's KV rendezvous store (worker roles).")] = None,
     control_port: Annotated[int, typer.Option("--control-port", help="Router control port (0: any free port).")] = 0,
-    kv_port: Annotated[int, typer.Option("--kv-port", help="Router KV rendezvous port (0: any free port).")] = 0,
     served_model_name: Annotated[Optional[str], typer.Option("--served-model-name", help="Model id clients use (default: the folder name).")] = None,
     worker_threads: Annotated[int, typer.Option("--worker-threads", min=0, help="CPU threads per worker (0: this machine's cores split among the local workers).")] = 0,
     kv_cache_tokens: Annotated[Optional[int], typer.Option("--kv-cache-tokens", help="KV cache pool of each decode (or --no-disagg) worker, in tokens (default: --max-batch sequences of the full context). The context served is at most this; when the pool is full, new sequences wait and the newest running one is swapped out.")] = None,
@@ -278,9 +276,9 @@ def serve(
 
         unweight serve ./smollm2-uw --no-disagg
 
-        unweight serve ./llama-uw --role router --host 10.0.0.1 --control-port 5555 --kv-port 5556 --control-secret-file ~/.unweight-secret
+        unweight serve ./llama-uw --role router --host 10.0.0.1 --control-port 5555 --control-secret-file ~/.unweight-secret
 
-        unweight serve ./llama-uw --role decode --name decode-0 --router-address 10.0.0.1:5555 --kv-address 10.0.0.1:5556 --control-secret-file ~/.unweight-secret
+        unweight serve ./llama-uw --role decode --name decode-0 --router-address 10.0.0.1:5555 --control-secret-file ~/.unweight-secret
 
     The control plane (router <-> workers) is ZeroMQ CURVE with keys derived from the control
     secret: no process without it can join as a worker, or pose as the router.
@@ -294,7 +292,7 @@ def serve(
         if not model.is_dir():
             raise ValueError(f"{model}: no such model folder")
         cfg = ServeConfig(str(model), host, port, prefill_workers, decode_workers, max_batch, max_model_len, max_queue, device, api_key,
-                          not no_disagg, control_port, kv_port, served_model_name, worker_threads, public_health=public_health,
+                          not no_disagg, control_port, served_model_name, worker_threads, public_health=public_health,
                           max_body_bytes=max_body_bytes, timeout_keep_alive=timeout_keep_alive, timeout_header=timeout_header,
                           limit_concurrency=limit_concurrency,
                           control_secret_file=str(control_secret_file) if control_secret_file else None, worker_timeout=worker_timeout,
@@ -312,12 +310,9 @@ def serve(
             return
         if router_address is None:
             raise ValueError(f"--role {role} needs --router-address HOST:PORT")
-        if role in ("prefill", "decode") and kv_address is None:
-            raise ValueError(f"--role {role} needs --kv-address HOST:PORT")
         from unweight.runtime.serve.app import run_worker
 
-        kv = parse_address(kv_address, "--kv-address") if kv_address else None
-        run_worker(role, name or f"{role}-{os.getpid()}", cfg, parse_address(router_address, "--router-address"), kv, None)
+        run_worker(role, name or f"{role}-{os.getpid()}", cfg, parse_address(router_address, "--router-address"), None)
 
     _run(body)
 

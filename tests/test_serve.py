@@ -259,15 +259,15 @@ def test_aggregated_mode(uw, expected):
 def test_roles_started_separately(uw, expected, tmp_path):
     """The multi-host set-up on one host: a router alone, then a prefill and a decode worker that
     connect to it by address, all three given the same control secret file."""
-    control, kv = free_port(), free_port()
+    control = free_port()
     secret = tmp_path / "secret"
     secret.write_text("s" * 40 + "\n")
     secret.chmod(0o600)
-    router = Server(str(uw), "--role", "router", "--control-port", str(control), "--kv-port", str(kv), "--control-secret-file", str(secret), wait=False)
+    router = Server(str(uw), "--role", "router", "--control-port", str(control), "--control-secret-file", str(secret), wait=False)
     env = {**os.environ, "UNWEIGHT_PIPELINE": "fused"}
     workers = [
         subprocess.Popen([sys.executable, "-m", "unweight.cli.main", "serve", str(uw), "--role", role, "--name", f"{role}-x",
-                          "--router-address", f"127.0.0.1:{control}", "--kv-address", f"127.0.0.1:{kv}", "--control-secret-file", str(secret)], env=env)
+                          "--router-address", f"127.0.0.1:{control}", "--control-secret-file", str(secret)], env=env)
         for role in ("prefill", "decode")
     ]
     try:

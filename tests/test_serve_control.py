@@ -10,6 +10,7 @@ worker), to check what the router still refuses from a peer it trusts.
 
 from __future__ import annotations
 
+import base64
 import concurrent.futures
 import json
 import os
@@ -105,16 +106,17 @@ def wait_for(predicate, timeout: float, what: str, step: float = 0.2):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def rogue_worker(ctx: zmq.Context, srv: LoggedServer, name: str, keys: dict) -> tuple[zmq.Socket, zmq.Socket]:
-    """A peer holding the workers' key that says hello as a decode worker and beats (running=1000,
-    so the router never picks it): its main socket and its heartbeat socket, both kept open (a
-    closed socket drops what it queued)."""
+def rogue_worker(ctx: zmq.Context, srv: LoggedServer, name: str, keys: dict, role: str = "decode") -> tuple[zmq.Socket, zmq.Socket, str]:
+    """A peer holding the workers' key that says hello as a worker of `role` and beats
+    (running=1000, so the router never picks it): its main socket and its heartbeat socket, both
+    kept open (a closed socket drops what it queued), and the incarnation it said."""
     sock = dealer(ctx, srv.control, name, keys["worker"], keys["router"][0])
-    send(sock, hello("decode"))
+    said = hello(role)
+    send(sock, said)
     wait_for(lambda: srv.workers().get(name, {}).get("state") == "ready", 20, f"{name}'s hello")
     beat = retire(ctx, srv.control, name, keys)
     wait_for(lambda: srv.workers()[name]["running"] == 1000, 20, f"{name}'s beat")
-    return sock, beat
+    return sock, beat, said["incarnation"]
 
 
 def sse_text(lines: list[str]) -> str:
@@ -129,12 +131,12 @@ def secret(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def srv(uw, secret, tmp_path_factory):
-    """Router + prefill + decode on 127.0.0.1, known control and KV ports, the secret from a file,
-    and a KV pool of POOL_TOKENS tokens."""
-    control, kv = free_port(), free_port()
-    s = LoggedServer(tmp_path_factory.mktemp("logs"), str(uw), "--api-key", KEY, "--control-port", str(control), "--kv-port", str(kv),
+    """Router + prefill + decode on 127.0.0.1, a known control port, the secret from a file, and a
+    KV pool of POOL_TOKENS tokens."""
+    control = free_port()
+    s = LoggedServer(tmp_path_factory.mktemp("logs"), str(uw), "--api-key", KEY, "--control-port", str(control),
                      "--control-secret-file", str(secret[0]), "--kv-cache-tokens", str(POOL_TOKENS))
-    s.control, s.kv = control, kv
+    s.control = control
     yield s
     s.stop()
 
@@ -210,7 +212,7 @@ def test_a_worker_only_reports_on_requests_it_holds(srv, secret, expected_long):
     keys = curve_keys(secret[1])
     ctx = zmq.Context()
     try:
-        rogue, _beat = rogue_worker(ctx, srv, "zz-rogue", keys)
+        rogue, _beat, _ = rogue_worker(ctx, srv, "zz-rogue", keys)
         body = {"model": "uw", "prompt": PROMPTS[0], "max_tokens": POOL_MAX_TOKENS, "temperature": 0, "stream": True}
         with srv.http.stream("POST", "/v1/completions", json=body) as r:
             lines = r.iter_lines()
@@ -233,7 +235,7 @@ def test_malformed_messages_are_dropped_and_nothing_else_is_affected(srv, secret
     keys = curve_keys(secret[1])
     ctx = zmq.Context()
     try:
-        rogue, beat = rogue_worker(ctx, srv, "zz-buggy", keys)
+        rogue, beat, _ = rogue_worker(ctx, srv, "zz-buggy", keys)
         for bad in [
             {"op": "beat", "running": "x", "queued": 0, "kv_blocks_used": 0, "kv_blocks_total": 1},  # made every request a 500
             {"op": "beat", "running": -1, "queued": 0, "kv_blocks_used": 0, "kv_blocks_total": 1},
@@ -367,13 +369,13 @@ def test_secret_files_readable_by_others_are_refused(uw, tmp_path):
     path.write_text(secrets.token_hex(32))
     path.chmod(0o644)
     r = subprocess.run([sys.executable, "-m", "unweight.cli.main", "serve", str(uw), "--role", "decode", "--router-address", "127.0.0.1:1",
-                        "--kv-address", "127.0.0.1:2", "--control-secret-file", str(path)], capture_output=True, text=True, timeout=120)
+                        "--control-secret-file", str(path)], capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "readable by group or others" in r.stderr and "chmod 600" in r.stderr
     r = subprocess.run([sys.executable, "-m", "unweight.cli.main", "serve", str(uw), "--role", "router"], capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "--control-secret-file" in r.stderr
 
 
-# -- fault: the TCPStore listened on every interface ------------------------------------------------
+# -- fault: the KV rendezvous TCPStore listened on every interface -----------------------------------
 def listening(pid: int) -> set[tuple[str, int]]:
     import psutil
 
@@ -386,9 +388,60 @@ def test_every_socket_listens_on_the_requested_host(srv, expected):
     assert len(pids) == 3
     sockets = {pid: listening(pid) for pid in pids}
     everything = set().union(*sockets.values())
-    assert {("127.0.0.1", srv.port), ("127.0.0.1", srv.control), ("127.0.0.1", srv.kv)} <= sockets[srv.proc.pid]
+    # HTTP and control, nothing else: the KV rendezvous goes over the control socket
+    assert sockets[srv.proc.pid] == {("127.0.0.1", srv.port), ("127.0.0.1", srv.control)}, sockets
     assert all(sockets[pid] for pid in pids[1:]), f"no KV sockets in the workers: {sockets}"  # gloo's pairs
     assert {ip for ip, _ in everything} == {"127.0.0.1"}, sockets
+
+
+# -- fault: the KV rendezvous took unauthenticated keys without limit --------------------------------
+def test_kv_rendezvous_keys_are_kept_to_their_pair_and_bounded(srv, secret):
+    """Over the control channel (CURVE, so only holders of the secret reach it at all), a worker
+    sets and reads only the keys of its own (prefill, decode) groups, a pair keeps a bounded
+    number of keys, and a value over the limit is dropped."""
+    keys = curve_keys(secret[1])
+    ctx = zmq.Context()
+    numbers = iter(range(10**6))
+
+    def ask(sock: zmq.Socket, op: str, key: str, value: bytes | None = None) -> dict | None:
+        n = next(numbers)
+        send(sock, {"op": op, "n": n, "key": key, **({"value": base64.b64encode(value).decode()} if value is not None else {})})
+        if not sock.poll(10_000):
+            return None
+        reply = json.loads(sock.recv())
+        assert reply["op"] == "kv_reply" and reply["n"] == n, reply
+        return reply
+
+    try:
+        rogues = {n: rogue_worker(ctx, srv, n, keys, role) for n, role in [("zz-kv-p", "prefill"), ("zz-kv-d", "decode"), ("zz-kv-d2", "decode")]}
+        inc = {n: r[2] for n, r in rogues.items()}
+        kv = {n: dealer(ctx, srv.control, f"{n}#kv", keys["worker"], keys["router"][0]) for n in rogues}
+        group = f"kv/{inc['zz-kv-p']}/{inc['zz-kv-d']}/7"
+        assert ask(kv["zz-kv-p"], "kv_set", f"{group}/0/0", b"where p listens")["error"] is None
+        assert ask(kv["zz-kv-d"], "kv_get", f"{group}/0/1") == {"op": "kv_reply", "n": 1, "value": None, "error": None}  # not set yet
+        assert base64.b64decode(ask(kv["zz-kv-d"], "kv_get", f"{group}/0/0")["value"]) == b"where p listens"
+        # the same secret, but not in this pair: neither reads nor writes its keys
+        for op, value in (("kv_get", None), ("kv_set", b"x")):
+            assert ask(kv["zz-kv-d2"], op, f"{group}/0/0", value)["error"] == "not a KV group of this worker"
+        assert base64.b64decode(ask(kv["zz-kv-d"], "kv_get", f"{group}/0/0")["value"]) == b"where p listens"
+        # a pair with a worker that is not one of this server's, a key outside any group, a name without a hello
+        assert "not a ready worker" in ask(kv["zz-kv-p"], "kv_set", f"kv/{inc['zz-kv-p']}/{uuid.uuid4().hex}/1/0/0", b"x")["error"]
+        assert ask(kv["zz-kv-p"], "kv_set", "elsewhere/0/0", b"x")["error"].startswith("not a KV group key")
+        stranger = dealer(ctx, srv.control, "zz-kv-stranger#kv", keys["worker"], keys["router"][0])
+        assert "not a ready worker of this server" in ask(stranger, "kv_get", f"{group}/0/0")["error"]
+        # bounded: a pair keeps its newest keys only
+        for i in range(100):
+            assert ask(kv["zz-kv-d"], "kv_set", f"{group}/k{i}", b"v%d" % i)["error"] is None
+        assert ask(kv["zz-kv-p"], "kv_get", f"{group}/k0")["value"] is None
+        assert base64.b64decode(ask(kv["zz-kv-p"], "kv_get", f"{group}/k99")["value"]) == b"v99"
+        # too big a value, or a kv op on the main socket: dropped, no answer
+        assert ask(kv["zz-kv-p"], "kv_set", f"{group}/big", b"x" * 8192) is None
+        send(rogues["zz-kv-p"][0], {"op": "kv_get", "n": 0, "key": f"{group}/0/0"})
+        assert received(rogues["zz-kv-p"][0], 1) == []
+        logs = srv.logs()
+        assert "dropped a bad control message" in logs and "it comes on NAME#kv" in logs and "refused kv_get" in logs
+    finally:
+        ctx.destroy(linger=0)
 
 
 # -- fault: a full KV pool crashed the decode worker ------------------------------------------------

@@ -457,7 +457,7 @@ def _max_prompt_chars(tokenizer, max_len: int) -> int | None:
     return max_len * max(1, longest)
 
 
-def run_worker(role: str, name: str, cfg: ServeConfig, router_address: tuple[str, int], kv_address: tuple[str, int] | None, parent_pid: int | None) -> None:
+def run_worker(role: str, name: str, cfg: ServeConfig, router_address: tuple[str, int], parent_pid: int | None) -> None:
     """A worker started by hand (`unweight serve --role prefill|decode|worker`), its control secret
     from --control-secret-file. (The router starts its own workers without the CLI, with the same
     WorkerSpec.)"""
@@ -466,7 +466,7 @@ def run_worker(role: str, name: str, cfg: ServeConfig, router_address: tuple[str
 
     if not cfg.control_secret_file:
         raise ValueError(f"--role {role} needs --control-secret-file PATH (the file the router was given)")
-    main(WorkerSpec(cfg, role, name, router_address, kv_address, parent_pid, cfg.worker_threads), read_secret_file(cfg.control_secret_file))
+    main(WorkerSpec(cfg, role, name, router_address, parent_pid, cfg.worker_threads), read_secret_file(cfg.control_secret_file))
 
 
 __all__ = ["create_app", "run_worker", "serve"]

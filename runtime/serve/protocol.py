@@ -3,7 +3,8 @@
 Control messages are small JSON objects over ZeroMQ: the router binds a ROUTER socket, every
 worker connects a DEALER whose identity is its name (`prefill-0`, `decode-1`, `worker-0`).
 Tensors never travel this way: a KV cache goes from a prefill worker to a decode worker over
-torch.distributed (runtime/serve/kv_link.py).
+torch.distributed (runtime/serve/kv_link.py), whose rendezvous keys do (`NAME#kv`: the router
+holds them, for the groups the asking worker is in).
 
 Every control connection is ZeroMQ CURVE (encrypted, and authenticated both ways): the router's
 key pair and the one key pair all workers share are derived from one per-server secret
@@ -32,6 +33,9 @@ Worker -> router
     tokens    {items: [[id, token, finish_reason or null, logprobs], ...]}  (one message per step;
               token is null when a stop token ended the sequence)
     failed    {id, error}
+Worker -> router on NAME#kv, each answered by kv_reply {n, value or null, error or null}
+    kv_set    {n, key, value}   (value: base64; key: kv/PREFILL_INCARNATION/DECODE_INCARNATION/...)
+    kv_get    {n, key}          (value null: not set yet)
 """
 
 from __future__ import annotations
@@ -195,8 +199,34 @@ class Failed(_Msg):
     error: ErrorText
 
 
+KVKey = Annotated[str, Field(min_length=1, max_length=256)]
+KV_VALUE_BYTES = 4096  # a gloo device address is about 170 bytes
+KVValue = Annotated[str, Field(max_length=4 * KV_VALUE_BYTES // 3 + 4, pattern=r"^[A-Za-z0-9+/]*={0,2}$")]  # base64
+
+
+class KVSet(_Msg):
+    op: Literal["kv_set"]
+    n: Count
+    key: KVKey
+    value: KVValue
+
+
+class KVGet(_Msg):
+    op: Literal["kv_get"]
+    n: Count
+    key: KVKey
+
+
+class KVReply(_Msg):
+    op: Literal["kv_reply"]
+    n: Count
+    value: KVValue | None = None
+    error: ErrorText | None = None
+
+
 ToWorker = TypeAdapter(Annotated[Union[Prefill, Generate, Decode, Cancel, Shutdown, Announce], Field(discriminator="op")])
-ToRouter = TypeAdapter(Annotated[Union[Hello, Beat, PromptLogprobs, Prefilled, TokensMsg, Failed], Field(discriminator="op")])
+ToRouter = TypeAdapter(Annotated[Union[Hello, Beat, PromptLogprobs, Prefilled, TokensMsg, Failed, KVSet, KVGet], Field(discriminator="op")])
+ToKVClient = TypeAdapter(KVReply)
 
 
 class BadMessage(ValueError):
@@ -278,6 +308,12 @@ def curve_keys(secret: str) -> dict[str, tuple[bytes, bytes]]:
     return keys
 
 
+def kv_link_key(secret: str) -> bytes:
+    """The key with which a prefill and a decode worker prove to each other, over a new KV group,
+    that both hold the control secret (kv_link.KVLink)."""
+    return hmac.new(secret.encode(), b"unweight serve kv link", hashlib.sha256).digest()
+
+
 def context_limits(cfg: "ServeConfig", model_context: int) -> tuple[int, int]:
     """The one place the sizes come from: (admitted context in tokens, KV pool tokens of a decode
     or aggregated worker). The pool holds --kv-cache-tokens (default: --max-batch sequences of the
@@ -310,7 +346,6 @@ class ServeConfig:
     api_key: str | None = None
     disaggregated: bool = True
     control_port: int = 0  # 0: pick a free port (all roles on one host)
-    kv_port: int = 0
     served_model_name: str | None = None
     worker_threads: int = 0  # CPU threads per worker; 0: the machine's cores split among the local workers
     public_health: bool = False  # /health and /metrics answer without the API key
@@ -345,7 +380,7 @@ class ServeConfig:
                 raise ValueError(f"{name.replace('_', '-')} must be > 0 seconds, not {getattr(self, name)}")
         if self.limit_concurrency < 1:
             raise ValueError(f"limit-concurrency must be >= 1, not {self.limit_concurrency}")
-        for name in ("port", "control_port", "kv_port"):
+        for name in ("port", "control_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ValueError(f"{name.replace('_', '-')} {getattr(self, name)} is not a TCP port")
 
@@ -356,7 +391,7 @@ SPEC_ENV = "UNWEIGHT_WORKER_SPEC"  # how the router hands a worker it starts its
 @dataclass(slots=True)
 class WorkerSpec:
     """Everything a worker process needs, whole: the server's config, its role and name, where the
-    router's control socket and KV rendezvous are. The router starts its workers with this (as JSON
+    router's control socket is. The router starts its workers with this (as JSON
     in SPEC_ENV, `python -m unweight.runtime.serve.worker`), not with the CLI's flags; a worker
     started by hand (`unweight serve --role decode ...`) builds the same from its flags."""
 
@@ -364,7 +399,6 @@ class WorkerSpec:
     role: Literal["prefill", "decode", "worker"]
     name: str
     router: tuple[str, int]
-    kv_store: tuple[str, int] | None = None
     parent_pid: int | None = None  # stop when this process (the router that started it) is gone
     threads: int = 0  # CPU threads for torch and numba; 0: leave them as they are
 
@@ -378,5 +412,4 @@ class WorkerSpec:
         d = json.loads(text)
         d["cfg"] = ServeConfig(**d["cfg"])
         d["router"] = tuple(d["router"])
-        d["kv_store"] = tuple(d["kv_store"]) if d.get("kv_store") else None
         return cls(**d)

@@ -1,9 +1,10 @@
 """The router of `unweight serve`: HTTP in front, workers behind.
 
 It owns the tokenizer (prompts are tokenised here, token ids detokenised and streamed from here),
-the control socket every worker connects to, the TCPStore through which prefill/decode pairs build
-their KV groups, and the worker processes it started: it watches them, fails the requests of one
-that dies, restarts it, and reports all of them in /health and /metrics.
+the control socket every worker connects to, the rendezvous keys through which prefill/decode
+pairs build their KV groups (kv_link.Rendezvous, asked over that socket), and the worker processes
+it started: it watches them, fails the requests of one that dies, restarts it, and reports all of
+them in /health and /metrics.
 
 A request's life (disaggregated): tokens -> least-loaded prefill worker (told which decode worker
 will take it) -> `prefilled` (first token streamed now; the KV is on its way) -> the decode worker
@@ -18,19 +19,20 @@ import hmac
 import itertools
 import logging
 import os
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 
 from ..sampling import SamplingParams, Sequence
+from .kv_link import Rendezvous
 from .metrics import Metrics
 from .protocol import (KV_TIMEOUT_S, MAX_MESSAGE_BYTES, SECRET_ENV, SPEC_ENV, BadMessage, RateLimitedLog, ServeConfig, ToRouter, WorkerSpec, curve_keys, new_secret,
                        pack, read_secret_file, unpack)
 
 log = logging.getLogger(__name__)
 RESTART_BACKOFF_S = 1.0
+CHANNELS = {"beat": "beat", "kv_set": "kv", "kv_get": "kv"}  # the socket (NAME#...) an op comes on; every other op comes on NAME
 
 
 class Overloaded(Exception):
@@ -93,7 +95,7 @@ class Router:
         self.requests: dict[str, Request] = {}
         self._tags = itertools.count(1)
         self._tasks: list[asyncio.Task] = []
-        self.store = None
+        self.rendezvous = Rendezvous()
         self.closing = False
         self.rejected = RateLimitedLog(log)  # unauthenticated peers and bad messages: logged, rate-limited
         self.secret = read_secret_file(cfg.control_secret_file) if cfg.control_secret_file else new_secret()
@@ -126,20 +128,6 @@ class Router:
             self.control_port = cfg.control_port
         else:
             self.control_port = self.sock.bind_to_random_port(f"tcp://{bind_host}")
-        if cfg.disaggregated:
-            import datetime
-
-            import torch.distributed as dist
-
-            # torch binds its own master socket to every interface whatever the host says: hand it
-            # one bound where the other sockets are (kept open for as long as the store lives)
-            self.store_sock = socket.socket(socket.AF_INET6 if ":" in bind_host else socket.AF_INET)
-            self.store_sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            self.store_sock.bind((bind_host, cfg.kv_port))
-            self.store_sock.listen(128)
-            self.kv_port = self.store_sock.getsockname()[1]
-            self.store = dist.TCPStore(bind_host, self.kv_port, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30),
-                                       master_listen_fd=self.store_sock.fileno())
         self._tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._watch()), asyncio.create_task(self._watch_handshakes())]
         for role, count in self._local_workers():
             for i in range(count):
@@ -154,8 +142,7 @@ class Router:
         cfg = self.cfg
         if w.command is None:  # the worker's own entry point, its whole config as a WorkerSpec: no CLI flags to keep in step
             local = sum(n for _, n in self._local_workers()) or 1
-            spec = WorkerSpec(cfg, w.role, w.name, (_connect_host(cfg.host), self.control_port),
-                              (_connect_host(cfg.host), self.kv_port) if cfg.disaggregated else None, os.getpid(),
+            spec = WorkerSpec(cfg, w.role, w.name, (_connect_host(cfg.host), self.control_port), os.getpid(),
                               cfg.worker_threads or max(1, _cpus() // local))
             w.command = [sys.executable, "-m", "unweight.runtime.serve.worker"]
             w.spec = spec.to_json()
@@ -202,21 +189,38 @@ class Router:
                 if len(frames) != 2:
                     raise BadMessage(f"{len(frames) - 1} frames, not 1", None)
                 ident, data = frames
-                name = ident.decode("ascii", "replace")
-                beat_socket = name.endswith("#beat")  # a worker's heartbeat socket
-                name = name.removesuffix("#beat")
+                name, _, channel = ident.decode("ascii", "replace").partition("#")  # NAME, NAME#beat or NAME#kv
                 msg = unpack(data, ToRouter)
             except BadMessage as e:
                 self.rejected.warning("dropped a bad control message from %r: %s", frames[0][:64], e)
-                self._bad_message_from(frames[0].decode("ascii", "replace").removesuffix("#beat"), e.rid)
+                self._bad_message_from(frames[0].decode("ascii", "replace").partition("#")[0], e.rid)
                 continue
             try:
-                if beat_socket != (msg["op"] == "beat"):
-                    self.rejected.warning("dropped %s from %r: beats come on NAME#beat, everything else on NAME", msg["op"], ident[:64])
+                want = CHANNELS.get(msg["op"], "")
+                if channel != want:
+                    self.rejected.warning("dropped %s from %r: it comes on NAME%s", msg["op"], ident[:64], f"#{want}" if want else "")
                     continue
-                self._handle(name, msg)
+                if channel == "kv":
+                    self._rendezvous(name, msg)
+                else:
+                    self._handle(name, msg)
             except Exception:  # noqa: BLE001 - a bug here must not take the router down
                 log.exception("error handling %s from %r", msg["op"], name)
+
+    def _rendezvous(self, name: str, msg: dict) -> None:
+        """A KV rendezvous request (kv_set, kv_get) from a worker's NAME#kv socket: answered there."""
+        w = self.workers.get(name)
+        if w is None or w.state != "ready" or w.incarnation is None:
+            reply = {"op": "kv_reply", "n": msg["n"], "value": None, "error": f"{name} is not a ready worker of this server"}
+        else:
+            live = {"prefill": set(), "decode": set()}
+            for other in self.workers.values():
+                if other.state == "ready" and other.role in live and other.incarnation is not None:
+                    live[other.role].add(other.incarnation)
+            reply = self.rendezvous.handle(w.role, w.incarnation, live, msg)
+        if reply["error"] is not None:
+            self.rejected.warning("refused %s of %r from %s: %s", msg["op"], msg["key"][:80], name, reply["error"])
+        asyncio.get_running_loop().create_task(self._send(f"{name}#kv", reply))
 
     def _bad_message_from(self, name: str, rid: str | None) -> None:
         """A worker's message about a request it holds was unreadable: that request cannot go on."""

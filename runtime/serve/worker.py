@@ -35,8 +35,8 @@ from ..loader import load
 from ..model_config import ModelConfig
 from ..sampling import Pick, Sequence, choose_rows
 from ..threads import governor, set_threads
-from .kv_link import KVLink, Transfer
-from .protocol import HEARTBEAT_S, MAX_MESSAGE_BYTES, SECRET_ENV, SPEC_ENV, BadMessage, RateLimitedLog, ToWorker, WorkerSpec, curve_keys, pack, unpack
+from .kv_link import ControlStore, KVLink, Transfer
+from .protocol import HEARTBEAT_S, MAX_MESSAGE_BYTES, SECRET_ENV, SPEC_ENV, BadMessage, RateLimitedLog, ToWorker, WorkerSpec, curve_keys, kv_link_key, pack, unpack
 
 log = logging.getLogger(__name__)
 RECONNECT_AFTER_REFUSAL_S = 1.0
@@ -106,8 +106,10 @@ class Worker:
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
         self.poller.register(self.monitor, zmq.POLLIN)
-        bind_host = local_address_towards(router[0])
-        self.link = KVLink(spec.kv_store, self.incarnation, 0 if role == "prefill" else 1, bind_host) if role in ("prefill", "decode") else None
+        self.kv_store = self.link = None
+        if role in ("prefill", "decode"):  # the rendezvous over a control socket of its own, made when first needed
+            self.kv_store = ControlStore(self._kv_socket)
+            self.link = KVLink(self.kv_store, kv_link_key(secret), self.incarnation, 0 if role == "prefill" else 1, local_address_towards(router[0]))
         self.running: dict[str, Slot] = {}
         self.preempted: deque[tuple[Slot, torch.Tensor]] = deque()  # swapped out to host memory while the pool was full
         self.waiting: deque = deque()  # prompts (aggregated) or received caches (decode) not yet running
@@ -129,6 +131,15 @@ class Worker:
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         sock.curve_publickey, sock.curve_secretkey = self.keys["worker"]
         sock.curve_serverkey = self.keys["router"][0]
+        return sock
+
+    def _kv_socket(self):
+        """The KV rendezvous's socket (ControlStore): NAME#kv, used from the link's threads."""
+        import zmq
+
+        sock = self._control_socket(f"{self.name}#kv")
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.router_url)
         return sock
 
     def send(self, msg: dict) -> None:
@@ -375,6 +386,7 @@ class Worker:
             beat.join(timeout=2 * HEARTBEAT_S)
             if self.link is not None:
                 self.link.close()
+                self.kv_store.close()
             self.sock.disable_monitor()
             self.monitor.close()
             self.sock.close()
