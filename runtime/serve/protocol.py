@@ -74,7 +74,7 @@ Name = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.
 Rid = Annotated[str, Field(min_length=1, max_length=128)]
 Incarnation = Annotated[str, Field(min_length=1, max_length=64)]
 Count = Annotated[int, Field(ge=0, le=1 << 31)]
-Tag = Annotated[int, Field(ge=0, lt=1 << 31)]
+Tag = Annotated[int, Field(ge=1, lt=1 << 31)]  # 0 is kv_link.PROOF_TAG
 TokenId = Annotated[int, Field(ge=0, lt=1 << 31)]
 Tokens = Annotated[list[TokenId], Field(min_length=1, max_length=1 << 21)]
 Finish = Literal["stop", "length"] | None
