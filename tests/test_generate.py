@@ -9,6 +9,7 @@ drift from transformers' own BF16 run after a few tokens; DESIGN.md §6.)
 
 from __future__ import annotations
 
+import re
 import shutil
 
 import pytest
@@ -161,6 +162,8 @@ def test_cli_generate_streams_then_prints_stats(smollm2_uw):
     assert "Paris" in r.stdout
     stats = r.stderr.strip().splitlines()[-1]
     assert "prompt" in stats and "tokens/s" in stats and "MB resident" in stats
+    uncompressed = float(re.search(r"uncompressed ([0-9.]+) MB", stats).group(1))  # the checkpoint's tensor bytes, beside the resident ones
+    assert round(smollm2_uw[1]["total"]["original_bytes"] / 1e6, 1) == uncompressed
     both = run_cli("generate", smollm2_uw[0], "--prompt", "Hi", "--max-new-tokens", "3", merged=True)
     assert both.returncode == 0, both.stdout
     assert both.stdout.splitlines()[-1].startswith("prompt ")  # the text's newline comes before the stats
