@@ -76,10 +76,12 @@ class TextStream:
     plus any unfinished character: a few tokens, whatever the length of the completion. Stop
     strings are searched only where a new one can appear (the unsettled tail and the
     len(stop) - 1 characters before it), and the start of one is held back until it is decided.
+    As in vLLM, no stop string ends the text before `min_tokens` tokens are in (the first search
+    after that looks at that same recent tail only).
     """
 
-    def __init__(self, tokenizer, stop: list[str] = ()):
-        self.tokenizer, self.stop = tokenizer, list(stop)
+    def __init__(self, tokenizer, stop: list[str] = (), min_tokens: int = 0):
+        self.tokenizer, self.stop, self.min_tokens = tokenizer, list(stop), min_tokens
         self.tokens: list[int] = []
         self.text = ""  # the final text so far (stop string excluded)
         self.sent = 0  # characters of text already returned
@@ -105,7 +107,7 @@ class TextStream:
             self._prefix_text = self._decode(self.tokens[self._prefix:self._read])
             tail = ""
         full = self._settled + tail if tail else self._settled
-        cut = self._find_stop(full, max(0, searched - self._longest_stop + 1))
+        cut = self._find_stop(full, max(0, searched - self._longest_stop + 1)) if len(self.tokens) > self.min_tokens else None
         if cut is not None:
             full, self.finished = full[:cut], True
         self.text = full
@@ -157,7 +159,7 @@ class Generation:
             raise ValueError("the prompt encodes to no tokens")
         if n + params.max_new_tokens > limit:
             raise ValueError(f"the prompt has {n} tokens; with max_new_tokens {params.max_new_tokens} that exceeds the context length {limit}")
-        self.text = TextStream(tokenizer, params.stop)
+        self.text = TextStream(tokenizer, params.stop, params.min_tokens)
         self.eos = eos_ids(model.config, tokenizer)
         self.result = GenerationResult(prompt_tokens=n)
         self._it = self._run()

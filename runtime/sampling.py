@@ -55,7 +55,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
-    min_tokens: int = 0  # stop tokens cannot be chosen before this many tokens (stop strings still end it)
+    min_tokens: int = 0  # stop tokens cannot be chosen, and stop strings do not count, before this many tokens (as vLLM)
     ignore_eos: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
     logprobs: int | None = None  # alternatives to report with each token (0: the chosen token's only); None: no logprobs

@@ -151,3 +151,22 @@ def test_overlapping_stop_strings_cut_at_the_earliest(tok):
     for stops in (["t", " t"], [" t", "t"]):
         stream = TextStream(tok, stops)
         assert stream.push(token) == "" and stream.finished and stream.text == ""
+
+
+def test_stop_strings_do_not_count_before_min_tokens(tok):
+    """As in vLLM: a stop string in the first min_tokens tokens does not end the text; the first
+    one after them does."""
+    text = "the cat sat on the mat and the dog ran off"
+    tokens = tok(text, add_special_tokens=False)["input_ids"]
+    at = [len(tok.decode(tokens[:i])) for i in range(len(tokens) + 1)]
+    assert len(tokens) > 8
+    plain = TextStream(tok, [" the"])
+    run(plain, tokens)
+    assert plain.finished and plain.text == "the cat sat on"
+    late = TextStream(tok, [" the"], min_tokens=6)
+    got, _ = run(late, tokens)
+    first = text.index(" the")
+    assert at[6] >= first + 4  # the first " the" lies wholly within the first six tokens
+    assert late.finished and got == late.text == text[:text.index(" the", first + 1)] == "the cat sat on the mat and"
+    never = TextStream(tok, [" the"], min_tokens=len(tokens))
+    assert run(never, tokens)[0] == text and not never.finished

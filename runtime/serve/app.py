@@ -239,7 +239,7 @@ def create_app(cfg: ServeConfig) -> FastAPI:
                         except ValueError as e:
                             raise HTTPError(400, str(e)) from None
                         r = await router.submit(f"{rid}-{pi}-{j}", ids, params, prompt_logprobs=top if echo and top is not None else None)
-                        choices.append(Choice(pi * n + j, r, TextStream(tokenizer, req.stop or []), ids, prefix, top))
+                        choices.append(Choice(pi * n + j, r, TextStream(tokenizer, req.stop or [], params.min_tokens), ids, prefix, top))
             except Overloaded as e:
                 raise HTTPError(429, f"server busy: {e}", "rate_limit_error", code="overloaded") from None
             except Unavailable as e:
