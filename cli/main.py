@@ -252,6 +252,7 @@ def serve(
     max_body_bytes: Annotated[int, typer.Option("--max-body-bytes", min=1024, help="Largest request body; larger ones get HTTP 413 before they are read.")] = 16 << 20,
     timeout_keep_alive: Annotated[float, typer.Option("--timeout-keep-alive", min=0.001, help="Seconds an idle connection (before or between requests) stays open.")] = 5.0,
     timeout_header: Annotated[float, typer.Option("--timeout-header", min=0.001, help="Seconds a client has to send a request's head, from connecting or from the previous response.")] = 10.0,
+    timeout_body: Annotated[float, typer.Option("--timeout-body", min=0.001, help="Seconds a client has to send a request's body, from the end of its head (then HTTP 408).")] = 30.0,
     limit_concurrency: Annotated[int, typer.Option("--limit-concurrency", min=1, help="Open connections beyond which requests get HTTP 503.")] = 512,
     no_disagg: Annotated[bool, typer.Option("--no-disagg", help="One aggregated worker that prefills and decodes (for comparison).")] = False,
     role: Annotated[str, typer.Option(help="all (default: router plus local workers), router, prefill, decode or worker.")] = "all",
@@ -295,7 +296,7 @@ def serve(
             raise ValueError(f"{model}: no such model folder")
         cfg = ServeConfig(str(model), host, port, prefill_workers, decode_workers, max_batch, max_model_len, max_queue, device, api_key,
                           not no_disagg, control_port, served_model_name, worker_threads, public_health=public_health,
-                          max_body_bytes=max_body_bytes, timeout_keep_alive=timeout_keep_alive, timeout_header=timeout_header,
+                          max_body_bytes=max_body_bytes, timeout_keep_alive=timeout_keep_alive, timeout_header=timeout_header, timeout_body=timeout_body,
                           limit_concurrency=limit_concurrency,
                           control_secret_file=str(control_secret_file) if control_secret_file else None, worker_timeout=worker_timeout,
                           kv_cache_tokens=kv_cache_tokens)

@@ -27,7 +27,7 @@ AUTH = f"Authorization: Bearer {KEY}\r\n".encode()
 @pytest.fixture(scope="module")
 def server(uw):  # noqa: F811
     s = Server(str(uw), "--api-key", KEY, "--max-model-len", str(MAX_LEN), "--max-batch", "4", "--max-queue", "8",
-               "--timeout-keep-alive", "1", "--timeout-header", "2", "--limit-concurrency", str(LIMIT_CONNECTIONS),
+               "--timeout-keep-alive", "1", "--timeout-header", "2", "--timeout-body", "2", "--limit-concurrency", str(LIMIT_CONNECTIONS),
                "--max-body-bytes", str(LIMIT_BODY))
     yield s
     s.stop()
@@ -179,6 +179,33 @@ def test_a_header_sent_a_byte_at_a_time_is_cut_off(server):
         pytest.fail("the server read a byte-a-second header to its end")
     assert time.monotonic() - started < 30
     s.close()
+
+
+def test_a_body_sent_a_byte_at_a_time_gets_408(server):
+    body = json.dumps({"model": "uw", "prompt": "x" * 400, "max_tokens": 1}).encode()
+    s = connect(server)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + AUTH + b"Content-Type: application/json\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n")
+    started = time.monotonic()
+    try:
+        for byte in body:  # a byte every 0.1 s: 40 s for the whole body, far past the 2 s body timeout
+            s.sendall(bytes([byte]))
+            if _readable(s, 0.1):  # the answer came
+                break
+        else:
+            pytest.fail("the server read a byte-a-second body to its end")
+        status, headers, answer = read_response(s)
+    finally:
+        s.close()
+    assert status == 408 and headers["connection"] == "close", (status, answer)
+    assert json.loads(answer)["error"]["code"] == "request_timeout" and "--timeout-body" in json.loads(answer)["error"]["message"]
+    assert time.monotonic() - started < 10
+    assert server.http.get("/v1/models").status_code == 200
+
+
+def _readable(s: socket.socket, seconds: float) -> bool:
+    import select
+
+    return bool(select.select([s], [], [], seconds)[0])
 
 
 def test_connections_over_the_limit_get_503(server):

@@ -141,7 +141,7 @@ def create_app(cfg: ServeConfig) -> FastAPI:
 
     app = FastAPI(title="unweight serve", lifespan=lifespan)
     app.state.router = router
-    app.add_middleware(BodyLimit, max_bytes=cfg.max_body_bytes)
+    app.add_middleware(BodyLimit, max_bytes=cfg.max_body_bytes, timeout_body=cfg.timeout_body)
     app.add_middleware(CountResponses, record=metrics.response)  # outermost: sees the 413s and 503s too
     openai_errors(app)
     expected_auth = f"Bearer {cfg.api_key}".encode() if cfg.api_key else None

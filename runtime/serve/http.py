@@ -3,7 +3,9 @@ request reaches the OpenAI handlers in app.py.
 
 - `BodyLimit` (ASGI middleware): a body over `max_body_bytes` gets 413 as soon as its
   Content-Length says so, or as soon as that many bytes have arrived (chunked bodies); nothing
-  larger is ever buffered.
+  larger is ever buffered. A body that has not all arrived `timeout_body` s after its head gets
+  408 and the connection is closed (uvicorn has no body timeout: a body sent a byte at a time
+  would hold its connection, and a concurrency slot, for as long as the client likes).
 - `parse_json`: JSON that is UTF-8, nested at most `MAX_JSON_DEPTH` deep and free of lone
   surrogates, or a `ValueError` saying which of these it is not (the handlers answer 400).
 - `GuardedH11Protocol`: uvicorn's h11 protocol plus what uvicorn 0.54 lacks. uvicorn arms its
@@ -18,6 +20,7 @@ request reaches the OpenAI handlers in app.py.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from collections.abc import Callable
@@ -52,8 +55,8 @@ class BodyLimit:
     message; later receives (the disconnect) go to the server. Also answers 503 on a connection
     the protocol marked as over the connection limit."""
 
-    def __init__(self, app, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app, max_bytes: int, timeout_body: float = 30.0):
+        self.app, self.max_bytes, self.timeout_body = app, max_bytes, timeout_body
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -63,18 +66,30 @@ class BodyLimit:
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
             return await self._too_large(send)
-        chunks, size = [], 0
-        while True:
-            msg = await receive()
-            if msg["type"] == "http.disconnect":
-                return  # the client left before its body ended: nobody to answer
-            chunks.append(msg.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.max_bytes:
-                return await self._too_large(send)
-            if not msg.get("more_body"):
-                break
-        replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def read() -> bytes | str:
+            chunks, size = [], 0
+            while True:
+                msg = await receive()
+                if msg["type"] == "http.disconnect":
+                    return "gone"  # the client left before its body ended: nobody to answer
+                chunks.append(msg.get("body", b""))
+                size += len(chunks[-1])
+                if size > self.max_bytes:
+                    return "too large"
+                if not msg.get("more_body"):
+                    return b"".join(chunks)
+
+        try:
+            body = await asyncio.wait_for(read(), self.timeout_body)
+        except asyncio.TimeoutError:
+            return await send_error(send, 408, f"the request body did not arrive within {self.timeout_body:g} s (--timeout-body)", "invalid_request_error",
+                                    "request_timeout")
+        if body == "too large":
+            return await self._too_large(send)
+        if body == "gone":
+            return
+        replay = [{"type": "http.request", "body": body, "more_body": False}]
 
         async def replayed():
             return replay.pop() if replay else await receive()

@@ -352,6 +352,7 @@ class ServeConfig:
     max_body_bytes: int = 16 << 20  # larger request bodies get 413, before they are read
     timeout_keep_alive: float = 5.0  # an idle connection (before or between requests) is closed after this
     timeout_header: float = 10.0  # a request's head must arrive within this (from connect or the last response)
+    timeout_body: float = 30.0  # and its body within this after the head
     limit_concurrency: int = 512  # open connections beyond which requests get 503
     control_secret_file: str | None = None  # None: the router makes a secret for the workers it starts
     worker_timeout: float = DEAD_AFTER_S  # seconds of silence after which a worker's requests fail
@@ -375,7 +376,7 @@ class ServeConfig:
             raise ValueError(f"worker-threads must be >= 0, not {self.worker_threads}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max-body-bytes must be >= 1024, not {self.max_body_bytes}")
-        for name in ("timeout_keep_alive", "timeout_header"):
+        for name in ("timeout_keep_alive", "timeout_header", "timeout_body"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name.replace('_', '-')} must be > 0 seconds, not {getattr(self, name)}")
         if self.limit_concurrency < 1:
