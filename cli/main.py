@@ -173,7 +173,7 @@ def inspect(
     def body() -> None:
         stats = unweight.inspect(path, threads=threads)
         if plot is not None:
-            from unweight.plotting import plot_exponents
+            from .plotting import plot_exponents
 
             plot_exponents(stats, plot)
         if as_json:

@@ -1,26 +1,51 @@
-"""The dependency rule of DESIGN.md §2: cli -> runtime -> unweight (codec core) -> formats."""
+"""The dependency rule of DESIGN.md §2: cli -> runtime -> unweight (codec core) -> formats.
+
+Every import is seen: at module level or inside functions, absolute or relative (resolved against
+the file's package, as Python resolves it), and a string that is a module's name (an argv item of
+`python -m unweight.cli.main`, an `importlib.import_module` argument) counts as an import of it.
+The package's facade (unweight/__init__.py: `unweight.load`, `unweight.generate`) is the one file
+of the library that reaches the runtime, inside its functions only.
+"""
 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 STDLIB = set(sys.stdlib_module_names)
+# source folder -> the package it installs as (pyproject.toml's package-dir)
+PACKAGES = {"formats": "unweight.formats", "runtime": "unweight.runtime", "cli": "unweight.cli", "unweight": "unweight"}
+MODULE_NAME = re.compile(r"unweight(?:\.\w+)+")
+
+
+def package_of(path: Path) -> str:
+    rel = path.relative_to(REPO)
+    parts = [PACKAGES[rel.parts[0]], *rel.parts[1:-1]]
+    return ".".join(parts)
 
 
 def imports_of(folder: str) -> dict[str, set[str]]:
-    """file -> absolute module names it imports at any level (module body or functions)."""
+    """file -> absolute names of the modules it imports, in any way listed in the module docstring."""
     out = {}
     for path in (REPO / folder).rglob("*.py"):
-        mods = set()
+        package, mods = package_of(path), set()
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 mods |= {a.name for a in node.names}
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                mods.add(node.module)
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")
+                    base = base[: len(base) - (node.level - 1)]
+                    mod = ".".join(base + ([node.module] if node.module else []))
+                    mods |= {f"{mod}.{a.name}" for a in node.names} if node.module is None else {mod}
+                else:
+                    mods.add(node.module)
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and MODULE_NAME.fullmatch(node.value):
+                mods.add(node.value)
         out[str(path.relative_to(REPO))] = mods
     return out
 
@@ -29,9 +54,20 @@ def top(mod: str) -> str:
     return mod.split(".")[0]
 
 
+def ours(mods: set[str], *layers: str) -> set[str]:
+    """The modules among `mods` that belong to any of our `layers` (unweight.runtime, ...)."""
+    return {m for m in mods if any(m == layer or m.startswith(layer + ".") for layer in layers)}
+
+
+def test_the_resolver_sees_relative_and_string_imports():
+    mods = imports_of("runtime/serve")["runtime/serve/worker.py"]
+    assert "unweight.runtime.serve.kv_link" in mods and "unweight.runtime.loader" in mods  # from .kv_link, from ..loader
+    assert "unweight.runtime.serve.worker" in imports_of("runtime/serve")["runtime/serve/router.py"]  # "-m unweight.runtime.serve.worker"
+
+
 def test_formats_uses_only_stdlib_and_numpy():
     for f, mods in imports_of("formats").items():
-        bad = {m for m in mods if top(m) not in STDLIB | {"numpy"}}
+        bad = {m for m in mods if top(m) not in STDLIB | {"numpy", "unweight"}} | (ours(mods, "unweight") - ours(mods, "unweight.formats"))
         assert not bad, f"{f} imports {bad}"
 
 
@@ -39,25 +75,37 @@ def test_codec_core_is_cpu_only():
     # llvmlite is numba's code generator (the AVX2 kernels are its IR); isal and zlib_ng only give CRC-32
     allowed = STDLIB | {"numpy", "numba", "llvmlite", "zstandard", "isal", "zlib_ng", "unweight"}
     for f, mods in imports_of("unweight/codec").items():
-        bad = {m for m in mods if top(m) not in allowed or m.startswith(("unweight.runtime", "unweight.cli"))}
+        bad = {m for m in mods if top(m) not in allowed} | ours(mods, "unweight.runtime", "unweight.cli")
         assert not bad, f"{f} imports {bad}"
 
 
-def test_library_never_imports_cli_except_the_facade():
+def test_library_never_imports_runtime_or_cli():
     for f, mods in imports_of("unweight").items():
-        if f == "unweight/__init__.py":
-            continue  # the facade resolves Hub ids through cli/hub.py, lazily
-        bad = {m for m in mods if m.startswith("unweight.cli") or top(m) in {"typer", "rich", "huggingface_hub", "triton"}}
+        bad = ours(mods, "unweight.cli") | {m for m in mods if top(m) in {"typer", "rich", "triton"}}
+        if f != "unweight/__init__.py":  # the facade (next test)
+            bad |= ours(mods, "unweight.runtime")
+        if f != "unweight/hub.py":  # the only network code, imported by the facade for a Hub id only
+            bad |= {m for m in mods if top(m) == "huggingface_hub"}
         assert not bad, f"{f} imports {bad}"
+
+
+def test_the_facade_reaches_the_runtime_only_lazily():
+    """unweight/__init__.py is the one library file that may name the runtime (load, generate...),
+    inside functions, so that importing the package stays light."""
+    tree = ast.parse((REPO / "unweight/__init__.py").read_text())
+    for node in tree.body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            assert not any("runtime" in n or "cli" in n for n in names), ast.dump(node)
 
 
 def test_runtime_does_not_import_cli():
     for f, mods in imports_of("runtime").items():
-        assert not {m for m in mods if m.startswith("unweight.cli")}, f
+        assert not ours(mods, "unweight.cli"), f"{f} imports {ours(mods, 'unweight.cli')}"
 
 
 def test_import_is_light():
     """Importing the package loads neither torch, numba nor the CLI stack."""
-    code = "import sys, unweight; print(sorted(m for m in ('torch', 'numba', 'typer', 'triton') if m in sys.modules))"
+    code = "import sys, unweight; print(sorted(m for m in ('torch', 'numba', 'typer', 'triton', 'huggingface_hub') if m in sys.modules))"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert r.stdout.strip() == "[]"

@@ -6,8 +6,8 @@ import os
 
 import numpy as np
 
-from .errors import UnweightError
-from .report import CLASS_ORDER
+from unweight.errors import UnweightError
+from unweight.report import CLASS_ORDER
 
 
 def plot_exponents(stats: list, path: str | os.PathLike) -> None:
