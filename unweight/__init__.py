@@ -133,8 +133,9 @@ def save_file(tensors: dict, path: str | os.PathLike, *, threads: int | None = N
 
 def load_file(path: str | os.PathLike, *, threads: int | None = None) -> dict:
     """All tensors of a container file as a dict of torch tensors (bit-exact)."""
-    with open(path, threads=threads) as ckpt:
-        return {name: ckpt.get_tensor(name) for name in ckpt.keys()}
+    from .tensors import load_file as _load
+
+    return _load(path, threads=threads)
 
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""In-memory tensors to a container file and back (the safetensors-like save_file API)."""
+"""In-memory tensors to a container file and back: save_file and load_file, as safetensors.torch has them."""
 
 from __future__ import annotations
 
@@ -35,3 +35,10 @@ def save_file(tensors: dict, path: str | os.PathLike, threads: int | None = None
             entry, streams = encode_tensor(name, dtype, shape, data, opts)
             writer.add(entry, streams)
         return writer.finish(source_header=None)
+
+
+def load_file(path: str | os.PathLike, threads: int | None = None) -> dict:
+    from .reader import CompressedCheckpoint
+
+    with CompressedCheckpoint(path, threads) as ckpt:
+        return {name: ckpt.get_tensor(name) for name in ckpt.keys()}
