@@ -12,6 +12,7 @@ import typer
 from rich.console import Console
 
 import unweight
+from unweight.defaults import DEFAULT_CHUNK, DEFAULT_PRECISION, PRECISION_RANGE
 from unweight.errors import UnweightError
 
 app = typer.Typer(
@@ -62,8 +63,8 @@ def compress(
     revision: Annotated[Optional[str], typer.Option(help="Hub revision (branch, tag or commit) when SRC is a repo id.")] = None,
     threads: Threads = None,
     verify: Annotated[bool, typer.Option("--verify/--no-verify", help="Decode every tensor again before writing it.")] = True,
-    precision: Annotated[int, typer.Option(min=10, max=15, help="rANS frequency precision in bits.")] = 14,
-    chunk: Annotated[int, typer.Option(help="Most elements per independently decodable chunk (multiple of 8); tensors are cut into a multiple of four chunks where each keeps 16K elements.")] = 65536,
+    precision: Annotated[int, typer.Option(min=PRECISION_RANGE[0], max=PRECISION_RANGE[1], help="rANS frequency precision in bits.")] = DEFAULT_PRECISION,
+    chunk: Annotated[int, typer.Option(help="Most elements per independently decodable chunk (multiple of 8); tensors are cut into a multiple of four chunks where each keeps 16K elements.")] = DEFAULT_CHUNK,
     layout: Annotated[str, typer.Option(help="archive: smallest. serving: 2-D BF16 weights as fixed-rate tiles for GPU kernels.")] = "archive",
     as_json: AsJson = False,
     quiet: Quiet = False,

