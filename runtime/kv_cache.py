@@ -1,6 +1,6 @@
 """The paged KV cache a model owns, and the per-sequence handle into it.
 
-Layout (docs/architecture.md, "KV cache"): two tensors, keys and values, each
+Layout (docs/runtime.md, "The KV cache"): two tensors, keys and values, each
     (layers, blocks, block_size, kv_heads, head_dim)
 in the model's compute dtype. A sequence owns a list of blocks (its block table); token t of the
 sequence lives in block table[t // block_size], row t % block_size, in every layer. Blocks are

@@ -3,7 +3,8 @@
 Module names mirror Hugging Face's (`model.layers.3.self_attn.o_proj`, `lm_head`, ...), except
 that q/k/v and gate/up are stacked into one matmul each (`qkv_proj`, `gate_up_proj`: fewer,
 larger kernel calls); runtime/loader.py maps checkpoint names with a table. The skeleton is built on the
-meta device; the loader swaps every linear for an `UnweightLinear` and assigns the decoded norms.
+meta device; the loader swaps every linear and the embedding for an `UnweightLinear` (layout
+"archive": an `ArchiveLinear`) and assigns the decoded norms.
 
 Two explicit entry points, one per phase:
 - `prefill(seq, tokens)`: a whole prompt (or the next chunk of one) of one sequence;
