@@ -162,9 +162,14 @@ def inspect(
     path: Annotated[Path, typer.Argument(help="Compressed folder or container file.")],
     as_json: AsJson = False,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="Write exponent histograms to this PNG (needs matplotlib).")] = None,
+    tensors: Annotated[bool, typer.Option("--tensors", help="One row per tensor instead of one per layer type.")] = False,
     threads: Threads = None,
 ) -> None:
-    """Per tensor: codec, sizes, bits/weight, exponent entropy and the gap to the order-0 bound.
+    """Codecs, sizes, bits/weight, exponent entropy and the gap to the order-0 bound.
+
+    The table has one row per layer type (every layer's q_proj, every expert's down_proj: layer
+    and expert numbers read as *) and a total per class; --tensors gives one row per tensor.
+    --json prints every tensor's statistics.
 
     Example:
 
@@ -180,9 +185,14 @@ def inspect(
         if as_json:
             out.print_json(json.dumps([s.to_json() for s in stats]))
             return
-        from .render import inspect_table
+        from .render import inspect_groups_table, inspect_table
 
-        out.print(inspect_table(stats))
+        if tensors:
+            out.print(inspect_table(stats))
+        else:
+            from unweight.inspection import group
+
+            out.print(inspect_groups_table(group(stats), len({s.file for s in stats})))
         if plot is not None:
             out.print(f"wrote {plot}")
 

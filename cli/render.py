@@ -67,6 +67,33 @@ def inspect_table(stats: list) -> Table:
     return table
 
 
+def inspect_groups_table(groups: list, file_count: int) -> Table:
+    """The statistics by layer type (layer and expert numbers as `*`), with a total per class:
+    a few dozen rows whatever the number of tensors."""
+    table = Table(title=f"by layer type ({sum(g.tensors for g in groups):,} tensors in {file_count} file(s); --tensors for each one)")
+    for col in ("layer type", "count", "dtype", "codec", "original MB", "stored MB", "bits/w", "exp H", "order-0 bound", "gap"):
+        table.add_column(col, justify="left" if col in ("layer type", "dtype", "codec") else "right")
+    f = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+
+    def row(label, g, style=None):
+        table.add_row(label, f"{g.tensors:,}", ",".join(g.dtypes), ",".join(g.codecs), f"{g.original_bytes / 1e6:,.2f}", f"{g.stored_bytes / 1e6:,.2f}",
+                      f"{g.bits_per_weight:.3f}", f(g.exponent_entropy), f(g.order0_bound), f(g.gap_to_bound), style=style)
+
+    from unweight.inspection import GroupStats
+
+    classes: dict[str, GroupStats] = {}
+    for g in groups:
+        row(g.layer_type, g)
+        c = classes.setdefault(g.tensor_class, GroupStats(g.tensor_class, g.tensor_class, [], []))
+        c.merge(g)
+    total = GroupStats("total", "total", [], [])
+    for cls, c in classes.items():
+        row(f"{cls} (all)", c, "dim")
+        total.merge(c)
+    row("total", total, "bold")
+    return table
+
+
 def generation_stats(r, weight_bytes: int, original_bytes: int | None = None) -> str:
     """One line: prompt tokens, generated tokens, time to first token, tokens/s, resident weights
     (beside the checkpoint's uncompressed size, when given)."""

@@ -24,6 +24,12 @@ def test_compress_verify_inspect_decompress(minilm_dir, tmp_path):
     q = stats["encoder.layer.0.attention.self.query.weight"]
     assert q["codec"] == "rans" and 2.0 < q["exponent_entropy"] < 3.5 and 0 <= q["gap_to_bound"] < 0.1
     assert (tmp_path / "exp.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = run_cli("inspect", out)  # one row per layer type: MiniLM's six layers' query weights are one row
+    assert table.returncode == 0, table.stderr
+    query = [line for line in table.stdout.splitlines() if "encoder.layer.*.attention.self.query.weight" in line]
+    assert len(query) == 1 and " 6 " in query[0] and "encoder.layer.0." not in table.stdout and "total" in table.stdout
+    per_tensor = run_cli("inspect", out, "--tensors")
+    assert per_tensor.returncode == 0 and all(f"encoder.layer.{i}.attention.self.query.weight" in per_tensor.stdout for i in range(6))
     r = run_cli("decompress", out, tmp_path / "back")
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "back" / "model.safetensors").read_bytes() == (minilm_dir / "model.safetensors").read_bytes()

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
 from .checkpoint import containers_of, decode_in_order, scratch_for
-from .report import TensorReport
+from .report import CLASS_ORDER, TensorReport
 from unweight.formats import ContainerReader
 
 # dtype -> (word dtype, exponent shift, exponent mask)
@@ -87,3 +88,90 @@ def inspect(path: str | os.PathLike, threads: int | None = None) -> list[TensorS
                 data = next(decoded)[1]() if _decodes(reader, name) else None
                 out.append(tensor_stats(str(rel), reader, name, data))
     return out
+
+
+LAYER_INDEX = re.compile(r"(?<=\.)\d+(?=\.)")
+
+
+def layer_type(name: str) -> str:
+    """A tensor's name with its layer and expert numbers as `*`: every layer's q_proj (or every
+    expert's down_proj) is one type (model.layers.*.self_attn.q_proj.weight)."""
+    return LAYER_INDEX.sub("*", name)
+
+
+@dataclass(slots=True)
+class GroupStats:
+    """The TensorStats of several tensors added up: sizes summed; bits/weight, exponent entropy
+    and the order-0 bound averaged over their weights (the bound of coding each tensor alone)."""
+
+    tensor_class: str
+    layer_type: str
+    dtypes: list[str]
+    codecs: list[str]
+    tensors: int = 0
+    weights: int = 0
+    original_bytes: int = 0
+    stored_bytes: int = 0
+    _exp: list[float] = field(default_factory=lambda: [0.0, 0.0], repr=False)  # sum of entropy * weights, weights with one
+    _bound: list[float] = field(default_factory=lambda: [0.0, 0.0], repr=False)
+
+    def add(self, s: TensorStats, numel: int) -> None:
+        self.tensors += 1
+        self.weights += numel
+        self.original_bytes += s.original_bytes
+        self.stored_bytes += s.stored_bytes
+        if s.dtype not in self.dtypes:
+            self.dtypes.append(s.dtype)
+        if s.codec not in self.codecs:
+            self.codecs.append(s.codec)
+        for acc, value in ((self._exp, s.exponent_entropy), (self._bound, s.order0_bound)):
+            if value is not None:
+                acc[0] += value * numel
+                acc[1] += numel
+
+    def merge(self, other: "GroupStats") -> None:
+        """Add another group's tensors to this one (a class's total from its layer types)."""
+        self.tensors += other.tensors
+        self.weights += other.weights
+        self.original_bytes += other.original_bytes
+        self.stored_bytes += other.stored_bytes
+        self.dtypes += [d for d in other.dtypes if d not in self.dtypes]
+        self.codecs += [c for c in other.codecs if c not in self.codecs]
+        for mine, theirs in ((self._exp, other._exp), (self._bound, other._bound)):
+            mine[0] += theirs[0]
+            mine[1] += theirs[1]
+
+    @property
+    def bits_per_weight(self) -> float:
+        return 8 * self.stored_bytes / self.weights if self.weights else 0.0
+
+    @property
+    def exponent_entropy(self) -> float | None:
+        return self._exp[0] / self._exp[1] if self._exp[1] else None
+
+    @property
+    def order0_bound(self) -> float | None:
+        return self._bound[0] / self._bound[1] if self._bound[1] else None
+
+    @property
+    def gap_to_bound(self) -> float | None:
+        return None if self.order0_bound is None or self._bound[1] != self.weights else self.bits_per_weight - self.order0_bound
+
+    def to_json(self) -> dict:
+        return {"tensor_class": self.tensor_class, "layer_type": self.layer_type, "dtypes": self.dtypes, "codecs": self.codecs, "tensors": self.tensors,
+                "weights": self.weights, "original_bytes": self.original_bytes, "stored_bytes": self.stored_bytes, "bits_per_weight": self.bits_per_weight,
+                "exponent_entropy": self.exponent_entropy, "order0_bound": self.order0_bound, "gap_to_bound": self.gap_to_bound}
+
+
+def group(stats: list[TensorStats]) -> list[GroupStats]:
+    """The statistics by layer type, in class order (attention, mlp, embeddings, other), the
+    largest types first within a class."""
+    groups: dict[str, GroupStats] = {}
+    for s in stats:
+        key = layer_type(s.name)
+        g = groups.get(key)
+        if g is None:
+            g = groups[key] = GroupStats(s.tensor_class, key, [], [])
+        g.add(s, int(np.prod(s.shape, dtype=np.int64)) if s.shape else 1)
+    order = {c: i for i, c in enumerate(CLASS_ORDER)}
+    return sorted(groups.values(), key=lambda g: (order[g.tensor_class], -g.original_bytes, g.layer_type))
