@@ -204,7 +204,7 @@ def decode_tensor(entry: TensorEntry, streams: dict[str, np.ndarray], threads: i
     """The original bytes of one tensor (uint8, C order). Raises CorruptDataError on any damage.
 
     With `out` (entry.nbytes writable uint8, aligned to 8 bytes), the bytes are decoded into it and
-    `out` is returned: a caller that decodes tensor after tensor (decompress, verify) reuses one
+    `out` is returned: a caller that decodes tensor after tensor (the runtime's linears) reuses one
     buffer instead of faulting in fresh memory for each, which cost from a tenth to half of the
     decode time on the VM of docs/compression.md. On an error `out` holds partial bytes."""
     nbytes = entry.nbytes
