@@ -28,6 +28,24 @@ err = Console(stderr=True)
 Threads = Annotated[Optional[int], typer.Option("--threads", "-t", min=0, help="CPU threads (default: all; 0 = all).")]
 AsJson = Annotated[bool, typer.Option("--json", help="Print the result as JSON instead of a table.")]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")]
+SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """'4G', '512MiB', '1e9' or '1073741824' -> bytes (K, M, G, T are powers of 1024)."""
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    unit = t[-1:] if t[-1:] in SIZE_UNITS and t[-1:] else ""
+    try:
+        value = float(t[: len(t) - len(unit)])
+    except ValueError:
+        raise typer.BadParameter(f"{text!r} is not a size such as 4G, 512M or 1073741824") from None
+    if not value > 0:
+        raise typer.BadParameter(f"{text!r} is not a positive size")
+    return int(value * SIZE_UNITS[unit])
+
+
+MaxMemory = Annotated[Optional[int], typer.Option("--max-memory", parser=parse_size, metavar="SIZE",
+                                                  help="Memory budget (e.g. 4G): verify, inspect and decompress work within it in pieces; compress refuses, naming it, a tensor that would need more.")]
 
 EXIT_FAILED = 1  # bad input, corrupt file, or verification found a difference
 EXIT_INTERRUPTED = 130
@@ -66,6 +84,7 @@ def compress(
     precision: Annotated[int, typer.Option(min=PRECISION_RANGE[0], max=PRECISION_RANGE[1], help="rANS frequency precision in bits.")] = DEFAULT_PRECISION,
     chunk: Annotated[int, typer.Option(help="Most elements per independently decodable chunk (multiple of 8); tensors are cut into a multiple of four chunks where each keeps 16K elements.")] = DEFAULT_CHUNK,
     layout: Annotated[str, typer.Option(help="archive: smallest. serving: 2-D BF16 weights as fixed-rate tiles for GPU kernels.")] = "archive",
+    max_memory: MaxMemory = None,
     as_json: AsJson = False,
     quiet: Quiet = False,
 ) -> None:
@@ -85,7 +104,8 @@ def compress(
 
     def body() -> None:
         with _progress("compressing", quiet or as_json) as bar:
-            report = unweight.compress(src, dst, threads=threads, verify=verify, precision=precision, chunk=chunk, layout=layout, revision=revision, progress=bar)
+            report = unweight.compress(src, dst, threads=threads, verify=verify, precision=precision, chunk=chunk, layout=layout, revision=revision, progress=bar,
+                                      max_memory=max_memory)
         if as_json:
             out.print_json(json.dumps(report.to_json()))
             return
@@ -103,9 +123,10 @@ def decompress(
     src: Annotated[Path, typer.Argument(help="Compressed folder or container file.")],
     dst: Annotated[Path, typer.Argument(help="Output folder (must not exist).")],
     threads: Threads = None,
+    max_memory: MaxMemory = None,
     quiet: Quiet = False,
 ) -> None:
-    """Write the original safetensors files back, byte for byte.
+    """Write the original safetensors files back, byte for byte (large tensors in pieces).
 
     Example:
 
@@ -114,7 +135,7 @@ def decompress(
 
     def body() -> None:
         with _progress("decompressing", quiet) as bar:
-            n = unweight.decompress(src, dst, threads=threads, progress=bar)
+            n = unweight.decompress(src, dst, threads=threads, progress=bar, max_memory=max_memory)
         out.print(f"wrote {n} tensors to {dst}")
 
     _run(body)
@@ -125,6 +146,7 @@ def verify(
     path: Annotated[Path, typer.Argument(help="Compressed folder or container file.")],
     against: Annotated[Optional[Path], typer.Option("--against", help="The original folder or file to compare with.")] = None,
     threads: Threads = None,
+    max_memory: MaxMemory = None,
     as_json: AsJson = False,
     quiet: Quiet = False,
 ) -> None:
@@ -142,7 +164,7 @@ def verify(
 
     def body() -> int:
         with _progress("verifying", quiet or as_json) as bar:
-            report = unweight.verify(path, against, threads=threads, progress=bar)
+            report = unweight.verify(path, against, threads=threads, progress=bar, max_memory=max_memory)
         if as_json:
             out.print_json(json.dumps(report.to_json()))
         elif report.ok:
@@ -164,6 +186,7 @@ def inspect(
     plot: Annotated[Optional[Path], typer.Option("--plot", help="Write exponent histograms to this PNG (needs matplotlib).")] = None,
     tensors: Annotated[bool, typer.Option("--tensors", help="One row per tensor instead of one per layer type.")] = False,
     threads: Threads = None,
+    max_memory: MaxMemory = None,
 ) -> None:
     """Codecs, sizes, bits/weight, exponent entropy and the gap to the order-0 bound.
 
@@ -177,7 +200,7 @@ def inspect(
     """
 
     def body() -> None:
-        stats = unweight.inspect(path, threads=threads)
+        stats = unweight.inspect(path, threads=threads, max_memory=max_memory)
         if plot is not None:
             from .plotting import plot_exponents
 

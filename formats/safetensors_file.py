@@ -166,7 +166,7 @@ def write_safetensors(
     """Write a safetensors file to the open binary `out`, streaming one tensor at a time.
 
     `entries` are (name, dtype, shape) in data order and `data` yields each one's bytes in that
-    order, so a caller can decode lazily. With `header_text`, that exact header is written instead
+    order (whole, or an iterator of consecutive pieces), so a caller can decode lazily. With `header_text`, that exact header is written instead
     of one built from `entries` (a byte-identical reconstruction): the caller has checked that it
     lists the same tensors and that `entries` follow its offsets.
     """
@@ -182,7 +182,14 @@ def write_safetensors(
     out.write(struct.pack("<Q", len(head)))
     out.write(head)
     for (name, dtype, shape), blob in zip(entries, data, strict=True):
-        view = np.ascontiguousarray(blob).reshape(-1).view(np.uint8) if isinstance(blob, np.ndarray) else memoryview(blob).cast("B")
-        if len(view) != tensor_nbytes(dtype, shape):
-            raise ValueError(f"tensor {name!r}: got {len(view)} bytes for {dtype}{list(shape)}")
-        out.write(view.data if isinstance(view, np.ndarray) else view)
+        # a tensor's bytes come whole, or as an iterator of consecutive pieces (each written
+        # before the next is asked for: a decoder can reuse one buffer)
+        size = 0
+        for piece in (blob,) if isinstance(blob, (bytes, bytearray, memoryview, np.ndarray)) else blob:
+            view = np.ascontiguousarray(piece).reshape(-1).view(np.uint8) if isinstance(piece, np.ndarray) else memoryview(piece).cast("B")
+            size += len(view)
+            if size > tensor_nbytes(dtype, shape):
+                break
+            out.write(view.data if isinstance(view, np.ndarray) else view)
+        if size != tensor_nbytes(dtype, shape):
+            raise ValueError(f"tensor {name!r}: got {size} bytes for {dtype}{list(shape)}")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from .errors import CorruptDataError, DestinationError, FormatError, SourceError, UnweightError
+from .errors import CorruptDataError, DestinationError, FormatError, MemoryLimitError, SourceError, UnweightError
 
 if TYPE_CHECKING:
     from .checkpoint import Progress
@@ -38,12 +38,14 @@ def compress(
     layout: str = "archive",
     revision: str | None = None,
     progress: "Progress | None" = None,
+    max_memory: int | None = None,
 ) -> "CompressReport":
     """Compress a Hugging Face checkpoint (local folder, .safetensors file or Hub repo id) into
     the folder `dst`, which must not exist. Returns the per-tensor report.
 
     layout="archive" (default) is the smallest; layout="serving" stores 2-D BF16 weights in the
-    fixed-rate tiles that GPU kernels read directly (formats/SPEC.md §3.4)."""
+    fixed-rate tiles that GPU kernels read directly (formats/SPEC.md §3.4). max_memory (bytes):
+    refuse, with MemoryLimitError, a tensor whose encoding would need more."""
     from .checkpoint import compress as _compress
     from .codec import CodecOptions
 
@@ -53,7 +55,7 @@ def compress(
         from .hub import resolve_source  # the only network code, imported only for a Hub id
 
         src = resolve_source(str(src), revision)
-    return _compress(src, dst, options, progress)
+    return _compress(src, dst, options, progress, max_memory)
 
 
 def _looks_like_repo_id(s: str) -> bool:
@@ -61,32 +63,38 @@ def _looks_like_repo_id(s: str) -> bool:
     return len(parts) == 2 and all(parts) and not s.startswith((".", "/", "~"))
 
 
-def decompress(src: str | os.PathLike, dst: str | os.PathLike, *, threads: int | None = None, progress: "Progress | None" = None) -> int:
-    """Write bit-identical safetensors files of a compressed folder into `dst` (must not exist)."""
+def decompress(src: str | os.PathLike, dst: str | os.PathLike, *, threads: int | None = None, progress: "Progress | None" = None,
+               max_memory: int | None = None) -> int:
+    """Write bit-identical safetensors files of a compressed folder into `dst` (must not exist).
+    Large tensors go in pieces, smaller under a max_memory budget (bytes)."""
     from .checkpoint import decompress as _decompress
 
-    return _decompress(src, dst, threads, progress)
+    return _decompress(src, dst, threads, progress, max_memory)
 
 
-def verify(path: str | os.PathLike, against: str | os.PathLike | None = None, *, threads: int | None = None, progress: "Progress | None" = None) -> "VerifyReport":
-    """Decode every tensor and check checksums; with `against`, compare with the original bytes."""
+def verify(path: str | os.PathLike, against: str | os.PathLike | None = None, *, threads: int | None = None, progress: "Progress | None" = None,
+           max_memory: int | None = None) -> "VerifyReport":
+    """Decode every tensor and check checksums; with `against`, compare with the original bytes.
+    Large tensors go in pieces, smaller under a max_memory budget (bytes)."""
     from .checkpoint import verify as _verify
 
-    return _verify(path, against, threads, progress)
+    return _verify(path, against, threads, progress, max_memory)
 
 
-def inspect(path: str | os.PathLike, *, threads: int | None = None):
+def inspect(path: str | os.PathLike, *, threads: int | None = None, max_memory: int | None = None):
     """Per-tensor statistics (codec, sizes, exponent entropy, order-0 bound)."""
     from .inspection import inspect as _inspect
 
-    return _inspect(path, threads)
+    return _inspect(path, threads, max_memory)
 
 
-def open(path: str | os.PathLike, *, threads: int | None = None) -> "CompressedCheckpoint":  # noqa: A001
-    """A lazy reader of a compressed folder or file: `.keys()`, `.get_tensor(name)`."""
+def open(path: str | os.PathLike, *, threads: int | None = None, max_memory: int | None = None) -> "CompressedCheckpoint":  # noqa: A001
+    """A lazy reader of a compressed folder or file: `.keys()`, `.get_tensor(name)`. A tensor
+    that would need more than max_memory bytes (default: the memory available) is refused with
+    MemoryLimitError before it is decoded."""
     from .reader import CompressedCheckpoint
 
-    return CompressedCheckpoint(path, threads)
+    return CompressedCheckpoint(path, threads, max_memory)
 
 
 def load(path: str | os.PathLike, device: str = "cpu", layout: str = "auto", *, threads: int | None = None, max_cache_tokens: int | None = None):
@@ -131,17 +139,18 @@ def save_file(tensors: dict, path: str | os.PathLike, *, threads: int | None = N
     return _save(tensors, path, threads=threads, verify=verify)
 
 
-def load_file(path: str | os.PathLike, *, threads: int | None = None) -> dict:
+def load_file(path: str | os.PathLike, *, threads: int | None = None, max_memory: int | None = None) -> dict:
     """All tensors of a container file as a dict of torch tensors (bit-exact)."""
     from .tensors import load_file as _load
 
-    return _load(path, threads=threads)
+    return _load(path, threads=threads, max_memory=max_memory)
 
 
 __all__ = [
     "CorruptDataError",
     "DestinationError",
     "FormatError",
+    "MemoryLimitError",
     "SourceError",
     "UnweightError",
     "compress",

@@ -20,8 +20,10 @@ from typing import Callable, Iterator, Protocol
 
 import numpy as np
 
+from unweight import memory
 from unweight.codec import CodecOptions, decode_tensor, encode_tensor
 from unweight.codec.parallel import default_threads, map_in_order
+from unweight.codec.pieces import check_streams, decode_pieces
 from unweight.errors import DestinationError, FormatError, SourceError
 from unweight.formats import ContainerReader, ContainerWriter, SafetensorsFile, write_safetensors
 from unweight.formats.safetensors_file import parse_header
@@ -35,6 +37,9 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 PARALLEL_TENSOR_BYTES = 8 << 20
 INLINE_TENSOR_BYTES = 64 << 10
 SKIP_DIRS = {".git", ".cache", "__pycache__"}
+# Memory a tensor takes while it is encoded, its mapped source pages included, as a multiple of
+# its size: benchmarks/memory_bench.py measures what compress really peaks at.
+ENCODE_MEMORY_FACTOR = 1.5
 
 
 class Progress(Protocol):
@@ -133,12 +138,16 @@ def compress(
     dst: str | os.PathLike,
     options: CodecOptions | None = None,
     progress: Progress | None = None,
+    max_memory: int | None = None,
 ) -> CompressReport:
     """Compress a local Hugging Face folder (or one .safetensors file) into `dst`.
 
     `dst` must not exist. With options.verify (the default) every tensor is decoded again and
-    compared with its original bytes before it is written.
+    compared with its original bytes before it is written. With max_memory, a tensor whose
+    encoding would need more (ENCODE_MEMORY_FACTOR × its size) is refused, MemoryLimitError,
+    before anything is written.
     """
+    memory.check_budget(max_memory)
     options = options or CodecOptions()
     progress = progress or _NoProgress()
     src, dst = Path(src), Path(dst)
@@ -150,6 +159,10 @@ def compress(
         raise DestinationError(f"{dst}: the destination is a folder; drop the .safetensors suffix")
     sources = [SafetensorsFile(root / f) for f in tensor_files]
     try:
+        if max_memory is not None:
+            for sf in sources:
+                for t in sf.tensors.values():
+                    memory.require(int(ENCODE_MEMORY_FACTOR * t.nbytes), max_memory, "compressing it", sf.path, t.name)
         progress.start(sum(t.nbytes for s in sources for t in s.tensors.values()))
         with _staging(dst) as tmp:
             for rel, sf in zip(tensor_files, sources):
@@ -178,6 +191,7 @@ def _compress_file(sf: SafetensorsFile, out: Path, rel: str, options: CodecOptio
         for info, get in map_in_order(encode, infos, options.threads, lambda t: t.nbytes > PARALLEL_TENSOR_BYTES, lambda t: t.nbytes <= INLINE_TENSOR_BYTES):
             entry, streams = get()
             writer.add(entry, streams)
+            memory.release(sf.bytes_of(info.name))  # its mapped source pages: a shard is not kept resident
             stored = sum(len(s) for s in streams.values())
             report.tensors.append(TensorReport(rel, info.name, info.dtype, list(info.shape), entry.codec, info.nbytes, stored))
             progress.advance(f"{rel}: {info.name}", info.nbytes)
@@ -198,21 +212,23 @@ def containers_of(path: str | os.PathLike) -> tuple[Path, list[Path], list[Path]
     return path, containers, [f for f in files if f.suffix != ".safetensors"]
 
 
-def decompress(src: str | os.PathLike, dst: str | os.PathLike, threads: int | None = None, progress: Progress | None = None) -> int:
+def decompress(src: str | os.PathLike, dst: str | os.PathLike, threads: int | None = None, progress: Progress | None = None,
+               max_memory: int | None = None) -> int:
     """Write the original safetensors files (byte-identical where the source header was kept) and
-    copy the other files; returns the number of tensors written."""
+    copy the other files; returns the number of tensors written. Large tensors are decoded and
+    written in pieces (memory.piece_bytes(max_memory)), so memory does not follow tensor sizes."""
     progress = progress or _NoProgress()
+    piece = memory.piece_bytes(memory.check_budget(max_memory))
     root, containers, others = containers_of(src)
     dst = Path(dst)
     readers = [ContainerReader(root / c) for c in containers]
     count = 0
     try:
         progress.start(sum(e.nbytes for r in readers for e in r.tensors.values()))
-        scratch = scratch_for(readers)
         with _staging(dst) as tmp:
             for rel, reader in zip(containers, readers):
                 (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-                count += _decompress_file(reader, tmp / rel, str(rel), threads, progress, scratch)
+                count += _decompress_file(reader, tmp / rel, str(rel), threads, progress, piece)
             for rel in others:
                 (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(root / rel, tmp / rel)
@@ -243,15 +259,13 @@ def _source_layout(reader: ContainerReader) -> list[str]:
     return [t.name for t in sorted(infos.values(), key=lambda t: t.begin)]
 
 
-def _decompress_file(reader: ContainerReader, out: Path, rel: str, threads: int | None, progress: Progress, scratch: np.ndarray) -> int:
+def _decompress_file(reader: ContainerReader, out: Path, rel: str, threads: int | None, progress: Progress, piece_bytes: int) -> int:
     order = _source_layout(reader)
     entries = [reader.tensors[n] for n in order]
 
-    def blobs() -> Iterator[np.ndarray]:  # each is written before the next one reuses the scratch
-        for name, get in decode_in_order(reader, order, threads, scratch):
-            data = get()
-            progress.advance(f"{rel}: {name}", len(data))
-            yield data
+    def blobs() -> Iterator[Iterator[np.ndarray]]:  # each piece is written before the next reuses its buffer
+        for name, get in decode_in_order(reader, order, threads, piece_bytes):
+            yield _advancing(get(), progress, f"{rel}: {name}")
 
     tmp_out = Path(f"{out}.partial")
     try:
@@ -270,45 +284,67 @@ def _decompress_file(reader: ContainerReader, out: Path, rel: str, threads: int 
     return len(entries)
 
 
-def scratch_for(readers: list[ContainerReader]) -> np.ndarray:
-    """A buffer (8-byte aligned) for the largest tensor, which decode_one() decodes tensor after
-    tensor into; empty when a (hostile) size does not fit in memory: such tensors fail alone."""
-    size = max((e.nbytes for r in readers for e in r.tensors.values()), default=0)
-    try:
-        return np.empty(-(-size // 8), dtype=np.uint64).view(np.uint8)
-    except MemoryError:
-        return np.empty(0, dtype=np.uint8)
+def _advancing(pieces: Iterator[np.ndarray], progress: Progress, label: str) -> Iterator[np.ndarray]:
+    for piece in pieces:
+        yield piece
+        progress.advance(label, len(piece))
 
 
-def decode_one(reader: ContainerReader, name: str, threads: int | None = None, scratch: np.ndarray | None = None) -> np.ndarray:
-    """One tensor's original bytes, decoded into the front of `scratch` (from scratch_for()) when
-    it is large enough, so valid only until the next call with it; FormatError subclasses name the
-    file and tensor on damage."""
+def decode_one(reader: ContainerReader, name: str, threads: int | None = None, max_memory: int | None = None) -> np.ndarray:
+    """One tensor's original bytes, whole (new memory); FormatError subclasses name the file and
+    tensor on damage. Its streams are checked before anything of the declared size is allocated,
+    and MemoryLimitError refuses a tensor over the budget (max_memory, else available memory)."""
     entry = reader.tensors[name]
-    out = scratch[: entry.nbytes] if scratch is not None and entry.nbytes <= len(scratch) else None
+    streams = reader.streams_of(entry)
     try:
-        return decode_tensor(entry, reader.streams_of(entry), threads, out=out)
+        check_streams(entry, streams)
+        memory.require(entry.nbytes, max_memory, "decoding it whole", reader.path, name)
+        return decode_tensor(entry, streams, threads)
     except FormatError as e:
         raise type(e)(reader.path, e.reason, name) from None
+    finally:
+        for view in streams.values():  # raw tensors are returned as views: their pages stay
+            if entry.codec != "raw":
+                memory.release(view)
 
 
-def decode_in_order(reader: ContainerReader, names: list[str], threads: int | None, scratch: np.ndarray) -> Iterator[tuple[str, Callable[[], np.ndarray]]]:
-    """(name, get) for each name in order, where get() returns decode_one()'s bytes, valid until the
-    next get(), or raises its FormatError. On more than one thread, small tensors are decoded ahead
-    of the consumer, several at once (parallel.map_in_order), into their own memory."""
+def _pieces_of(reader: ContainerReader, name: str, threads: int | None, piece_bytes: int) -> Iterator[np.ndarray]:
+    entry = reader.tensors[name]
+    streams = reader.streams_of(entry)
+    try:
+        yield from decode_pieces(entry, streams, piece_bytes, threads)
+    except FormatError as e:
+        raise type(e)(reader.path, e.reason, name) from None
+    finally:
+        for view in streams.values():  # its mapped pages leave the resident set (a verify of a whole
+            memory.release(view)       # checkpoint would otherwise end holding all of it)
+
+
+def decode_in_order(reader: ContainerReader, names: list[str], threads: int | None, piece_bytes: int = memory.PIECE_BYTES
+                    ) -> Iterator[tuple[str, Callable[[], Iterator[np.ndarray]]]]:
+    """(name, get) for each name in order, where get() returns an iterator of the tensor's bytes
+    in consecutive pieces, each valid until the next, or raises its FormatError (naming file and
+    tensor), possibly partway. Tensors over PARALLEL_TENSOR_BYTES run alone on all threads, in
+    pieces of at most piece_bytes (codec.pieces); on more than one thread, smaller ones are decoded
+    ahead of the consumer, several at once (parallel.map_in_order), whole, into their own memory."""
     threads = threads or default_threads()
 
-    def decode(name: str, inner: int) -> np.ndarray:  # a tensor given every thread runs alone: the scratch is free
-        return decode_one(reader, name, inner, scratch if inner == threads else None)
+    def decode(name: str, inner: int) -> Iterator[np.ndarray]:
+        if reader.tensors[name].nbytes > PARALLEL_TENSOR_BYTES:
+            return _pieces_of(reader, name, inner, piece_bytes)
+        return iter((decode_one(reader, name, inner),))
 
     yield from map_in_order(decode, names, threads, lambda name: reader.tensors[name].nbytes > PARALLEL_TENSOR_BYTES,
                             lambda name: reader.tensors[name].nbytes <= INLINE_TENSOR_BYTES)
 
 
-def verify(path: str | os.PathLike, against: str | os.PathLike | None = None, threads: int | None = None, progress: Progress | None = None) -> VerifyReport:
+def verify(path: str | os.PathLike, against: str | os.PathLike | None = None, threads: int | None = None, progress: Progress | None = None,
+           max_memory: int | None = None) -> VerifyReport:
     """Decode every tensor and check its CRC-32; with `against` (the original folder or file),
-    also compare every tensor's bytes, dtype and shape, and every copied file's bytes."""
+    also compare every tensor's bytes, dtype and shape, and every copied file's bytes. Large
+    tensors are checked in pieces (memory.piece_bytes(max_memory)): no whole-tensor buffer."""
     progress = progress or _NoProgress()
+    piece = memory.piece_bytes(memory.check_budget(max_memory))
     root, containers, others = containers_of(path)
     report = VerifyReport()
     orig_root = None
@@ -322,7 +358,6 @@ def verify(path: str | os.PathLike, against: str | os.PathLike | None = None, th
     readers = [ContainerReader(root / c) for c in containers]
     try:
         progress.start(sum(e.nbytes for r in readers for e in r.tensors.values()))
-        scratch = scratch_for(readers)
         for rel, reader in zip(containers, readers):
             original = None
             if orig_root is not None:
@@ -332,7 +367,7 @@ def verify(path: str | os.PathLike, against: str | os.PathLike | None = None, th
                     continue
                 original = SafetensorsFile(opath)
             try:
-                _verify_file(reader, original, str(rel), threads, progress, report, scratch)
+                _verify_file(reader, original, str(rel), threads, progress, report, piece)
             finally:
                 if original is not None:
                     original.close()
@@ -352,7 +387,7 @@ def verify(path: str | os.PathLike, against: str | os.PathLike | None = None, th
 
 
 def _verify_file(reader: ContainerReader, original: SafetensorsFile | None, rel: str, threads: int | None, progress: Progress,
-                 report: VerifyReport, scratch: np.ndarray) -> None:
+                 report: VerifyReport, piece_bytes: int) -> None:
     if original is not None:
         missing = sorted(set(original.tensors) - set(reader.tensors))
         extra = sorted(set(reader.tensors) - set(original.tensors))
@@ -360,22 +395,29 @@ def _verify_file(reader: ContainerReader, original: SafetensorsFile | None, rel:
             report.mismatches.append(f"{rel}: tensor {name!r} is missing from the compressed file")
         for name in extra:
             report.mismatches.append(f"{rel}: tensor {name!r} is not in the original")
-    for name, get in decode_in_order(reader, list(reader.tensors), threads, scratch):
+    for name, get in decode_in_order(reader, list(reader.tensors), threads, piece_bytes):
         entry = reader.tensors[name]
-        try:
-            data = get()  # CRC-32 checked inside
-        except FormatError as e:
-            report.mismatches.append(str(e))
-            continue
+        ob = None
         if original is not None and name in original.tensors:
             o = original.tensors[name]
             if (o.dtype, o.shape) != (entry.dtype, entry.shape):
                 report.mismatches.append(f"{rel}: tensor {name!r} is {entry.dtype}{list(entry.shape)}, the original {o.dtype}{list(o.shape)}")
             else:
                 ob = original.bytes_of(name)
-                if not np.array_equal(ob, data):
-                    first = int(np.flatnonzero(ob != data)[0])
-                    report.mismatches.append(f"{rel}: tensor {name!r} differs from the original at byte {first}")
+        at, differs = 0, None
+        try:
+            for data in get():  # CRC-32 checked inside, after the last piece
+                if ob is not None and differs is None:
+                    part = ob[at : at + len(data)]
+                    if not np.array_equal(part, data):
+                        differs = at + int(np.flatnonzero(part != data)[0])
+                    memory.release(part)  # the original's mapped pages, once compared
+                at += len(data)
+                progress.advance(f"{rel}: {name}", len(data))
+        except FormatError as e:
+            report.mismatches.append(str(e))
+            continue
+        if differs is not None:
+            report.mismatches.append(f"{rel}: tensor {name!r} differs from the original at byte {differs}")
         report.checked_tensors += 1
         report.checked_bytes += entry.nbytes
-        progress.advance(f"{rel}: {name}", entry.nbytes)

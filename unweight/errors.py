@@ -21,4 +21,9 @@ class CorruptDataError(FormatError):
     """A tensor's streams do not decode, or decode to bytes whose checksum is wrong."""
 
 
-__all__ = ["CorruptDataError", "DestinationError", "FormatError", "SourceError", "UnweightError"]
+class MemoryLimitError(FormatError):
+    """A tensor would need more memory than the budget allows (max_memory / --max-memory, else the
+    memory this machine has available): refused before anything is allocated."""
+
+
+__all__ = ["CorruptDataError", "MemoryLimitError", "DestinationError", "FormatError", "SourceError", "UnweightError"]

@@ -7,8 +7,10 @@ import re
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
+from numba import njit
 
-from .checkpoint import containers_of, decode_in_order, scratch_for
+from . import memory
+from .checkpoint import containers_of, decode_in_order
 from .report import CLASS_ORDER, TensorReport
 from unweight.formats import ContainerReader
 
@@ -59,34 +61,63 @@ def _decodes(reader: ContainerReader, name: str) -> bool:
     return bool(e.numel) and (e.dtype in EXPONENT_FIELDS or e.nbytes // max(e.numel, 1) <= 2)
 
 
-def tensor_stats(file: str, reader: ContainerReader, name: str, data: np.ndarray | None = None) -> TensorStats:
-    """A tensor's statistics; `data`, its decoded bytes, is needed where _decodes() holds."""
+@njit(nogil=True, cache=True)
+def _count_fields(values, shift, mask, fields, words):
+    """Add each element's (value >> shift) & mask to `fields` and, when `words` is not empty, the
+    value itself to `words`: histograms without np.bincount's int64 copy of the input."""
+    whole = len(words) > 0
+    for v in values:
+        fields[(v >> shift) & mask] += 1
+        if whole:
+            words[v] += 1
+
+
+class _Histograms:
+    """A tensor's exponent histogram and whole-value histogram, piece by piece."""
+
+    def __init__(self, e) -> None:
+        self.size = e.nbytes // e.numel
+        self.exponent = e.dtype in EXPONENT_FIELDS
+        word, self.shift, self.mask = EXPONENT_FIELDS[e.dtype] if self.exponent else ({1: np.uint8, 2: np.uint16}[self.size], 0, 0)
+        self.word = word
+        self.fields = np.zeros(self.mask + 1, dtype=np.int64)
+        self.words = np.zeros(1 << (8 * self.size) if self.size <= 2 else 0, dtype=np.int64)
+
+    def add(self, piece: np.ndarray) -> None:
+        _count_fields(piece.view(self.word), self.shift, self.mask, self.fields, self.words)
+
+
+def tensor_stats(file: str, reader: ContainerReader, name: str, hist: _Histograms | None = None) -> TensorStats:
+    """A tensor's statistics; `hist`, filled from its decoded bytes, is needed where _decodes() holds."""
     e = reader.tensors[name]
     stored = sum(len(reader.stream(s)) for s in e.streams.values())
     numel = e.numel
     bpw = 8 * stored / numel if numel else 0.0
-    exp_h = bound = hist = None
+    exp_h = bound = hists = None
     if _decodes(reader, name):
-        if e.dtype in EXPONENT_FIELDS:
-            word, shift, mask = EXPONENT_FIELDS[e.dtype]
-            h = np.bincount((data.view(word) >> shift) & mask, minlength=mask + 1)
-            exp_h, hist = entropy_bits(h), h.tolist()
-        size = e.nbytes // numel
-        if size <= 2:
-            bound = entropy_bits(np.bincount(data.view(np.uint16 if size == 2 else np.uint8)))
-    return TensorStats(file, name, e.dtype, list(e.shape), e.codec, e.nbytes, stored, bpw, exp_h, bound, hist)
+        if hist.exponent:
+            exp_h, hists = entropy_bits(hist.fields), hist.fields.tolist()
+        if hist.size <= 2:
+            bound = entropy_bits(hist.words)
+    return TensorStats(file, name, e.dtype, list(e.shape), e.codec, e.nbytes, stored, bpw, exp_h, bound, hists)
 
 
-def inspect(path: str | os.PathLike, threads: int | None = None) -> list[TensorStats]:
-    """Statistics of every tensor of a compressed folder or file (decodes the float tensors)."""
+def inspect(path: str | os.PathLike, threads: int | None = None, max_memory: int | None = None) -> list[TensorStats]:
+    """Statistics of every tensor of a compressed folder or file (decodes the float tensors, in
+    pieces of memory.piece_bytes(max_memory): no whole-tensor buffer)."""
+    piece = memory.piece_bytes(memory.check_budget(max_memory))
     root, files, _ = containers_of(path)
     out: list[TensorStats] = []
     for rel in files:
         with ContainerReader(root / rel) as reader:
-            decoded = decode_in_order(reader, [n for n in reader.tensors if _decodes(reader, n)], threads, scratch_for([reader]))
+            decoded = decode_in_order(reader, [n for n in reader.tensors if _decodes(reader, n)], threads, piece)
             for name in reader.tensors:  # the decoded ones come in this order too, each used before the next
-                data = next(decoded)[1]() if _decodes(reader, name) else None
-                out.append(tensor_stats(str(rel), reader, name, data))
+                hist = None
+                if _decodes(reader, name):
+                    hist = _Histograms(reader.tensors[name])
+                    for data in next(decoded)[1]():
+                        hist.add(data)
+                out.append(tensor_stats(str(rel), reader, name, hist))
     return out
 
 

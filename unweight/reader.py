@@ -12,6 +12,7 @@ from unweight.errors import SourceError
 from unweight.formats import ContainerReader, TensorEntry
 
 from .checkpoint import INDEX_NAME, containers_of, decode_one
+from .memory import check_budget
 
 # safetensors dtype -> torch dtype name (resolved lazily: torch loads only when a tensor is asked for)
 TORCH_DTYPES = {
@@ -28,9 +29,10 @@ class CompressedCheckpoint:
     >>> w = ckpt.get_tensor("model.layers.0.mlp.up_proj.weight")   # a torch.Tensor, bit-exact
     """
 
-    def __init__(self, path: str | os.PathLike, threads: int | None = None):
+    def __init__(self, path: str | os.PathLike, threads: int | None = None, max_memory: int | None = None):
         self.path = Path(path)
         self.threads = threads
+        self.max_memory = check_budget(max_memory)  # a tensor asked for whole must fit (else MemoryLimitError)
         root, files, _ = containers_of(self.path)
         self._readers: dict[str, ContainerReader] = {}
         self._where: dict[str, str] = {}
@@ -72,7 +74,7 @@ class CompressedCheckpoint:
 
     def get_bytes(self, name: str) -> np.ndarray:
         """The tensor's original bytes (uint8, C order), CRC-checked."""
-        return decode_one(self._reader(name), name, self.threads)
+        return decode_one(self._reader(name), name, self.threads, self.max_memory)
 
     def get_tensor(self, name: str):
         """The tensor as a torch.Tensor with its original dtype and shape (CPU, bit-exact)."""

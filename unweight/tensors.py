@@ -37,8 +37,8 @@ def save_file(tensors: dict, path: str | os.PathLike, threads: int | None = None
         return writer.finish(source_header=None)
 
 
-def load_file(path: str | os.PathLike, threads: int | None = None) -> dict:
+def load_file(path: str | os.PathLike, threads: int | None = None, max_memory: int | None = None) -> dict:
     from .reader import CompressedCheckpoint
 
-    with CompressedCheckpoint(path, threads) as ckpt:
+    with CompressedCheckpoint(path, threads, max_memory=max_memory) as ckpt:
         return {name: ckpt.get_tensor(name) for name in ckpt.keys()}

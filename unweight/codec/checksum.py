@@ -24,6 +24,7 @@ except ImportError:  # pragma: no cover - platforms without an isal wheel
         IMPLEMENTATION = "zlib"
 
 
-def crc32(data) -> int:
-    """The CRC-32 of a bytes-like object (or a C-contiguous numpy array), as zlib.crc32 gives."""
-    return _crc32(memoryview(data))
+def crc32(data, value: int = 0) -> int:
+    """The CRC-32 of a bytes-like object (or a C-contiguous numpy array), as zlib.crc32 gives;
+    `value`, the CRC of the bytes before, continues a running one (pieces in order)."""
+    return _crc32(memoryview(data), value)

@@ -14,6 +14,7 @@ from functools import lru_cache
 import numpy as np
 from numba import njit
 
+from unweight import memory
 from unweight.defaults import DEFAULT_CHUNK, DEFAULT_PRECISION, PRECISION_RANGE
 from unweight.errors import CorruptDataError
 
@@ -23,6 +24,7 @@ from .rans_kernels import LANES, OK, STATUS_TEXT, decode_chunks, encode_chunks, 
 
 SYM_BITS_MAX = 10
 CHUNK_RANGE = (1024, 1 << 22)
+ENCODE_SLAB_BYTES = 32 << 20  # encoder scratch per slab of chunks
 UINT_OF_BITS = {8: np.uint8, 16: np.uint16, 32: np.uint32}
 
 
@@ -124,27 +126,44 @@ def encode(values: np.ndarray, p: RansParams, threads: int | None = None, counts
     f = freq_table.quantize(counts, p.precision)
     cum, magic, tab = encoder_tables(f, p.precision)
     nchunks = p.nchunks(n)
-    scratch = np.empty(nchunks * p.chunk, dtype=np.uint16)
     nwords = np.zeros(nchunks, dtype=np.int64)
     states = np.zeros(nchunks * LANES, dtype=np.int64)
     raw = np.zeros(p.raw_len(n), dtype=np.uint8)
-
     simd = rans_avx2.AVAILABLE and p.word_bits == 16 and p.raw_bits == 6 and p.rotate and values.dtype == np.uint16
+    # The chunks go in slabs of about ENCODE_SLAB_BYTES of scratch (one word per element at most),
+    # each slab's words gathered before the next reuses it: the scratch does not grow with the
+    # tensor. A slab is an independent sub-problem (chunks share nothing), cut at whole groups.
+    per_slab = max(rans_avx2.MAX_GROUP, ENCODE_SLAB_BYTES // (2 * p.chunk) // rans_avx2.MAX_GROUP * rans_avx2.MAX_GROUP)
+    scratch = np.empty(min(nchunks, per_slab) * p.chunk, dtype=np.uint16)
+    pieces = []
+    for s0 in range(0, nchunks, per_slab):
+        s1 = min(nchunks, s0 + per_slab)
+        e0, e1 = s0 * p.chunk, min(s1 * p.chunk, n)
+        sub_values, sub_n = values[e0:e1], e1 - e0
+        sub_raw = raw[p.raw_len(e0) : p.raw_len(e0) + p.raw_len(sub_n)]
+        sub_nwords, sub_states = nwords[s0:s1], states[s0 * LANES : s1 * LANES]
 
-    def work(c0: int, c1: int) -> None:
-        if simd:
-            rans_avx2.encode_chunks16(values, n, p.chunk, c0, c1, f, cum, magic, tab, p.precision, scratch, nwords, states, raw)
-            return
-        encode_chunks(values, p.word_bits, p.raw_bits, p.rotate, n, p.chunk, c0, c1, f, cum, magic, p.precision, scratch, nwords, states, raw)
+        def work(c0: int, c1: int) -> None:
+            if simd:
+                rans_avx2.encode_chunks16(sub_values, sub_n, p.chunk, c0, c1, f, cum, magic, tab, p.precision, scratch, sub_nwords, sub_states, sub_raw)
+                return
+            encode_chunks(sub_values, p.word_bits, p.raw_bits, p.rotate, sub_n, p.chunk, c0, c1, f, cum, magic, p.precision, scratch, sub_nwords, sub_states, sub_raw)
 
-    map_chunk_ranges(work, nchunks, threads, align=rans_avx2.MAX_GROUP)
+        map_chunk_ranges(work, s1 - s0, threads, align=rans_avx2.MAX_GROUP)
+        memory.release(sub_values)  # its pages, if a file mapping's: the source is not kept whole
+        offsets = np.zeros(s1 - s0 + 1, dtype=np.int64)
+        np.cumsum(sub_nwords, out=offsets[1:])
+        words = np.empty(int(offsets[-1]), dtype="<u2")
+        _gather_words(scratch, sub_nwords, p.chunk, offsets, words)
+        pieces.append(words)
+    del scratch
     index = np.empty(8 * (nchunks + 1) + 4 * LANES * nchunks, dtype=np.uint8)
     offsets = index[: 8 * (nchunks + 1)].view("<u8")
     offsets[0] = 0
     np.cumsum(nwords, out=offsets[1:])
     index[8 * (nchunks + 1) :].view("<u4")[:] = states
-    words = np.empty(int(offsets[-1]), dtype="<u2")
-    _gather_words(scratch, nwords, p.chunk, offsets, words)
+    words = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+    del pieces
     table = np.frombuffer(freq_table.serialize(f), dtype=np.uint8)
     return {"table": table, "raw": raw, "words": words.view(np.uint8), "index": index}
 
@@ -182,67 +201,96 @@ def decode(streams: dict[str, np.ndarray], p: RansParams, n: int, threads: int |
     With `chunks` (sorted, distinct chunk indices), only those chunks are decoded: elements
     [c * p.chunk, (c + 1) * p.chunk) of each; the rest of `out` is left as it was. Each chunk is
     checked as in a whole decode (its words all used, its lanes back at the initial state)."""
-    if n == 0:
-        raise ValueError("the rans codec needs at least one element")
-    vector = rans_avx2.AVAILABLE and p.word_bits == 16 and p.raw_bits == 6 and p.rotate
-    try:
-        build = freq_table.lookup_from_stream if vector else freq_table.slots_from_stream
-        tables = build(streams["table"], p.sym_bits, p.precision, p.word_bits, p.raw_bits, p.rotate)
-    except freq_table.TableError as e:
-        raise ValueError(f"table: {e}") from None
-    nchunks = p.nchunks(n)
-    index, words, raw = streams["index"], streams["words"], streams["raw"]
-    want = 8 * (nchunks + 1) + 4 * LANES * nchunks
-    if len(index) != want:
-        raise ValueError(f"index stream has {len(index)} bytes, {nchunks} chunks need {want}")
-    if len(words) % 2:
-        raise ValueError(f"words stream has an odd length ({len(words)} bytes)")
-    if len(raw) != p.raw_len(n):
-        raise ValueError(f"raw stream has {len(raw)} bytes, {n} elements need {p.raw_len(n)}")
-    index = _aligned_view(index, "<u8")  # offsets, then states (uint32) from byte 8 (k + 1)
-    offsets = index[: nchunks + 1]
-    if not _offsets_ok(offsets, len(words) // 2):
-        raise ValueError("chunk offsets do not rise from 0 to the word count")
-    states = index[nchunks + 1 :].view("<u4")
-    R = p.raw_bits
-    if R and n % 4:  # the padding bits of the last raw group must be zero
-        if np.unpackbits(raw[-(R // 2) :], bitorder="little")[(n % 4) * R :].any():
-            raise ValueError("padding bits of the raw stream are not zero")
+    d = Decoder(streams, p, n)
     if out is None:
         out = np.empty(n, dtype=UINT_OF_BITS[p.word_bits])
     elif out.dtype != UINT_OF_BITS[p.word_bits] or out.shape != (n,) or not (out.flags.writeable and out.flags.aligned and out.flags.c_contiguous):
         raise TypeError(f"out must be {n} aligned, writable, contiguous {np.dtype(UINT_OF_BITS[p.word_bits]).name} elements")
-    status = np.zeros(nchunks, dtype=np.int8)
-    words_u16 = _aligned_view(words, "<u2")
-    raw_u8 = np.asarray(raw, dtype=np.uint8)
-    if vector:
-        lut, wide = tables
-
-        def work(c0: int, c1: int) -> None:
-            rans_avx2.decode_chunks16(words_u16, offsets, states, lut, wide, p.precision, raw_u8, n, p.chunk, c0, c1, out, status)
-    else:
-        tab = tables
-        # the 16-bit fast path ORs raw bits into element pairs
-        out32 = out[: n // 2 * 2].view(np.uint32) if p.word_bits == 16 else np.empty(0, dtype=np.uint32)
-        raw_pairs = freq_table.raw_pairs(p.rotate)
-
-        def work(c0: int, c1: int) -> None:
-            decode_chunks(words_u16, offsets, states, tab, raw_pairs, p.precision, raw_u8, p.word_bits, R, p.rotate, n, p.chunk, c0, c1, out, out32, status)
-
     if chunks is None:
-        map_chunk_ranges(work, nchunks, threads, align=rans_avx2.MAX_GROUP)
-    else:
-        chunks = np.asarray(chunks, dtype=np.int64)
-        if len(chunks) and (chunks[0] < 0 or chunks[-1] >= nchunks or np.any(np.diff(chunks) <= 0)):
-            raise ValueError(f"chunks must be sorted, distinct and in [0, {nchunks})")
-        breaks = np.flatnonzero(np.diff(chunks) != 1) + 1  # runs of consecutive chunks
-        for run in np.split(chunks, breaks) if len(chunks) else ():
-            c0 = int(run[0])
-            map_chunk_ranges(lambda a, b, c0=c0: work(c0 + a, c0 + b), len(run), threads, align=rans_avx2.MAX_GROUP)
-    if not np.count_nonzero(status):  # (a few microseconds less than status.any() on tiny tensors)
+        d.run(0, d.nchunks, out, threads)
         return out
-    bad = np.flatnonzero(status != OK)
-    if len(bad):
-        c = int(bad[0])
-        raise CorruptDataError(None, STATUS_TEXT[int(status[c])].format(c=c))
+    chunks = np.asarray(chunks, dtype=np.int64)
+    if len(chunks) and (chunks[0] < 0 or chunks[-1] >= d.nchunks or np.any(np.diff(chunks) <= 0)):
+        raise ValueError(f"chunks must be sorted, distinct and in [0, {d.nchunks})")
+    breaks = np.flatnonzero(np.diff(chunks) != 1) + 1  # runs of consecutive chunks
+    for run in np.split(chunks, breaks) if len(chunks) else ():
+        c0, c1 = int(run[0]), int(run[-1]) + 1
+        d.run(c0, c1, out[c0 * p.chunk : min(c1 * p.chunk, n)], threads)
     return out
+
+
+class Decoder:
+    """One tensor's streams, validated once (table, index, offsets, raw padding), then decoded
+    chunk range by chunk range (`run`) into memory the caller holds: decode() runs it over the
+    chunks asked for; checkpoint commands run it piece by piece, so that their memory does not
+    follow the size a file declares. Raises ValueError (or CorruptDataError) if corrupt."""
+
+    def __init__(self, streams: dict[str, np.ndarray], p: RansParams, n: int):
+        if n == 0:
+            raise ValueError("the rans codec needs at least one element")
+        self.p, self.n = p, n
+        self.vector = vector = rans_avx2.AVAILABLE and p.word_bits == 16 and p.raw_bits == 6 and p.rotate
+        try:
+            build = freq_table.lookup_from_stream if vector else freq_table.slots_from_stream
+            self.tables = build(streams["table"], p.sym_bits, p.precision, p.word_bits, p.raw_bits, p.rotate)
+        except freq_table.TableError as e:
+            raise ValueError(f"table: {e}") from None
+        self.nchunks = nchunks = p.nchunks(n)
+        index, words, raw = streams["index"], streams["words"], streams["raw"]
+        want = 8 * (nchunks + 1) + 4 * LANES * nchunks
+        if len(index) != want:
+            raise ValueError(f"index stream has {len(index)} bytes, {nchunks} chunks need {want}")
+        if len(words) % 2:
+            raise ValueError(f"words stream has an odd length ({len(words)} bytes)")
+        if len(raw) != p.raw_len(n):
+            raise ValueError(f"raw stream has {len(raw)} bytes, {n} elements need {p.raw_len(n)}")
+        index = _aligned_view(index, "<u8")  # offsets, then states (uint32) from byte 8 (k + 1)
+        self.offsets = offsets = index[: nchunks + 1]
+        if not _offsets_ok(offsets, len(words) // 2):
+            raise ValueError("chunk offsets do not rise from 0 to the word count")
+        self.states = index[nchunks + 1 :].view("<u4")
+        R = p.raw_bits
+        if R and n % 4:  # the padding bits of the last raw group must be zero
+            if np.unpackbits(raw[-(R // 2) :], bitorder="little")[(n % 4) * R :].any():
+                raise ValueError("padding bits of the raw stream are not zero")
+        self.words = _aligned_view(words, "<u2")
+        self.raw = np.asarray(raw, dtype=np.uint8)
+        self.raw_pairs = None if vector else freq_table.raw_pairs(p.rotate)
+
+    def run(self, c0: int, c1: int, out: np.ndarray, threads: int | None = None) -> None:
+        """Decode chunks [c0, c1) into `out`: their elements [c0 * chunk, min(c1 * chunk, n)), as
+        aligned, writable, contiguous unsigned ints of word_bits. The range is decoded as a tensor
+        of its own (chunks share nothing): the words, states and raw bits of those chunks."""
+        p, chunk = self.p, self.p.chunk
+        e0 = c0 * chunk
+        n = min(c1 * chunk, self.n) - e0
+        if out.dtype != UINT_OF_BITS[p.word_bits] or out.shape != (n,) or not (out.flags.writeable and out.flags.aligned and out.flags.c_contiguous):
+            raise TypeError(f"out must be {n} aligned, writable, contiguous {np.dtype(UINT_OF_BITS[p.word_bits]).name} elements")
+        offsets = self.offsets[c0 : c1 + 1]
+        w0 = int(offsets[0])
+        if w0:
+            offsets = offsets - offsets[0]
+        words = self.words[w0 : w0 + int(offsets[-1])]
+        states = self.states[c0 * LANES : c1 * LANES]
+        raw = self.raw[p.raw_len(e0) : p.raw_len(e0) + p.raw_len(n)]
+        status = np.zeros(c1 - c0, dtype=np.int8)
+        if self.vector:
+            lut, wide = self.tables
+
+            def work(a: int, b: int) -> None:
+                rans_avx2.decode_chunks16(words, offsets, states, lut, wide, p.precision, raw, n, chunk, a, b, out, status)
+        else:
+            tab, raw_pairs = self.tables, self.raw_pairs
+            # the 16-bit fast path ORs raw bits into element pairs
+            out32 = out[: n // 2 * 2].view(np.uint32) if p.word_bits == 16 else np.empty(0, dtype=np.uint32)
+
+            def work(a: int, b: int) -> None:
+                decode_chunks(words, offsets, states, tab, raw_pairs, p.precision, raw, p.word_bits, p.raw_bits, p.rotate, n, chunk, a, b, out, out32, status)
+
+        map_chunk_ranges(work, c1 - c0, threads, align=rans_avx2.MAX_GROUP)
+        if not np.count_nonzero(status):  # (a few microseconds less than status.any() on tiny tensors)
+            return
+        bad = np.flatnonzero(status != OK)
+        if len(bad):
+            c = int(bad[0])
+            raise CorruptDataError(None, STATUS_TEXT[int(status[c])].format(c=c0 + c))

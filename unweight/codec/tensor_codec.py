@@ -15,6 +15,7 @@ from functools import lru_cache
 import numpy as np
 import zstandard
 
+from unweight import memory
 from unweight.errors import CorruptDataError
 from unweight.formats import TensorEntry
 from unweight.formats.dtypes import DTYPE_SIZES, FLOAT_DTYPES, tensor_nbytes
@@ -28,6 +29,7 @@ LAYOUTS = ("archive", "serving")
 SMALL_TENSOR_BYTES = 1 << 18  # below this, every candidate is tried and the smallest kept
 SMALL_PRECISIONS = (10, 12, 14)
 TINY_TENSOR_BYTES = 1 << 13  # biases and norms: one rans precision, then zstd and raw
+VERIFY_PIECE_BYTES = 32 << 20  # encode_tensor's check decodes this much at a time
 ZSTD_PROBE_LEVEL, ZSTD_PROBE_MARGIN = 1, 1.1  # zstd at the configured level only if level 1 is this close
 
 
@@ -132,6 +134,7 @@ def _candidates(dtype: str, shape: tuple[int, ...], data: np.ndarray, opts: Code
             p = rans.RansParams.for_word(word[0], word[1], precision, chunk)
             if counts is None:
                 counts = rans.symbol_counts(values, p, opts.threads)
+                memory.release(data)
             streams = rans.encode(values, p, opts.threads, counts)
             rans_size = min(rans_size, sum(len(s) for s in streams.values()))
             yield "rans", p.to_json(), streams
@@ -154,6 +157,7 @@ def encode_tensor(name: str, dtype: str, shape: tuple[int, ...], data: np.ndarra
     if len(data) != tensor_nbytes(dtype, shape):
         raise ValueError(f"tensor {name!r}: {len(data)} bytes given for {dtype}{list(shape)}")
     crc = crc32(data)
+    memory.release(data)  # a file mapping's pages (else nothing): each pass below reads its own
     best = None
     for codec, params, streams in _candidates(dtype, tuple(shape), data, opts):
         size = sum(len(s) for s in streams.values())
@@ -162,9 +166,14 @@ def encode_tensor(name: str, dtype: str, shape: tuple[int, ...], data: np.ndarra
     _, codec, params, streams = best
     entry = TensorEntry(name, dtype, tuple(shape), codec, params, _stream_names(name, codec), crc)
     if opts.verify and codec != "raw":
-        again = decode_tensor(entry, streams, opts.threads)
-        if not np.array_equal(again, data):
-            raise AssertionError(f"tensor {name!r}: {codec} round trip is not bit-exact (a bug; please report it)")
+        from .pieces import decode_pieces  # (pieces builds on this module)
+
+        at = 0  # decoded piece by piece against the original: no second whole tensor in memory
+        for piece in decode_pieces(entry, streams, VERIFY_PIECE_BYTES, opts.threads):
+            if not np.array_equal(piece, data[at : at + len(piece)]):
+                raise AssertionError(f"tensor {name!r}: {codec} round trip is not bit-exact (a bug; please report it)")
+            memory.release(data[at : at + len(piece)])
+            at += len(piece)
     return entry, streams
 
 
@@ -195,7 +204,7 @@ def decode_tensor(entry: TensorEntry, streams: dict[str, np.ndarray], threads: i
     """The original bytes of one tensor (uint8, C order). Raises CorruptDataError on any damage.
 
     With `out` (entry.nbytes writable uint8, aligned to 8 bytes), the bytes are decoded into it and
-    `out` is returned: a caller that decodes tensor after tensor (decompress, verify) reuses one
+    `out` is returned: a caller that decodes tensor after tensor (the runtime's linears) reuses one
     buffer instead of faulting in fresh memory for each, which cost from a tenth to half of the
     decode time on the VM of docs/compression.md. On an error `out` holds partial bytes."""
     nbytes = entry.nbytes

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit
 
+from unweight import memory
+
 WINDOW = 7  # exponents a code can name; code 7 is the escape
 ESCAPE = 7
 BLOCK_RANGE = (8, 1 << 16)
@@ -55,11 +57,27 @@ def applies(dtype: str, shape: tuple[int, ...]) -> bool:
     return dtype == "BF16" and len(shape) == 2 and shape[0] > 0 and shape[1] > 0
 
 
+@njit(nogil=True, cache=True)
+def exponent_histogram(values):
+    """How many elements of a BF16 array (as uint16) have each exponent byte; no temporaries
+    (np.bincount on the exponents would first make an int64 copy, 4 × the tensor)."""
+    hist = np.zeros(256, dtype=np.int64)
+    for w in values:
+        hist[(w >> 7) & 0xFF] += 1
+    return hist
+
+
+def best_window(values: np.ndarray) -> tuple[int, int]:
+    """(the base whose 7-exponent window covers the most elements, how many it leaves out)."""
+    hist = exponent_histogram(values)
+    cover = np.convolve(hist, np.ones(WINDOW, dtype=np.int64), mode="valid")
+    base = int(np.argmax(cover))
+    return base, int(len(values) - cover[base])
+
+
 def best_base(values: np.ndarray) -> int:
     """The base whose 7-exponent window covers the most elements."""
-    hist = np.bincount((values >> 7) & 0xFF, minlength=256)
-    cover = np.convolve(hist, np.ones(WINDOW, dtype=np.int64), mode="valid")
-    return int(np.argmax(cover))
+    return best_window(values)[0]
 
 
 def _blocks_per_row(cols: int, block: int) -> int:
@@ -84,11 +102,11 @@ def _check_lengths(streams: dict[str, np.ndarray], p: TilesParams, rows: int, co
 
 
 @njit(nogil=True, cache=True)
-def _encode(values, rows, cols, base, block, sm, codes, esc, esc_index):
-    """Fill the streams; returns the number of escapes written to esc."""
+def _encode(values, r0, r1, cols, base, block, sm, codes, esc, esc_index, k):
+    """Fill the streams for rows [r0, r1), `k` escapes being written before them; returns the
+    escape count after them (the caller writes the final esc_index entry)."""
     nb = -(-cols // block)
-    k = 0
-    for r in range(rows):
+    for r in range(r0, r1):
         for j in range(cols):
             if j % block == 0:
                 esc_index[r * nb + j // block] = k
@@ -105,28 +123,45 @@ def _encode(values, rows, cols, base, block, sm, codes, esc, esc_index):
             codes[3 * g] |= (c & 1) << i
             codes[3 * g + 1] |= ((c >> 1) & 1) << i
             codes[3 * g + 2] |= ((c >> 2) & 1) << i
-    esc_index[rows * nb] = k
     return k
+
+
+ENCODE_SLAB_BYTES = 32 << 20  # source rows encoded between two release() calls
 
 
 def encode(values: np.ndarray, rows: int, cols: int, block: int = DEFAULT_BLOCK) -> tuple[TilesParams, dict[str, np.ndarray]]:
     """Encode a rows × cols BF16 matrix given as uint16 (C order)."""
-    p = TilesParams(best_base(values), block)
+    base, escapes = best_window(values)
+    p = TilesParams(base, block)
     lengths = stream_lengths(rows, cols, p)
     sm = np.empty(lengths["sm"], dtype=np.uint8)
     codes = np.zeros(lengths["codes"], dtype=np.uint8)
-    esc = np.empty(len(values), dtype=np.uint8)
+    esc = np.empty(escapes, dtype=np.uint8)  # the histogram counted them: no tensor-sized guess
     esc_index = np.empty(lengths["esc_index"] // 4, dtype="<u4")
-    k = _encode(values, rows, cols, p.base, p.block, sm, codes, esc, esc_index)
-    return p, {"sm": sm, "codes": codes, "esc": esc[:k].copy(), "esc_index": esc_index.view(np.uint8)}
+    # In row slabs, each slab's source pages given back after it (a no-op unless `values` is a
+    # view of a file mapping): the source does not sit in memory whole beside the streams.
+    per = max(1, ENCODE_SLAB_BYTES // (2 * cols))
+    k = 0
+    for r0 in range(0, rows, per):
+        r1 = min(rows, r0 + per)
+        k = _encode(values, r0, r1, cols, p.base, p.block, sm, codes, esc, esc_index, k)
+        memory.release(values[r0 * cols : r1 * cols])
+    esc_index[rows * _blocks_per_row(cols, p.block)] = k
+    assert k == escapes
+    return p, {"sm": sm, "codes": codes, "esc": esc, "esc_index": esc_index.view(np.uint8)}
 
 
 @njit(nogil=True, cache=True)
-def _decode(sm, codes, esc, esc_index, rows, cols, base, block, out):
-    """Rebuild the matrix; returns 0, or 1 if the escapes disagree with esc_index (corrupt)."""
+def _decode(sm, codes, esc, esc_index, r0, r1, rows, cols, base, block, out):
+    """Rebuild rows [r0, r1) into `out` ((r1 - r0) * cols elements); returns 0, or 1 if the
+    escapes disagree with esc_index (corrupt). Ranges that tile [0, rows) check what one whole
+    decode checks: every block's entry, and the escape count at the end."""
     nb = -(-cols // block)
-    k = 0
-    for r in range(rows):
+    k = esc_index[r0 * nb]
+    if k > len(esc) or (r0 == 0 and k != 0):
+        return 1
+    o = r0 * cols
+    for r in range(r0, r1):
         for j in range(cols):
             if j % block == 0 and esc_index[r * nb + j // block] != k:
                 return 1
@@ -142,23 +177,38 @@ def _decode(sm, codes, esc, esc_index, rows, cols, base, block, out):
             else:
                 e = base + c
             s = np.int64(sm[p])
-            out[p] = ((s & 0x80) << 8) | (e << 7) | (s & 0x7F)
-    if esc_index[rows * nb] != k or k != len(esc):
+            out[p - o] = ((s & 0x80) << 8) | (e << 7) | (s & 0x7F)
+    if esc_index[r1 * nb] != k or (r1 == rows and k != len(esc)):
         return 1
     return 0
 
 
+class Decoder:
+    """A tile set with its lengths and padding checked, decoded row range by row range (`run`),
+    so that a caller can hold a piece of the matrix instead of all of it."""
+
+    def __init__(self, streams: dict[str, np.ndarray], p: TilesParams, rows: int, cols: int):
+        _check_lengths(streams, p, rows, cols)
+        self.p, self.rows, self.cols = p, rows, cols
+        self.esc_index = esc_index_entries(streams["esc_index"])
+        self.codes = np.asarray(streams["codes"], dtype=np.uint8)
+        n = rows * cols
+        if n % 8 and np.unpackbits(self.codes[-3:], bitorder="little").reshape(3, 8)[:, n % 8 :].any():
+            raise ValueError("padding bits of the codes stream are not zero")
+        self.sm = np.asarray(streams["sm"], dtype=np.uint8)
+        self.esc = np.asarray(streams["esc"], dtype=np.uint8)
+
+    def run(self, r0: int, r1: int, out: np.ndarray) -> None:
+        """Rows [r0, r1) into `out`, (r1 - r0) * cols uint16; ValueError if inconsistent."""
+        if _decode(self.sm, self.codes, self.esc, self.esc_index, r0, r1, self.rows, self.cols, self.p.base, self.p.block, out):
+            raise ValueError("escapes disagree with esc_index")
+
+
 def decode(streams: dict[str, np.ndarray], p: TilesParams, rows: int, cols: int) -> np.ndarray:
     """The matrix as uint16 (C order, flattened); raises ValueError on inconsistent streams."""
-    _check_lengths(streams, p, rows, cols)
-    esc_index = esc_index_entries(streams["esc_index"])
-    codes = np.asarray(streams["codes"], dtype=np.uint8)
-    n = rows * cols
-    if n % 8 and np.unpackbits(codes[-3:], bitorder="little").reshape(3, 8)[:, n % 8 :].any():
-        raise ValueError("padding bits of the codes stream are not zero")
-    out = np.empty(n, dtype=np.uint16)
-    if _decode(np.asarray(streams["sm"], dtype=np.uint8), codes, np.asarray(streams["esc"], dtype=np.uint8), esc_index, rows, cols, p.base, p.block, out):
-        raise ValueError("escapes disagree with esc_index")
+    d = Decoder(streams, p, rows, cols)
+    out = np.empty(rows * cols, dtype=np.uint16)
+    d.run(0, rows, out)
     return out
 
 
