@@ -198,3 +198,14 @@ def test_every_command_within_the_memory_target(tmp_path):
     assert {"compress", "compress --layout serving", "verify", "verify --against", "decompress", "inspect"} <= set(rows)
     assert all(r["ok"] for r in rows.values())
     assert result["largest_tensor"] == 96 * MiB
+
+
+def test_decompress_refuses_what_the_disk_cannot_hold_before_writing(tmp_path):
+    """A valid 1 MB container can declare twice the free disk space: refused up front, nothing written."""
+    import shutil
+
+    chunks = -(-2 * shutil.disk_usage(tmp_path).free // rans.CHUNK_RANGE[1])
+    path, n = rans_bomb(tmp_path / "bomb.safetensors", chunks, good_crc=False)
+    code, peak, out, err = run_measured(cli("decompress", path, tmp_path / "out"))
+    assert code == 1 and "GB free" in err and str(tmp_path / "out") in err and "Traceback" not in err, err
+    assert not (tmp_path / "out").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]

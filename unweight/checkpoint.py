@@ -224,7 +224,9 @@ def decompress(src: str | os.PathLike, dst: str | os.PathLike, threads: int | No
     readers = [ContainerReader(root / c) for c in containers]
     count = 0
     try:
-        progress.start(sum(e.nbytes for r in readers for e in r.tensors.values()))
+        total = sum(e.nbytes for r in readers for e in r.tensors.values())
+        _check_disk(dst, total + sum((root / rel).stat().st_size for rel in others))
+        progress.start(total)
         with _staging(dst) as tmp:
             for rel, reader in zip(containers, readers):
                 (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -236,6 +238,18 @@ def decompress(src: str | os.PathLike, dst: str | os.PathLike, threads: int | No
         for r in readers:
             r.close()
     return count
+
+
+def _check_disk(dst: Path, nbytes: int) -> None:
+    """Refuse before writing anything what the destination's file system cannot hold (a container
+    may declare far more than it stores: a valid one of 1 KB can decode to terabytes)."""
+    parent = dst.parent if str(dst.parent) else Path(".")
+    try:
+        free = shutil.disk_usage(parent).free
+    except OSError:
+        return  # no parent folder: _staging says so
+    if nbytes > free:
+        raise DestinationError(f"{dst}: the decompressed files need {nbytes / 1e9:,.2f} GB, and {parent} has {free / 1e9:,.2f} GB free")
 
 
 def _source_layout(reader: ContainerReader) -> list[str]:
