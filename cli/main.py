@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Annotated, Callable, Optional
 
 import typer
 from rich.console import Console
+from rich.text import Text
 
 import unweight
 from unweight.defaults import DEFAULT_CHUNK, DEFAULT_PRECISION, PRECISION_RANGE
@@ -48,23 +50,45 @@ MaxMemory = Annotated[Optional[int], typer.Option("--max-memory", parser=parse_s
                                                   help="Memory budget (e.g. 4G): verify, inspect and decompress work within it in pieces; compress refuses, naming it, a tensor that would need more.")]
 
 EXIT_FAILED = 1  # bad input, corrupt file, or verification found a difference
-EXIT_INTERRUPTED = 130
+# Interrupted: 128 + the signal's number (Ctrl-C 130, SIGTERM 143, SIGHUP 129), as shells report it.
 
 
-def _run(fn: Callable[[], int | None]) -> None:
-    """Run a command body, turning library errors into one line on stderr and an exit code."""
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP (what `timeout`, docker, systemd and a closed terminal send), raised like
+    Ctrl-C so that the library removes its partial output on the way out."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_terminated(signum: int, frame) -> None:
+    for s in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, signal.SIG_IGN)  # a second signal must not cut the clean-up short
+    raise Terminated(signum)
+
+
+def _run(fn: Callable[[], int | None], writes: bool = False) -> None:
+    """Run a command body, turning library errors into one line on stderr and an exit code.
+    With `writes`, SIGTERM and SIGHUP interrupt it as Ctrl-C does (partial output removed, exit
+    128 + the signal's number)."""
+    if writes:
+        for s in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(s, _raise_terminated)
     try:
         code = fn() or 0
     except (UnweightError, ValueError) as e:  # ValueError: FormatError, and bad option values
-        err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        err.print(Text.assemble(("error:", "bold red"), f" {e}"), highlight=False, soft_wrap=True)
         raise typer.Exit(EXIT_FAILED) from None
     except OSError as e:
         where = f"{e.filename}: " if e.filename else ""
-        err.print(f"[bold red]error:[/] {where}{e.strerror or e}", highlight=False, soft_wrap=True)
+        err.print(Text.assemble(("error:", "bold red"), f" {where}{e.strerror or e}"), highlight=False, soft_wrap=True)
         raise typer.Exit(EXIT_FAILED) from None
-    except KeyboardInterrupt:
-        err.print("interrupted: partial output was removed")
-        raise typer.Exit(EXIT_INTERRUPTED) from None
+    except KeyboardInterrupt as e:
+        signum = e.signum if isinstance(e, Terminated) else signal.SIGINT
+        what = f"interrupted ({signal.Signals(signum).name})"
+        err.print(f"{what}: partial output was removed" if writes else what, highlight=False)
+        raise typer.Exit(128 + signum) from None
     raise typer.Exit(code)
 
 
@@ -115,7 +139,7 @@ def compress(
         for f in report.skipped_files:
             err.print(f"note: skipped {f} (pickle; the safetensors files carry the weights)")
 
-    _run(body)
+    _run(body, writes=True)
 
 
 @app.command()
@@ -138,7 +162,7 @@ def decompress(
             n = unweight.decompress(src, dst, threads=threads, progress=bar, max_memory=max_memory)
         out.print(f"wrote {n} tensors to {dst}")
 
-    _run(body)
+    _run(body, writes=True)
 
 
 @app.command()

@@ -145,17 +145,69 @@ def test_refusals(tmp_path, sharded):
     assert not (tmp_path / "o1").exists() and not (tmp_path / "o3").exists()
 
 
-def test_killed_compress_leaves_no_output(tmp_path):
-    """SIGKILL in the middle of a run: DST must not exist (only a hidden .partial folder may)."""
-    src = write_checkpoint(tmp_path / "big" / "model.safetensors", {f"w{i}": random_bf16(1024, 1024, seed=i) for i in range(24)}).parent
-    dst = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-m", "unweight.cli.main", "compress", str(src), str(dst), "-q"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def _big_source(tmp_path):
+    """A checkpoint that takes a compress run a few seconds (48 MiB of BF16)."""
+    return write_checkpoint(tmp_path / "big" / "model.safetensors", {f"w{i}": random_bf16(1024, 1024, seed=i) for i in range(24)}).parent
+
+
+def _start_compress(src, dst) -> subprocess.Popen:
+    """`unweight compress SRC DST` as a process, returned once its staging folder exists."""
+    proc = subprocess.Popen([sys.executable, "-m", "unweight.cli.main", "compress", str(src), str(dst), "-q"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
-    while time.time() < deadline and not any(p.name.startswith(".out.partial") for p in tmp_path.iterdir()):
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert not dst.exists()
+    while time.time() < deadline and not _partials(dst) and proc.poll() is None:
+        time.sleep(0.02)
+    assert proc.poll() is None and len(_partials(dst)) == 1, "the run never started staging"
+    return proc
+
+
+def _partials(dst) -> list:
+    return sorted(p for p in dst.parent.iterdir() if p.name.startswith(f".{dst.name}.partial-"))
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
+def test_signals_remove_the_partial_folder(tmp_path, signum):
+    """SIGTERM (timeout, docker, systemd), SIGHUP (a closed terminal) and Ctrl-C in the middle of a
+    run: no DST, no hidden staging folder, exit 128 + the signal, one line saying so."""
+    dst = tmp_path / "out"
+    proc = _start_compress(_big_source(tmp_path), dst)
+    time.sleep(0.3)  # well inside the encoding, not only at its start
+    proc.send_signal(signum)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signum, stderr
+    assert "Traceback" not in stderr and f"interrupted ({signal.Signals(signum).name}): partial output was removed" in stderr, stderr
+    assert not dst.exists() and _partials(dst) == []
+
+
+def test_next_run_removes_stale_partials_only(tmp_path):
+    """SIGKILL leaves a staging folder (nothing can clean up); the next run to that DST removes it
+    but leaves a live run's folder alone, and that live run, finding DST made meanwhile, says so."""
+    src, dst = _big_source(tmp_path), tmp_path / "out"
+    killed = _start_compress(src, dst)
+    killed.send_signal(signal.SIGKILL)
+    killed.wait()
+    [stale] = _partials(dst)
+    assert not dst.exists() and stale.name == f".out.partial-{killed.pid}"
+    live = _start_compress(src, dst.parent / "elsewhere")  # a run to another DST is not touched either
+    live_same = subprocess.Popen([sys.executable, "-m", "unweight.cli.main", "compress", str(src), str(dst), "-q"],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and live_same.poll() is None and not any(p.name.endswith(f"-{live_same.pid}") for p in _partials(dst)):
+        time.sleep(0.02)
+    os.kill(live_same.pid, signal.SIGSTOP)  # holds it mid-run, however fast the machine
+    try:
+        assert stale not in _partials(dst)  # removed by live_same's start: its process is gone
+        small = write_checkpoint(tmp_path / "small" / "model.safetensors", {"w": random_bf16(64, 64)}).parent
+        unweight.compress(small, dst)
+        assert dst.is_dir() and [p.name for p in _partials(dst)] == [f".out.partial-{live_same.pid}"]
+    finally:
+        os.kill(live_same.pid, signal.SIGCONT)
+    _, stderr = live_same.communicate(timeout=300)
+    assert live_same.returncode == 1 and stderr.strip() == f"error: {dst}: appeared while compressing (another run, or someone else, wrote it); this run's output was removed", stderr
+    assert _partials(dst) == [] and unweight.verify(dst, against=small).ok
+    assert len(_partials(dst.parent / "elsewhere")) == 1
+    live.kill()
+    live.wait()
 
 
 def test_save_file_handles_odd_tensors(tmp_path):

@@ -18,6 +18,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Iterator, Protocol
 
+try:
+    import fcntl
+except ImportError:  # not POSIX: stale staging folders are recognised by their PID alone
+    fcntl = None
+
 import numpy as np
 
 from unweight import memory
@@ -114,23 +119,99 @@ def _check_index(index: Path, root: Path) -> dict:
     return data
 
 
+PARTIAL_INFIX = ".partial-"  # staging folders are ".DST.partial-PID", next to DST
+
+
 @contextmanager
-def _staging(dst: Path) -> Iterator[Path]:
-    """A hidden sibling folder that becomes `dst` only if the block finishes."""
+def _staging(dst: Path, verb: str = "writing") -> Iterator[Path]:
+    """A hidden sibling folder `.DST.partial-PID` that becomes `dst` only if the block finishes.
+
+    The folder is removed when the block raises (KeyboardInterrupt included; the CLI turns SIGTERM
+    and SIGHUP into one). A process killed outright (SIGKILL, power loss) cannot clean up: the next
+    run to the same destination removes such a folder once its process is gone (_remove_stale).
+    While a run lives it holds an flock on its folder, so no other run removes it.
+    """
     if dst.exists():
         raise DestinationError(f"{dst}: already exists; choose a new destination or remove it first")
     parent = dst.parent if str(dst.parent) else Path(".")
     if not parent.is_dir():
         raise DestinationError(f"{parent}: the destination's parent folder does not exist")
-    tmp = parent / f".{dst.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    _remove_stale(parent, dst.name)
+    tmp = parent / f".{dst.name}{PARTIAL_INFIX}{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)  # this pid's own leftover (a reused pid): no one else's
     tmp.mkdir()
+    lock = _lock(tmp)
     try:
         yield tmp
-        os.replace(tmp, dst)
+        if dst.exists():
+            raise DestinationError(f"{dst}: appeared while {verb} (another run, or someone else, wrote it); this run's output was removed")
+        try:
+            os.replace(tmp, dst)
+        except OSError as e:
+            if dst.exists():  # created between the check and the rename
+                raise DestinationError(f"{dst}: appeared while {verb} (another run, or someone else, wrote it); this run's output was removed") from None
+            raise DestinationError(f"{dst}: cannot move the finished output into place: {e.strerror or e}") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        if lock is not None:
+            os.close(lock)
+
+
+def _lock(folder: Path) -> int | None:
+    """An open descriptor of `folder` holding an exclusive flock (released by the kernel when the
+    process dies, however it dies), or None where flock is not available."""
+    if fcntl is None:
+        return None
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _remove_stale(parent: Path, name: str) -> None:
+    """Remove `.NAME.partial-PID` folders left by runs that are gone: the PID is not a live process
+    here and no process holds the folder's flock. A live run's folder (and anything not named so,
+    or not ours to remove) is left alone."""
+    prefix = f".{name}{PARTIAL_INFIX}"
+    try:
+        candidates = [p for p in parent.iterdir() if p.name.startswith(prefix)]
+    except OSError:
+        return
+    for p in candidates:
+        pid = p.name[len(prefix):]
+        if not pid.isdigit() or int(pid) == os.getpid() or _pid_alive(int(pid)) or p.is_symlink() or not p.is_dir():
+            continue
+        if fcntl is not None:
+            try:
+                fd = os.open(p, os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:  # held: its run is alive (in another PID namespace, say)
+                os.close(fd)
+                continue
+            try:
+                shutil.rmtree(p, ignore_errors=True)
+            finally:
+                os.close(fd)
+        else:
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True  # someone else's process, or not a pid at all: leave it alone
+    return True
 
 
 def compress(
@@ -164,7 +245,7 @@ def compress(
                 for t in sf.tensors.values():
                     memory.require(int(ENCODE_MEMORY_FACTOR * t.nbytes), max_memory, "compressing it", sf.path, t.name)
         progress.start(sum(t.nbytes for s in sources for t in s.tensors.values()))
-        with _staging(dst) as tmp:
+        with _staging(dst, "compressing") as tmp:
             for rel, sf in zip(tensor_files, sources):
                 (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
                 _compress_file(sf, tmp / rel, str(rel), options, progress, report)
@@ -227,7 +308,7 @@ def decompress(src: str | os.PathLike, dst: str | os.PathLike, threads: int | No
         total = sum(e.nbytes for r in readers for e in r.tensors.values())
         _check_disk(dst, total + sum((root / rel).stat().st_size for rel in others))
         progress.start(total)
-        with _staging(dst) as tmp:
+        with _staging(dst, "decompressing") as tmp:
             for rel, reader in zip(containers, readers):
                 (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
                 count += _decompress_file(reader, tmp / rel, str(rel), threads, progress, piece)
