@@ -11,11 +11,12 @@ from typing import Annotated, Callable, Optional
 
 import typer
 from rich.console import Console
-from rich.text import Text
 
 import unweight
 from unweight.defaults import DEFAULT_CHUNK, DEFAULT_PRECISION, PRECISION_RANGE
 from unweight.errors import UnweightError
+
+from .render import safe
 
 app = typer.Typer(
     name="unweight",
@@ -78,11 +79,11 @@ def _run(fn: Callable[[], int | None], writes: bool = False) -> None:
     try:
         code = fn() or 0
     except (UnweightError, ValueError) as e:  # ValueError: FormatError, and bad option values
-        err.print(Text.assemble(("error:", "bold red"), f" {e}"), highlight=False, soft_wrap=True)
+        err.print(f"[bold red]error:[/] {safe(e)}", highlight=False, soft_wrap=True)
         raise typer.Exit(EXIT_FAILED) from None
     except OSError as e:
         where = f"{e.filename}: " if e.filename else ""
-        err.print(Text.assemble(("error:", "bold red"), f" {where}{e.strerror or e}"), highlight=False, soft_wrap=True)
+        err.print(f"[bold red]error:[/] {safe(where)}{safe(e.strerror or e)}", highlight=False, soft_wrap=True)
         raise typer.Exit(EXIT_FAILED) from None
     except KeyboardInterrupt as e:
         signum = e.signum if isinstance(e, Terminated) else signal.SIGINT
@@ -137,7 +138,7 @@ def compress(
 
         out.print(compress_table(report))
         for f in report.skipped_files:
-            err.print(f"note: skipped {f} (pickle; the safetensors files carry the weights)")
+            err.print(f"note: skipped {safe(f)} (pickle; the safetensors files carry the weights)", highlight=False, soft_wrap=True)
 
     _run(body, writes=True)
 
@@ -160,7 +161,7 @@ def decompress(
     def body() -> None:
         with _progress("decompressing", quiet) as bar:
             n = unweight.decompress(src, dst, threads=threads, progress=bar, max_memory=max_memory)
-        out.print(f"wrote {n} tensors to {dst}")
+        out.print(f"wrote {n} tensors to {safe(dst)}", highlight=False, soft_wrap=True)
 
     _run(body, writes=True)
 
@@ -195,7 +196,7 @@ def verify(
             what = "identical to the original" if against else "checksums OK"
             out.print(f"OK: {report.checked_tensors} tensors ({report.checked_bytes / 1e6:,.1f} MB) in {report.checked_files} files, {what}")
         else:
-            err.print(f"[bold red]MISMATCH:[/] {report.mismatches[0]}", highlight=False, soft_wrap=True)
+            err.print(f"[bold red]MISMATCH:[/] {safe(report.mismatches[0])}", highlight=False, soft_wrap=True)
             if len(report.mismatches) > 1:
                 err.print(f"... and {len(report.mismatches) - 1} more")
         return 0 if report.ok else EXIT_FAILED
@@ -241,7 +242,7 @@ def inspect(
 
             out.print(inspect_groups_table(group(stats), len({s.file for s in stats})))
         if plot is not None:
-            out.print(f"wrote {plot}")
+            out.print(f"wrote {safe(plot)}", highlight=False, soft_wrap=True)
 
     _run(body)
 

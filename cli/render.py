@@ -2,11 +2,25 @@
 
 from __future__ import annotations
 
+import re
+
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 
 from unweight.report import CompressReport, Totals
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def safe(value) -> str:
+    """`value` as text that rich prints literally: markup escaped (a tensor named `[/]` or
+    `[link=...]` is a name, not a style) and control characters shown as escapes (no terminal
+    sequences, no line breaks from a name or path)."""
+    text = _CONTROL.sub(lambda m: repr(m.group())[1:-1], str(value))
+    return escape(text)
 
 
 class BarProgress:
@@ -38,7 +52,7 @@ class BarProgress:
 
     def advance(self, label: str, nbytes: int) -> None:
         short = label if len(label) <= 48 else "…" + label[-47:]
-        self._bar.update(self._task, advance=nbytes, description=short)
+        self._bar.update(self._task, advance=nbytes, description=safe(short))
 
 
 def _row(label: str, t: Totals) -> list[str]:
@@ -46,13 +60,13 @@ def _row(label: str, t: Totals) -> list[str]:
 
 
 def compress_table(report: CompressReport) -> Table:
-    table = Table(title=f"{report.source} → {report.destination}  ({report.seconds:.1f} s)")
+    table = Table(title=f"{safe(report.source)} → {safe(report.destination)}  ({report.seconds:.1f} s)")
     for col in ("tensors", "count", "original MB", "stored MB", "saving", "bits/weight"):
         table.add_column(col, justify="left" if col == "tensors" else "right")
     for cls, t in report.by_class().items():
         table.add_row(*_row(cls, t))
     for dtype, t in report.by_dtype().items():
-        table.add_row(*_row(f"dtype {dtype}", t), style="dim")
+        table.add_row(*_row(f"dtype {safe(dtype)}", t), style="dim")
     table.add_row(*_row("total", report.totals()), style="bold")
     return table
 
@@ -63,7 +77,7 @@ def inspect_table(stats: list) -> Table:
         table.add_column(col, justify="left" if col in ("tensor", "dtype", "codec") else "right")
     f = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
     for s in stats:
-        table.add_row(s.name, s.dtype, "x".join(map(str, s.shape)) or "()", s.codec, f"{s.original_bytes / 1e3:,.1f}", f"{s.stored_bytes / 1e3:,.1f}", f"{s.bits_per_weight:.3f}", f(s.exponent_entropy), f(s.order0_bound), f(s.gap_to_bound))
+        table.add_row(safe(s.name), safe(s.dtype), "x".join(map(str, s.shape)) or "()", safe(s.codec), f"{s.original_bytes / 1e3:,.1f}", f"{s.stored_bytes / 1e3:,.1f}", f"{s.bits_per_weight:.3f}", f(s.exponent_entropy), f(s.order0_bound), f(s.gap_to_bound))
     return table
 
 

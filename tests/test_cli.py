@@ -75,3 +75,65 @@ def test_help_lists_commands():
     assert r.returncode == 0
     for cmd in ("compress", "decompress", "verify", "inspect"):
         assert cmd in r.stdout
+
+
+HOSTILE = ["a[/]b", "[link=https://evil.example]click[/link]", "[bold]x", "esc\x1b]8;;https://evil.example\x07y", "two\nlines"]
+
+
+def _run_on_a_terminal(*args) -> tuple[int, str, str]:
+    """The CLI with stderr on a pseudo-terminal (so the progress bar draws); (rc, stdout, stderr)."""
+    import os
+    import pty
+    import subprocess
+    import sys
+    import threading
+
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "unweight.cli.main", *map(str, args)], stdout=subprocess.PIPE, stderr=slave,
+                            text=True, env={**os.environ, "COLUMNS": "200"})
+    os.close(slave)
+    chunks = []
+
+    def drain():
+        while True:
+            try:
+                data = os.read(master, 1 << 16)
+            except OSError:  # EIO: the child closed the terminal
+                return
+            if not data:
+                return
+            chunks.append(data)
+
+    t = threading.Thread(target=drain, daemon=True)
+    t.start()
+    stdout, _ = proc.communicate(timeout=600)
+    t.join(60)
+    os.close(master)
+    return proc.returncode, stdout, b"".join(chunks).decode("utf-8", "replace")
+
+
+def test_names_and_paths_are_text_not_markup(tmp_path):
+    """Tensor names and paths holding rich markup or terminal escapes are printed literally: no
+    crash after the output was written, no hyperlink, no terminal sequence, no extra line."""
+    src = write_checkpoint(tmp_path / "m[/]x" / "model.safetensors", {n: random_bf16(64, 64, seed=i) for i, n in enumerate(HOSTILE)}).parent
+    out = tmp_path / "uw[link=mailto:x]"
+    rc, stdout, stderr = _run_on_a_terminal("compress", src, out, "--threads", "1")  # the progress bar shows tensor names
+    assert rc == 0 and "Traceback" not in stdout + stderr, stdout + stderr
+    title = "".join(stdout.split())  # the table's title wraps
+    assert f"{src}→{out}" in title, stdout
+    assert "\x1b]8" not in stdout + stderr, "a hyperlink reached the terminal"
+    r = run_cli("inspect", out)
+    assert r.returncode == 0, r.stderr
+    for name in ("a[/]b", "[link=https://evil.example]click[/link]", "[bold]x", "esc\\x1b]8;;https://evil.example\\x07y", "two\\nlines"):
+        assert name in r.stdout, (name, r.stdout)
+    assert "\x1b" not in r.stdout
+    (tmp_path / "back[").mkdir()
+    r = run_cli("decompress", out, tmp_path / "back[/]x")
+    assert r.returncode == 0 and r.stdout.strip() == f"wrote {len(HOSTILE)} tensors to {tmp_path / 'back[/]x'}", r.stdout + r.stderr
+    blob = bytearray((out / "model.safetensors").read_bytes())
+    blob[-100] ^= 0xFF
+    (out / "model.safetensors").write_bytes(bytes(blob))
+    r = run_cli("verify", out)
+    assert r.returncode == 1 and "Traceback" not in r.stderr and "\x1b" not in r.stderr, r.stderr
+    assert r.stderr.startswith(f"MISMATCH: {out / 'model.safetensors'}: tensor "), r.stderr
+    one_line_error(run_cli("compress", tmp_path / "no[/]such\nfolder", tmp_path / "o"), "no[/]such\\nfolder")
