@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import stat
 import struct
 from dataclasses import dataclass
 from typing import BinaryIO, Iterable
@@ -85,6 +86,31 @@ def parse_header(path: str, raw: bytes, data_len: int) -> tuple[dict[str, Tensor
     return tensors, metadata
 
 
+_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def file_kind(mode: int) -> str:
+    """What a non-regular file is, in words, from its st_mode."""
+    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
+
+
+def open_regular(path: str) -> BinaryIO:
+    """`path` opened for binary reading, refused with FormatError unless it is a regular file.
+    The open does not block: a FIFO (which a plain open would wait on forever) is refused too."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise FormatError(path, f"cannot open: {e.strerror}") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise FormatError(path, f"not a regular file ({file_kind(mode)})")
+    if hasattr(os, "set_blocking"):
+        os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
+
+
 class SafetensorsFile:
     """A safetensors file, validated on open and memory-mapped; tensors come out as uint8 views.
 
@@ -93,10 +119,7 @@ class SafetensorsFile:
 
     def __init__(self, path: str | os.PathLike):
         self.path = os.fspath(path)
-        try:
-            self._file: BinaryIO = open(self.path, "rb")
-        except OSError as e:
-            raise FormatError(self.path, f"cannot open: {e.strerror}") from None
+        self._file: BinaryIO = open_regular(self.path)
         try:
             self._open()
         except BaseException:

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -274,3 +275,89 @@ def test_small_tensors_keep_the_smaller_of_rans_and_zstd(minilm_tensors):
         zstd_size = len(_zstd_encode(data, opts.zstd_level))
         assert sum(len(s) for s in streams.values()) <= zstd_size, name
         assert entry.codec == ("zstd" if name == "repetitive" else "rans"), name
+
+
+def test_special_files_are_refused_not_waited_on(tmp_path):
+    """A FIFO named *.safetensors (or tokenizer.json) is refused by every entry point, naming it,
+    instead of blocking forever on open."""
+    import faulthandler
+
+    from unweight.formats import ContainerReader
+
+    faulthandler.dump_traceback_later(60, exit=True)  # a regression hangs: fail instead
+    try:
+        fifo_dir = tmp_path / "fifo"
+        fifo_dir.mkdir()
+        fifo = fifo_dir / "model.safetensors"
+        os.mkfifo(fifo)
+        for call in (lambda: unweight.compress(fifo_dir, tmp_path / "o1"), lambda: unweight.compress(fifo, tmp_path / "o2"),
+                     lambda: unweight.verify(fifo), lambda: unweight.verify(fifo_dir), lambda: unweight.inspect(fifo),
+                     lambda: unweight.decompress(fifo, tmp_path / "o3"), lambda: unweight.open(fifo), lambda: unweight.load_file(fifo),
+                     lambda: unweight.open(fifo_dir)):
+            with pytest.raises(unweight.SourceError, match=f"^{fifo}: not a regular file \\(a FIFO\\)$"):
+                call()
+        for cls in (SafetensorsFile, ContainerReader):
+            with pytest.raises(unweight.FormatError, match=r"not a regular file \(a FIFO\)"):
+                cls(fifo)
+        src = write_checkpoint(tmp_path / "m" / "model.safetensors", {"w": random_bf16(64, 64)}).parent
+        unweight.compress(src, tmp_path / "uw")
+        with pytest.raises(unweight.SourceError, match="tokenizer.json: not a regular file"):
+            os.mkfifo(src / "tokenizer.json")
+            unweight.compress(src, tmp_path / "o4")
+        os.mkfifo(tmp_path / "uw" / "tokenizer.json")
+        for call in (lambda: unweight.decompress(tmp_path / "uw", tmp_path / "o5"), lambda: unweight.verify(tmp_path / "uw")):
+            with pytest.raises(unweight.SourceError, match="tokenizer.json: not a regular file"):
+                call()
+        assert not any((tmp_path / f"o{i}").exists() for i in range(1, 6))
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+def test_symbolic_links_must_stay_inside_the_folder(tmp_path):
+    """A link that resolves inside the source folder is copied as the file it names (the output
+    stands alone); one that leaves the folder, a broken one, or a folder link leaving it is refused,
+    naming the link and its target; Hub cache snapshots may link into their repo's blobs."""
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not for the output")
+    src = write_checkpoint(tmp_path / "m" / "model.safetensors", {"w": random_bf16(64, 64)}).parent
+    (src / "real").mkdir()
+    (src / "real" / "vocab.txt").write_text("a\nb\n")
+    (src / "vocab.txt").symlink_to("real/vocab.txt")
+    (src / "inner").symlink_to("real", target_is_directory=True)  # not followed: its file is copied from real/
+    report = unweight.compress(src, tmp_path / "ok")
+    assert sorted(report.copied_files) == ["real/vocab.txt", "vocab.txt"]
+    copied = tmp_path / "ok" / "vocab.txt"
+    assert not copied.is_symlink() and copied.read_text() == "a\nb\n" and not (tmp_path / "ok" / "inner").exists()
+    assert unweight.verify(tmp_path / "ok", against=src).ok
+
+    for name, target in (("tokenizer.json", secret), ("model.safetensors.index.json", Path("/etc/hostname")),
+                         ("extra.safetensors", tmp_path / "ok" / "model.safetensors"), ("outside", tmp_path)):
+        link = src / name
+        link.symlink_to(target, target_is_directory=target.is_dir())
+        with pytest.raises(unweight.SourceError, match=f"^{link}: symbolic link to {target.resolve()}, outside {src}"):
+            unweight.compress(src, tmp_path / "o")
+        link.unlink()
+    (src / "gone.json").symlink_to(tmp_path / "nothing")
+    with pytest.raises(unweight.SourceError, match="gone.json: broken symbolic link"):
+        unweight.compress(src, tmp_path / "o")
+    (src / "gone.json").unlink()
+    assert not (tmp_path / "o").exists()
+
+    # A compressed folder is held to the same rule when it is decompressed or read.
+    (tmp_path / "ok" / "tokenizer.json").symlink_to(secret)
+    for call in (lambda: unweight.decompress(tmp_path / "ok", tmp_path / "back"), lambda: unweight.open(tmp_path / "ok")):
+        with pytest.raises(unweight.SourceError, match="tokenizer.json: symbolic link to .*secret.txt, outside"):
+            call()
+    assert not (tmp_path / "back").exists()
+
+    # huggingface_hub's cache: snapshots/REV/* link to ../../blobs/*, inside the repo's folder.
+    repo = tmp_path / "hub" / "models--org--name"
+    (repo / "blobs").mkdir(parents=True)
+    snap = repo / "snapshots" / "abc123"
+    snap.mkdir(parents=True)
+    shutil.copy(src / "model.safetensors", repo / "blobs" / "1111")
+    (repo / "blobs" / "2222").write_text("{}")
+    (snap / "model.safetensors").symlink_to("../../blobs/1111")
+    (snap / "config.json").symlink_to("../../blobs/2222")
+    report = unweight.compress(snap, tmp_path / "from-hub")
+    assert report.copied_files == ["config.json"] and (tmp_path / "from-hub" / "config.json").read_text() == "{}"

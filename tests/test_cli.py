@@ -137,3 +137,14 @@ def test_names_and_paths_are_text_not_markup(tmp_path):
     assert r.returncode == 1 and "Traceback" not in r.stderr and "\x1b" not in r.stderr, r.stderr
     assert r.stderr.startswith(f"MISMATCH: {out / 'model.safetensors'}: tensor "), r.stderr
     one_line_error(run_cli("compress", tmp_path / "no[/]such\nfolder", tmp_path / "o"), "no[/]such\\nfolder")
+
+
+def test_a_fifo_is_refused_not_waited_on(tmp_path):
+    import os
+
+    fifo = tmp_path / "model.safetensors"
+    os.mkfifo(fifo)
+    for args in (("compress", fifo, tmp_path / "o"), ("compress", tmp_path, tmp_path / "o"), ("verify", fifo), ("inspect", fifo),
+                 ("decompress", fifo, tmp_path / "o")):
+        one_line_error(run_cli(*args, timeout=60), f"{fifo}: not a regular file (a FIFO)")
+    assert not (tmp_path / "o").exists()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import time
 from contextlib import contextmanager
 from dataclasses import replace
@@ -31,7 +32,7 @@ from unweight.codec.parallel import default_threads, map_in_order
 from unweight.codec.pieces import check_streams, decode_pieces
 from unweight.errors import DestinationError, FormatError, SourceError
 from unweight.formats import ContainerReader, ContainerWriter, SafetensorsFile, write_safetensors
-from unweight.formats.safetensors_file import parse_header
+from unweight.formats.safetensors_file import file_kind, parse_header
 
 from .report import CompressReport, TensorReport, VerifyReport
 
@@ -64,20 +65,67 @@ class _NoProgress:
 
 
 def _walk(root: Path) -> list[Path]:
-    """Files under root (relative paths, sorted), skipping VCS and cache folders."""
+    """Files under root (relative paths, sorted), skipping VCS and cache folders.
+
+    Every one is a regular file, or a symbolic link that resolves to a regular file inside the tree
+    links may point into (_link_tree: the folder itself, or a Hub cache snapshot's repo folder);
+    what `compress` and `decompress` copy are then the link's contents. Anything else (a FIFO,
+    a device, a broken link, a link leaving the folder, to a file or to a folder) raises SourceError
+    naming it: a FIFO would hang the run, and an outside link would copy an unrelated file into the
+    output. Links to folders inside the tree are not followed (their files are listed where they lie).
+    """
+    tree = _link_tree(root)
     out = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS)
+        for d in [d for d in dirnames if (Path(dirpath) / d).is_symlink()]:
+            _check_link(Path(dirpath) / d, tree)
+            dirnames.remove(d)
         for f in sorted(filenames):
-            out.append((Path(dirpath) / f).relative_to(root))
+            path = Path(dirpath) / f
+            if path.is_symlink():
+                _check_link(path, tree)
+            _check_regular(path, SourceError)
+            out.append(path.relative_to(root))
     return out
+
+
+def _link_tree(root: Path) -> Path:
+    """The folder a link under `root` may resolve into: `root` itself, or, for a Hugging Face cache
+    snapshot (.../models--ORG--NAME/snapshots/REV, whose files link to ../../blobs), the repo's
+    cache folder."""
+    real = root.resolve()
+    if real.parent.name == "snapshots" and real.parent.parent.name.startswith(("models--", "datasets--", "spaces--")):
+        return real.parent.parent
+    return real
+
+
+def _check_link(path: Path, tree: Path) -> None:
+    try:
+        target = path.resolve(strict=True)
+    except (OSError, RuntimeError):  # missing target, or a loop
+        raise SourceError(f"{path}: broken symbolic link (-> {os.readlink(path)})") from None
+    if not target.is_relative_to(tree):
+        raise SourceError(f"{path}: symbolic link to {target}, outside {tree}; copy the file into the folder or remove the link")
+
+
+def _check_regular(path: Path, error: type[Exception]) -> None:
+    """Raise `error` naming `path` unless it is (or links to) a regular file: opening a FIFO
+    would wait forever for a writer."""
+    try:
+        mode = path.stat().st_mode
+    except OSError as e:
+        raise error(f"{path}: cannot read: {e.strerror}") from None
+    if not stat.S_ISREG(mode):
+        raise error(f"{path}: not a regular file ({file_kind(mode)})")
 
 
 def _check_source(src: Path) -> tuple[list[Path], list[Path], list[Path]]:
     """(safetensors files, other files to copy, skipped pickle files) of a source folder."""
     if not src.exists():
         raise SourceError(f"{src}: no such file or folder")
-    if src.is_file():
+    if not src.is_dir():
+        _check_regular(src, SourceError)
         if src.suffix != ".safetensors":
             raise SourceError(_pickle_message(src) if src.suffix in PICKLE_SUFFIXES else f"{src}: not a .safetensors file or a model folder")
         return [Path(src.name)], [], []
@@ -284,7 +332,8 @@ def containers_of(path: str | os.PathLike) -> tuple[Path, list[Path], list[Path]
     path = Path(path)
     if not path.exists():
         raise SourceError(f"{path}: no such file or folder")
-    if path.is_file():
+    if not path.is_dir():
+        _check_regular(path, SourceError)
         return path.parent, [Path(path.name)], []
     files = _walk(path)
     containers = [f for f in files if f.suffix == ".safetensors"]
@@ -473,7 +522,7 @@ def verify(path: str | os.PathLike, against: str | os.PathLike | None = None, th
     if orig_root is not None and Path(path).is_dir():
         for rel in others:
             o = orig_root / rel
-            if not o.exists() or o.read_bytes() != (root / rel).read_bytes():
+            if not o.is_file() or o.read_bytes() != (root / rel).read_bytes():  # is_file: a FIFO would hang
                 report.mismatches.append(f"{rel}: differs from {o}")
         for rel in _walk(orig_root):
             if rel.suffix == ".safetensors" and not (root / rel).exists():
