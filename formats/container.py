@@ -20,7 +20,7 @@ import numpy as np
 
 from .dtypes import tensor_nbytes
 from .errors import FormatError
-from .safetensors_file import SafetensorsFile, encode_header
+from .safetensors_file import RESERVED_NAME, SafetensorsFile, encode_header
 
 FORMAT_NAME = "unweight"
 FORMAT_VERSION = "1.0"
@@ -64,6 +64,8 @@ def _entry_from_json(path: str, name: str, obj: Any) -> TensorEntry:
     def bad(msg: str) -> FormatError:
         return FormatError(path, msg, name)
 
+    if name == RESERVED_NAME:
+        raise bad("a tensor may not be named __metadata__: safetensors reserves that key, so the file decompressed from it would not load")
     if not isinstance(obj, dict):
         raise bad("manifest entry is not an object")
     for key in ("dtype", "shape", "codec", "streams", "crc32"):
@@ -188,6 +190,8 @@ class ContainerWriter:
         """Record one tensor: its manifest entry and the bytes of each of its streams by role."""
         if entry.name in self._tensor_names:
             raise ValueError(f"tensor {entry.name!r} added twice")
+        if entry.name == RESERVED_NAME:
+            raise ValueError("a tensor may not be named '__metadata__': safetensors reserves that key for the file's metadata")
         if set(streams) != set(entry.streams):
             raise ValueError(f"tensor {entry.name!r}: stream roles {sorted(streams)} != {sorted(entry.streams)}")
         for role, blob in streams.items():

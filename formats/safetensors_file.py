@@ -21,6 +21,7 @@ from .errors import FormatError
 
 MAX_HEADER_BYTES = 64 << 20  # 64 MiB: real headers are kilobytes, a hostile one can claim exabytes
 HEADER_ALIGN = 8
+RESERVED_NAME = "__metadata__"  # the header key of the metadata: no tensor may have this name
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +46,7 @@ def parse_header(path: str, raw: bytes, data_len: int) -> tuple[dict[str, Tensor
         raise FormatError(path, f"header is not valid UTF-8 JSON ({e.__class__.__name__}: {e})") from None
     if not isinstance(header, dict):
         raise FormatError(path, "header is not a JSON object")
-    metadata = header.pop("__metadata__", None)
+    metadata = header.pop(RESERVED_NAME, None)
     if metadata is not None and (
         not isinstance(metadata, dict)
         or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())
@@ -174,6 +175,8 @@ def encode_header(entries: Iterable[tuple[str, str, list[int], int, int]], metad
     if metadata is not None:
         header["__metadata__"] = metadata
     for name, dtype, shape, begin, end in entries:
+        if name == RESERVED_NAME:
+            raise ValueError("a tensor may not be named '__metadata__': safetensors reserves that key for the file's metadata")
         header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [begin, end]}
     raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     return raw + b" " * (-len(raw) % HEADER_ALIGN)

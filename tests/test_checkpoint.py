@@ -361,3 +361,56 @@ def test_symbolic_links_must_stay_inside_the_folder(tmp_path):
     (snap / "config.json").symlink_to("../../blobs/2222")
     report = unweight.compress(snap, tmp_path / "from-hub")
     assert report.copied_files == ["config.json"] and (tmp_path / "from-hub" / "config.json").read_text() == "{}"
+
+
+@pytest.mark.parametrize("index_bytes, why", [
+    (b"[" * 100_000 + b"]" * 100_000, "RecursionError"),
+    (b'{"weight_map": {"w": "model.safetensors"}, "metadata": {"total_size": ' + b"7" * 5000 + b"}}", "ValueError"),
+    (b'{"weight_map": {"w": "model.\xff.safetensors"}}', "UnicodeDecodeError"),
+    (b'{"weight_map": ', "JSONDecodeError"),
+])
+def test_a_bad_index_is_a_typed_error_naming_it(tmp_path, index_bytes, why):
+    from helpers import run_cli
+
+    src = write_checkpoint(tmp_path / "m" / "model.safetensors", {"w": random_bf16(64, 64)}).parent
+    unweight.compress(src, tmp_path / "uw")
+    for folder in (src, tmp_path / "uw"):
+        (folder / "model.safetensors.index.json").write_bytes(index_bytes)
+    message = f"^{src / 'model.safetensors.index.json'}: not valid UTF-8 JSON \\({why}"
+    with pytest.raises(unweight.SourceError, match=message):
+        unweight.compress(src, tmp_path / "o")
+    with pytest.raises(unweight.SourceError, match=f"^{tmp_path / 'uw' / 'model.safetensors.index.json'}: not valid UTF-8 JSON \\({why}"):
+        unweight.open(tmp_path / "uw")
+    r = run_cli("compress", src, tmp_path / "o")
+    assert r.returncode == 1 and "Traceback" not in r.stderr and r.stderr.startswith(f"error: {src / 'model.safetensors.index.json'}: not valid"), r.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_empty_tensors_whose_strides_pass_int64(tmp_path):
+    """[0, 2^47, 2^47, 2^47] holds no bytes and torch (and HF safetensors) can hold it: so can
+    get_tensor, and the decompressed file loads in HF safetensors."""
+    from safetensors.torch import load_file as hf_load_file
+
+    shape = (0, 1 << 47, 1 << 47, 1 << 47)
+    t = torch.empty(0, dtype=torch.bfloat16).reshape(shape)
+    src = write_checkpoint(tmp_path / "m" / "model.safetensors", {"e": t, "w": random_bf16(8, 8)}).parent
+    unweight.compress(src, tmp_path / "uw")
+    with unweight.open(tmp_path / "uw") as ckpt:
+        assert tuple(ckpt.get_tensor("e").shape) == shape and ckpt.get_tensor("e").dtype == torch.bfloat16
+    unweight.decompress(tmp_path / "uw", tmp_path / "back")
+    assert tuple(hf_load_file(tmp_path / "back" / "model.safetensors")["e"].shape) == shape
+    assert sha(tmp_path / "back" / "model.safetensors") == sha(src / "model.safetensors")
+
+
+def test_a_tensor_named_metadata_is_refused(tmp_path):
+    """safetensors reserves `__metadata__`: save_file and every writer refuse it (before, the
+    decompressed file was one HF safetensors cannot load)."""
+    from unweight.formats import write_safetensors
+
+    with pytest.raises(ValueError, match="__metadata__"):
+        unweight.save_file({"__metadata__": torch.ones(2), "w": torch.ones(2)}, tmp_path / "x.safetensors")
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(TypeError, match="must be strings"):
+        unweight.save_file({1: torch.ones(2)}, tmp_path / "x.safetensors")
+    with open(tmp_path / "plain.safetensors", "wb") as f, pytest.raises(ValueError, match="__metadata__"):
+        write_safetensors(f, [("__metadata__", "F32", [2])], [np.zeros(2, np.float32)])

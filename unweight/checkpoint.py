@@ -151,11 +151,19 @@ def _pickle_message(path: Path) -> str:
     )
 
 
-def _check_index(index: Path, root: Path) -> dict:
+def read_json(path: Path):
+    """A JSON file the user gave (a shard index), or SourceError naming it: invalid UTF-8 or JSON,
+    numbers past Python's 4300-digit limit and nesting past the recursion limit included."""
     try:
-        data = json.loads(index.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise SourceError(f"{index}: not valid JSON ({e})") from None
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
+        raise SourceError(f"{path}: not valid UTF-8 JSON ({e.__class__.__name__}: {str(e)[:200]})") from None
+    except OSError as e:
+        raise SourceError(f"{path}: cannot read: {e.strerror}") from None
+
+
+def _check_index(index: Path, root: Path) -> dict:
+    data = read_json(index)
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise SourceError(f"{index}: no weight_map of tensor name -> shard file")

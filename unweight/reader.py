@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import numpy as np
 
-from unweight.errors import SourceError
+from unweight.errors import FormatError, SourceError
 from unweight.formats import ContainerReader, TensorEntry
 
-from .checkpoint import INDEX_NAME, containers_of, decode_one
+from .checkpoint import INDEX_NAME, containers_of, decode_one, read_json
 from .memory import check_budget
 
 # safetensors dtype -> torch dtype name (resolved lazily: torch loads only when a tensor is asked for)
@@ -48,7 +47,7 @@ class CompressedCheckpoint:
             self.close()
             raise
         index = root / INDEX_NAME
-        self.index = json.loads(index.read_text(encoding="utf-8")) if self.path.is_dir() and index.exists() else None
+        self.index = read_json(index) if self.path.is_dir() and index.exists() else None
 
     def keys(self) -> list[str]:
         return list(self._where)
@@ -83,8 +82,11 @@ class CompressedCheckpoint:
         e = self.entry(name)
         dtype = getattr(torch, TORCH_DTYPES[e.dtype])
         data = self.get_bytes(name)
-        if e.numel == 0:
-            return torch.empty(e.shape, dtype=dtype)
+        if e.numel == 0:  # strides of an empty tensor may pass int64 ([0, 2^47, 2^47, 2^47]): reshape keeps them 0
+            try:
+                return torch.empty(0, dtype=dtype).reshape(e.shape)
+            except RuntimeError as err:  # [2^47, 2^47, 0]: torch cannot count its elements
+                raise FormatError(self._reader(name).path, f"torch cannot hold an empty tensor of shape {list(e.shape)} ({err})", name) from None
         if not data.flags.writeable:
             data = data.copy()  # raw-coded tensors are views of the read-only mapping
         return torch.from_numpy(data).view(dtype).reshape(e.shape)

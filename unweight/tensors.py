@@ -8,6 +8,7 @@ import numpy as np
 
 from unweight.codec import CodecOptions, encode_tensor
 from unweight.formats import ContainerWriter
+from unweight.formats.safetensors_file import RESERVED_NAME
 
 from .reader import TORCH_DTYPES
 
@@ -29,6 +30,11 @@ def tensor_bytes(t) -> tuple[str, tuple[int, ...], np.ndarray]:
 
 def save_file(tensors: dict, path: str | os.PathLike, threads: int | None = None, verify: bool = True) -> int:
     opts = CodecOptions(threads=threads, verify=verify)
+    for name in tensors:
+        if not isinstance(name, str):
+            raise TypeError(f"tensor names must be strings, not {name!r}")
+        if name == RESERVED_NAME:
+            raise ValueError("a tensor may not be named '__metadata__': safetensors reserves that key, so the file decompressed from it would not load")
     with ContainerWriter(os.fspath(path)) as writer:
         for name in sorted(tensors):
             dtype, shape, data = tensor_bytes(tensors[name])
