@@ -85,7 +85,7 @@ class CompressedCheckpoint:
         if e.numel == 0:  # strides of an empty tensor may pass int64 ([0, 2^47, 2^47, 2^47]): reshape keeps them 0
             try:
                 return torch.empty(0, dtype=dtype).reshape(e.shape)
-            except RuntimeError as err:  # [2^47, 2^47, 0]: torch cannot count its elements
+            except RuntimeError as err:  # a shape torch cannot represent: say which file and tensor
                 raise FormatError(self._reader(name).path, f"torch cannot hold an empty tensor of shape {list(e.shape)} ({err})", name) from None
         if not data.flags.writeable:
             data = data.copy()  # raw-coded tensors are views of the read-only mapping
