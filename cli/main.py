@@ -137,6 +137,8 @@ def compress(
         from .render import compress_table
 
         out.print(compress_table(report))
+        for note in report.notes():
+            err.print(f"note: {safe(note)}", highlight=False, soft_wrap=True)
         for f in report.skipped_files:
             err.print(f"note: skipped {safe(f)} (pickle; the safetensors files carry the weights)", highlight=False, soft_wrap=True)
 

@@ -11,12 +11,14 @@ from .container import (
     ContainerWriter,
     TensorEntry,
 )
-from .dtypes import DTYPE_SIZES
+from .dtypes import DTYPE_BITS, DTYPE_SIZES, STORED_DTYPE_BITS
 from .errors import FormatError
 from .safetensors_file import SafetensorsFile, TensorInfo, write_safetensors
 
 __all__ = [
+    "DTYPE_BITS",
     "DTYPE_SIZES",
+    "STORED_DTYPE_BITS",
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "ContainerReader",

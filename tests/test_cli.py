@@ -148,3 +148,81 @@ def test_a_fifo_is_refused_not_waited_on(tmp_path):
                  ("decompress", fifo, tmp_path / "o")):
         one_line_error(run_cli(*args, timeout=60), f"{fifo}: not a regular file (a FIFO)")
     assert not (tmp_path / "o").exists()
+
+
+def _hand_made_safetensors(path, tensors: dict) -> None:
+    """A safetensors file written byte by byte: {name: (dtype, shape, raw bytes)} in name order."""
+    import struct
+
+    header, cursor = {}, 0
+    for name, (dtype, shape, raw) in sorted(tensors.items()):
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [cursor, cursor + len(raw)]}
+        cursor += len(raw)
+    head = json.dumps(header).encode()
+    head += b" " * (-len(head) % 8)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(struct.pack("<Q", len(head)) + head + b"".join(raw for _, _, raw in (tensors[n] for n in sorted(tensors))))
+
+
+def test_newer_safetensors_dtypes_are_stored_bit_exact(tmp_path):
+    """F4, F6_*, F8_E8M0, the FNUZ float8s and C64 (dtypes safetensors 0.8 accepts and the codec has
+    no model of) are stored with zstd or raw, said so in the summary, and come back bit for bit."""
+    import numpy as np
+    from safetensors import safe_open
+
+    import unweight
+
+    g = np.random.default_rng(3)
+    raw = lambda n: g.integers(0, 256, n, dtype=np.uint8).tobytes()  # noqa: E731
+    tensors = {
+        "scales": ("F8_E8M0", [300], raw(300)),
+        "rot": ("C64", [64, 5], raw(64 * 5 * 8)),
+        "w4": ("F4", [64, 7], raw(64 * 7 // 2)),
+        "w6": ("F6_E2M3", [4, 100], raw(4 * 100 * 6 // 8)),
+        "w6b": ("F6_E3M2", [8], raw(6)),
+        "fnuz": ("F8_E4M3FNUZ", [1000], raw(1000)),
+        "fnuz5": ("F8_E5M2FNUZ", [1000], raw(1000)),
+        "zeros": ("F8_E8M0", [4096], bytes(4096)),  # compressible: zstd
+        "w": ("BF16", [64, 64], random_bf16(64, 64).view(torch.int16).numpy().tobytes()),
+    }
+    src = tmp_path / "m" / "model.safetensors"
+    _hand_made_safetensors(src, tensors)
+    with safe_open(src, "np") as f:  # what HF safetensors itself accepts
+        assert sorted(f.keys()) == sorted(tensors)
+    out = tmp_path / "uw"
+    r = run_cli("compress", src.parent, out, "--json")
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout)
+    codecs = {t["name"]: t["codec"] for t in summary["tensors"]}
+    assert codecs["w"] == "rans" and codecs["zeros"] == "zstd" and all(codecs[n] in ("zstd", "raw") for n in tensors if n != "w"), codecs
+    assert any(n.startswith("2 F8_E8M0 tensors (4,396 bytes) stored with") for n in summary["notes"]), summary["notes"]
+    assert {n.split()[1] for n in summary["notes"]} == {"C64", "F4", "F6_E2M3", "F6_E3M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ", "F8_E8M0"}
+    r = run_cli("compress", src.parent, tmp_path / "uw2")
+    assert r.returncode == 0 and "note: 1 C64 tensor (2,560 bytes) stored with" in r.stderr, r.stderr
+    r = run_cli("verify", out, "--against", src.parent)
+    assert r.returncode == 0 and r.stdout.startswith("OK:"), r.stdout + r.stderr
+    r = run_cli("inspect", out, "--json")
+    assert r.returncode == 0, r.stderr
+    stats = {s["name"]: s for s in json.loads(r.stdout)}
+    assert stats["w4"]["order0_bound"] is None and stats["w4"]["bits_per_weight"] == 4.0  # raw: 4 bits each
+    assert stats["zeros"]["order0_bound"] == 0.0 and stats["scales"]["order0_bound"] > 7.0
+    r = run_cli("decompress", out, tmp_path / "back")
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "back" / "model.safetensors").read_bytes() == src.read_bytes()
+    with unweight.open(out) as ckpt:
+        for name, (dtype, shape, data) in tensors.items():
+            assert ckpt.get_bytes(name).tobytes() == data, name
+        for name, torch_dtype in (("scales", torch.float8_e8m0fnu), ("rot", torch.complex64), ("fnuz", torch.float8_e4m3fnuz)):
+            t = ckpt.get_tensor(name)
+            assert t.dtype == torch_dtype and list(t.shape) == tensors[name][1]
+            assert t.reshape(-1).view(torch.uint8).numpy().tobytes() == tensors[name][2], name
+        with __import__("pytest").raises(TypeError, match=f"{out / 'model.safetensors'}: tensor 'w4' is F4, which"):
+            ckpt.get_tensor("w4")
+    # save_file / load_file take the torch dtypes among them.
+    c = torch.randn(33, 3, dtype=torch.complex64)
+    unweight.save_file({"c": c, "s": torch.ones(5).to(torch.float8_e8m0fnu)}, tmp_path / "c.safetensors")
+    back = unweight.load_file(tmp_path / "c.safetensors")
+    assert back["c"].dtype == torch.complex64 and torch.equal(back["c"].view(torch.uint8), c.view(torch.uint8))
+    # Sub-byte elements must fill whole bytes (safetensors' rule): named, typed, one line.
+    _hand_made_safetensors(tmp_path / "odd" / "model.safetensors", {"w4": ("F4", [3], raw(2))})
+    one_line_error(run_cli("compress", tmp_path / "odd", tmp_path / "o"), "model.safetensors", "'w4'", "12 bits, not a whole number of bytes")

@@ -12,7 +12,7 @@ from numba import njit
 from . import memory
 from .checkpoint import containers_of, decode_in_order
 from .report import CLASS_ORDER, TensorReport
-from unweight.formats import ContainerReader
+from unweight.formats import DTYPE_BITS, ContainerReader
 
 # dtype -> (word dtype, exponent shift, exponent mask)
 EXPONENT_FIELDS = {
@@ -58,7 +58,7 @@ class TensorStats(TensorReport):
 def _decodes(reader: ContainerReader, name: str) -> bool:
     """Whether inspect decodes this tensor: floats (for the exponent) and 1- and 2-byte dtypes."""
     e = reader.tensors[name]
-    return bool(e.numel) and (e.dtype in EXPONENT_FIELDS or e.nbytes // max(e.numel, 1) <= 2)
+    return bool(e.numel) and (e.dtype in EXPONENT_FIELDS or DTYPE_BITS[e.dtype] in (8, 16))  # not F4, F6: no whole-byte values
 
 
 @njit(nogil=True, cache=True)
@@ -76,7 +76,7 @@ class _Histograms:
     """A tensor's exponent histogram and whole-value histogram, piece by piece."""
 
     def __init__(self, e) -> None:
-        self.size = e.nbytes // e.numel
+        self.size = DTYPE_BITS[e.dtype] // 8  # whole bytes: _decodes() leaves out F4 and F6
         self.exponent = e.dtype in EXPONENT_FIELDS
         word, self.shift, self.mask = EXPONENT_FIELDS[e.dtype] if self.exponent else ({1: np.uint8, 2: np.uint16}[self.size], 0, 0)
         self.word = word

@@ -18,7 +18,8 @@ TORCH_DTYPES = {
     "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "I32": "int32",
     "U32": "uint32", "I64": "int64", "U64": "uint64", "F16": "float16", "BF16": "bfloat16",
     "F32": "float32", "F64": "float64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
-}
+    "F8_E8M0": "float8_e8m0fnu", "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz", "C64": "complex64",
+}  # F4, F6_E2M3, F6_E3M2 have no torch dtype of one element each: get_bytes() gives their bytes
 
 
 class CompressedCheckpoint:
@@ -80,7 +81,9 @@ class CompressedCheckpoint:
         import torch
 
         e = self.entry(name)
-        dtype = getattr(torch, TORCH_DTYPES[e.dtype])
+        dtype = getattr(torch, TORCH_DTYPES.get(e.dtype, ""), None)
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"{self._reader(name).path}: tensor {name!r} is {e.dtype}, which this torch ({torch.__version__}) has no dtype for; get_bytes() gives its bytes")
         data = self.get_bytes(name)
         if e.numel == 0:  # strides of an empty tensor may pass int64 ([0, 2^47, 2^47, 2^47]): reshape keeps them 0
             try:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass, field
 
+from unweight.formats.dtypes import STORED_DTYPE_BITS
+
 # Tensor classes for the summary, first match wins (names of Llama, Mistral, Qwen, BERT, GPT-2).
 TENSOR_CLASSES: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("embeddings", re.compile(r"(embed|wte|wpe|lm_head|shared\.weight)", re.I)),
@@ -96,6 +98,17 @@ class CompressReport:
             out.setdefault(r.dtype, Totals()).add(r, _numel(r.shape))
         return out
 
+    def notes(self) -> list[str]:
+        """What the summary says besides its numbers: tensors of dtypes the codec has no model of
+        (F8_E8M0, C64, ...: formats/dtypes.py STORED_DTYPE_BITS), kept bit-exact with zstd or raw."""
+        out = []
+        for dtype, t in self.by_dtype().items():
+            if dtype in STORED_DTYPE_BITS:
+                codecs = sorted({r.codec for r in self.tensors if r.dtype == dtype})
+                out.append(f"{t.tensors} {dtype} tensor{'s' if t.tensors > 1 else ''} ({t.original_bytes:,} bytes) stored with "
+                           f"{' or '.join(codecs)}, bit-exact: the codec has no model of {dtype} values")
+        return out
+
     def to_json(self) -> dict:
         return {
             "source": self.source,
@@ -109,6 +122,7 @@ class CompressReport:
             "by_dtype": {d: t.to_json() for d, t in self.by_dtype().items()},
             "copied_files": self.copied_files,
             "skipped_files": self.skipped_files,
+            "notes": self.notes(),
             "tensors": [{**asdict(t), "class": t.tensor_class} for t in self.tensors],
         }
 

@@ -12,7 +12,7 @@ from unweight.formats.safetensors_file import RESERVED_NAME
 
 from .reader import TORCH_DTYPES
 
-DTYPE_OF_TORCH = {v: k for k, v in TORCH_DTYPES.items()}
+DTYPE_OF_TORCH = {v: k for k, v in TORCH_DTYPES.items()}  # torch dtype name -> safetensors dtype
 
 
 def tensor_bytes(t) -> tuple[str, tuple[int, ...], np.ndarray]:

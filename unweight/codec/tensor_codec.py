@@ -55,8 +55,11 @@ class CodecOptions:
 
 
 def _rans_word(dtype: str) -> tuple[int, bool] | None:
-    """(word bits, rotate) if the rans codec applies to this dtype, else None."""
-    size = DTYPE_SIZES[dtype]
+    """(word bits, rotate) if the rans codec applies to this dtype, else None (the dtypes of
+    STORED_DTYPE_BITS, F4 ... C64, go to zstd or raw)."""
+    size = DTYPE_SIZES.get(dtype)
+    if size is None:
+        return None
     if dtype in FLOAT_DTYPES and size in (1, 2, 4):
         return 8 * size, True
     if size == 1:  # U8, I8, BOOL: byte-wise entropy coding
