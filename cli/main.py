@@ -116,7 +116,10 @@ def compress(
     """Compress a Hugging Face checkpoint into a folder that mirrors it.
 
     Every *.safetensors file becomes an Unweight container of the same name; the shard index,
-    config and tokenizer files are kept. Nothing appears at DST unless the whole run succeeds.
+    config and tokenizer files are kept. Nothing appears at DST unless the whole run succeeds:
+    an interrupted run (Ctrl-C, SIGTERM, SIGHUP) removes its hidden .DST.partial-PID folder, and a
+    killed run's is removed by the next run to DST. Symbolic links must resolve inside SRC (linked
+    files are copied as their contents); links that leave it, FIFOs and devices are refused.
 
     Examples:
 
