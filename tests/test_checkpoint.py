@@ -190,6 +190,7 @@ def test_next_run_removes_stale_partials_only(tmp_path):
     [stale] = _partials(dst)
     assert not dst.exists() and stale.name == f".out.partial-{killed.pid}"
     live = _start_compress(src, dst.parent / "elsewhere")  # a run to another DST is not touched either
+    os.kill(live.pid, signal.SIGSTOP)
     live_same = subprocess.Popen([sys.executable, "-m", "unweight.cli.main", "compress", str(src), str(dst), "-q"],
                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
