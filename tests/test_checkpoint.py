@@ -143,6 +143,11 @@ def test_refusals(tmp_path, sharded):
     os.remove(sharded / "model-00002-of-00002.safetensors")
     with pytest.raises(unweight.SourceError, match="missing"):
         unweight.compress(sharded, tmp_path / "o3")
+    index = sharded / "model.safetensors.index.json"
+    for shard in ("a\u0000b", "../x.safetensors", "/etc/hostname"):  # NUL once raised an untyped ValueError
+        index.write_text(json.dumps({"weight_map": {"w": shard}}))
+        with pytest.raises(unweight.SourceError, match=f"^{index}: shard path .* leaves the folder or is not a path$"):
+            unweight.compress(sharded, tmp_path / "o3")
     assert not (tmp_path / "o1").exists() and not (tmp_path / "o3").exists()
 
 

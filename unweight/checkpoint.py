@@ -168,10 +168,10 @@ def _check_index(index: Path, root: Path) -> dict:
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise SourceError(f"{index}: no weight_map of tensor name -> shard file")
     for shard in sorted(set(weight_map.values())):
+        if "\x00" in shard or ".." in Path(shard).parts or Path(shard).is_absolute():  # NUL: no path at all
+            raise SourceError(f"{index}: shard path {shard!r} leaves the folder or is not a path")
         if not (index.parent / shard).is_file():
             raise SourceError(f"{index}: shard {shard!r} is listed but missing")
-        if ".." in Path(shard).parts or Path(shard).is_absolute():
-            raise SourceError(f"{index}: shard path {shard!r} leaves the folder")
     return data
 
 
