@@ -90,7 +90,7 @@ def inspect_groups_table(groups: list, file_count: int) -> Table:
     f = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
 
     def row(label, g, style=None):
-        table.add_row(label, f"{g.tensors:,}", ",".join(g.dtypes), ",".join(g.codecs), f"{g.original_bytes / 1e6:,.2f}", f"{g.stored_bytes / 1e6:,.2f}",
+        table.add_row(safe(label), f"{g.tensors:,}", safe(",".join(g.dtypes)), safe(",".join(g.codecs)), f"{g.original_bytes / 1e6:,.2f}", f"{g.stored_bytes / 1e6:,.2f}",
                       f"{g.bits_per_weight:.3f}", f(g.exponent_entropy), f(g.order0_bound), f(g.gap_to_bound), style=style)
 
     from unweight.inspection import GroupStats

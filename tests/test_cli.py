@@ -122,7 +122,10 @@ def test_names_and_paths_are_text_not_markup(tmp_path):
     title = "".join(stdout.split())  # the table's title wraps
     assert f"{src}→{out}" in title, stdout
     assert "\x1b]8" not in stdout + stderr, "a hyperlink reached the terminal"
-    r = run_cli("inspect", out)
+    r = run_cli("inspect", out)  # by layer type: the names are the types
+    assert r.returncode == 0 and "\x1b" not in r.stdout, r.stderr
+    assert "a[/]b" in r.stdout and "[link=https://evil.example]click[/link]" in r.stdout, r.stdout
+    r = run_cli("inspect", out, "--tensors")
     assert r.returncode == 0, r.stderr
     for name in ("a[/]b", "[link=https://evil.example]click[/link]", "[bold]x", "esc\\x1b]8;;https://evil.example\\x07y", "two\\nlines"):
         assert name in r.stdout, (name, r.stdout)
