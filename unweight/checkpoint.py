@@ -362,6 +362,12 @@ def decompress(src: str | os.PathLike, dst: str | os.PathLike, threads: int | No
     readers = [ContainerReader(root / c) for c in containers]
     count = 0
     try:
+        for reader in readers:  # streams that cannot produce what they declare are corrupt, whatever the disk
+            for name, entry in reader.tensors.items():
+                try:
+                    check_streams(entry, reader.streams_of(entry))
+                except FormatError as e:
+                    raise type(e)(reader.path, e.reason, name) from None
         total = sum(e.nbytes for r in readers for e in r.tensors.values())
         _check_disk(dst, total + sum((root / rel).stat().st_size for rel in others))
         progress.start(total)
