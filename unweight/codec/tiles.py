@@ -6,7 +6,8 @@ exponent byte lies in `esc`. A kernel finds any element's bytes by arithmetic al
 position in `esc` is the block's entry in `esc_index` plus the escapes before it in its block.
 
 Measured on all-MiniLM-L6-v2's 2-D weights in BF16: 3.0 % of elements escape with the best
-per-tensor window; 11 + 0.24 + 0.03 bits per weight, a 29.6 % saving (docs/compression.md).
+per-tensor window; 11 + 0.24 + 0.03 bits per weight, a 29.26 % saving with 1024-column blocks
+(docs/compression.md).
 """
 
 from __future__ import annotations
