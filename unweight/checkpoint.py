@@ -388,6 +388,8 @@ def _check_disk(dst: Path, nbytes: int) -> None:
     """Refuse before writing anything what the destination's file system cannot hold (a container
     may declare far more than it stores: a valid one of 1 KB can decode to terabytes)."""
     parent = dst.parent if str(dst.parent) else Path(".")
+    if parent.is_dir():
+        _remove_stale(parent, dst.name)  # what interrupted runs left there is not taken space
     try:
         free = shutil.disk_usage(parent).free
     except OSError:
