@@ -1,44 +1,52 @@
-"""The safetensors dtype names this project reads and writes, with their sizes.
-
-Defined once here; the codec and runtime layers import from this table.
+"""The safetensors dtypes this project reads and writes: their sizes, torch's name for each, and
+whether the codec models their values. Defined once here (`DTYPES`); the tables below are views
+of it, and the codec, the reader and the runtime import them.
 """
 
 from __future__ import annotations
 
-# safetensors dtype name -> bytes per element, for the dtypes whose values the codec models
-# (floats split into exponent and mantissa, 1-byte integers coded byte-wise)
-DTYPE_SIZES: dict[str, int] = {
-    "BOOL": 1,
-    "U8": 1,
-    "I8": 1,
-    "F8_E4M3": 1,
-    "F8_E5M2": 1,
-    "U16": 2,
-    "I16": 2,
-    "F16": 2,
-    "BF16": 2,
-    "U32": 4,
-    "I32": 4,
-    "F32": 4,
-    "U64": 8,
-    "I64": 8,
-    "F64": 8,
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class DType:
+    bits: int  # per element
+    torch: str | None  # torch's dtype of one element (its name: this layer imports no torch), if it has one
+    modeled: bool  # the codec models its values (floats split into exponent and mantissa, 1-byte
+    # integers coded byte-wise); the others are stored as they are (zstd, else raw), bit-exact
+
+
+# Every dtype of the safetensors format (those safetensors 0.8 accepts). Sub-byte elements are
+# packed as safetensors packs them; a tensor of them MUST fill a whole number of bytes.
+DTYPES: dict[str, DType] = {
+    "BOOL": DType(8, "bool", True),
+    "U8": DType(8, "uint8", True),
+    "I8": DType(8, "int8", True),
+    "F8_E4M3": DType(8, "float8_e4m3fn", True),
+    "F8_E5M2": DType(8, "float8_e5m2", True),
+    "U16": DType(16, "uint16", True),
+    "I16": DType(16, "int16", True),
+    "F16": DType(16, "float16", True),
+    "BF16": DType(16, "bfloat16", True),
+    "U32": DType(32, "uint32", True),
+    "I32": DType(32, "int32", True),
+    "F32": DType(32, "float32", True),
+    "U64": DType(64, "uint64", True),
+    "I64": DType(64, "int64", True),
+    "F64": DType(64, "float64", True),
+    "F4": DType(4, None, False),
+    "F6_E2M3": DType(6, None, False),
+    "F6_E3M2": DType(6, None, False),
+    "F8_E8M0": DType(8, "float8_e8m0fnu", False),
+    "F8_E4M3FNUZ": DType(8, "float8_e4m3fnuz", False),
+    "F8_E5M2FNUZ": DType(8, "float8_e5m2fnuz", False),
+    "C64": DType(64, "complex64", False),
 }
 
-# The other dtypes of the safetensors format (those safetensors 0.8 accepts), in bits per element:
-# stored as they are (zstd, else raw), bit-exact, with no model of their values. Sub-byte elements
-# are packed as safetensors packs them; a tensor of them MUST fill a whole number of bytes.
-STORED_DTYPE_BITS: dict[str, int] = {
-    "F4": 4,
-    "F6_E2M3": 6,
-    "F6_E3M2": 6,
-    "F8_E8M0": 8,
-    "F8_E4M3FNUZ": 8,
-    "F8_E5M2FNUZ": 8,
-    "C64": 64,
-}
-
-DTYPE_BITS: dict[str, int] = {**{k: 8 * v for k, v in DTYPE_SIZES.items()}, **STORED_DTYPE_BITS}
+DTYPE_SIZES: dict[str, int] = {k: d.bits // 8 for k, d in DTYPES.items() if d.modeled}  # bytes per element
+STORED_DTYPE_BITS: dict[str, int] = {k: d.bits for k, d in DTYPES.items() if not d.modeled}
+DTYPE_BITS: dict[str, int] = {k: d.bits for k, d in DTYPES.items()}
+TORCH_DTYPES: dict[str, str] = {k: d.torch for k, d in DTYPES.items() if d.torch is not None}
 
 FLOAT_DTYPES = frozenset({"F8_E4M3", "F8_E5M2", "F16", "BF16", "F32", "F64"})
 

@@ -9,17 +9,12 @@ import numpy as np
 
 from unweight.errors import FormatError, SourceError
 from unweight.formats import ContainerReader, TensorEntry
+from unweight.formats.dtypes import TORCH_DTYPES
 
 from .checkpoint import INDEX_NAME, containers_of, decode_one, read_json
 from .memory import check_budget
 
 # safetensors dtype -> torch dtype name (resolved lazily: torch loads only when a tensor is asked for)
-TORCH_DTYPES = {
-    "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "I32": "int32",
-    "U32": "uint32", "I64": "int64", "U64": "uint64", "F16": "float16", "BF16": "bfloat16",
-    "F32": "float32", "F64": "float64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
-    "F8_E8M0": "float8_e8m0fnu", "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz", "C64": "complex64",
-}  # F4, F6_E2M3, F6_E3M2 have no torch dtype of one element each: get_bytes() gives their bytes
 
 
 class CompressedCheckpoint:

@@ -10,7 +10,7 @@ from unweight.codec import CodecOptions, encode_tensor
 from unweight.formats import ContainerWriter
 from unweight.formats.safetensors_file import RESERVED_NAME
 
-from .reader import TORCH_DTYPES
+from unweight.formats.dtypes import TORCH_DTYPES
 
 DTYPE_OF_TORCH = {v: k for k, v in TORCH_DTYPES.items()}  # torch dtype name -> safetensors dtype
 
