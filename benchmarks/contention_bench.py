@@ -94,7 +94,8 @@ def main() -> None:
     model = args.model_dir
     if model is None:
         import unweight
-        from unweight.fixtures import cache_dir, smollm2_bf16
+        from unweight.defaults import cache_dir
+        from unweight.testing import smollm2_bf16
 
         model = str(cache_dir() / "smollm2-uw-bench")
         if not Path(model, "config.json").exists():

@@ -128,7 +128,7 @@ def main(argv=None) -> None:
     batches = tuple(int(b) for b in args.batches.split(","))
     path = args.safetensors
     if path is None:
-        from unweight.fixtures import cache_dir
+        from unweight.defaults import cache_dir
 
         path = cache_dir() / "smollm2-bf16" / "model.safetensors"
     labels = [s for s in args.shapes.split(",") if s]

@@ -54,7 +54,8 @@ from pathlib import Path
 import torch
 
 import unweight
-from unweight.fixtures import cache_dir, smollm2_bf16
+from unweight.defaults import cache_dir
+from unweight.testing import smollm2_bf16
 from unweight.runtime.generate import encode_prompt
 
 ROWS = ("uw-serving", "uw-archive", "hf-bf16", "hf-fp32", "bnb-int8", "bnb-nf4")

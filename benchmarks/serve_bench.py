@@ -586,7 +586,8 @@ def prepare_model(model_dir: str | None) -> Path:
     if model_dir:
         return Path(model_dir)
     import unweight
-    from unweight.fixtures import cache_dir, smollm2_bf16
+    from unweight.defaults import cache_dir
+    from unweight.testing import smollm2_bf16
 
     dst = cache_dir() / "smollm2-uw"
     if not dst.exists():

