@@ -23,7 +23,7 @@ from .errors import FormatError
 from .safetensors_file import RESERVED_NAME, SafetensorsFile, encode_header
 
 FORMAT_NAME = "unweight"
-FORMAT_VERSION = "1.0"
+FORMAT_VERSION = "1.1"  # 1.1 added the optional per-stream CRC-32s (SPEC.md §2, §5)
 SUPPORTED_MAJOR = 1
 _VERSION_RE = re.compile(r"([0-9]{1,4})\.([0-9]{1,4})")
 
@@ -39,6 +39,8 @@ class TensorEntry:
     params: dict[str, Any]
     streams: dict[str, str]  # role -> stream name
     crc32: int
+    # role -> CRC-32 of the stored stream bytes (format 1.1; None in containers written before)
+    stream_crc32: dict[str, int] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -57,7 +59,13 @@ class TensorEntry:
             out["params"] = self.params
         out["streams"] = self.streams
         out["crc32"] = self.crc32
+        if self.stream_crc32 is not None:
+            out["stream_crc32"] = self.stream_crc32
         return out
+
+
+def _is_crc(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 32
 
 
 def _entry_from_json(path: str, name: str, obj: Any) -> TensorEntry:
@@ -87,9 +95,17 @@ def _entry_from_json(path: str, name: str, obj: Any) -> TensorEntry:
     if not isinstance(streams, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in streams.items()):
         raise bad("streams must map role names to stream names")
     crc = obj["crc32"]
-    if not isinstance(crc, int) or isinstance(crc, bool) or not 0 <= crc < 1 << 32:
+    if not _is_crc(crc):
         raise bad(f"crc32 {crc!r} is not a 32-bit unsigned integer")
-    return TensorEntry(name, obj["dtype"], tuple(shape), obj["codec"], params, dict(streams), crc)
+    stream_crc = obj.get("stream_crc32")
+    if stream_crc is not None:
+        if not isinstance(stream_crc, dict) or set(stream_crc) != set(streams):
+            raise bad(f"stream_crc32 must map exactly the roles {sorted(streams)} to CRC-32s")
+        odd = [r for r, v in stream_crc.items() if not _is_crc(v)]
+        if odd:
+            raise bad(f"stream_crc32 of role {odd[0]!r}, {stream_crc[odd[0]]!r}, is not a 32-bit unsigned integer")
+        stream_crc = dict(stream_crc)
+    return TensorEntry(name, obj["dtype"], tuple(shape), obj["codec"], params, dict(streams), crc, stream_crc)
 
 
 class ContainerReader:

@@ -8,6 +8,12 @@ mirror Hugging Face's, so the map is a table of suffixes, not branches):
   or an `ArchiveLinear` (layout "archive": the streams as stored, decoded at every use);
 - norms and biases are decoded once into the compute dtype (they are a few KB a layer).
 With tied embeddings, `lm_head` is the embedding module itself: one copy of the streams.
+
+Every tensor is checked once, here (docs/runtime.md, "What load checks"): one decoded at load (a
+transcode, a stacked matrix, a norm) by the CRC-32 of its original bytes; one kept as stored by
+the CRC-32s of its streams, or, in a format 1.0 container that has none, by one decode. Damage is
+a CorruptDataError naming the file and tensor; `model.load_report` says what was checked and what
+the checks cost.
 """
 
 from __future__ import annotations
@@ -15,12 +21,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from unweight.errors import SourceError
+from unweight.errors import FormatError, SourceError
 from unweight.reader import CompressedCheckpoint
 
 from .linear import ArchiveLinear, UnweightLinear, compute_dtype
@@ -32,6 +40,24 @@ LAYOUTS = ("auto", "serving", "archive")
 # Our stacked modules -> the checkpoint modules whose rows they hold, in order.
 PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 DEFAULT_CACHE_TOKENS = 8192  # KV cache room over all sequences, unless the caller says otherwise
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """How long `load` took and what it checked (`model.load_report`; also logged at INFO)."""
+
+    seconds: float  # the whole load
+    check_seconds: float  # the checks that decode nothing for the model: stream CRC-32s, 1.0 decodes
+    stream_checked: int  # tensors kept as stored, checked by the CRC-32s of their streams
+    stream_bytes: int  # the stored bytes those CRCs covered
+    decode_checked: int  # tensors checked by the CRC-32 of their decoded bytes
+    decode_only_to_check: int  # of those, decoded only to be checked (1.0 containers: no stream CRCs)
+
+    def __str__(self) -> str:
+        return (f"loaded in {self.seconds:.2f} s; checked {self.stream_checked + self.decode_checked} tensors: "
+                f"{self.stream_checked} by stream CRC-32 ({self.stream_bytes / 1e6:.1f} MB), {self.decode_checked} "
+                f"by the CRC-32 of their decoded bytes ({self.decode_only_to_check} decoded only for it); "
+                f"the checks took {self.check_seconds:.3f} s")
 
 
 def _device(device: str | torch.device) -> torch.device:
@@ -51,6 +77,7 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu", layout: st
     if layout not in LAYOUTS:
         raise ValueError(f"layout {layout!r} is not one of {', '.join(LAYOUTS)}")
     dev = _device(device)
+    t0 = time.perf_counter()
     path = Path(path)
     if not path.is_dir():
         raise SourceError(f"{path}: not a folder (load takes the folder `unweight compress` wrote)")
@@ -58,11 +85,15 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu", layout: st
     with torch.device("meta"):
         model = CausalLM(cfg)
     with CompressedCheckpoint(path, threads) as ckpt:
-        _fill(model, ckpt, dev, layout, threads)
+        transcoded = _fill(model, ckpt, dev, layout, threads)
     dtype = compute_dtype(dev)
     tokens = max_cache_tokens or min(cfg.max_position_embeddings, DEFAULT_CACHE_TOKENS)
     model.init_cache(tokens, dtype)
     model.eval()
+    st = ckpt.integrity
+    model.load_report = LoadReport(time.perf_counter() - t0, st.seconds, st.by_stream_crc, st.stream_bytes,
+                                   st.by_decode + st.decoded + transcoded, st.by_decode)
+    log.info("%s: %s", path, model.load_report)
     return model
 
 
@@ -84,8 +115,10 @@ def _generation_eos(path: Path) -> tuple[int, ...]:
     return tuple(i for i in ids if isinstance(i, int) and not isinstance(i, bool))
 
 
-def _fill(model: CausalLM, ckpt: CompressedCheckpoint, dev: torch.device, layout: str, threads: int | None) -> None:
+def _fill(model: CausalLM, ckpt: CompressedCheckpoint, dev: torch.device, layout: str, threads: int | None) -> int:
+    """Fill the model; returns how many weights were decoded (CRC-32 checked) to be re-encoded."""
     dtype = compute_dtype(dev)
+    transcoded = 0
     tied = "lm_head.weight" not in ckpt
     if tied and not model.config.tie_word_embeddings:
         raise SourceError(f"{ckpt.path}: no lm_head.weight, and the config does not tie embeddings")
@@ -93,19 +126,23 @@ def _fill(model: CausalLM, ckpt: CompressedCheckpoint, dev: torch.device, layout
         if name == "lm_head" and tied:
             continue
         if isinstance(module, (nn.Linear, nn.Embedding)):
-            _set(model, name, _linear(ckpt, name, tuple(module.weight.shape), dev, layout, threads, dtype))
+            linear, n = _linear(ckpt, name, tuple(module.weight.shape), dev, layout, threads, dtype)
+            _set(model, name, linear)
+            transcoded += n
         elif isinstance(module, RMSNorm):
             module.weight = nn.Parameter(_dense(ckpt, f"{name}.weight", (module.weight.shape[0],), dtype, dev), requires_grad=False)
     if tied:
         model.lm_head = model.model.embed_tokens
+    return transcoded
 
 
-def _linear(ckpt: CompressedCheckpoint, name: str, shape: tuple[int, int], dev: torch.device, layout: str, threads: int | None, dtype: torch.dtype) -> nn.Module:
+def _linear(ckpt: CompressedCheckpoint, name: str, shape: tuple[int, int], dev: torch.device, layout: str, threads: int | None, dtype: torch.dtype) -> tuple[nn.Module, int]:
     """The module `name` of shape (out, in) (for the embedding: (vocab, hidden)), from one
-    checkpoint weight or from the several that PACKED stacks into it."""
+    checkpoint weight or from the several that PACKED stacks into it, and how many of those were
+    decoded to be re-encoded (which checks the CRC-32 of their original bytes)."""
     parent, _, leaf = name.rpartition(".")
     sources = [f"{parent}.{p}" for p in PACKED[leaf]] if leaf in PACKED else [name]
-    parts, biases = [], []
+    entries, biases = [], []
     for src in sources:
         wname = f"{src}.weight"
         if wname not in ckpt:
@@ -113,18 +150,27 @@ def _linear(ckpt: CompressedCheckpoint, name: str, shape: tuple[int, int], dev: 
         entry = ckpt.entry(wname)
         if entry.dtype != "BF16":
             raise UnsupportedModelError(f"{wname} is {entry.dtype}; the runtime serves BF16 checkpoints")
-        parts.append((entry, ckpt.streams(wname)))
+        entries.append(entry)
         if f"{src}.bias" in ckpt:
             biases.append(_dense(ckpt, f"{src}.bias", (entry.shape[0],), dtype, dev))
+    # A weight kept as stored (the archive layout; a lone tiles weight) is checked by its stream
+    # CRC-32s; one that is decoded here to be re-encoded, by the CRC-32 of its decoded bytes.
+    decoded = layout != "archive" and (len(entries) > 1 or entries[0].codec != "tiles")
+    parts = [(e, ckpt.streams(e.name, check=not decoded)) for e in entries]
     got = (sum(e.shape[0] for e, _ in parts), parts[0][0].shape[1])
     if got != shape or any(e.shape[1] != shape[1] for e, _ in parts):
         raise SourceError(f"{ckpt.path}: {', '.join(e.name for e, _ in parts)} have shapes {[list(e.shape) for e, _ in parts]}, the config implies {list(shape)}")
     if biases and len(biases) != len(parts):
         raise SourceError(f"{ckpt.path}: only some of {', '.join(sources)} have a bias")
     bias = torch.cat(biases) if biases else None
-    if layout == "archive":
-        return ArchiveLinear(parts, bias, threads)
-    return UnweightLinear.from_entries(parts, bias, threads, dev).to(dev)  # encoded once, in the layout dev reads
+    try:
+        if layout == "archive":
+            return ArchiveLinear(parts, bias, threads), 0
+        return UnweightLinear.from_entries(parts, bias, threads, dev).to(dev), len(parts) if decoded else 0  # encoded once, in the layout dev reads
+    except FormatError as e:  # the codec names the tensor; name its file too
+        if e.path is not None or e.tensor not in ckpt:
+            raise
+        raise type(e)(ckpt.file_of(e.tensor), e.reason, e.tensor) from None
 
 
 def _dense(ckpt: CompressedCheckpoint, name: str, shape: tuple[int, ...], dtype: torch.dtype, dev: torch.device) -> torch.Tensor:

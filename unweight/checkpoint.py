@@ -27,7 +27,7 @@ except ImportError:  # not POSIX: stale staging folders are recognised by their 
 import numpy as np
 
 from unweight import memory
-from unweight.codec import CodecOptions, decode_tensor, encode_tensor
+from unweight.codec import CodecOptions, check_stream_crcs, decode_tensor, encode_tensor
 from unweight.codec.parallel import default_threads, map_in_order
 from unweight.codec.pieces import check_streams, decode_pieces
 from unweight.errors import DestinationError, FormatError, SourceError
@@ -546,6 +546,16 @@ def verify(path: str | os.PathLike, against: str | os.PathLike | None = None, th
     return report
 
 
+def _check_stream_crcs(reader: ContainerReader, entry) -> None:
+    """The tensor's stored streams against their CRC-32s (format 1.1), their pages then unmapped."""
+    streams = reader.streams_of(entry)
+    try:
+        check_stream_crcs(entry, streams, reader.path)
+    finally:
+        for view in streams.values():
+            memory.release(view)
+
+
 def _verify_file(reader: ContainerReader, original: SafetensorsFile | None, rel: str, threads: int | None, progress: Progress,
                  report: VerifyReport, piece_bytes: int) -> None:
     if original is not None:
@@ -566,6 +576,7 @@ def _verify_file(reader: ContainerReader, original: SafetensorsFile | None, rel:
                 ob = original.bytes_of(name)
         at, differs = 0, None
         try:
+            _check_stream_crcs(reader, entry)  # what load checks, where it keeps the streams as stored
             for data in get():  # CRC-32 checked inside, after the last piece
                 if ob is not None and differs is None:
                     part = ob[at : at + len(data)]

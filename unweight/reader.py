@@ -3,18 +3,37 @@
 from __future__ import annotations
 
 import os
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from unweight.codec import check_stream_crcs
+from unweight.codec.pieces import decode_pieces
 from unweight.errors import FormatError, SourceError
 from unweight.formats import ContainerReader, TensorEntry
 from unweight.formats.dtypes import TORCH_DTYPES
 
 from .checkpoint import INDEX_NAME, containers_of, decode_one, read_json
-from .memory import check_budget
+from .memory import PIECE_BYTES, check_budget
 
 # safetensors dtype -> torch dtype name (resolved lazily: torch loads only when a tensor is asked for)
+
+
+@dataclass
+class IntegrityStats:
+    """What a CompressedCheckpoint has checked so far, and what the checks that decode nothing
+    else cost. Every tensor it hands out is checked once: `streams` by the CRC-32s of the stored
+    streams (format 1.1), or for a 1.0 container by a decode and the CRC-32 of the original bytes;
+    `get_bytes`/`get_tensor` by the decode's CRC-32 of the original bytes."""
+
+    by_stream_crc: int = 0  # tensors whose stored streams matched their CRC-32s
+    stream_bytes: int = 0  # the bytes those CRCs covered
+    by_decode: int = 0  # tensors decoded only to check them (1.0 containers, no stream CRCs)
+    decoded_bytes: int = 0  # the original bytes of those
+    seconds: float = 0.0  # time spent in these two checks (not in decodes done for the data itself)
+    decoded: int = 0  # tensors decoded for their data by get_bytes/get_tensor (CRC-32 included)
 
 
 class CompressedCheckpoint:
@@ -31,6 +50,7 @@ class CompressedCheckpoint:
         root, files, _ = containers_of(self.path)
         self._readers: dict[str, ContainerReader] = {}
         self._where: dict[str, str] = {}
+        self.integrity = IntegrityStats()
         try:
             for rel in files:
                 reader = ContainerReader(root / rel)
@@ -62,13 +82,40 @@ class CompressedCheckpoint:
             raise KeyError(f"no tensor {name!r} in {self.path}")
         return self._readers[self._where[name]]
 
-    def streams(self, name: str) -> dict[str, np.ndarray]:
-        """The tensor's stored streams by role, undecoded (read-only views of the mapping)."""
+    def streams(self, name: str, check: bool = True) -> dict[str, np.ndarray]:
+        """The tensor's stored streams by role, undecoded (read-only views of the mapping).
+
+        With `check` (the default) they are checked first: against their CRC-32s, or, in a 1.0
+        container that has none, by decoding the tensor once and checking the CRC-32 of its
+        original bytes. Raises CorruptDataError naming the file and tensor. A caller that decodes
+        the tensor itself with the CRC check (decode_tensor's default) may pass check=False."""
         reader = self._reader(name)
-        return reader.streams_of(reader.tensors[name])
+        entry = reader.tensors[name]
+        streams = reader.streams_of(entry)
+        if check:
+            t0, st = time.perf_counter(), self.integrity
+            nbytes = check_stream_crcs(entry, streams, reader.path)
+            if nbytes >= 0:
+                st.by_stream_crc += 1
+                st.stream_bytes += nbytes
+            else:  # decoded in pieces: the check needs no memory of the tensor's size
+                try:
+                    for _ in decode_pieces(entry, streams, PIECE_BYTES, self.threads):
+                        pass
+                except FormatError as e:
+                    raise type(e)(reader.path, e.reason, name) from None
+                st.by_decode += 1
+                st.decoded_bytes += entry.nbytes
+            st.seconds += time.perf_counter() - t0
+        return streams
+
+    def file_of(self, name: str) -> str:
+        """The path of the container file that holds tensor `name`."""
+        return self._reader(name).path
 
     def get_bytes(self, name: str) -> np.ndarray:
         """The tensor's original bytes (uint8, C order), CRC-checked."""
+        self.integrity.decoded += 1
         return decode_one(self._reader(name), name, self.threads, self.max_memory)
 
     def get_tensor(self, name: str):
