@@ -100,8 +100,8 @@ def test_regenerates_byte_identical(tmp_path):
 
 
 def _originals() -> dict:
-    """The tensors of the two valid containers the bad files were made from."""
-    return {**maker.base_tensors(), "weight#B": maker.base_b_tensor()}
+    """The tensors of the valid containers the bad files were made from."""
+    return {**maker.base_tensors(), "weight#B": maker.base_b_tensor(), "proj": maker.base_c_tensor()}
 
 
 def _assert_original(tensors: dict) -> None:

@@ -48,5 +48,5 @@ def test_container_is_a_safetensors_file(tmp_path):
     unweight.save_file({"w": torch.randn(64, 64).to(torch.bfloat16)}, path)
     with safe_open(str(path), "pt") as f:
         meta = f.metadata()
-        assert meta["format"] == "unweight" and meta["format_version"] == "1.0"
+        assert meta["format"] == "unweight" and meta["format_version"] == "1.1"
         assert set(f.keys()) == {"w#table", "w#raw", "w#words", "w#index"}

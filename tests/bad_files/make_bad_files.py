@@ -10,7 +10,9 @@ Every file starts from one of two small *valid* containers and is edited at the 
 - base "B", made with `unweight.compress(..., chunk=1024)` from a plain safetensors file:
   `weight` BF16 [1501] (codec rans, two chunks, a partial last raw group); source header kept.
 
-Container edits parse the header by hand (SPEC.md §1: 8-byte little-endian length N, N bytes of
+A case that edits a stream records the edited stream's CRC-32 (format 1.1's `stream_crc32`), so
+that it breaks only its own rule; `tiles_sm_byte_flipped` and the `stream_crc32_*` cases are about
+that CRC. Container edits parse the header by hand (SPEC.md §1: 8-byte little-endian length N, N bytes of
 JSON padded with spaces to a multiple of 8, then the data) and re-serialise it the way the writer
 does, so an unedited round trip is byte-identical (checked below).
 
@@ -53,6 +55,7 @@ from unweight.formats.safetensors_file import write_safetensors  # noqa: E402
 CONTAINER_OPS = ("load", "verify", "decompress")
 DECOMPRESS_OPS = ("decompress",)  # the source header only matters when writing the original file back
 LOAD_OPS = ("load",)  # only turning the bytes into a torch tensor can fail
+VERIFY_OPS = ("verify",)  # only a check of the stored streams (verify, unweight.load) can see it
 SOURCE_OPS = ("compress", "load", "verify", "decompress")
 
 
@@ -151,8 +154,17 @@ class Parsed:
         fn(m["tensors"][name])
         self.manifest = m
 
-    def replace_streams(self, new: dict[str, bytes]) -> None:
-        """Swap the bytes of some streams, keeping stream order and recomputing every offset."""
+    def replace_streams(self, new: dict[str, bytes], refresh_crcs: bool = True) -> None:
+        """Swap the bytes of some streams, keeping stream order and recomputing every offset, and
+        (unless told not to) the stream CRC-32s of the manifest, so that the file breaks only the
+        rule its case is about."""
+        if refresh_crcs:
+            m = self.manifest
+            for entry in m["tensors"].values():
+                for role, stream in entry["streams"].items():
+                    if stream in new and "stream_crc32" in entry:
+                        entry["stream_crc32"][role] = zlib.crc32(new[stream])
+            self.manifest = m
         names = sorted((k for k in self.header if k != "__metadata__"), key=lambda k: self.header[k]["data_offsets"][0])
         parts, cursor = [], 0
         for k in names:
@@ -781,6 +793,29 @@ def crc32_not_an_integer(b: Bases) -> bytes:
     return _edit(b.a, _tensor_edit("ids", lambda d: d.__setitem__("crc32", str(d["crc32"]))))
 
 
+def tiles_sm_byte_flipped(b: Bases) -> bytes:
+    """Damage as a disk makes it: a stream byte changed, its recorded CRC-32 left as it was."""
+    def edit(p: Parsed) -> None:
+        name = p.tensor("proj")["streams"]["sm"]
+        p.replace_streams({name: flip(p.stream(name), 11)}, refresh_crcs=False)
+
+    return _edit(b.c, edit)
+
+
+def stream_crc32_changed(b: Bases) -> bytes:
+    """The streams are intact, one recorded stream CRC-32 is not: a decode (which checks the CRC of
+    the original bytes) gets the tensor right; verify and unweight.load refuse it."""
+    return _edit(b.c, _tensor_edit("proj", lambda d: d["stream_crc32"].__setitem__("esc", d["stream_crc32"]["esc"] ^ 1)))
+
+
+def stream_crc32_not_an_integer(b: Bases) -> bytes:
+    return _edit(b.a, _tensor_edit("weight", lambda d: d["stream_crc32"].__setitem__("raw", str(d["stream_crc32"]["raw"]))))
+
+
+def stream_crc32_missing_role(b: Bases) -> bytes:
+    return _edit(b.a, _tensor_edit("weight", lambda d: d["stream_crc32"].pop("words")))
+
+
 def zstd_declares_wrong_size(b: Bases) -> bytes:
     def fn(blob: bytes) -> bytes:
         i = zstd_fcs_pos(blob)
@@ -1036,6 +1071,10 @@ CASES: dict[str, tuple[Callable[[Bases], bytes], str | None, tuple[str, ...]]] =
     "crc32_changed": (crc32_changed, "weight", CONTAINER_OPS),
     "crc32_out_of_range": (crc32_out_of_range, "ids", CONTAINER_OPS),
     "crc32_not_an_integer": (crc32_not_an_integer, "ids", CONTAINER_OPS),
+    "tiles_sm_byte_flipped": (tiles_sm_byte_flipped, "proj", CONTAINER_OPS),
+    "stream_crc32_changed": (stream_crc32_changed, "proj", VERIFY_OPS),
+    "stream_crc32_not_an_integer": (stream_crc32_not_an_integer, "weight", CONTAINER_OPS),
+    "stream_crc32_missing_role": (stream_crc32_missing_role, "weight", CONTAINER_OPS),
     "zstd_declares_wrong_size": (zstd_declares_wrong_size, "ids", CONTAINER_OPS),
     "zstd_holds_more_than_declared": (zstd_holds_more_than_declared, "ids", CONTAINER_OPS),
     "zstd_no_content_size": (zstd_no_content_size, "ids", CONTAINER_OPS),
@@ -1067,6 +1106,10 @@ def _check_bases(bases: Bases) -> None:
     assert isinstance(bm["source_header"], str)
     ids = _bytes_of(base_tensors()["ids"])
     assert zlib.crc32(ids.tobytes()) == a["ids"]["crc32"]
+    for blob in (bases.a, bases.b, bases.c):  # format 1.1: every stream's CRC-32 is recorded
+        p = parse(blob)
+        for t in p.manifest["tensors"].values():
+            assert t["stream_crc32"] == {role: zlib.crc32(p.stream(s)) for role, s in t["streams"].items()}, t
 
 
 def build_all() -> dict[str, bytes]:
