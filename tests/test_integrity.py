@@ -258,3 +258,27 @@ def _stream_sizes(folder: Path, tensor: str) -> dict[str, int]:
     _, header = _header(folder / "model.safetensors")
     streams = _manifest(folder / "model.safetensors")[tensor]["streams"]
     return {role: header[s]["shape"][0] for role, s in streams.items()}
+
+
+def test_reader_streams_check_and_name_the_file(folders, tmp_path):
+    folder = _copy(folders["serving"], tmp_path / "damaged")
+    _flip(folder, O_PROJ, "sm", 1)
+    with CompressedCheckpoint(folder) as ckpt:
+        with pytest.raises(CorruptDataError, match=r"model\.safetensors: tensor 'model\.layers\.0\.self_attn\.o_proj\.weight': stream .*#sm' fails its CRC-32"):
+            ckpt.streams(O_PROJ)
+        assert set(ckpt.streams(O_PROJ, check=False)) == {"sm", "codes", "esc", "esc_index"}  # a caller that decodes checks
+        assert ckpt.integrity.by_stream_crc == 0
+        ckpt.streams("model.layers.1.self_attn.o_proj.weight")
+        assert ckpt.integrity.by_stream_crc == 1 and ckpt.integrity.stream_bytes > 64 * 64
+
+
+def test_cli_generate_refuses_a_damaged_smollm2(smollm2_uw, tmp_path):
+    """The real model through the real CLI: one line naming the file and tensor, exit status 1,
+    where it used to generate from the damaged weight."""
+    folder = _copy(smollm2_uw[0], tmp_path / "damaged")
+    tensor = "model.layers.3.self_attn.o_proj.weight"
+    _flip(folder, tensor, "raw", 1000, 0x20)
+    r = run_cli("generate", folder, "--layout", "archive", "--prompt", "Hello", "--max-new-tokens", "2")
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and str(folder / "model.safetensors") in lines[0] and tensor in lines[0], r.stderr
