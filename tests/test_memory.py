@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -27,20 +26,37 @@ MiB = 1 << 20
 BOMB_CAP = 450 * MiB  # peak RSS a command may reach on a bomb: the interpreter (~100 MiB) and pieces
 
 
+# Linux records a process's peak RSS across exec, and the first exec of a forked child inherits the
+# peak of the process it was forked from: a child of this (large) pytest process would report
+# pytest's peak. So a small trampoline forks the command (its own peak is then the trampoline's
+# few MiB before the exec) and reports the command's own peak.
+TRAMPOLINE = """
+import os, resource, sys
+limit, report, args = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
+pid = os.fork()
+if pid == 0:
+    if limit:
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    os.execv(args[0], args)
+_, status, usage = os.wait4(pid, 0)
+with open(report, "w") as f:
+    f.write(str(usage.ru_maxrss * 1024))
+sys.exit(os.waitstatus_to_exitcode(status) % 256)
+"""
+
+
 def run_measured(args: list[str], limit_as: int | None = None) -> tuple[int, int, str, str]:
     """(exit status, peak RSS in bytes, stdout, stderr) of a process, optionally under RLIMIT_AS;
-    the peak is this child's own (wait4), not the largest of all children so far."""
-    def cap():
-        if limit_as is not None:
-            resource.setrlimit(resource.RLIMIT_AS, (limit_as, limit_as))
-
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(args, stdout=out, stderr=err, text=True, preexec_fn=cap, env={**os.environ, "COLUMNS": "200"})
-        _, status, usage = os.wait4(proc.pid, 0)
-        proc.returncode = os.waitstatus_to_exitcode(status)
+    the peak is the command's own, measured through TRAMPOLINE."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err, tempfile.TemporaryDirectory() as td:
+        report = os.path.join(td, "peak")
+        r = subprocess.run([sys.executable, "-c", TRAMPOLINE, str(limit_as or 0), report, *map(str, args)], stdout=out, stderr=err, text=True,
+                           env={**os.environ, "COLUMNS": "200"})
         out.seek(0)
         err.seek(0)
-        return proc.returncode, usage.ru_maxrss * 1024, out.read(), err.read()
+        with open(report) as f:
+            peak = int(f.read())
+        return r.returncode, peak, out.read(), err.read()
 
 
 def cli(*args) -> list[str]:
