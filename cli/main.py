@@ -264,7 +264,7 @@ def generate(
     seed: Annotated[Optional[int], typer.Option(help="Random seed for sampling.")] = None,
     stop: Annotated[Optional[list[str]], typer.Option(help="Stop before this string (repeatable).")] = None,
     device: Annotated[str, typer.Option(help="cpu or cuda[:n].")] = "cpu",
-    layout: Annotated[str, typer.Option(help="auto/serving: fused kernels over tiles; archive: smallest, decoded at each use.")] = "auto",
+    layout: Annotated[str, typer.Option(help="serving: fused kernels over tiles; archive: smallest, decoded at each use.")] = "serving",
     threads: Threads = None,
 ) -> None:
     """Generate text from a compressed model, streamed to the terminal.

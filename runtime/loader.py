@@ -36,7 +36,7 @@ from .model import CausalLM, RMSNorm
 from .model_config import ModelConfig, UnsupportedModelError
 
 log = logging.getLogger(__name__)
-LAYOUTS = ("auto", "serving", "archive")
+LAYOUTS = ("serving", "archive")
 # Our stacked modules -> the checkpoint modules whose rows they hold, in order.
 PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 DEFAULT_CACHE_TOKENS = 8192  # KV cache room over all sequences, unless the caller says otherwise
@@ -72,7 +72,7 @@ def _device(device: str | torch.device) -> torch.device:
     return dev
 
 
-def load(path: str | os.PathLike, device: str | torch.device = "cpu", layout: str = "auto", *, threads: int | None = None, max_cache_tokens: int | None = None) -> CausalLM:
+def load(path: str | os.PathLike, device: str | torch.device = "cpu", layout: str = "serving", *, threads: int | None = None, max_cache_tokens: int | None = None) -> CausalLM:
     """Load a compressed Llama-family checkpoint (a folder made by `unweight compress`)."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout {layout!r} is not one of {', '.join(LAYOUTS)}")

@@ -124,7 +124,7 @@ def _greedy(model, n: int = 8) -> list[int]:
 
 
 @pytest.mark.parametrize("role, at", [("sm", 100), ("esc", 3), ("codes", 7), ("esc_index", 4)])
-@pytest.mark.parametrize("layout", ["auto", "serving", "archive"])
+@pytest.mark.parametrize("layout", ["serving", "archive"])
 def test_serving_folder_with_a_damaged_tiles_stream_is_refused(folders, tmp_path, role, at, layout):
     folder = _copy(folders["serving"], tmp_path / "damaged")
     _flip(folder, O_PROJ, role, at)
@@ -132,7 +132,7 @@ def test_serving_folder_with_a_damaged_tiles_stream_is_refused(folders, tmp_path
     assert "CRC-32" in message
 
 
-@pytest.mark.parametrize("layout", ["auto", "archive"])
+@pytest.mark.parametrize("layout", ["serving", "archive"])
 def test_serving_folder_with_a_damaged_stacked_weight_is_refused(folders, tmp_path, layout):
     folder = _copy(folders["serving"], tmp_path / "damaged")
     _flip(folder, Q_PROJ, "sm", 10)
@@ -141,7 +141,7 @@ def test_serving_folder_with_a_damaged_stacked_weight_is_refused(folders, tmp_pa
 
 @pytest.mark.parametrize("tensor", [O_PROJ, Q_PROJ, "model.embed_tokens.weight", "lm_head.weight"])
 @pytest.mark.parametrize("role", ["raw", "words", "table"])
-@pytest.mark.parametrize("layout", ["auto", "archive"])
+@pytest.mark.parametrize("layout", ["serving", "archive"])
 def test_archive_folder_with_a_damaged_rans_stream_is_refused(folders, tmp_path, tensor, role, layout):
     folder = _copy(folders["archive"], tmp_path / "damaged")
     _flip(folder, tensor, role, 5, 0x10)
@@ -149,7 +149,7 @@ def test_archive_folder_with_a_damaged_rans_stream_is_refused(folders, tmp_path,
 
 
 @pytest.mark.parametrize("kind", ["serving", "archive"])
-@pytest.mark.parametrize("layout", ["auto", "archive"])
+@pytest.mark.parametrize("layout", ["serving", "archive"])
 def test_a_damaged_norm_is_refused(folders, tmp_path, kind, layout):
     folder = _copy(folders[kind], tmp_path / "damaged")
     role = next(iter(_manifest(folder / "model.safetensors")[NORM]["streams"]))
@@ -167,7 +167,7 @@ def test_a_wrong_stream_crc_is_refused_by_load_and_reported_by_verify(folders, t
         ts[O_PROJ]["stream_crc32"]["esc"] ^= 1
 
     _rewrite_manifest(folder, edit)
-    _refused(folder, "auto", O_PROJ)
+    _refused(folder, "serving", O_PROJ)
     report = unweight.verify(folder, threads=1)
     assert not report.ok and len(report.mismatches) == 1
     assert O_PROJ in report.mismatches[0] and str(folder / "model.safetensors") in report.mismatches[0]
@@ -188,7 +188,7 @@ def test_verify_reports_every_damage_load_refuses(folders, tmp_path):
 
 
 @pytest.mark.parametrize("kind, tensor, role, layout", [
-    ("serving", O_PROJ, "sm", "auto"),
+    ("serving", O_PROJ, "sm", "serving"),
     ("serving", O_PROJ, "esc", "archive"),
     ("archive", O_PROJ, "raw", "archive"),
     ("archive", "model.embed_tokens.weight", "raw", "archive"),
@@ -204,7 +204,7 @@ def test_version_1_0_folders_still_load_and_say_how_they_were_checked(folders, t
     want = _greedy(unweight.load(folders["serving"], threads=1))
     for kind in ("serving", "archive"):
         folder = _as_version_1_0(_copy(folders[kind], tmp_path / kind))
-        for layout in ("auto", "archive"):
+        for layout in ("serving", "archive"):
             model = unweight.load(folder, layout=layout, threads=1)
             rep = model.load_report
             assert rep.stream_checked == 0 and rep.stream_bytes == 0
@@ -223,7 +223,7 @@ def test_undamaged_folders_load_and_generate_the_same_tokens(folders):
     with torch.no_grad():
         want = ref.generate(torch.tensor([PROMPT]), max_new_tokens=8, do_sample=False)[0, len(PROMPT):].tolist()
     for kind in ("serving", "archive"):
-        for layout in ("auto", "serving", "archive"):
+        for layout in ("serving", "archive"):
             assert _greedy(unweight.load(folders[kind], layout=layout, threads=1)) == want, (kind, layout)
 
 
@@ -239,7 +239,7 @@ def _kept_as_stored(kind: str, layout: str) -> list[str]:
     return []
 
 
-@pytest.mark.parametrize("kind, layout", [("serving", "auto"), ("serving", "archive"), ("archive", "archive"), ("archive", "auto")])
+@pytest.mark.parametrize("kind, layout", [("serving", "serving"), ("serving", "archive"), ("archive", "archive"), ("archive", "serving")])
 def test_load_report_says_what_was_checked(folders, kind, layout, caplog):
     import logging
 
@@ -247,7 +247,7 @@ def test_load_report_says_what_was_checked(folders, kind, layout, caplog):
         model = unweight.load(folders[kind], layout=layout, threads=1)
     rep = model.load_report
     kept = _kept_as_stored(kind, layout)
-    assert rep.stream_checked == len(kept) == {("serving", "auto"): 6, ("archive", "auto"): 0}.get((kind, layout), 16)
+    assert rep.stream_checked == len(kept) == {("serving", "serving"): 6, ("archive", "serving"): 0}.get((kind, layout), 16)
     assert rep.stream_bytes == sum(sum(_stream_sizes(folders[kind], n).values()) for n in kept)
     assert rep.decode_checked == 21 - len(kept) and rep.decode_only_to_check == 0
     assert 0 <= rep.check_seconds <= rep.seconds

@@ -97,10 +97,10 @@ def open(path: str | os.PathLike, *, threads: int | None = None, max_memory: int
     return CompressedCheckpoint(path, threads, max_memory)
 
 
-def load(path: str | os.PathLike, device: str = "cpu", layout: str = "auto", *, threads: int | None = None, max_cache_tokens: int | None = None):
+def load(path: str | os.PathLike, device: str = "cpu", layout: str = "serving", *, threads: int | None = None, max_cache_tokens: int | None = None):
     """A compressed Llama-family checkpoint as an nn.Module whose linears stay compressed.
 
-    layout="serving" (and "auto") keeps 2-D weights in the fixed-rate tiles the fused kernels read
+    layout="serving" (the default) keeps 2-D weights in the fixed-rate tiles the fused kernels read
     (archive-layout checkpoints are transcoded at load); layout="archive" keeps the stored streams
     and decodes each weight at every use (smallest memory, slow). device: "cpu" or "cuda[:n]"."""
     from unweight.runtime.loader import load as _load
