@@ -105,7 +105,7 @@ def entropy_row(tensors, orig):
 
 # ---------------------------------------------------------------- methods
 def bench_unweight(tensors, orig, args):
-    from unweight.checkpoint import INLINE_TENSOR_BYTES, PARALLEL_TENSOR_BYTES
+    from unweight.decoding import INLINE_TENSOR_BYTES, PARALLEL_TENSOR_BYTES
     from unweight.codec import CodecOptions, decode_tensor, encode_tensor
     from unweight.codec.parallel import map_in_order
 

@@ -109,3 +109,12 @@ def test_import_is_light():
     code = "import sys, unweight; print(sorted(m for m in ('torch', 'numba', 'typer', 'triton', 'huggingface_hub') if m in sys.modules))"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert r.stdout.strip() == "[]"
+
+
+def test_reading_does_not_import_writing():
+    """The reader (unweight.open, get_tensor) and inspect load neither the compress / decompress /
+    verify module nor the container writer's encoder."""
+    code = ("import sys, unweight.reader, unweight.inspection; "
+            "print(sorted(m for m in ('unweight.checkpoint', 'unweight.tensors') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert r.stdout.strip() == "[]", r.stdout

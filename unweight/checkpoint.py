@@ -1,4 +1,6 @@
-"""Whole checkpoints: compress, decompress and verify Hugging Face folders (sharded or not).
+"""Whole checkpoints: compress, decompress and verify Hugging Face folders (sharded or not). What
+a folder holds is folder.py's; reading tensors is decoding.py's (the reader imports those two,
+not this module).
 
 A compressed checkpoint mirrors its source folder: every `*.safetensors` file becomes an Unweight
 container of the same name, and every other file (config, tokenizer, the shard index) is copied as
@@ -9,15 +11,13 @@ complete.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import stat
 import time
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable, Iterator, Protocol
+from typing import Iterator, Protocol
 
 try:
     import fcntl
@@ -27,22 +27,17 @@ except ImportError:  # not POSIX: stale staging folders are recognised by their 
 import numpy as np
 
 from unweight import memory
-from unweight.codec import CodecOptions, check_stream_crcs, decode_tensor, encode_tensor
-from unweight.codec.parallel import default_threads, map_in_order
-from unweight.codec.pieces import check_streams, decode_pieces
+from unweight.codec import CodecOptions, check_stream_crcs, encode_tensor
+from unweight.codec.parallel import map_in_order
+from unweight.codec.pieces import check_streams
 from unweight.errors import DestinationError, FormatError, SourceError
 from unweight.formats import ContainerReader, ContainerWriter, SafetensorsFile, write_safetensors
-from unweight.formats.safetensors_file import file_kind, parse_header
+from unweight.formats.safetensors_file import parse_header
 
+from .decoding import INLINE_TENSOR_BYTES, PARALLEL_TENSOR_BYTES, decode_in_order
+from .folder import check_source, containers_of, walk
 from .report import CompressReport, TensorReport, VerifyReport
 
-INDEX_NAME = "model.safetensors.index.json"
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
-# Tensors above this many bytes are encoded or decoded one at a time, their chunks shared out among
-# the threads; smaller ones, whose few chunks leave threads idle, go several at once, one thread each.
-PARALLEL_TENSOR_BYTES = 8 << 20
-INLINE_TENSOR_BYTES = 64 << 10
-SKIP_DIRS = {".git", ".cache", "__pycache__"}
 # Memory a tensor takes while it is encoded, its mapped source pages included, as a multiple of
 # its size: benchmarks/memory_bench.py measures what compress really peaks at.
 ENCODE_MEMORY_FACTOR = 1.5
@@ -62,117 +57,6 @@ class _NoProgress:
 
     def advance(self, label: str, nbytes: int) -> None:
         pass
-
-
-def _walk(root: Path) -> list[Path]:
-    """Files under root (relative paths, sorted), skipping VCS and cache folders.
-
-    Every one is a regular file, or a symbolic link that resolves to a regular file inside the tree
-    links may point into (_link_tree: the folder itself, or a Hub cache snapshot's repo folder);
-    what `compress` and `decompress` copy are then the link's contents. Anything else (a FIFO,
-    a device, a broken link, a link leaving the folder, to a file or to a folder) raises SourceError
-    naming it: a FIFO would hang the run, and an outside link would copy an unrelated file into the
-    output. Links to folders inside the tree are not followed (their files are listed where they lie).
-    """
-    tree = _link_tree(root)
-    out = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS)
-        for d in [d for d in dirnames if (Path(dirpath) / d).is_symlink()]:
-            _check_link(Path(dirpath) / d, tree)
-            dirnames.remove(d)
-        for f in sorted(filenames):
-            path = Path(dirpath) / f
-            if path.is_symlink():
-                _check_link(path, tree)
-            _check_regular(path, SourceError)
-            out.append(path.relative_to(root))
-    return out
-
-
-def _link_tree(root: Path) -> Path:
-    """The folder a link under `root` may resolve into: `root` itself, or, for a Hugging Face cache
-    snapshot (.../models--ORG--NAME/snapshots/REV, whose files link to ../../blobs), the repo's
-    cache folder."""
-    real = root.resolve()
-    if real.parent.name == "snapshots" and real.parent.parent.name.startswith(("models--", "datasets--", "spaces--")):
-        return real.parent.parent
-    return real
-
-
-def _check_link(path: Path, tree: Path) -> None:
-    try:
-        target = path.resolve(strict=True)
-    except (OSError, RuntimeError):  # missing target, or a loop
-        raise SourceError(f"{path}: broken symbolic link (-> {os.readlink(path)})") from None
-    if not target.is_relative_to(tree):
-        raise SourceError(f"{path}: symbolic link to {target}, outside {tree}; copy the file into the folder or remove the link")
-
-
-def _check_regular(path: Path, error: type[Exception]) -> None:
-    """Raise `error` naming `path` unless it is (or links to) a regular file: opening a FIFO
-    would wait forever for a writer."""
-    try:
-        mode = path.stat().st_mode
-    except OSError as e:
-        raise error(f"{path}: cannot read: {e.strerror}") from None
-    if not stat.S_ISREG(mode):
-        raise error(f"{path}: not a regular file ({file_kind(mode)})")
-
-
-def _check_source(src: Path) -> tuple[list[Path], list[Path], list[Path]]:
-    """(safetensors files, other files to copy, skipped pickle files) of a source folder."""
-    if not src.exists():
-        raise SourceError(f"{src}: no such file or folder")
-    if not src.is_dir():
-        _check_regular(src, SourceError)
-        if src.suffix != ".safetensors":
-            raise SourceError(_pickle_message(src) if src.suffix in PICKLE_SUFFIXES else f"{src}: not a .safetensors file or a model folder")
-        return [Path(src.name)], [], []
-    files = _walk(src)
-    tensors = [f for f in files if f.suffix == ".safetensors"]
-    pickles = [f for f in files if f.suffix in PICKLE_SUFFIXES]
-    if not tensors:
-        if pickles:
-            raise SourceError(_pickle_message(src / pickles[0]))
-        raise SourceError(f"{src}: no *.safetensors files in this folder")
-    others = [f for f in files if f.suffix != ".safetensors" and f not in pickles]
-    index = src / INDEX_NAME
-    if index.exists():
-        _check_index(index, src)
-    return tensors, others, pickles
-
-
-def _pickle_message(path: Path) -> str:
-    return (
-        f"{path}: pickle checkpoint refused: loading pickle can run arbitrary code, and its bytes are "
-        "not a stable tensor layout; convert it to safetensors first (transformers: "
-        "model.save_pretrained(dir, safe_serialization=True))"
-    )
-
-
-def read_json(path: Path):
-    """A JSON file the user gave (a shard index), or SourceError naming it: invalid UTF-8 or JSON,
-    numbers past Python's 4300-digit limit and nesting past the recursion limit included."""
-    try:
-        return json.loads(path.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
-        raise SourceError(f"{path}: not valid UTF-8 JSON ({e.__class__.__name__}: {str(e)[:200]})") from None
-    except OSError as e:
-        raise SourceError(f"{path}: cannot read: {e.strerror}") from None
-
-
-def _check_index(index: Path, root: Path) -> dict:
-    data = read_json(index)
-    weight_map = data.get("weight_map") if isinstance(data, dict) else None
-    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-        raise SourceError(f"{index}: no weight_map of tensor name -> shard file")
-    for shard in sorted(set(weight_map.values())):
-        if "\x00" in shard or ".." in Path(shard).parts or Path(shard).is_absolute():  # NUL: no path at all
-            raise SourceError(f"{index}: shard path {shard!r} leaves the folder or is not a path")
-        if not (index.parent / shard).is_file():
-            raise SourceError(f"{index}: shard {shard!r} is listed but missing")
-    return data
 
 
 PARTIAL_INFIX = ".partial-"  # staging folders are ".DST.partial-PID", next to DST
@@ -289,7 +173,7 @@ def compress(
     progress = progress or _NoProgress()
     src, dst = Path(src), Path(dst)
     t0 = time.perf_counter()
-    tensor_files, others, pickles = _check_source(src)
+    tensor_files, others, pickles = check_source(src)
     root = src if src.is_dir() else src.parent
     report = CompressReport(str(src), str(dst), skipped_files=[str(p) for p in pickles])
     if src.is_file() and dst.suffix == ".safetensors":
@@ -333,21 +217,6 @@ def _compress_file(sf: SafetensorsFile, out: Path, rel: str, options: CodecOptio
             report.tensors.append(TensorReport(rel, info.name, info.dtype, list(info.shape), entry.codec, info.nbytes, stored))
             progress.advance(f"{rel}: {info.name}", info.nbytes)
         writer.finish(source_header=sf.header_text)
-
-
-def containers_of(path: str | os.PathLike) -> tuple[Path, list[Path], list[Path]]:
-    """(root, container files, other files) of a compressed folder or single container file."""
-    path = Path(path)
-    if not path.exists():
-        raise SourceError(f"{path}: no such file or folder")
-    if not path.is_dir():
-        _check_regular(path, SourceError)
-        return path.parent, [Path(path.name)], []
-    files = _walk(path)
-    containers = [f for f in files if f.suffix == ".safetensors"]
-    if not containers:
-        raise SourceError(f"{path}: no compressed *.safetensors files in this folder")
-    return path, containers, [f for f in files if f.suffix != ".safetensors"]
 
 
 def decompress(src: str | os.PathLike, dst: str | os.PathLike, threads: int | None = None, progress: Progress | None = None,
@@ -450,54 +319,6 @@ def _advancing(pieces: Iterator[np.ndarray], progress: Progress, label: str) -> 
         progress.advance(label, len(piece))
 
 
-def decode_one(reader: ContainerReader, name: str, threads: int | None = None, max_memory: int | None = None) -> np.ndarray:
-    """One tensor's original bytes, whole (new memory); FormatError subclasses name the file and
-    tensor on damage. Its streams are checked before anything of the declared size is allocated,
-    and MemoryLimitError refuses a tensor over the budget (max_memory, else available memory)."""
-    entry = reader.tensors[name]
-    streams = reader.streams_of(entry)
-    try:
-        check_streams(entry, streams)
-        memory.require(entry.nbytes, max_memory, "decoding it whole", reader.path, name)
-        return decode_tensor(entry, streams, threads)
-    except FormatError as e:
-        raise type(e)(reader.path, e.reason, name) from None
-    finally:
-        for view in streams.values():  # raw tensors are returned as views: their pages stay
-            if entry.codec != "raw":
-                memory.release(view)
-
-
-def _pieces_of(reader: ContainerReader, name: str, threads: int | None, piece_bytes: int) -> Iterator[np.ndarray]:
-    entry = reader.tensors[name]
-    streams = reader.streams_of(entry)
-    try:
-        yield from decode_pieces(entry, streams, piece_bytes, threads)
-    except FormatError as e:
-        raise type(e)(reader.path, e.reason, name) from None
-    finally:
-        for view in streams.values():  # its mapped pages leave the resident set (a verify of a whole
-            memory.release(view)       # checkpoint would otherwise end holding all of it)
-
-
-def decode_in_order(reader: ContainerReader, names: list[str], threads: int | None, piece_bytes: int = memory.PIECE_BYTES
-                    ) -> Iterator[tuple[str, Callable[[], Iterator[np.ndarray]]]]:
-    """(name, get) for each name in order, where get() returns an iterator of the tensor's bytes
-    in consecutive pieces, each valid until the next, or raises its FormatError (naming file and
-    tensor), possibly partway. Tensors over PARALLEL_TENSOR_BYTES run alone on all threads, in
-    pieces of at most piece_bytes (codec.pieces); on more than one thread, smaller ones are decoded
-    ahead of the consumer, several at once (parallel.map_in_order), whole, into their own memory."""
-    threads = threads or default_threads()
-
-    def decode(name: str, inner: int) -> Iterator[np.ndarray]:
-        if reader.tensors[name].nbytes > PARALLEL_TENSOR_BYTES:
-            return _pieces_of(reader, name, inner, piece_bytes)
-        return iter((decode_one(reader, name, inner),))
-
-    yield from map_in_order(decode, names, threads, lambda name: reader.tensors[name].nbytes > PARALLEL_TENSOR_BYTES,
-                            lambda name: reader.tensors[name].nbytes <= INLINE_TENSOR_BYTES)
-
-
 def verify(path: str | os.PathLike, against: str | os.PathLike | None = None, threads: int | None = None, progress: Progress | None = None,
            max_memory: int | None = None) -> VerifyReport:
     """Decode every tensor and check its CRC-32; with `against` (the original folder or file),
@@ -540,7 +361,7 @@ def verify(path: str | os.PathLike, against: str | os.PathLike | None = None, th
             o = orig_root / rel
             if not o.is_file() or o.read_bytes() != (root / rel).read_bytes():  # is_file: a FIFO would hang
                 report.mismatches.append(f"{rel}: differs from {o}")
-        for rel in _walk(orig_root):
+        for rel in walk(orig_root):
             if rel.suffix == ".safetensors" and not (root / rel).exists():
                 report.mismatches.append(f"{rel}: in {orig_root} but not compressed")
     return report

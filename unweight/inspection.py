@@ -10,7 +10,8 @@ import numpy as np
 from numba import njit
 
 from . import memory
-from .checkpoint import containers_of, decode_in_order
+from .decoding import decode_in_order
+from .folder import containers_of
 from .report import CLASS_ORDER, TensorReport
 from unweight.formats import DTYPE_BITS, ContainerReader
 

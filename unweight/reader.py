@@ -15,7 +15,8 @@ from unweight.errors import FormatError, SourceError
 from unweight.formats import ContainerReader, TensorEntry
 from unweight.formats.dtypes import TORCH_DTYPES
 
-from .checkpoint import INDEX_NAME, containers_of, decode_one, read_json
+from .decoding import decode_one
+from .folder import INDEX_NAME, containers_of, read_json
 from .memory import PIECE_BYTES, check_budget
 
 # safetensors dtype -> torch dtype name (resolved lazily: torch loads only when a tensor is asked for)

@@ -1,0 +1,147 @@
+"""What a checkpoint folder holds, for reading and writing alike: which files are tensors, which
+are copied, the shard index, and the rules every file must pass (regular files only; links stay
+inside the folder; no pickle)."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+
+from unweight.errors import SourceError
+from unweight.formats.safetensors_file import file_kind
+
+INDEX_NAME = "model.safetensors.index.json"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+SKIP_DIRS = {".git", ".cache", "__pycache__"}
+
+
+def walk(root: Path) -> list[Path]:
+    """Files under root (relative paths, sorted), skipping VCS and cache folders.
+
+    Every one is a regular file, or a symbolic link that resolves to a regular file inside the tree
+    links may point into (_link_tree: the folder itself, or a Hub cache snapshot's repo folder);
+    what `compress` and `decompress` copy are then the link's contents. Anything else (a FIFO,
+    a device, a broken link, a link leaving the folder, to a file or to a folder) raises SourceError
+    naming it: a FIFO would hang the run, and an outside link would copy an unrelated file into the
+    output. Links to folders inside the tree are not followed (their files are listed where they lie).
+    """
+    tree = _link_tree(root)
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS)
+        for d in [d for d in dirnames if (Path(dirpath) / d).is_symlink()]:
+            _check_link(Path(dirpath) / d, tree)
+            dirnames.remove(d)
+        for f in sorted(filenames):
+            path = Path(dirpath) / f
+            if path.is_symlink():
+                _check_link(path, tree)
+            _check_regular(path, SourceError)
+            out.append(path.relative_to(root))
+    return out
+
+
+def _link_tree(root: Path) -> Path:
+    """The folder a link under `root` may resolve into: `root` itself, or, for a Hugging Face cache
+    snapshot (.../models--ORG--NAME/snapshots/REV, whose files link to ../../blobs), the repo's
+    cache folder."""
+    real = root.resolve()
+    if real.parent.name == "snapshots" and real.parent.parent.name.startswith(("models--", "datasets--", "spaces--")):
+        return real.parent.parent
+    return real
+
+
+def _check_link(path: Path, tree: Path) -> None:
+    try:
+        target = path.resolve(strict=True)
+    except (OSError, RuntimeError):  # missing target, or a loop
+        raise SourceError(f"{path}: broken symbolic link (-> {os.readlink(path)})") from None
+    if not target.is_relative_to(tree):
+        raise SourceError(f"{path}: symbolic link to {target}, outside {tree}; copy the file into the folder or remove the link")
+
+
+def _check_regular(path: Path, error: type[Exception]) -> None:
+    """Raise `error` naming `path` unless it is (or links to) a regular file: opening a FIFO
+    would wait forever for a writer."""
+    try:
+        mode = path.stat().st_mode
+    except OSError as e:
+        raise error(f"{path}: cannot read: {e.strerror}") from None
+    if not stat.S_ISREG(mode):
+        raise error(f"{path}: not a regular file ({file_kind(mode)})")
+
+
+def check_source(src: Path) -> tuple[list[Path], list[Path], list[Path]]:
+    """(safetensors files, other files to copy, skipped pickle files) of a source folder."""
+    if not src.exists():
+        raise SourceError(f"{src}: no such file or folder")
+    if not src.is_dir():
+        _check_regular(src, SourceError)
+        if src.suffix != ".safetensors":
+            raise SourceError(_pickle_message(src) if src.suffix in PICKLE_SUFFIXES else f"{src}: not a .safetensors file or a model folder")
+        return [Path(src.name)], [], []
+    files = walk(src)
+    tensors = [f for f in files if f.suffix == ".safetensors"]
+    pickles = [f for f in files if f.suffix in PICKLE_SUFFIXES]
+    if not tensors:
+        if pickles:
+            raise SourceError(_pickle_message(src / pickles[0]))
+        raise SourceError(f"{src}: no *.safetensors files in this folder")
+    others = [f for f in files if f.suffix != ".safetensors" and f not in pickles]
+    index = src / INDEX_NAME
+    if index.exists():
+        _check_index(index, src)
+    return tensors, others, pickles
+
+
+def _pickle_message(path: Path) -> str:
+    return (
+        f"{path}: pickle checkpoint refused: loading pickle can run arbitrary code, and its bytes are "
+        "not a stable tensor layout; convert it to safetensors first (transformers: "
+        "model.save_pretrained(dir, safe_serialization=True))"
+    )
+
+
+def read_json(path: Path):
+    """A JSON file the user gave (a shard index), or SourceError naming it: invalid UTF-8 or JSON,
+    numbers past Python's 4300-digit limit and nesting past the recursion limit included."""
+    try:
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
+        raise SourceError(f"{path}: not valid UTF-8 JSON ({e.__class__.__name__}: {str(e)[:200]})") from None
+    except OSError as e:
+        raise SourceError(f"{path}: cannot read: {e.strerror}") from None
+
+
+def _check_index(index: Path, root: Path) -> dict:
+    data = read_json(index)
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise SourceError(f"{index}: no weight_map of tensor name -> shard file")
+    for shard in sorted(set(weight_map.values())):
+        if "\x00" in shard or ".." in Path(shard).parts or Path(shard).is_absolute():  # NUL: no path at all
+            raise SourceError(f"{index}: shard path {shard!r} leaves the folder or is not a path")
+        if not (index.parent / shard).is_file():
+            raise SourceError(f"{index}: shard {shard!r} is listed but missing")
+    return data
+
+
+
+
+def containers_of(path: str | os.PathLike) -> tuple[Path, list[Path], list[Path]]:
+    """(root, container files, other files) of a compressed folder or single container file."""
+    path = Path(path)
+    if not path.exists():
+        raise SourceError(f"{path}: no such file or folder")
+    if not path.is_dir():
+        _check_regular(path, SourceError)
+        return path.parent, [Path(path.name)], []
+    files = walk(path)
+    containers = [f for f in files if f.suffix == ".safetensors"]
+    if not containers:
+        raise SourceError(f"{path}: no compressed *.safetensors files in this folder")
+    return path, containers, [f for f in files if f.suffix != ".safetensors"]
+
+
