@@ -85,13 +85,22 @@ def timed(fn, repeats: int):
 
 def row(method, orig, comp, enc_s, dec_s, exact, note=""):
     """One result; enc_s/dec_s are lists of seconds (median reported, best kept in the JSON)."""
+
     def rate(ts, pick):
         return None if not ts else orig / MB / pick(ts)
-    return {"method": method, "original_bytes": orig, "compressed_bytes": comp,
-            "saving_pct": None if comp is None else 100.0 * (1 - comp / orig),
-            "encode_MBps": rate(enc_s, statistics.median), "decode_MBps": rate(dec_s, statistics.median),
-            "encode_best_MBps": rate(enc_s, min), "decode_best_MBps": rate(dec_s, min),
-            "bit_exact": exact, "note": note}
+
+    return {
+        "method": method,
+        "original_bytes": orig,
+        "compressed_bytes": comp,
+        "saving_pct": None if comp is None else 100.0 * (1 - comp / orig),
+        "encode_MBps": rate(enc_s, statistics.median),
+        "decode_MBps": rate(dec_s, statistics.median),
+        "encode_best_MBps": rate(enc_s, min),
+        "decode_best_MBps": rate(dec_s, min),
+        "bit_exact": exact,
+        "note": note,
+    }
 
 
 def entropy_row(tensors, orig):
@@ -105,16 +114,18 @@ def entropy_row(tensors, orig):
 
 # ---------------------------------------------------------------- methods
 def bench_unweight(tensors, orig, args):
-    from unweight.decoding import INLINE_TENSOR_BYTES, PARALLEL_TENSOR_BYTES
     from unweight.codec import CodecOptions, decode_tensor, encode_tensor
     from unweight.codec.parallel import map_in_order
+    from unweight.decoding import INLINE_TENSOR_BYTES, PARALLEL_TENSOR_BYTES
 
     warm = to_u16(torch.randn(1 << 20, generator=torch.Generator().manual_seed(1)) * 0.02).view(np.uint8)
     for th in (1, 2):  # compile numba kernels outside the timed region
         e, s = encode_tensor("warm", "BF16", (1 << 20,), warm, CodecOptions(threads=th, verify=False))
         decode_tensor(e, s, threads=th, verify=False)
     opts = CodecOptions(threads=1, verify=False)
-    enc_s, encoded = timed(lambda: [encode_tensor(n, "BF16", s, a.view(np.uint8), opts) for n, s, a in tensors], args.encode_repeats)
+    enc_s, encoded = timed(
+        lambda: [encode_tensor(n, "BF16", s, a.view(np.uint8), opts) for n, s, a in tensors], args.encode_repeats
+    )
     size = sum(len(x) for _, st in encoded for x in st.values())
 
     def tensor_by_tensor(th):
@@ -123,14 +134,23 @@ def bench_unweight(tensors, orig, args):
     def in_checkpoint_order(th):
         """What `unweight decompress` does on `th` threads: big tensors alone on every thread, small
         ones several at once (parallel.map_in_order); here each into fresh memory, like the rows above."""
-        return [get() for _, get in map_in_order(lambda es, inner: decode_tensor(*es, threads=inner, verify=False), encoded, th,
-                                                 lambda es: es[0].nbytes > PARALLEL_TENSOR_BYTES, lambda es: es[0].nbytes <= INLINE_TENSOR_BYTES)]
+        return [
+            get()
+            for _, get in map_in_order(
+                lambda es, inner: decode_tensor(*es, threads=inner, verify=False),
+                encoded,
+                th,
+                lambda es: es[0].nbytes > PARALLEL_TENSOR_BYTES,
+                lambda es: es[0].nbytes <= INLINE_TENSOR_BYTES,
+            )
+        ]
 
     rows = []
     for th, label, note, decode_all in (
-            (1, "unweight (1 thread)", "", tensor_by_tensor),
-            (2, "unweight (2 threads)", "decode only, tensor by tensor", tensor_by_tensor),
-            (2, "unweight (2 threads, checkpoint order)", "decode only, as decompress does", in_checkpoint_order)):
+        (1, "unweight (1 thread)", "", tensor_by_tensor),
+        (2, "unweight (2 threads)", "decode only, tensor by tensor", tensor_by_tensor),
+        (2, "unweight (2 threads, checkpoint order)", "decode only, as decompress does", in_checkpoint_order),
+    ):
         dec_s, out = timed(lambda: decode_all(th), args.repeats)
         exact = all(np.array_equal(o, a.view(np.uint8)) for o, (_, _, a) in zip(out, tensors))
         rows.append(row(label, orig, size, enc_s if th == 1 else None, dec_s, exact, note))
@@ -146,7 +166,9 @@ def bench_zstd(tensors, orig, level, args):
         out = []
         for _, _, a in tensors:
             b = a.view(np.uint8).reshape(-1, 2)  # little endian: column 1 is the high byte
-            out.append((cctx.compress(np.ascontiguousarray(b[:, 1])), cctx.compress(np.ascontiguousarray(b[:, 0])), a.size))
+            out.append(
+                (cctx.compress(np.ascontiguousarray(b[:, 1])), cctx.compress(np.ascontiguousarray(b[:, 0])), a.size)
+            )
         return out
 
     def dec(frames):
@@ -161,7 +183,7 @@ def bench_zstd(tensors, orig, level, args):
     enc_s, frames = timed(enc, args.encode_repeats)
     dec_s, out = timed(lambda: dec(frames), args.repeats)
     exact = all(np.array_equal(o, a) for o, (_, _, a) in zip(out, tensors))
-    size = sum(len(h) + len(l) for h, l, _ in frames)
+    size = sum(len(hi) + len(lo) for hi, lo, _ in frames)
     return [row(f"zstd-{level} byte-split", orig, size, enc_s, dec_s, exact)]
 
 
@@ -195,8 +217,10 @@ def paired_vs_zipnn(tensors, buf: np.ndarray, args):
 
     opts = CodecOptions(threads=1, verify=False)
     z = zipnn.ZipNN(bytearray_dtype="bfloat16", threads=1, input_format="byte")
-    state = {"encoded": [encode_tensor(n, "BF16", s, a.view(np.uint8), opts) for n, s, a in tensors],
-             "comp": z.compress(bytearray(buf.tobytes()))}
+    state = {
+        "encoded": [encode_tensor(n, "BF16", s, a.view(np.uint8), opts) for n, s, a in tensors],
+        "comp": z.compress(bytearray(buf.tobytes())),
+    }
     # what decompress and verify do: every tensor decoded into one buffer, allocated once
     scratch = np.empty(max(a.nbytes for _, _, a in tensors) // 8 + 1, dtype=np.uint64).view(np.uint8)
     times = {"uw_enc": [], "zn_enc": [], "uw_dec": [], "zn_dec": [], "uw_reuse": []}
@@ -216,7 +240,9 @@ def paired_vs_zipnn(tensors, buf: np.ndarray, args):
 
     def uw_encode():
         state["encoded"] = None  # results are dropped first, so each call allocates afresh
-        state["encoded"] = timed_once("uw_enc", lambda: [encode_tensor(n, "BF16", s, a.view(np.uint8), opts) for n, s, a in tensors])
+        state["encoded"] = timed_once(
+            "uw_enc", lambda: [encode_tensor(n, "BF16", s, a.view(np.uint8), opts) for n, s, a in tensors]
+        )
 
     def zn_encode():
         fresh = bytearray(buf.tobytes())  # zipnn's bf16 mode overwrites its input
@@ -224,11 +250,18 @@ def paired_vs_zipnn(tensors, buf: np.ndarray, args):
         state["comp"] = timed_once("zn_enc", lambda: z.compress(fresh))
 
     def uw_decode(check):
-        out = timed_once("uw_dec", lambda: [decode_tensor(e, st, threads=1, verify=False) for e, st in state["encoded"]])
+        out = timed_once(
+            "uw_dec", lambda: [decode_tensor(e, st, threads=1, verify=False) for e, st in state["encoded"]]
+        )
         if check:
             exact[0] &= all(np.array_equal(o, a.view(np.uint8)) for o, (_, _, a) in zip(out, tensors))
         del out
-        timed_once("uw_reuse", lambda: [decode_tensor(e, st, threads=1, verify=False, out=scratch[: e.nbytes]) for e, st in state["encoded"]])
+        timed_once(
+            "uw_reuse",
+            lambda: [
+                decode_tensor(e, st, threads=1, verify=False, out=scratch[: e.nbytes]) for e, st in state["encoded"]
+            ],
+        )
 
     def zn_decode(check):
         out = timed_once("zn_dec", lambda: z.decompress(state["comp"]))
@@ -247,12 +280,18 @@ def paired_vs_zipnn(tensors, buf: np.ndarray, args):
     res = {"pairs": len(times["uw_enc"]), "bit_exact": exact[0]}
     for k, uw, zn in (("enc", "uw_enc", "zn_enc"), ("dec", "uw_dec", "zn_dec"), ("dec_reuse", "uw_reuse", "zn_dec")):
         ratios = [z_ / u for u, z_ in zip(times[uw], times[zn])]
-        res[k] = {"ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
-                  "unweight_MBps": buf.nbytes / MB / statistics.median(times[uw]),
-                  "zipnn_MBps": buf.nbytes / MB / statistics.median(times[zn])}
+        res[k] = {
+            "ratio_median": statistics.median(ratios),
+            "ratio_min": min(ratios),
+            "ratio_max": max(ratios),
+            "unweight_MBps": buf.nbytes / MB / statistics.median(times[uw]),
+            "zipnn_MBps": buf.nbytes / MB / statistics.median(times[zn]),
+        }
     if all(cpu.values()):
-        res["cpu_ms"] = {k: {"user": 1e3 * statistics.median(u for u, _ in v), "system": 1e3 * statistics.median(s_ for _, s_ in v)}
-                         for k, v in cpu.items()}
+        res["cpu_ms"] = {
+            k: {"user": 1e3 * statistics.median(u for u, _ in v), "system": 1e3 * statistics.median(s_ for _, s_ in v)}
+            for k, v in cpu.items()
+        }
     return res
 
 
@@ -280,7 +319,9 @@ def bench_lmzip(buf: np.ndarray, orig, args):
     def enc():
         out = []
         for i in range(0, raw.size, step):
-            parts, cid, flags, crc = lc.encode_chunk(memoryview(raw[i:i + step]), 2, DEFAULT_LEVEL, True, kind=KIND_BF16)
+            parts, cid, flags, crc = lc.encode_chunk(
+                memoryview(raw[i : i + step]), 2, DEFAULT_LEVEL, True, kind=KIND_BF16
+            )
             out.append((b"".join(bytes(p) for p in parts), cid, flags, crc, min(step, raw.size - i)))
         return out
 
@@ -301,16 +342,25 @@ def fmt(v, spec):
 
 def print_paired(name, res):
     print(f"unweight/zipnn single-thread, {res['pairs']} back-to-back pairs (median of per-pair ratios; min-max):")
-    for k, label in (("enc", "encode"), ("dec", "decode"), ("dec_reuse", "decode into one reused buffer (as decompress/verify)")):
+    for k, label in (
+        ("enc", "encode"),
+        ("dec", "decode"),
+        ("dec_reuse", "decode into one reused buffer (as decompress/verify)"),
+    ):
         r = res[k]
-        print(f"  {label}: {r['ratio_median']:.2f}x ({r['ratio_min']:.2f}-{r['ratio_max']:.2f}); "
-              f"medians {r['unweight_MBps']:.0f} vs {r['zipnn_MBps']:.0f} MB/s")
+        print(
+            f"  {label}: {r['ratio_median']:.2f}x ({r['ratio_min']:.2f}-{r['ratio_max']:.2f}); "
+            f"medians {r['unweight_MBps']:.0f} vs {r['zipnn_MBps']:.0f} MB/s"
+        )
     if "cpu_ms" in res:
         c = res["cpu_ms"]
-        print("  CPU time per decode, medians (user + system ms): "
-              f"unweight {c['uw_dec']['user']:.0f} + {c['uw_dec']['system']:.0f} (reused buffer {c['uw_reuse']['user']:.0f} + "
-              f"{c['uw_reuse']['system']:.0f}), zipnn {c['zn_dec']['user']:.0f} + {c['zn_dec']['system']:.0f}; "
-              f"zipnn's user time is {c['zn_dec']['user'] / c['uw_reuse']['user']:.2f}x unweight's (reused buffer)")
+        print(
+            "  CPU time per decode, medians (user + system ms): "
+            f"unweight {c['uw_dec']['user']:.0f} + {c['uw_dec']['system']:.0f} (reused buffer "
+            f"{c['uw_reuse']['user']:.0f} + "
+            f"{c['uw_reuse']['system']:.0f}), zipnn {c['zn_dec']['user']:.0f} + {c['zn_dec']['system']:.0f}; "
+            f"zipnn's user time is {c['zn_dec']['user'] / c['uw_reuse']['user']:.2f}x unweight's (reused buffer)"
+        )
 
 
 def print_table(name, n_weights, rows):
@@ -319,21 +369,28 @@ def print_table(name, n_weights, rows):
     print(head + "\n" + "-" * len(head))
     for r in rows:
         ex = "-" if r["bit_exact"] is None else ("yes" if r["bit_exact"] else "NO")
-        print(f"{r['method']:<32} {fmt(r['saving_pct'], '9.2f')} {fmt(r['encode_MBps'], '9.1f')} {fmt(r['decode_MBps'], '9.1f')} {ex:>9}")
+        print(
+            f"{r['method']:<32} {fmt(r['saving_pct'], '9.2f')} {fmt(r['encode_MBps'], '9.1f')} "
+            f"{fmt(r['decode_MBps'], '9.1f')} {ex:>9}"
+        )
     by = {r["method"]: r for r in rows}
     uw, zn = by.get("unweight (1 thread)"), by.get("zipnn (1 thread)")
     if uw and zn:
         r = {k: uw[k] / zn[k] for k in ("decode_MBps", "encode_MBps", "decode_best_MBps", "encode_best_MBps")}
-        print(f"unweight/zipnn single-thread: decode {r['decode_MBps']:.2f}x, encode {r['encode_MBps']:.2f}x "
-              f"(best-of runs: decode {r['decode_best_MBps']:.2f}x, encode {r['encode_best_MBps']:.2f}x)")
+        print(
+            f"unweight/zipnn single-thread: decode {r['decode_MBps']:.2f}x, encode {r['encode_MBps']:.2f}x "
+            f"(best-of runs: decode {r['decode_best_MBps']:.2f}x, encode {r['encode_best_MBps']:.2f}x)"
+        )
 
 
 def run_dataset(name, tensors, args):
     orig = sum(a.nbytes for _, _, a in tensors)
     buf = np.concatenate([a for _, _, a in tensors])
     rows = [entropy_row(tensors, orig)]
-    steps = [("unweight", lambda: bench_unweight(tensors, orig, args)),
-             ("zstd-3", lambda: bench_zstd(tensors, orig, 3, args))]
+    steps = [
+        ("unweight", lambda: bench_unweight(tensors, orig, args)),
+        ("zstd-3", lambda: bench_zstd(tensors, orig, 3, args)),
+    ]
     if orig / MB <= args.zstd19_max_mb:
         steps.append(("zstd-19", lambda: bench_zstd(tensors, orig, 19, args)))
     else:
@@ -356,10 +413,23 @@ def run_dataset(name, tensors, args):
 def machine_info():
     from unweight.codec import checksum, rans_avx2
 
-    model = next((ln.split(":", 1)[1].strip() for ln in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
-                  if ln.startswith("Model name")), platform.processor())
-    return {"cpu": model, "cpus": os.cpu_count(), "python": platform.python_version(), "numpy": np.__version__, "torch": torch.__version__,
-            "rans_kernels": "avx2" if rans_avx2.AVAILABLE else "portable", "crc32": checksum.IMPLEMENTATION}
+    model = next(
+        (
+            ln.split(":", 1)[1].strip()
+            for ln in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
+            if ln.startswith("Model name")
+        ),
+        platform.processor(),
+    )
+    return {
+        "cpu": model,
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "torch": torch.__version__,
+        "rans_kernels": "avx2" if rans_avx2.AVAILABLE else "portable",
+        "crc32": checksum.IMPLEMENTATION,
+    }
 
 
 def main(argv=None):
@@ -368,18 +438,31 @@ def main(argv=None):
     p.add_argument("--datasets", default=",".join(DATASETS), help=f"comma-separated subset of {','.join(DATASETS)}")
     p.add_argument("--repeats", type=int, default=3, help="decode repeats (median reported)")
     p.add_argument("--encode-repeats", type=int, default=1, help="encode repeats (median reported)")
-    p.add_argument("--paired", type=int, default=10, help="back-to-back unweight/zipnn pairs for the speed ratio, the order alternating (0: skip)")
-    p.add_argument("--zstd19-max-mb", type=float, default=150.0,
-                   help="run zstd level 19 (about 1 MB/s) only on datasets up to this many MB; 0 skips it")
+    p.add_argument(
+        "--paired",
+        type=int,
+        default=10,
+        help="back-to-back unweight/zipnn pairs for the speed ratio, the order alternating (0: skip)",
+    )
+    p.add_argument(
+        "--zstd19-max-mb",
+        type=float,
+        default=150.0,
+        help="run zstd level 19 (about 1 MB/s) only on datasets up to this many MB; 0 skips it",
+    )
     p.add_argument("--json", type=Path, default=Path("benchmarks/results/compress_bench.json"))
     args = p.parse_args(argv)
     chosen = [d.strip() for d in args.datasets.split(",") if d.strip()]
     if bad := set(chosen) - set(DATASETS):
         p.error(f"unknown dataset(s): {', '.join(sorted(bad))}")
 
-    results = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-               "command": " ".join([Path(sys.argv[0]).as_posix()] + (sys.argv[1:] if argv is None else argv)),
-               "machine": machine_info(), "loadavg_start": os.getloadavg(), "datasets": {}}
+    results = {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "command": " ".join([Path(sys.argv[0]).as_posix()] + (sys.argv[1:] if argv is None else argv)),
+        "machine": machine_info(),
+        "loadavg_start": os.getloadavg(),
+        "datasets": {},
+    }
     print("machine: " + ", ".join(f"{k} {v}" for k, v in results["machine"].items()), flush=True)
     for name in chosen:
         tensors = load_minilm() if name == "minilm-bf16" else load_synthetic(args.quick)

@@ -34,7 +34,10 @@ SETTINGS = {
     "all cores": {"UNWEIGHT_THREAD_GOVERNOR": "0"},
     "one thread": {"OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1"},
 }
-PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle. Make it vivid and a little sad, with a twist at the end."
+PROMPT = (
+    "Write a short story about a lighthouse keeper who finds a message in a bottle. "
+    "Make it vivid and a little sad, with a twist at the end."
+)
 
 
 def child(model: str, tokens: int) -> None:
@@ -49,7 +52,11 @@ def child(model: str, tokens: int) -> None:
         for _ in g:
             pass
     r = g.result
-    print(json.dumps({"tok_s": r.decode_tokens_per_s, "tokens": len(r.token_ids), "threads_at_end": torch.get_num_threads()}))
+    print(
+        json.dumps(
+            {"tok_s": r.decode_tokens_per_s, "tokens": len(r.token_ids), "threads_at_end": torch.get_num_threads()}
+        )
+    )
 
 
 def cpu_seconds() -> float:
@@ -62,8 +69,13 @@ def measure(model: str, tokens: int, env: dict, busy: bool) -> dict:
     spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
     try:
         t0, c0 = time.monotonic(), cpu_seconds()
-        done = subprocess.run([sys.executable, __file__, "--child", model, "--tokens", str(tokens)], env={**os.environ, **env},
-                              capture_output=True, text=True, timeout=600)
+        done = subprocess.run(
+            [sys.executable, __file__, "--child", model, "--tokens", str(tokens)],
+            env={**os.environ, **env},
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         wall, cpu = time.monotonic() - t0, cpu_seconds() - c0
         if done.returncode:
             raise RuntimeError(done.stderr[-2000:])
@@ -85,7 +97,9 @@ def main() -> None:
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--model-dir", default=None, help="a compressed SmolLM2 folder (default: made once in the fixture cache)")
+    ap.add_argument(
+        "--model-dir", default=None, help="a compressed SmolLM2 folder (default: made once in the fixture cache)"
+    )
     ap.add_argument("--out", default="benchmarks/results/contention_bench.json")
     args = ap.parse_args()
     if args.child:
@@ -107,7 +121,10 @@ def main() -> None:
                 runs.setdefault((name, busy), []).append(measure(model, args.tokens, env, busy))
         print(f"round {r + 1}/{args.repeats} done", file=sys.stderr, flush=True)
     rows = []
-    print(f"{'setting':<12} {'machine':<6} {'decode tok/s (median, range)':>30} {'busy / quiet':>13} {'competitor cores':>17} {'machine cores':>14}")
+    print(
+        f"{'setting':<12} {'machine':<6} {'decode tok/s (median, range)':>30} {'busy / quiet':>13} "
+        f"{'competitor cores':>17} {'machine cores':>14}"
+    )
     for name in SETTINGS:
         quiet = statistics.median(x["tok_s"] for x in runs[(name, False)])
         for busy in (False, True):
@@ -115,12 +132,36 @@ def main() -> None:
             med = statistics.median(xs)
             comp = statistics.median(x.get("competitor_cores", 0.0) for x in runs[(name, busy)])
             cores = statistics.median(x["machine_cores"] for x in runs[(name, busy)])
-            rows.append({"setting": name, "busy": busy, "env": SETTINGS[name], "tok_s": xs, "median": med, "vs_quiet": med / quiet,
-                         "competitor_cores": comp, "machine_cores": cores, "threads_at_end": [x["threads_at_end"] for x in runs[(name, busy)]]})
-            print(f"{name:<12} {'busy' if busy else 'quiet':<6} {med:>12.1f} ({min(xs):.1f}-{max(xs):.1f}){'':>7} {med / quiet:>12.2f}x {comp:>17.2f} {cores:>14.2f}")
+            rows.append(
+                {
+                    "setting": name,
+                    "busy": busy,
+                    "env": SETTINGS[name],
+                    "tok_s": xs,
+                    "median": med,
+                    "vs_quiet": med / quiet,
+                    "competitor_cores": comp,
+                    "machine_cores": cores,
+                    "threads_at_end": [x["threads_at_end"] for x in runs[(name, busy)]],
+                }
+            )
+            print(
+                f"{name:<12} {'busy' if busy else 'quiet':<6} {med:>12.1f} ({min(xs):.1f}-{max(xs):.1f}){'':>7} "
+                f"{med / quiet:>12.2f}x {comp:>17.2f} {cores:>14.2f}"
+            )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"tokens": args.tokens, "repeats": args.repeats, "cpus": os.cpu_count(),
-                                          "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows": rows}, indent=1))
+    Path(args.out).write_text(
+        json.dumps(
+            {
+                "tokens": args.tokens,
+                "repeats": args.repeats,
+                "cpus": os.cpu_count(),
+                "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                "rows": rows,
+            },
+            indent=1,
+        )
+    )
     print(f"wrote {args.out}")
 
 

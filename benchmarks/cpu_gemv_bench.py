@@ -50,7 +50,15 @@ from unweight.runtime.tile_tensors import tile_tensors
 
 # label -> (N, K, tensor names stacked in this order, {layer} filled in)
 SHAPES = {
-    "qkv": (960, 576, ["model.layers.{layer}.self_attn.q_proj.weight", "model.layers.{layer}.self_attn.k_proj.weight", "model.layers.{layer}.self_attn.v_proj.weight"]),
+    "qkv": (
+        960,
+        576,
+        [
+            "model.layers.{layer}.self_attn.q_proj.weight",
+            "model.layers.{layer}.self_attn.k_proj.weight",
+            "model.layers.{layer}.self_attn.v_proj.weight",
+        ],
+    ),
     "o": (576, 576, ["model.layers.{layer}.self_attn.o_proj.weight"]),
     "gate_up": (3072, 576, ["model.layers.{layer}.mlp.gate_proj.weight", "model.layers.{layer}.mlp.up_proj.weight"]),
     "down": (576, 1536, ["model.layers.{layer}.mlp.down_proj.weight"]),
@@ -76,7 +84,14 @@ def read_bf16(path: Path, names: list[str]) -> np.ndarray | None:
 
 def synthetic(rows: int, cols: int, seed: int) -> np.ndarray:
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(rows, cols, generator=g) * 0.02).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16).reshape(rows, cols)
+    return (
+        (torch.randn(rows, cols, generator=g) * 0.02)
+        .to(torch.bfloat16)
+        .view(torch.int16)
+        .numpy()
+        .view(np.uint16)
+        .reshape(rows, cols)
+    )
 
 
 def weights(path: Path | None, layer: int) -> dict[str, tuple[np.ndarray, str]]:
@@ -99,21 +114,40 @@ def check(label: str, w, p, dense: torch.Tensor, batches) -> None:
         got = tiles_gemv_cpu(x, w, p.base, p.block, rows, cols)
         err = (got.double() - ref).abs()
         if got.shape != (m, rows) or not torch.all(err <= bound):
-            sys.exit(f"FAIL {label} M={m}: max error {err.max().item():.3g}, {(err / bound).max().item():.2f}x the fp32 bound")
+            sys.exit(
+                f"FAIL {label} M={m}: max error {err.max().item():.3g}, {(err / bound).max().item():.2f}x the fp32 "
+                f"bound"
+            )
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--threads", type=int, default=None, help="threads for torch and numba (default: numba's default, the CPU count)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="threads for torch and numba (default: numba's default, the CPU count)",
+    )
     ap.add_argument("--batches", default="1,4,16", help="comma-separated batch sizes M")
     ap.add_argument("--rounds", type=int, default=15, help="rounds of interleaved timing per shape and batch")
     ap.add_argument("--min-round-ms", type=float, default=4.0, help="each variant runs at least this long per round")
     ap.add_argument("--layer", type=int, default=15)
-    ap.add_argument("--safetensors", type=Path, default=None, help="BF16 SmolLM2-135M weights (default: the cached fixture)")
+    ap.add_argument(
+        "--safetensors", type=Path, default=None, help="BF16 SmolLM2-135M weights (default: the cached fixture)"
+    )
     ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated subset of " + ",".join(SHAPES))
-    ap.add_argument("--sdpa", action="store_true", help="run a small scaled_dot_product_attention before every timed call")
-    ap.add_argument("--cold", action="store_true", help="rotate over copies of each weight so that every call reads it from DRAM")
-    ap.add_argument("--cold-mb", type=float, default=96.0, help="bytes of BF16 weight copies per shape with --cold (above the L3 size)")
+    ap.add_argument(
+        "--sdpa", action="store_true", help="run a small scaled_dot_product_attention before every timed call"
+    )
+    ap.add_argument(
+        "--cold", action="store_true", help="rotate over copies of each weight so that every call reads it from DRAM"
+    )
+    ap.add_argument(
+        "--cold-mb",
+        type=float,
+        default=96.0,
+        help="bytes of BF16 weight copies per shape with --cold (above the L3 size)",
+    )
     ap.add_argument("--json", type=Path, default=Path("benchmarks/results/cpu_gemv_bench.json"))
     args = ap.parse_args(argv)
 
@@ -137,8 +171,12 @@ def main(argv=None) -> None:
     q, k, v = (torch.randn(1, 9, n, 64) for n in (1, 64, 64))
     between = (lambda: F.scaled_dot_product_attention(q, k, v)) if args.sdpa else (lambda: None)
 
-    print(f"cpu: {platform.processor() or platform.machine()}, {threads} threads (torch {torch.get_num_threads()}, numba layer "
-          f"{numba.config.THREADING_LAYER}); fused path: {'AVX2 kernels' if FAST_PATH else 'portable'}; weights: {path if path.exists() else 'synthetic'}")
+    print(
+        f"cpu: {platform.processor() or platform.machine()}, {threads} threads (torch {torch.get_num_threads()}, "
+        f"numba layer "
+        f"{numba.config.THREADING_LAYER}); fused path: {'AVX2 kernels' if FAST_PATH else 'portable'}; weights: "
+        f"{path if path.exists() else 'synthetic'}"
+    )
     print("correctness:")
     prepared = {}
     for label in labels:
@@ -149,14 +187,20 @@ def main(argv=None) -> None:
         dense = torch.from_numpy(vals.view(np.int16).copy()).view(torch.bfloat16)
         check(label, w, p, dense, batches)
         esc = len(s["esc"]) / vals.size
-        print(f"  ok  {label} {rows}x{cols} ({source}): {100 * esc:.1f}% escapes, within the fp32 bound at M={','.join(map(str, batches))}")
+        print(
+            f"  ok  {label} {rows}x{cols} ({source}): {100 * esc:.1f}% escapes, within the fp32 bound at "
+            f"M={','.join(map(str, batches))}"
+        )
         copies = max(1, -(-int(args.cold_mb * 2**20) // (2 * vals.size))) if args.cold else 1
         ws = [w] + [tile_tensors(s) for _ in range(copies - 1)]
         dense_copies = [dense] + [dense.clone() for _ in range(copies - 1)]
         prepared[label] = (ws, p, dense_copies, [d.float() for d in dense_copies], esc, source)
 
     results = []
-    print(f"\n{'shape':>16} {'M':>3} | {'torch bf16':>10} {'torch fp32':>10} {'fused':>10}  us | {'bf16':>6} {'fp32':>6} {'fused':>6} ns/elem | fused/bf16")
+    print(
+        f"\n{'shape':>16} {'M':>3} | {'torch bf16':>10} {'torch fp32':>10} {'fused':>10}  us | {'bf16':>6} "
+        f"{'fp32':>6} {'fused':>6} ns/elem | fused/bf16"
+    )
     for label in labels:
         ws, p, dense, dense32, esc, source = prepared[label]
         rows, cols = dense[0].shape
@@ -192,11 +236,27 @@ def main(argv=None) -> None:
             med = {name: statistics.median(t) for name, t in times.items()}
             ns = {name: 1e9 * t / (rows * cols) for name, t in med.items()}
             ratio = med["fused"] / med["torch_bf16"]
-            print(f"{label + ' ' + str(rows) + 'x' + str(cols):>16} {m:>3} | {1e6 * med['torch_bf16']:>10.1f} {1e6 * med['torch_fp32']:>10.1f} "
-                  f"{1e6 * med['fused']:>10.1f}     | {ns['torch_bf16']:>6.3f} {ns['torch_fp32']:>6.3f} {ns['fused']:>6.3f}         | {ratio:>6.2f}", flush=True)
-            results.append({"shape": label, "out_features": rows, "in_features": cols, "batch": m, "weights": source, "escape_fraction": esc,
-                            "median_us": {k: 1e6 * t for k, t in med.items()}, "ns_per_element": ns, "fused_over_torch_bf16": ratio,
-                            "calls_timed": {k: len(t) for k, t in times.items()}})
+            print(
+                f"{label + ' ' + str(rows) + 'x' + str(cols):>16} {m:>3} | {1e6 * med['torch_bf16']:>10.1f} "
+                f"{1e6 * med['torch_fp32']:>10.1f} "
+                f"{1e6 * med['fused']:>10.1f}     | {ns['torch_bf16']:>6.3f} {ns['torch_fp32']:>6.3f} "
+                f"{ns['fused']:>6.3f}         | {ratio:>6.2f}",
+                flush=True,
+            )
+            results.append(
+                {
+                    "shape": label,
+                    "out_features": rows,
+                    "in_features": cols,
+                    "batch": m,
+                    "weights": source,
+                    "escape_fraction": esc,
+                    "median_us": {k: 1e6 * t for k, t in med.items()},
+                    "ns_per_element": ns,
+                    "fused_over_torch_bf16": ratio,
+                    "calls_timed": {k: len(t) for k, t in times.items()},
+                }
+            )
 
     args.json.parent.mkdir(parents=True, exist_ok=True)
     out = {

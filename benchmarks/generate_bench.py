@@ -55,8 +55,8 @@ import torch
 
 import unweight
 from unweight.defaults import cache_dir
-from unweight.testing import smollm2_bf16
 from unweight.runtime.generate import encode_prompt
+from unweight.testing import smollm2_bf16
 
 ROWS = ("uw-serving", "uw-archive", "hf-bf16", "hf-fp32", "bnb-int8", "bnb-nf4")
 MB = 1e6
@@ -255,11 +255,15 @@ def load_row(name: str, bf16_dir: Path, uw_dir: Path, dev: str, attn: str):
         q = BitsAndBytesConfig(load_in_8bit=True)
     else:
         q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
-    model = AutoModelForCausalLM.from_pretrained(bf16_dir, quantization_config=q, device_map=dev, attn_implementation=attn)
+    model = AutoModelForCausalLM.from_pretrained(
+        bf16_dir, quantization_config=q, device_map=dev, attn_implementation=attn
+    )
     return model.eval(), "hf"
 
 
-def measure_row(name: str, bf16_dir: Path, uw_dir: Path, args, prompt_ids: list[int], drift_ids: list[int]) -> tuple[dict, torch.Tensor]:
+def measure_row(
+    name: str, bf16_dir: Path, uw_dir: Path, args, prompt_ids: list[int], drift_ids: list[int]
+) -> tuple[dict, torch.Tensor]:
     steps = args.slow_tokens if name == "uw-archive" else args.tokens
     log(f"{name}: loading")
     t0 = time.perf_counter()
@@ -267,7 +271,10 @@ def measure_row(name: str, bf16_dir: Path, uw_dir: Path, args, prompt_ids: list[
     load_s = time.perf_counter() - t0
     weight_bytes = model.resident_weight_bytes() if kind == "uw" else hf_weight_bytes(model)
     run = run_unweight if kind == "uw" else run_hf
-    log(f"{name}: loaded in {load_s:.1f}s, {weight_bytes / MB:.1f} MB of weights; drift forward over {len(drift_ids)} tokens")
+    log(
+        f"{name}: loaded in {load_s:.1f}s, {weight_bytes / MB:.1f} MB of weights; drift forward over {len(drift_ids)} "
+        f"tokens"
+    )
     logits = logits_unweight(model, drift_ids) if kind == "uw" else logits_hf(model, drift_ids)
     # The warm-up run is a full one: first calls allocate caches, pick kernels, fault pages in.
     log(f"{name}: warm-up, then {args.repeats} runs of prefill {len(prompt_ids)} + {steps} decode steps")
@@ -300,7 +307,19 @@ def fmt(v, spec: str, missing: str = "-") -> str:
 
 
 def table(rows: list[dict], default_steps: int) -> str:
-    head = ("row", "steps", "weights MB", "load s", "TTFT ms", "decode tok/s", "vs bf16", "max|dlogit|", "KL fp32||row", "top1 agree", "note")
+    head = (
+        "row",
+        "steps",
+        "weights MB",
+        "load s",
+        "TTFT ms",
+        "decode tok/s",
+        "vs bf16",
+        "max|dlogit|",
+        "KL fp32||row",
+        "top1 agree",
+        "note",
+    )
     lines = [head]
     for r in rows:
         if "error" in r:
@@ -310,11 +329,21 @@ def table(rows: list[dict], default_steps: int) -> str:
         note = "reference" if r["row"] == "hf-fp32" else ""
         if r["decode_steps"] != default_steps:
             note = (note + "; " if note else "") + f"only {r['decode_steps']} decode steps (slow)"
-        lines.append((
-            r["row"], str(r["decode_steps"]), fmt(r["weight_bytes"] / MB, ".1f"), fmt(r["load_s"], ".1f"),
-            fmt(r["ttft_s"] * 1e3, ".0f"), fmt(r["decode_tok_s"], ".2f"), fmt(r.get("vs_bf16"), ".2f"),
-            fmt(d.get("max_abs_logit_diff"), ".3g"), fmt(d.get("mean_kl_nats"), ".2e"), fmt(d.get("top1_agreement"), ".4f"), note,
-        ))
+        lines.append(
+            (
+                r["row"],
+                str(r["decode_steps"]),
+                fmt(r["weight_bytes"] / MB, ".1f"),
+                fmt(r["load_s"], ".1f"),
+                fmt(r["ttft_s"] * 1e3, ".0f"),
+                fmt(r["decode_tok_s"], ".2f"),
+                fmt(r.get("vs_bf16"), ".2f"),
+                fmt(d.get("max_abs_logit_diff"), ".3g"),
+                fmt(d.get("mean_kl_nats"), ".2e"),
+                fmt(d.get("top1_agreement"), ".4f"),
+                note,
+            )
+        )
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     out = []
     for j, line in enumerate(lines):
@@ -355,9 +384,18 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:n] (default cpu)")
     ap.add_argument("--tokens", type=int, default=64, help="greedy decode steps per timed run (default 64)")
-    ap.add_argument("--slow-tokens", type=int, default=8, help="decode steps for the unweight archive row, which decodes every weight at every step (default 8)")
+    ap.add_argument(
+        "--slow-tokens",
+        type=int,
+        default=8,
+        help="decode steps for the unweight archive row, which decodes every weight at every step (default 8)",
+    )
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per row after one warm-up run (default 3)")
-    ap.add_argument("--model-dir", default=None, help="a BF16 Hugging Face Llama-family folder (default: the SmolLM2-135M-Instruct fixture)")
+    ap.add_argument(
+        "--model-dir",
+        default=None,
+        help="a BF16 Hugging Face Llama-family folder (default: the SmolLM2-135M-Instruct fixture)",
+    )
     ap.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated subset of {','.join(ROWS)}")
     ap.add_argument("--attn", default="eager", help="transformers attn_implementation (default eager)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "generate_bench.json"))
@@ -380,7 +418,10 @@ def main(argv: list[str] | None = None) -> None:
     tok = unweight.load_tokenizer(uw_dir)
     prompt_ids = encode_prompt(tok, CHAT_PROMPT, chat=True)
     drift_ids = encode_prompt(tok, DRIFT_TEXT)
-    log(f"model {bf16_dir}; prompt {len(prompt_ids)} tokens, drift text {len(drift_ids)} tokens; device {args.device}, {torch.get_num_threads()} threads")
+    log(
+        f"model {bf16_dir}; prompt {len(prompt_ids)} tokens, drift text {len(drift_ids)} tokens; device "
+        f"{args.device}, {torch.get_num_threads()} threads"
+    )
 
     # FP32 goes first: every other row's drift is measured against its logits.
     order = sorted(rows_wanted, key=lambda r: r != "hf-fp32")
@@ -411,8 +452,10 @@ def main(argv: list[str] | None = None) -> None:
             r["vs_bf16"] = r["decode_tok_s"] / base if base else None
             r["sample_text"] = tok.decode(r["generated_ids"])
 
-    print(f"generate_bench: {bf16_dir.name}, device {args.device}, prompt {len(prompt_ids)} tokens, "
-          f"drift text {len(drift_ids)} tokens, median of {args.repeats} runs after 1 warm-up")
+    print(
+        f"generate_bench: {bf16_dir.name}, device {args.device}, prompt {len(prompt_ids)} tokens, "
+        f"drift text {len(drift_ids)} tokens, median of {args.repeats} runs after 1 warm-up"
+    )
     print(table(rows, args.tokens))
 
     report = {
@@ -420,10 +463,18 @@ def main(argv: list[str] | None = None) -> None:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(args.device),
         "settings": {
-            "device": args.device, "tokens": args.tokens, "slow_tokens": args.slow_tokens, "repeats": args.repeats,
-            "attn_implementation": args.attn, "model_dir": str(bf16_dir), "compressed_dir": str(uw_dir),
-            "prompt_tokens": len(prompt_ids), "drift_tokens": len(drift_ids), "seed": 0,
-            "chat_prompt": CHAT_PROMPT, "drift_text": DRIFT_TEXT,
+            "device": args.device,
+            "tokens": args.tokens,
+            "slow_tokens": args.slow_tokens,
+            "repeats": args.repeats,
+            "attn_implementation": args.attn,
+            "model_dir": str(bf16_dir),
+            "compressed_dir": str(uw_dir),
+            "prompt_tokens": len(prompt_ids),
+            "drift_tokens": len(drift_ids),
+            "seed": 0,
+            "chat_prompt": CHAT_PROMPT,
+            "drift_text": DRIFT_TEXT,
         },
         "rows": rows,
         "total_s": time.perf_counter() - T0,

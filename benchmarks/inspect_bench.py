@@ -37,8 +37,15 @@ def build(path: Path, n: int) -> None:
     with ContainerWriter(os.fspath(path)) as writer:
         made, layer = 0, 0
         while made < n:
-            names = [f"model.layers.{layer}.input_layernorm.weight", f"model.layers.{layer}.post_attention_layernorm.weight"]
-            names += [f"model.layers.{layer}.mlp.experts.{e}.{p}_proj.weight" for e in range(64) for p in ("gate", "up", "down")]
+            names = [
+                f"model.layers.{layer}.input_layernorm.weight",
+                f"model.layers.{layer}.post_attention_layernorm.weight",
+            ]
+            names += [
+                f"model.layers.{layer}.mlp.experts.{e}.{p}_proj.weight"
+                for e in range(64)
+                for p in ("gate", "up", "down")
+            ]
             for name in names[: n - made]:
                 w = (rng.standard_normal(SHAPE, dtype=np.float32) * 0.02).astype(np.float32)
                 bf16 = (w.view(np.uint32) >> 16).astype(np.uint16)  # truncation is fine for a size benchmark
@@ -51,7 +58,9 @@ def build(path: Path, n: int) -> None:
 
 def run_cli(path: Path, *flags: str) -> float:
     t0 = time.perf_counter()
-    r = subprocess.run([sys.executable, "-m", "unweight.cli.main", "inspect", str(path), *flags], capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "unweight.cli.main", "inspect", str(path), *flags], capture_output=True, text=True
+    )
     took = time.perf_counter() - t0
     if r.returncode != 0:
         raise SystemExit(f"inspect {' '.join(flags)} failed: {r.stderr[-500:]}")
@@ -59,7 +68,10 @@ def run_cli(path: Path, *flags: str) -> float:
 
 
 def library(path: Path) -> float:
-    code = f"import time, unweight; t = time.perf_counter(); unweight.inspect({str(path)!r}); print(time.perf_counter() - t)"
+    code = (
+        f"import time, unweight; t = time.perf_counter(); unweight.inspect({str(path)!r}); "
+        "print(time.perf_counter() - t)"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return float(r.stdout.strip())
 
@@ -74,7 +86,10 @@ def main() -> None:
         path = Path(td) / "moe.safetensors"
         t0 = time.perf_counter()
         build(path, args.tensors)
-        print(f"built {args.tensors:,} tensors ({path.stat().st_size / 1e6:.1f} MB) in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+        print(
+            f"built {args.tensors:,} tensors ({path.stat().st_size / 1e6:.1f} MB) in {time.perf_counter() - t0:.0f} s",
+            file=sys.stderr,
+        )
         modes = {"table (by layer type)": (), "--tensors": ("--tensors",), "--json": ("--json",)}
         times: dict[str, list[float]] = {m: [] for m in [*modes, "unweight.inspect"]}
         for _ in range(args.rounds):  # alternated, so a slow spell of the machine hits every mode
@@ -87,7 +102,9 @@ def main() -> None:
     for mode, ts in times.items():
         print(f"| {mode} | {statistics.median(ts):.2f} | {min(ts):.2f}–{max(ts):.2f} |")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"tensors": args.tensors, "rounds": args.rounds, "cpus": os.cpu_count(), "seconds": times}, indent=1))
+    Path(args.out).write_text(
+        json.dumps({"tensors": args.tensors, "rounds": args.rounds, "cpus": os.cpu_count(), "seconds": times}, indent=1)
+    )
 
 
 if __name__ == "__main__":

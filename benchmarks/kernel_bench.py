@@ -29,8 +29,8 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -54,7 +54,11 @@ from unweight.runtime.linear import UnweightLinear  # noqa: E402
 BATCHES = (1, 2, 4, 8, 12, 16, 32, 64, 256, 1024, 4096)
 DRY_SHAPES = {"q/o 96x64": (96, 64), "down 40x200": (40, 200)}
 DRY_BATCHES = (1, 3, 8, 17, 32, 40)
-ISSUE = {"H200": (132, 1.98e9), "H100": (132, 1.98e9), "A100": (108, 1.41e9)}  # SMs, boost clock; 128 thread-instructions per SM per clock
+ISSUE = {
+    "H200": (132, 1.98e9),
+    "H100": (132, 1.98e9),
+    "A100": (108, 1.41e9),
+}  # SMs, boost clock; 128 thread-instructions per SM per clock
 
 
 def make_weight(out_f: int, in_f: int, seed: int, device: str) -> torch.Tensor:
@@ -66,7 +70,9 @@ def make_weight(out_f: int, in_f: int, seed: int, device: str) -> torch.Tensor:
 def resident(w: torch.Tensor) -> dict[str, torch.Tensor]:
     rows, cols = w.shape
     host = w.view(torch.int16).cpu().numpy().view(np.uint16)
-    return {k: torch.from_numpy(np.ascontiguousarray(a)).to(w.device) for k, a in qtiles.encode(host, rows, cols).items()}
+    return {
+        k: torch.from_numpy(np.ascontiguousarray(a)).to(w.device) for k, a in qtiles.encode(host, rows, cols).items()
+    }
 
 
 def time_ms(fn, device: str) -> float:
@@ -113,22 +119,37 @@ def check(label: str, w: torch.Tensor, q, batches, device: str) -> None:
         fail(f"{label}: the decode kernel's row gather is not bit-exact")
     wf = w.float()
     host = {k: t.cpu().numpy() for k, t in q.items()}
-    stand = torch.from_numpy(qtiles.stand_ins_reference(host, out_f, in_f).view(np.int16)).view(torch.bfloat16).to(device).float()
-    terms = in_f + int(np.diff(host["esc_row"]).max(initial=0)) + 1  # K stand-in products and each row's escape corrections
+    stand = (
+        torch.from_numpy(qtiles.stand_ins_reference(host, out_f, in_f).view(np.int16))
+        .view(torch.bfloat16)
+        .to(device)
+        .float()
+    )
+    terms = (
+        in_f + int(np.diff(host["esc_row"]).max(initial=0)) + 1
+    )  # K stand-in products and each row's escape corrections
     for m in batches:
         x = torch.randn(m, in_f, device=device).to(torch.bfloat16)
         ref = F.linear(x.float(), wf)
         # fp32 summation over the stand-ins and the corrections x (w - w0) (tests/test_kernels.py:check_product),
         # + the BF16 output's rounding: to nearest on a GPU (2^-8), truncated by the interpreter (2^-7)
-        bound = terms * 2.0**-24 * F.linear(x.float().abs(), stand.abs() + (wf - stand).abs()) + (2.0**-7 if DRY else 2.0**-8) * ref.abs()
+        bound = (
+            terms * 2.0**-24 * F.linear(x.float().abs(), stand.abs() + (wf - stand).abs())
+            + (2.0**-7 if DRY else 2.0**-8) * ref.abs()
+        )
         for name, fn in pipelines(q, out_f, in_f, m).items():
             err = (fn(x).float() - ref).abs()
             if not torch.all(err <= bound):
                 fail(f"{label} m={m} {name}: error {err.max().item():.3g} over the bound")
-    print(f"  ok  {label}: decode bit-exact; pipelines within the fp32 bound at batches {', '.join(map(str, batches))}", flush=True)
+    print(
+        f"  ok  {label}: decode bit-exact; pipelines within the fp32 bound at batches {', '.join(map(str, batches))}",
+        flush=True,
+    )
 
 
-def predictions(out: Path, shapes: dict, batches: tuple[int, ...], device_name: str, bandwidth: float) -> dict[tuple[str, int], float]:
+def predictions(
+    out: Path, shapes: dict, batches: tuple[int, ...], device_name: str, bandwidth: float
+) -> dict[tuple[str, int], float]:
     """(shape, batch) -> the fused speed-up that the compile-only counts predict: time per weight
     max(bytes / bandwidth, instructions / issue rate) against BF16's 2 bytes / bandwidth."""
     key = next((k for k in ISSUE if k in device_name), "H200")
@@ -136,14 +157,26 @@ def predictions(out: Path, shapes: dict, batches: tuple[int, ...], device_name: 
     issue = sms * 128 * clock
     json_path = out / "kernel_isa.json"
     fused = ",".join(str(m) for m in batches if m <= MAX_M) or "1"
-    cmd = [sys.executable, str(Path(kernel_isa.__file__)), "--targets", "90", "--json", str(json_path), "--batches", fused,
-           "--shapes", ",".join(label.split()[0] + " " for label in shapes)]
+    cmd = [
+        sys.executable,
+        str(Path(kernel_isa.__file__)),
+        "--targets",
+        "90",
+        "--json",
+        str(json_path),
+        "--batches",
+        fused,
+        "--shapes",
+        ",".join(label.split()[0] + " " for label in shapes),
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True)
     (out / "kernel_isa.txt").write_text(done.stdout + done.stderr)
     if not json_path.exists():
         print(f"  kernel_isa.py failed (exit {done.returncode}): no predictions", flush=True)
         return {}
-    kind = {label.split()[0]: label for label in shapes}  # "q/o", "down", ...: the dry run's small shapes take the 8B ones' counts
+    kind = {
+        label.split()[0]: label for label in shapes
+    }  # "q/o", "down", ...: the dry run's small shapes take the 8B ones' counts
     pred = {}
     for row in json.loads(json_path.read_text())["rows"]:
         for case in row["cases"] if row.get("ok") else ():
@@ -152,9 +185,13 @@ def predictions(out: Path, shapes: dict, batches: tuple[int, ...], device_name: 
             isa_label, m = case.removeprefix("fused ").rsplit(" m=", 1) if case.startswith("fused ") else ("", 0)
             if isa_label.split(" ")[0] in kind:
                 in_f = kernel_isa.SHAPES[isa_label][1]
-                bytes_w = 1.0 + 3 / 8 + kernel_isa.ESCAPE_RATE * 3 + 5 / in_f  # sm, codes, listed escapes, row base and index
+                bytes_w = (
+                    1.0 + 3 / 8 + kernel_isa.ESCAPE_RATE * 3 + 5 / in_f
+                )  # sm, codes, listed escapes, row base and index
                 per_w = row["per_w"] + row.get("esc_per_w", 0.0)
-                pred[(kind[isa_label.split(" ")[0]], int(m))] = (2 / bandwidth) / max(bytes_w / bandwidth, per_w / issue)
+                pred[(kind[isa_label.split(" ")[0]], int(m))] = (2 / bandwidth) / max(
+                    bytes_w / bandwidth, per_w / issue
+                )
     return pred
 
 
@@ -168,7 +205,13 @@ def decode_step_bench(device: str, dry: bool) -> list[dict]:
     else:
         hidden, inter, heads, kv, vocab, layers, ctx = 4096, 14336, 32, 8, 128256, 32, 1024
     hd = hidden // heads
-    shapes = {"qkv": ((heads + 2 * kv) * hd, hidden), "o": (hidden, hidden), "gate_up": (2 * inter, hidden), "down": (hidden, inter), "lm_head": (vocab, hidden)}
+    shapes = {
+        "qkv": ((heads + 2 * kv) * hd, hidden),
+        "o": (hidden, hidden),
+        "gate_up": (2 * inter, hidden),
+        "down": (hidden, inter),
+        "lm_head": (vocab, hidden),
+    }
     dense = {k: make_weight(*s, seed=i, device=device) for i, (k, s) in enumerate(shapes.items())}
 
     class Dense(nn.Module):
@@ -221,21 +264,36 @@ def decode_step_bench(device: str, dry: bool) -> list[dict]:
                 replay = time_ms(graph.replay, device)
                 row.update(graph_ms=replay, graph_tok_s=batch / replay * 1e3)
             results.append(row)
-            print(f"  decode step batch {batch} {name:>8}: eager {row['eager_tok_s']:8.1f} tok/s" + (f", CUDA graph {row['graph_tok_s']:8.1f} tok/s" if "graph_tok_s" in row else ""), flush=True)
+            print(
+                f"  decode step batch {batch} {name:>8}: eager {row['eager_tok_s']:8.1f} tok/s"
+                + (f", CUDA graph {row['graph_tok_s']:8.1f} tok/s" if "graph_tok_s" in row else ""),
+                flush=True,
+            )
     by = {(r["batch"], r["model"]): r for r in results}
     for batch in (1, 8):
         for mode in ("eager", "graph"):
             if f"{mode}_ms" in by[(batch, "bf16")]:
-                print(f"  batch {batch} {mode}: unweight {by[(batch, 'bf16')][f'{mode}_ms'] / by[(batch, 'unweight')][f'{mode}_ms']:.2f}x BF16 tokens/s")
+                print(
+                    f"  batch {batch} {mode}: unweight "
+                    f"{by[(batch, 'bf16')][f'{mode}_ms'] / by[(batch, 'unweight')][f'{mode}_ms']:.2f}x BF16 tokens/s"
+                )
     return results
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, required=True, help="folder for kernel_bench.json, kernel_isa.json and the table")
-    ap.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU through Triton's interpreter: checks the script")
+    ap.add_argument(
+        "--out", type=Path, required=True, help="folder for kernel_bench.json, kernel_isa.json and the table"
+    )
+    ap.add_argument(
+        "--dry-run", action="store_true", help="tiny shapes on the CPU through Triton's interpreter: checks the script"
+    )
     ap.add_argument("--batches", default=None, help="comma-separated batch sizes")
-    ap.add_argument("--shapes", default=None, help="comma-separated shape labels (prefixes of: " + ", ".join(kernel_isa.SHAPES) + ")")
+    ap.add_argument(
+        "--shapes",
+        default=None,
+        help="comma-separated shape labels (prefixes of: " + ", ".join(kernel_isa.SHAPES) + ")",
+    )
     args = ap.parse_args(argv)
     device = "cpu" if args.dry_run else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
@@ -246,7 +304,9 @@ def main(argv=None) -> None:
         shapes = {k: v for k, v in shapes.items() if any(k.startswith(w) for w in wanted)}
         if not shapes:
             sys.exit(f"no shape matches {args.shapes!r}")
-    batches = tuple(int(b) for b in args.batches.split(",")) if args.batches else (DRY_BATCHES if args.dry_run else BATCHES)
+    batches = (
+        tuple(int(b) for b in args.batches.split(",")) if args.batches else (DRY_BATCHES if args.dry_run else BATCHES)
+    )
     args.out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu (dry run: Triton interpreter)"
@@ -265,30 +325,53 @@ def main(argv=None) -> None:
     pred = predictions(args.out, shapes, batches, name, bw)
 
     rows = []
-    hdr = f"{'shape':<22} {'batch':>5} {'bf16 ms':>9} {'fused x':>8} {'predicted':>9} {'dec+mm x':>8} {'best':>14} {'fused GB/s':>10}"
+    hdr = (
+        f"{'shape':<22} {'batch':>5} {'bf16 ms':>9} {'fused x':>8} {'predicted':>9} "
+        f"{'dec+mm x':>8} {'best':>14} {'fused GB/s':>10}"
+    )
     print("\n" + hdr, flush=True)
     for label, (w, q, stored) in prepared.items():
         out_f, in_f = w.shape
         for m in batches:
             x = torch.randn(m, in_f, device=device).to(torch.bfloat16)
             base = time_ms(lambda: torch.matmul(x, w.T), device)
-            row = {"shape": label, "out": out_f, "in": in_f, "batch": m, "bf16_ms": base, "stored_bytes_per_weight": stored / w.numel(),
-                   "predicted_fused_speedup": pred.get((label, m))}
+            row = {
+                "shape": label,
+                "out": out_f,
+                "in": in_f,
+                "batch": m,
+                "bf16_ms": base,
+                "stored_bytes_per_weight": stored / w.numel(),
+                "predicted_fused_speedup": pred.get((label, m)),
+            }
             for pname, fn in pipelines(q, out_f, in_f, m).items():
                 ms = time_ms(lambda: fn(x), device)
                 row[f"{pname}_ms"], row[f"{pname}_speedup"] = ms, base / ms
                 row[f"{pname}_GBps"] = stored / ms / 1e6
-            row["best"] = max((p for p in ("fused", "decode_matmul") if f"{p}_speedup" in row), key=lambda p: row[f"{p}_speedup"])
+            row["best"] = max(
+                (p for p in ("fused", "decode_matmul") if f"{p}_speedup" in row), key=lambda p: row[f"{p}_speedup"]
+            )
             rows.append(row)
             f = f"{row['fused_speedup']:>8.2f}" if "fused_speedup" in row else f"{'-':>8}"
             pr = f"{row['predicted_fused_speedup']:>9.2f}" if row["predicted_fused_speedup"] else f"{'-':>9}"
             gb = f"{row['fused_GBps']:>10.0f}" if "fused_GBps" in row else f"{'-':>10}"
-            print(f"{label:<22} {m:>5} {base:>9.4f} {f} {pr} {row['decode_matmul_speedup']:>8.2f} {row['best'] + ' ' + format(row[row['best'] + '_speedup'], '.2f'):>14} {gb}", flush=True)
+            print(
+                f"{label:<22} {m:>5} {base:>9.4f} {f} {pr} {row['decode_matmul_speedup']:>8.2f} "
+                f"{row['best'] + ' ' + format(row[row['best'] + '_speedup'], '.2f'):>14} {gb}",
+                flush=True,
+            )
 
     print("\ndecode step, Llama-3.1-8B-shaped, random weights:", flush=True)
     step = decode_step_bench(device, args.dry_run)
-    result = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "device": name, "dry_run": args.dry_run,
-              "copy_bandwidth_GBps": bw / 1e9, "rows": rows, "decode_step": step, "seconds": time.perf_counter() - t_start}
+    result = {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "device": name,
+        "dry_run": args.dry_run,
+        "copy_bandwidth_GBps": bw / 1e9,
+        "rows": rows,
+        "decode_step": step,
+        "seconds": time.perf_counter() - t_start,
+    }
     (args.out / "kernel_bench.json").write_text(json.dumps(result, indent=2))
     print(f"\nresults written to {args.out / 'kernel_bench.json'} ({result['seconds']:.0f} s)")
 

@@ -117,7 +117,12 @@ def fake_streams(rows: int, cols: int) -> dict[str, torch.Tensor]:
     }
 
 
-def record_launches(shapes: dict[str, tuple[int, int]], batches: tuple[int, ...], gathers: tuple[int, ...], modes: tuple[int, ...] = (0, 1)) -> list[dict]:
+def record_launches(
+    shapes: dict[str, tuple[int, int]],
+    batches: tuple[int, ...],
+    gathers: tuple[int, ...],
+    modes: tuple[int, ...] = (0, 1),
+) -> list[dict]:
     """Every launch the runtime's CUDA pipelines make on the shapes, in each qtiles mode: `fused`
     for the batches it takes (runtime.linear.UnweightLinear), `decode_matmul`'s decode, embedding
     gathers."""
@@ -148,7 +153,10 @@ def record_launches(shapes: dict[str, tuple[int, int]], batches: tuple[int, ...]
         for name, mod in MODULES.items():
             setattr(sys.modules[mod], name, saved[name])
     assert len(log) == len(cases), (len(log), len(cases))
-    return [{"case": c, "kernel": name, "grid": grid, "args": args, "kwargs": kwargs} for c, (name, grid, args, kwargs) in zip(cases, log)]
+    return [
+        {"case": c, "kernel": name, "grid": grid, "args": args, "kwargs": kwargs}
+        for c, (name, grid, args, kwargs) in zip(cases, log)
+    ]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -190,9 +198,17 @@ def _tool(name: str) -> str:
 PTXAS_REGS = re.compile(r"Used (\d+) registers")
 PTXAS_SPILL = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);")
-CLASSES = {"LDG": ("LDG", "LDGSTS"), "STG": ("STG",), "spill": ("LDL", "STL"), "shared": ("LDS", "STS", "LDSM", "STSM"),
-           "shuffle": ("SHFL",), "atomic": ("ATOM", "RED"), "mma": ("HMMA", "HGMMA"), "fp32": ("FFMA", "FMUL", "FADD", "FSEL"),
-           "barrier": ("BAR", "SYNCS")}
+CLASSES = {
+    "LDG": ("LDG", "LDGSTS"),
+    "STG": ("STG",),
+    "spill": ("LDL", "STL"),
+    "shared": ("LDS", "STS", "LDSM", "STSM"),
+    "shuffle": ("SHFL",),
+    "atomic": ("ATOM", "RED"),
+    "mma": ("HMMA", "HGMMA"),
+    "fp32": ("FFMA", "FMUL", "FADD", "FSEL"),
+    "barrier": ("BAR", "SYNCS"),
+}
 
 
 def loops(sass: str) -> tuple[list, list]:
@@ -237,8 +253,11 @@ def _compile_variant(job: dict) -> dict:
     t0 = time.perf_counter()
     try:
         with contextlib.redirect_stdout(buf):
-            ck = triton.compile(ASTSource(kernel_fn(job["kernel"]), job["signature"], job["constexprs"], job["attrs"]),
-                                target=GPUTarget("cuda", job["cc"], 32), options=job["options"])
+            ck = triton.compile(
+                ASTSource(kernel_fn(job["kernel"]), job["signature"], job["constexprs"], job["attrs"]),
+                target=GPUTarget("cuda", job["cc"], 32),
+                options=job["options"],
+            )
     except Exception as e:  # noqa: BLE001 - a compile error is a finding
         return {**out, "ok": False, "error": f"{type(e).__name__}: {e}"[:3000]}
     out.update(ok=True, seconds=time.perf_counter() - t0, shared=ck.metadata.shared, num_warps=ck.metadata.num_warps)
@@ -249,7 +268,9 @@ def _compile_variant(job: dict) -> dict:
         cubin = os.path.join(d, "k.cubin")
         with open(cubin, "wb") as f:
             f.write(ck.asm["cubin"])
-        res = subprocess.run([_tool("cuobjdump"), "--dump-resource-usage", cubin], capture_output=True, text=True).stdout
+        res = subprocess.run(
+            [_tool("cuobjdump"), "--dump-resource-usage", cubin], capture_output=True, text=True
+        ).stdout
         m = re.search(r"REG:(\d+) STACK:(\d+)", res)
         if m and out["regs"] is None:  # a cache hit skips ptxas: take the cubin's numbers
             out["regs"], out["stack"] = int(m.group(1)), int(m.group(2))
@@ -260,7 +281,10 @@ def _compile_variant(job: dict) -> dict:
     out["ptx_mma"] = len(re.findall(r"\bmma\.sync", ck.asm["ptx"]))
     if job.get("keep_asm"):
         os.makedirs(job["keep_asm"], exist_ok=True)
-        stem = os.path.join(job["keep_asm"], re.sub(r"[^A-Za-z0-9=_.-]+", "_", job["label"]) + "-" + hashlib.sha1(job["key"].encode()).hexdigest()[:8])
+        stem = os.path.join(
+            job["keep_asm"],
+            re.sub(r"[^A-Za-z0-9=_.-]+", "_", job["label"]) + "-" + hashlib.sha1(job["key"].encode()).hexdigest()[:8],
+        )
         for ext, text in (("ttgir", ck.asm["ttgir"]), ("ptx", ck.asm["ptx"]), ("sass", sass)):
             with open(f"{stem}.{ext}", "w") as f:
                 f.write(text)
@@ -285,7 +309,11 @@ def per_weight(kernel: str, c: dict, threads: int, r: dict) -> dict:
     tile = c["BLOCK_N"] * c["GROUPS"] * 32  # weights one iteration of the main loop streams
     out = {"per_w": main["instrs"] * threads / tile, "ldg_per_w": main["LDG"] * threads / tile, "mma": main["mma"]}
     if esc is not None:  # entries one step of the escape loop takes, and per thread
-        entries = {"qtiles_gemv_kernel": c.get("ESC_BLOCK"), "qtiles_dot_kernel": c["BLOCK_N"], "qtiles_decode_kernel": c.get("ESC_BLOCK")}[kernel]
+        entries = {
+            "qtiles_gemv_kernel": c.get("ESC_BLOCK"),
+            "qtiles_dot_kernel": c["BLOCK_N"],
+            "qtiles_decode_kernel": c.get("ESC_BLOCK"),
+        }[kernel]
         unrolled = max(1, round(esc["byte_loads"] / (2 * max(1, entries // threads))))
         out["esc_per_w"] = esc["instrs"] / unrolled * threads * ESCAPE_RATE / entries
     return out
@@ -308,7 +336,9 @@ def int32_values(kernel: str, b: dict, grid: tuple) -> dict[str, int]:
         vals["output row pid * BLOCK_N + i"] = grid[0] * b["BLOCK_N"]
     else:
         vals["row pid * BLOCK_N + i"] = grid[-2 if kernel == "qtiles_dot_kernel" else 0] * b["BLOCK_N"]
-        vals["x row pid_m * BLOCK_M + i"] = max(m, b["BLOCK_M"] * grid[0] if kernel == "qtiles_dot_kernel" else b["BLOCK_M"])
+        vals["x row pid_m * BLOCK_M + i"] = max(
+            m, b["BLOCK_M"] * grid[0] if kernel == "qtiles_dot_kernel" else b["BLOCK_M"]
+        )
     return vals
 
 
@@ -324,28 +354,55 @@ def check_launch(rec: dict) -> list[str]:
 
 def variant_label(kernel: str, c: dict) -> str:
     keys = [k for k in ("BLOCK_M", "BLOCK_N", "GROUPS", "ESC_BLOCK", "GATHER", "EVEN_K", "MODE") if k in c]
-    return kernel.removeprefix("qtiles_").removesuffix("_kernel") + " " + " ".join(f"{k.replace('BLOCK_', 'B')}={c[k]}" for k in keys) + (" M=1" if c.get("M") == 1 else "")
+    return (
+        kernel.removeprefix("qtiles_").removesuffix("_kernel")
+        + " "
+        + " ".join(f"{k.replace('BLOCK_', 'B')}={c[k]}" for k in keys)
+        + (" M=1" if c.get("M") == 1 else "")
+    )
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--targets", default="90,80", help="compute capabilities, comma-separated (90, 80)")
-    ap.add_argument("--quick", action="store_true", help="two shapes, the fused batches and one gather size (the tests' mode)")
+    ap.add_argument(
+        "--quick", action="store_true", help="two shapes, the fused batches and one gather size (the tests' mode)"
+    )
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--json", default=None, help="write the rows as JSON here")
     ap.add_argument("--keep-asm", default=None, help="folder for the .ttgir, .ptx and .sass of every variant")
-    ap.add_argument("--cache-dir", default=None, help="Triton cache to reuse between runs (default: a fresh one, so ptxas -v always runs)")
-    ap.add_argument("--max-per-weight", type=float, default=None, help="tighten every main-loop budget to this many instructions per weight (e.g. 8, the aim)")
-    ap.add_argument("--shapes", default=None, help="comma-separated prefixes of the shape labels to take (default: all, or the quick ones)")
-    ap.add_argument("--batches", default=None, help="comma-separated batch sizes (default: " + ",".join(map(str, BATCHES)) + ")")
+    ap.add_argument(
+        "--cache-dir",
+        default=None,
+        help="Triton cache to reuse between runs (default: a fresh one, so ptxas -v always runs)",
+    )
+    ap.add_argument(
+        "--max-per-weight",
+        type=float,
+        default=None,
+        help="tighten every main-loop budget to this many instructions per weight (e.g. 8, the aim)",
+    )
+    ap.add_argument(
+        "--shapes",
+        default=None,
+        help="comma-separated prefixes of the shape labels to take (default: all, or the quick ones)",
+    )
+    ap.add_argument(
+        "--batches", default=None, help="comma-separated batch sizes (default: " + ",".join(map(str, BATCHES)) + ")"
+    )
     args = ap.parse_args(argv)
     shapes = {k: SHAPES[k] for k in QUICK_SHAPES} if args.quick else SHAPES
     if args.shapes:
         shapes = {k: v for k, v in SHAPES.items() if any(k.startswith(p) for p in args.shapes.split(","))}
         if not shapes:
             ap.error(f"no shape label starts with any of {args.shapes!r}")
-    batches = tuple(int(b) for b in args.batches.split(",")) if args.batches else QUICK_BATCHES if args.quick else BATCHES
-    budgets = {k: {a: (min(v, args.max_per_weight) if a == "per_w" and args.max_per_weight else v) for a, v in b.items()} for k, b in BUDGETS.items()}
+    batches = (
+        tuple(int(b) for b in args.batches.split(",")) if args.batches else QUICK_BATCHES if args.quick else BATCHES
+    )
+    budgets = {
+        k: {a: (min(v, args.max_per_weight) if a == "per_w" and args.max_per_weight else v) for a, v in b.items()}
+        for k, b in BUDGETS.items()
+    }
     t_start = time.perf_counter()
     tmp = tempfile.TemporaryDirectory()
     os.environ["TRITON_CACHE_DIR"] = args.cache_dir or tmp.name
@@ -361,12 +418,29 @@ def main(argv=None) -> int:
             sig, cexp, attrs, opts, bound = specialise(launch["kernel"], launch["args"], launch["kwargs"], cc)
             names = [p.name for p in kernel_fn(launch["kernel"]).params]
             rec = dict(launch, cc=cc, bound=bound, constexprs={names[k[0]]: v for k, v in cexp.items()})
-            key = f"sm{cc}|{launch['kernel']}|" + json.dumps([sig, sorted((str(k), v) for k, v in cexp.items()), sorted((str(k), v) for k, v in attrs.items())], default=str)
+            key = f"sm{cc}|{launch['kernel']}|" + json.dumps(
+                [sig, sorted((str(k), v) for k, v in cexp.items()), sorted((str(k), v) for k, v in attrs.items())],
+                default=str,
+            )
             rec["key"] = key
-            jobs.setdefault(key, {"key": key, "kernel": launch["kernel"], "cc": cc, "signature": sig, "constexprs": cexp, "attrs": attrs,
-                                  "options": opts, "keep_asm": args.keep_asm, "label": f"sm{cc} " + variant_label(launch["kernel"], rec["constexprs"])})
+            jobs.setdefault(
+                key,
+                {
+                    "key": key,
+                    "kernel": launch["kernel"],
+                    "cc": cc,
+                    "signature": sig,
+                    "constexprs": cexp,
+                    "attrs": attrs,
+                    "options": opts,
+                    "keep_asm": args.keep_asm,
+                    "label": f"sm{cc} " + variant_label(launch["kernel"], rec["constexprs"]),
+                },
+            )
             recs.append(rec)
-    print(f"{len(recs)} launches -> {len(jobs)} distinct variants; compiling with {args.jobs} processes ...", flush=True)
+    print(
+        f"{len(recs)} launches -> {len(jobs)} distinct variants; compiling with {args.jobs} processes ...", flush=True
+    )
     with ProcessPoolExecutor(max_workers=args.jobs) as ex:
         results = {r["key"]: r for r in ex.map(compile_variant, jobs.values())}
 
@@ -382,7 +456,10 @@ def main(argv=None) -> int:
             row["warps_per_sm"] = row["programs_per_sm"] * r["num_warps"]
             row.update(per_weight(job["kernel"], c, threads, r))
             if (r["spill_st"] or 0) > 0 or (r["spill_st"] is None and (r["stack"] or 0) > 0):
-                problems.append(f"register spills: {r['spill_st']} B stores / {r['spill_ld']} B loads per thread (stack {r['stack']} B)")
+                problems.append(
+                    f"register spills: {r['spill_st']} B stores / {r['spill_ld']} B loads per thread (stack "
+                    f"{r['stack']} B)"
+                )
             if row["programs_per_sm"] == 0:
                 problems.append("occupancy 0: cannot launch")
             budget = budgets.get(budget_key(job["kernel"], c)) if cc == 90 else None
@@ -398,19 +475,32 @@ def main(argv=None) -> int:
         rows.append(row)
 
     rows.sort(key=lambda r: (r["cc"], r["variant"]))
-    hdr = f"{'variant':<52} {'regs':>4} {'spill':>5} {'smem':>6} {'warps/SM':>8} {'SASS/w':>6} {'LDG/w':>5} {'esc/w':>5} {'mma':>3}  cases"
+    hdr = (
+        f"{'variant':<52} {'regs':>4} {'spill':>5} {'smem':>6} {'warps/SM':>8} "
+        f"{'SASS/w':>6} {'LDG/w':>5} {'esc/w':>5} {'mma':>3}  cases"
+    )
     print("\n" + hdr + "\n" + "-" * len(hdr))
     for r in rows:
         if r["ok"]:
             spill = r["spill_st"] if r["spill_st"] is not None else f"s{r['stack']}"
             esc = f"{r['esc_per_w']:>5.2f}" if "esc_per_w" in r else f"{'-':>5}"
-            print(f"{r['variant']:<52} {r['regs']:>4} {spill:>5} {r['shared']:>6} {r['warps_per_sm']:>8} {r['per_w']:>6.2f} {r['ldg_per_w']:>5.2f} {esc} {r['mma']:>3}  "
-                  + ", ".join(r["cases"][:3]) + (f" (+{len(r['cases']) - 3})" if len(r["cases"]) > 3 else ""))
+            print(
+                f"{r['variant']:<52} {r['regs']:>4} {spill:>5} {r['shared']:>6} {r['warps_per_sm']:>8} "
+                f"{r['per_w']:>6.2f} {r['ldg_per_w']:>5.2f} {esc} {r['mma']:>3}  "
+                + ", ".join(r["cases"][:3])
+                + (f" (+{len(r['cases']) - 3})" if len(r["cases"]) > 3 else "")
+            )
         else:
             print(f"{r['variant']:<52} compile error: {r['error'].splitlines()[0][:120]}")
-    print("\nSASS/w, LDG/w: main-loop thread-instructions and global loads per weight streamed; esc/w: the escape pass at "
-          f"{ESCAPE_RATE:.1%} listed escapes; mma: tensor-core instructions per main-loop iteration; budgets (sm_90a): "
-          + "; ".join(f"{k}: " + ", ".join(f"{a} {'>=' if a == 'warps' else '<='} {v}" for a, v in b.items()) for k, b in budgets.items()))
+    print(
+        "\nSASS/w, LDG/w: main-loop thread-instructions and global loads per weight streamed; esc/w: the escape pass "
+        "at "
+        f"{ESCAPE_RATE:.1%} listed escapes; mma: tensor-core instructions per main-loop iteration; budgets (sm_90a): "
+        + "; ".join(
+            f"{k}: " + ", ".join(f"{a} {'>=' if a == 'warps' else '<='} {v}" for a, v in b.items())
+            for k, b in budgets.items()
+        )
+    )
     if failures:
         print(f"\n{len(failures)} variant(s) with problems:")
         for label, probs in failures:
@@ -420,7 +510,12 @@ def main(argv=None) -> int:
     print(f"time {time.perf_counter() - t_start:.1f} s")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"triton": triton.__version__, "escape_rate": ESCAPE_RATE, "budgets": budgets, "rows": rows}, f, indent=1, default=str)
+            json.dump(
+                {"triton": triton.__version__, "escape_rate": ESCAPE_RATE, "budgets": budgets, "rows": rows},
+                f,
+                indent=1,
+                default=str,
+            )
     tmp.cleanup()
     return 1 if failures else 0
 

@@ -80,9 +80,20 @@ def main(argv=None) -> int:
             x = torch.empty(m, k, dtype=torch.bfloat16)
             log: list = []
             saved = qm.qtiles_gemv_kernel, qm.qtiles_dot_kernel
-            qm.qtiles_gemv_kernel, qm.qtiles_dot_kernel = Recorder("qtiles_gemv_kernel", log), Recorder("qtiles_dot_kernel", log)
+            qm.qtiles_gemv_kernel, qm.qtiles_dot_kernel = (
+                Recorder("qtiles_gemv_kernel", log),
+                Recorder("qtiles_dot_kernel", log),
+            )
             try:
-                qm.qtiles_linear(x, w, n, k, mode=0)  # one call records the launch that the triton part binds (the mode from the host, as UnweightLinear gives it)
+                qm.qtiles_linear(
+                    x,
+                    w,
+                    n,
+                    k,
+                    mode=0,
+                    # one call records the launch that the triton part binds (the mode from the host, as UnweightLinear
+                    # gives it)
+                )
                 launch = log[-1]
                 bind = triton_binding(dict(zip(("qtiles_gemv_kernel", "qtiles_dot_kernel"), saved))[launch[0]], launch)
                 noop = {"qtiles_gemv_kernel": lambda *a, **kw: None, "qtiles_dot_kernel": lambda *a, **kw: None}
@@ -98,12 +109,23 @@ def main(argv=None) -> int:
                     theirs.append(per_call_us(bind, args.calls))
             finally:
                 qm.qtiles_gemv_kernel, qm.qtiles_dot_kernel = saved
-            row = {"shape": label, "batch": m, "kernel": launch[0], "launcher_us": statistics.median(ours), "launcher_range": [min(ours), max(ours)],
-                   "triton_us": statistics.median(theirs), "triton_range": [min(theirs), max(theirs)]}
+            row = {
+                "shape": label,
+                "batch": m,
+                "kernel": launch[0],
+                "launcher_us": statistics.median(ours),
+                "launcher_range": [min(ours), max(ours)],
+                "triton_us": statistics.median(theirs),
+                "triton_range": [min(theirs), max(theirs)],
+            }
             row["total_us"] = row["launcher_us"] + row["triton_us"]
             worst = max(worst, row["total_us"])
             rows.append(row)
-            print(f"{label:<22} {m:>5} {row['launcher_us']:>6.1f} ({min(ours):.1f}-{max(ours):.1f}) {row['triton_us']:>6.1f} ({min(theirs):.1f}-{max(theirs):.1f}) {row['total_us']:>9.1f}", flush=True)
+            print(
+                f"{label:<22} {m:>5} {row['launcher_us']:>6.1f} ({min(ours):.1f}-{max(ours):.1f}) "
+                f"{row['triton_us']:>6.1f} ({min(theirs):.1f}-{max(theirs):.1f}) {row['total_us']:>9.1f}",
+                flush=True,
+            )
     print(f"\nworst total {worst:.1f} us per layer (budget {BUDGET_US:.0f} us)")
     if args.json:
         with open(args.json, "w") as f:

@@ -16,7 +16,8 @@ and reads the child's peak resident set (ru_maxrss from wait4). "python" is the 
 unweight and its codec imported and nothing done: the floor every command starts from. Peak RSS is
 memory, not time: a busy machine does not change it.
 
-Run:  python benchmarks/memory_bench.py [--mib 1024] [--threads 0] [--workdir /tmp] [--out benchmarks/results/memory_bench.json]
+Run:  python benchmarks/memory_bench.py [--mib 1024] [--threads 0] [--workdir /tmp]
+          [--out benchmarks/results/memory_bench.json]
 """
 
 from __future__ import annotations
@@ -126,15 +127,29 @@ def measure(nbytes: int, workdir: str | None, threads: int) -> dict:
         rows = []
         for label, args in commands(work, threads):
             code, peak, err = run_child(args)
-            row = {"command": label, "exit": code, "peak_rss": peak, "ratio": peak / largest, "ok": code == 0 and peak <= target}
+            row = {
+                "command": label,
+                "exit": code,
+                "peak_rss": peak,
+                "ratio": peak / largest,
+                "ok": code == 0 and peak <= target,
+            }
             if code:
                 row["stderr"] = err
             rows.append(row)
-            print(f"  {label:<28} exit {code}  peak {peak / MiB:8.1f} MiB  {peak / largest:5.2f}× the tensor"
-                  f"  {'ok' if row['ok'] else 'OVER' if code == 0 else 'FAILED'}", flush=True)
+            print(
+                f"  {label:<28} exit {code}  peak {peak / MiB:8.1f} MiB  {peak / largest:5.2f}× the tensor"
+                f"  {'ok' if row['ok'] else 'OVER' if code == 0 else 'FAILED'}",
+                flush=True,
+            )
         for name in ("restored", "restored-serving"):
             restored = work / name / "model.safetensors"
-            rows.append({"command": f"{name} == source", "ok": restored.exists() and same_file(restored, work / "src" / "model.safetensors")})
+            rows.append(
+                {
+                    "command": f"{name} == source",
+                    "ok": restored.exists() and same_file(restored, work / "src" / "model.safetensors"),
+                }
+            )
         return {"largest_tensor": largest, "target": target, "rows": rows}
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -142,9 +157,12 @@ def measure(nbytes: int, workdir: str | None, threads: int) -> dict:
 
 def print_table(result: dict) -> None:
     largest, target = result["largest_tensor"], result["target"]
-    print(f"\nlargest tensor {largest / MiB:,.0f} MiB; target {FACTOR} × that + {SLACK // MiB} MiB = {target / MiB:,.0f} MiB")
-    print(f"| command | peak RSS (MiB) | × largest tensor | within target |")
-    print(f"|---|---:|---:|:---:|")
+    print(
+        f"\nlargest tensor {largest / MiB:,.0f} MiB; target {FACTOR} × that + {SLACK // MiB} MiB = "
+        f"{target / MiB:,.0f} MiB"
+    )
+    print("| command | peak RSS (MiB) | × largest tensor | within target |")
+    print("|---|---:|---:|:---:|")
     for r in result["rows"]:
         if "peak_rss" in r:
             verdict = "yes" if r["ok"] else ("no" if r["exit"] == 0 else f"failed (exit {r['exit']})")
@@ -160,9 +178,11 @@ def main(argv=None) -> int:
     p.add_argument("--workdir", default=None, help="where the checkpoints go (default: the temp folder); removed after")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/memory_bench.json"))
     args = p.parse_args(argv)
-    result = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-              "command": " ".join([Path(sys.argv[0]).as_posix()] + (sys.argv[1:] if argv is None else argv)),
-              "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "numpy": np.__version__}}
+    result = {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "command": " ".join([Path(sys.argv[0]).as_posix()] + (sys.argv[1:] if argv is None else argv)),
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "numpy": np.__version__},
+    }
     result.update(measure(int(args.mib * MiB), args.workdir, args.threads))
     print_table(result)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -94,21 +94,84 @@ SHORT_QUESTIONS = [
 
 # Vocabulary for the long prompts: numbered sentences whose parts are drawn by a seeded generator,
 # so every long prompt is different ordinary English (they share only their first line).
-SUBJECTS = ["the old miller", "a young teacher", "the harbour master", "my neighbour", "the village baker", "a travelling musician",
-            "the city council", "an elderly farmer", "the ship's captain", "a curious student", "the night watchman", "the librarian"]
-VERBS = ["carried", "repaired", "painted", "described", "discovered", "sold", "measured", "photographed", "borrowed", "planted",
-         "cleaned", "counted"]
-OBJECTS = ["a wooden boat", "the stone bridge", "three baskets of apples", "an ancient map", "the broken clock", "a pair of boots",
-           "the red lantern", "seven silver coins", "a box of letters", "the garden gate", "a bundle of firewood", "the blue bicycle"]
-PLACES = ["near the river", "behind the church", "at the edge of the forest", "in the crowded market", "on the windy hill",
-          "beside the railway station", "under the old oak tree", "in the quiet library", "along the northern road", "at the harbour"]
-TIMES = ["early in the morning", "after the storm", "before the festival", "late one evening", "during the long winter",
-         "on a warm afternoon", "at the end of the harvest", "while the bells were ringing"]
-REASONS = ["because nobody else would", "so that the children could see it", "as the mayor had asked", "for reasons nobody understood",
-           "to settle an old argument", "in the hope of a reward", "without telling anyone", "although it was raining"]
+SUBJECTS = [
+    "the old miller",
+    "a young teacher",
+    "the harbour master",
+    "my neighbour",
+    "the village baker",
+    "a travelling musician",
+    "the city council",
+    "an elderly farmer",
+    "the ship's captain",
+    "a curious student",
+    "the night watchman",
+    "the librarian",
+]
+VERBS = [
+    "carried",
+    "repaired",
+    "painted",
+    "described",
+    "discovered",
+    "sold",
+    "measured",
+    "photographed",
+    "borrowed",
+    "planted",
+    "cleaned",
+    "counted",
+]
+OBJECTS = [
+    "a wooden boat",
+    "the stone bridge",
+    "three baskets of apples",
+    "an ancient map",
+    "the broken clock",
+    "a pair of boots",
+    "the red lantern",
+    "seven silver coins",
+    "a box of letters",
+    "the garden gate",
+    "a bundle of firewood",
+    "the blue bicycle",
+]
+PLACES = [
+    "near the river",
+    "behind the church",
+    "at the edge of the forest",
+    "in the crowded market",
+    "on the windy hill",
+    "beside the railway station",
+    "under the old oak tree",
+    "in the quiet library",
+    "along the northern road",
+    "at the harbour",
+]
+TIMES = [
+    "early in the morning",
+    "after the storm",
+    "before the festival",
+    "late one evening",
+    "during the long winter",
+    "on a warm afternoon",
+    "at the end of the harvest",
+    "while the bells were ringing",
+]
+REASONS = [
+    "because nobody else would",
+    "so that the children could see it",
+    "as the mayor had asked",
+    "for reasons nobody understood",
+    "to settle an old argument",
+    "in the hope of a reward",
+    "without telling anyone",
+    "although it was raining",
+]
 
 
 # -- workload -------------------------------------------------------------------------------------
+
 
 @dataclass(slots=True)
 class Job:
@@ -125,9 +188,16 @@ def long_prompt(rng: random.Random, tokenizer, min_tokens: int) -> tuple[str, in
     while True:
         for _ in range(8):
             i = len(sentences) + 1
-            s = f"{i}. {rng.choice(TIMES).capitalize()}, {rng.choice(SUBJECTS)} {rng.choice(VERBS)} {rng.choice(OBJECTS)} {rng.choice(PLACES)}, {rng.choice(REASONS)}."
+            s = (
+                f"{i}. {rng.choice(TIMES).capitalize()}, {rng.choice(SUBJECTS)} {rng.choice(VERBS)} "
+                f"{rng.choice(OBJECTS)} {rng.choice(PLACES)}, {rng.choice(REASONS)}."
+            )
             sentences.append(s)
-        text = "Here are some notes about a small town.\n" + "\n".join(sentences) + "\nIn one sentence, the most surprising note was"
+        text = (
+            "Here are some notes about a small town.\n"
+            + "\n".join(sentences)
+            + "\nIn one sentence, the most surprising note was"
+        )
         n = len(encode_prompt(tokenizer, text))  # as the server encodes it
         if n >= min_tokens:
             return text, n
@@ -144,8 +214,16 @@ def arrival_times(rng: random.Random, interval: float, offset: float, duration: 
 def build_workload(args, tokenizer, model_name: str) -> list[Job]:
     rng = random.Random(args.seed)
     poisson = args.arrivals == "poisson"
-    events = [(t, "short") for t in arrival_times(random.Random(args.seed + 1), args.short_interval, 0.0, args.duration, poisson)]
-    events += [(t, "long") for t in arrival_times(random.Random(args.seed + 2), args.long_interval, args.long_offset, args.duration, poisson)]
+    events = [
+        (t, "short")
+        for t in arrival_times(random.Random(args.seed + 1), args.short_interval, 0.0, args.duration, poisson)
+    ]
+    events += [
+        (t, "long")
+        for t in arrival_times(
+            random.Random(args.seed + 2), args.long_interval, args.long_offset, args.duration, poisson
+        )
+    ]
     events.sort()
     events = events[: args.max_requests]
     jobs = []
@@ -165,6 +243,7 @@ def build_workload(args, tokenizer, model_name: str) -> list[Job]:
 
 
 # -- client ---------------------------------------------------------------------------------------
+
 
 @dataclass(slots=True)
 class Result:
@@ -297,7 +376,9 @@ async def monitor(client: httpx.AsyncClient, t0: float, samples: list, stop: asy
         samples.append(sample)
 
 
-async def run_workload(url: str, jobs: list[Job], args, pgid: int | None = None) -> tuple[list[Result], float, list[dict], dict | None]:
+async def run_workload(
+    url: str, jobs: list[Job], args, pgid: int | None = None
+) -> tuple[list[Result], float, list[dict], dict | None]:
     limits = httpx.Limits(max_connections=args.concurrency + 4, max_keepalive_connections=args.concurrency + 4)
     timeout = httpx.Timeout(args.request_timeout, connect=10)
     async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as client:
@@ -316,7 +397,9 @@ async def run_workload(url: str, jobs: list[Job], args, pgid: int | None = None)
         await asyncio.gather(*pending, return_exceptions=True)
         for r, t in zip(results, tasks):
             if t in pending:
-                r.error = f"not finished {deadline:.0f} s after the start" + ("" if r.ttft is None else f" ({r.chunks} chunks received)")
+                r.error = f"not finished {deadline:.0f} s after the start" + (
+                    "" if r.ttft is None else f" ({r.chunks} chunks received)"
+                )
         cpu = meter.since_start()
         wall = max((r.end for r in results), default=0.0)
         stop.set()
@@ -326,18 +409,27 @@ async def run_workload(url: str, jobs: list[Job], args, pgid: int | None = None)
 
 async def warm_up(url: str, jobs: list[Job], n: int) -> list[str]:
     """Unmeasured requests: one of each class first, in turn (loads code paths, autotunes shapes)."""
-    picks = [next(j for j in jobs if j.kind == k) for k in ("short", "long") if any(j.kind == k for j in jobs)][:max(n, 0)]
+    picks = [next(j for j in jobs if j.kind == k) for k in ("short", "long") if any(j.kind == k for j in jobs)][
+        : max(n, 0)
+    ]
     errors = []
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(300, connect=10)) as client:
         sem = asyncio.Semaphore(1)
         for j in picks:
-            r = await run_one(client, Job(-1, j.kind, 0.0, j.endpoint, j.body, j.prompt_tokens), sem, time.perf_counter(), Result(-1, j.kind, 0.0))
+            r = await run_one(
+                client,
+                Job(-1, j.kind, 0.0, j.endpoint, j.body, j.prompt_tokens),
+                sem,
+                time.perf_counter(),
+                Result(-1, j.kind, 0.0),
+            )
             if r.error:
                 errors.append(f"{j.kind}: {r.error}")
     return errors
 
 
 # -- server ---------------------------------------------------------------------------------------
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -372,15 +464,33 @@ class Server:
     def __init__(self, model: Path, mode: str, args, log_path: Path):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "unweight.cli.main", "serve", str(model), "--host", "127.0.0.1", "--port", str(self.port),
-               "--max-batch", str(args.max_batch), "--max-queue", str(args.max_queue), "--max-model-len", str(args.max_model_len), *MODES[mode]]
+        cmd = [
+            sys.executable,
+            "-m",
+            "unweight.cli.main",
+            "serve",
+            str(model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--max-batch",
+            str(args.max_batch),
+            "--max-queue",
+            str(args.max_queue),
+            "--max-model-len",
+            str(args.max_model_len),
+            *MODES[mode],
+        ]
         if args.worker_threads:
             cmd += ["--worker-threads", str(args.worker_threads)]
         self.cmd = cmd
         self.log_path = log_path
         self.log = open(log_path, "w")
         self.started = time.perf_counter()
-        self.proc = subprocess.Popen(cmd, start_new_session=True, stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT)
+        self.proc = subprocess.Popen(
+            cmd, start_new_session=True, stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT
+        )
         self.pgid = self.proc.pid  # start_new_session: the server leads its own process group
         self.ready_s: float | None = None
         self.worker_pids: list[int] = []
@@ -390,7 +500,10 @@ class Server:
         with httpx.Client(base_url=self.url, timeout=5) as http:
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
-                    raise RuntimeError(f"server exited with {self.proc.returncode} while starting; see {self.log_path}:\n{self.log_tail()}")
+                    raise RuntimeError(
+                        f"server exited with {self.proc.returncode} while starting; see "
+                        f"{self.log_path}:\n{self.log_tail()}"
+                    )
                 try:
                     r = http.get("/health")
                     if r.status_code == 200:
@@ -474,6 +587,7 @@ def _alive(pid: int) -> bool:
 
 # -- statistics -----------------------------------------------------------------------------------
 
+
 def pct(values: list[float], q: float) -> float | None:
     """The q-th percentile, linear interpolation between closest ranks (numpy's default)."""
     if not values:
@@ -494,11 +608,19 @@ def summarise(results: list[Result], kind: str | None) -> dict:
     gaps = [g for r in rs for g in r.gaps]
     tpot = [(r.e2e - r.ttft) / (r.tokens - 1) for r in ok if r.ttft is not None and r.tokens > 1]
     return {
-        "sent": len(rs), "done": len(ok), "errors": len(rs) - len(ok),
-        "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99), "ttft_max_s": max(ttft, default=None),
-        "itl_p50_s": pct(gaps, 50), "itl_p99_s": pct(gaps, 99), "itl_max_s": max(gaps, default=None), "itl_samples": len(gaps),
+        "sent": len(rs),
+        "done": len(ok),
+        "errors": len(rs) - len(ok),
+        "ttft_p50_s": pct(ttft, 50),
+        "ttft_p99_s": pct(ttft, 99),
+        "ttft_max_s": max(ttft, default=None),
+        "itl_p50_s": pct(gaps, 50),
+        "itl_p99_s": pct(gaps, 99),
+        "itl_max_s": max(gaps, default=None),
+        "itl_samples": len(gaps),
         "tpot_mean_s": sum(tpot) / len(tpot) if tpot else None,
-        "e2e_p50_s": pct([r.e2e for r in ok], 50), "e2e_p99_s": pct([r.e2e for r in ok], 99),
+        "e2e_p50_s": pct([r.e2e for r in ok], 50),
+        "e2e_p99_s": pct([r.e2e for r in ok], 99),
         "queue_max_s": max((r.queue_s for r in rs), default=0.0),
         "output_tokens": sum(r.tokens for r in rs),  # delivered to clients, also by requests that failed later
         "output_tokens_ok": sum(r.tokens for r in ok),
@@ -510,7 +632,10 @@ def worker_summary(samples: list[dict]) -> dict:
     out: dict = {}
     for s in samples:
         for w in s.get("workers", []):
-            d = out.setdefault(w["name"], {"role": w["role"], "max_running": 0, "max_queued": 0, "restarts": 0, "pids": [], "bad_states": []})
+            d = out.setdefault(
+                w["name"],
+                {"role": w["role"], "max_running": 0, "max_queued": 0, "restarts": 0, "pids": [], "bad_states": []},
+            )
             d["max_running"] = max(d["max_running"], w["running"])
             d["max_queued"] = max(d["max_queued"], w["queued"])
             d["restarts"] = max(d["restarts"], w["restarts"])
@@ -533,14 +658,24 @@ def server_events(m: dict) -> list[str]:
     for name, w in m["health"]["workers"].items():
         if w["restarts"] or w["bad_states"]:
             states = sorted({s for _, s in w["bad_states"]})
-            lines.append(f"worker {name}: {w['restarts']} restart(s), pids {w['pids']}, seen {states} in {len(w['bad_states'])} health sample(s)")
+            lines.append(
+                f"worker {name}: {w['restarts']} restart(s), pids {w['pids']}, seen {states} in "
+                f"{len(w['bad_states'])} health sample(s)"
+            )
     try:
         log = Path(m["server_log"]).read_text(errors="replace").splitlines()
     except OSError:
         log = []
     tracebacks = sum(line.startswith("Traceback") for line in log)
     if tracebacks:
-        last = next((line for line in reversed(log) if line and not line.startswith(" ") and ("Error" in line or "Exception" in line)), "")
+        last = next(
+            (
+                line
+                for line in reversed(log)
+                if line and not line.startswith(" ") and ("Error" in line or "Exception" in line)
+            ),
+            "",
+        )
         lines.append(f"server log: {tracebacks} traceback(s); last: {last[:200]}")
     if not m["server_alive_after_run"]:
         lines.append("the server process had exited before the end of the run")
@@ -549,36 +684,73 @@ def server_events(m: dict) -> list[str]:
     cpu = m.get("cpu_cores")
     if cpu and cpu["other"] > OTHER_CPU_WARN:
         peak = max((x["cpu_cores"]["other"] for x in m["health_samples"] if x.get("cpu_cores")), default=0.0)
-        lines.append(f"WARNING: other processes used {cpu['other']:.2f} cores on average during the run (peak {peak:.2f} over 1 s); "
-                     f"the server used {cpu['server']:.2f}, this client {cpu['client']:.2f}, of {os.cpu_count()}")
+        lines.append(
+            f"WARNING: other processes used {cpu['other']:.2f} cores on average during the run (peak {peak:.2f} over "
+            f"1 s); "
+            f"the server used {cpu['server']:.2f}, this client {cpu['client']:.2f}, of {os.cpu_count()}"
+        )
     m["events"] = lines
     return lines
 
 
 # -- main -----------------------------------------------------------------------------------------
 
+
 def machine_info() -> dict:
     cpu = ""
     try:
-        cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")), "")
+        cpu = next(
+            (
+                line.split(":", 1)[1].strip()
+                for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")
+            ),
+            "",
+        )
     except OSError:
         pass
     mem = None
     try:
-        mem = round(int(next(line.split()[1] for line in Path("/proc/meminfo").read_text().splitlines() if line.startswith("MemTotal"))) / 2**20, 1)
+        mem = round(
+            int(
+                next(
+                    line.split()[1]
+                    for line in Path("/proc/meminfo").read_text().splitlines()
+                    if line.startswith("MemTotal")
+                )
+            )
+            / 2**20,
+            1,
+        )
     except (OSError, StopIteration):
         pass
     import torch
 
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip() or None
+        commit = (
+            subprocess.run(
+                ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10
+            ).stdout.strip()
+            or None
+        )
     except (OSError, subprocess.SubprocessError):
         commit = None
     return {
-        "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__, "httpx": httpx.__version__,
-        "cpu": cpu, "cpu_count": os.cpu_count(), "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "memory_gib": mem, "loadavg_at_start": os.getloadavg() if hasattr(os, "getloadavg") else None, "git_commit": commit,
-        "env": {k: v for k, v in os.environ.items() if k.startswith("UNWEIGHT_") or k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")},
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "httpx": httpx.__version__,
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "memory_gib": mem,
+        "loadavg_at_start": os.getloadavg() if hasattr(os, "getloadavg") else None,
+        "git_commit": commit,
+        "env": {
+            k: v
+            for k, v in os.environ.items()
+            if k.startswith("UNWEIGHT_") or k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+        },
     }
 
 
@@ -601,7 +773,10 @@ def fmt(x: float | None, scale: float = 1000, digits: int = 0) -> str:
 
 
 def print_table(modes: dict) -> None:
-    head = f"{'mode':<7} {'class':<6} {'sent':>5} {'done':>5} {'err':>4} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} {'ITL max':>8} {'e2e p50':>8} {'tokens':>7} {'tok/s':>6} {'req/s':>6}"
+    head = (
+        f"{'mode':<7} {'class':<6} {'sent':>5} {'done':>5} {'err':>4} {'TTFT p50':>9} {'TTFT p99':>9} "
+        f"{'ITL p50':>8} {'ITL p99':>8} {'ITL max':>8} {'e2e p50':>8} {'tokens':>7} {'tok/s':>6} {'req/s':>6}"
+    )
     print(head)
     print(f"{'':<7} {'':<6} {'':>5} {'':>5} {'':>4} {'ms':>9} {'ms':>9} {'ms':>8} {'ms':>8} {'ms':>8} {'s':>8}")
     print("-" * len(head))
@@ -612,34 +787,57 @@ def print_table(modes: dict) -> None:
         for cls in ("short", "long", "all"):
             s = m["classes"][cls]
             rate = f"{m['tokens_per_s']:6.2f} {m['requests_per_s']:6.3f}" if cls == "all" else ""
-            print(f"{mode:<7} {cls:<6} {s['sent']:>5} {s['done']:>5} {s['errors']:>4} {fmt(s['ttft_p50_s']):>9} {fmt(s['ttft_p99_s']):>9} "
-                  f"{fmt(s['itl_p50_s']):>8} {fmt(s['itl_p99_s']):>8} {fmt(s['itl_max_s']):>8} {fmt(s['e2e_p50_s'], 1, 2):>8} {s['output_tokens']:>7} {rate}")
+            print(
+                f"{mode:<7} {cls:<6} {s['sent']:>5} {s['done']:>5} {s['errors']:>4} {fmt(s['ttft_p50_s']):>9} "
+                f"{fmt(s['ttft_p99_s']):>9} "
+                f"{fmt(s['itl_p50_s']):>8} {fmt(s['itl_p99_s']):>8} {fmt(s['itl_max_s']):>8} "
+                f"{fmt(s['e2e_p50_s'], 1, 2):>8} {s['output_tokens']:>7} {rate}"
+            )
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model-dir", help="compressed model folder (default: the cached SmolLM2-135M-Instruct, made if missing)")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--model-dir", help="compressed model folder (default: the cached SmolLM2-135M-Instruct, made if missing)"
+    )
     p.add_argument("--modes", default="disagg,agg", help="comma-separated, in run order: disagg, agg")
-    p.add_argument("--duration", type=float, default=90, help="seconds of arrivals per mode (then in-flight requests finish)")
+    p.add_argument(
+        "--duration", type=float, default=90, help="seconds of arrivals per mode (then in-flight requests finish)"
+    )
     p.add_argument("--max-requests", type=int, default=200, help="at most this many requests per mode")
-    p.add_argument("--drain-timeout", type=float, default=90, help="seconds after --duration before unfinished requests count as errors")
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=90,
+        help="seconds after --duration before unfinished requests count as errors",
+    )
     p.add_argument("--arrivals", choices=("fixed", "poisson"), default="fixed")
     p.add_argument("--short-interval", type=float, default=2.5, help="seconds between short chats (mean, with poisson)")
-    p.add_argument("--long-interval", type=float, default=12.0, help="seconds between long prompts (mean, with poisson)")
+    p.add_argument(
+        "--long-interval", type=float, default=12.0, help="seconds between long prompts (mean, with poisson)"
+    )
     p.add_argument("--long-offset", type=float, default=4.0, help="first long prompt at this many seconds")
     p.add_argument("--long-tokens", type=int, default=1000, help="least prompt tokens of a long prompt")
     p.add_argument("--long-max-tokens", type=int, default=16)
     p.add_argument("--short-max-tokens", type=int, default=64)
     p.add_argument("--concurrency", type=int, default=32, help="most requests in flight from the client")
-    p.add_argument("--warmup", type=int, default=2, help="unmeasured warm-up requests per mode (a short chat, then a long prompt)")
+    p.add_argument(
+        "--warmup", type=int, default=2, help="unmeasured warm-up requests per mode (a short chat, then a long prompt)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-batch", type=int, default=16, help="server --max-batch")
     p.add_argument("--max-queue", type=int, default=64, help="server --max-queue")
     p.add_argument("--max-model-len", type=int, default=2048, help="server --max-model-len (sizes the KV caches)")
-    p.add_argument("--worker-threads", type=int, default=0, help="server --worker-threads (0: the server splits the cores)")
+    p.add_argument(
+        "--worker-threads", type=int, default=0, help="server --worker-threads (0: the server splits the cores)"
+    )
     p.add_argument("--ready-timeout", type=float, default=240, help="seconds to wait for /health 200")
     p.add_argument("--request-timeout", type=float, default=180)
-    p.add_argument("--itl-target", type=float, default=0.5, help="target for short-chat p99 ITL, disagg / agg (at most)")
+    p.add_argument(
+        "--itl-target", type=float, default=0.5, help="target for short-chat p99 ITL, disagg / agg (at most)"
+    )
     p.add_argument("--throughput-target", type=float, default=0.9, help="target for tokens/s, disagg / agg (at least)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "serve_bench.json"))
     args = p.parse_args()
@@ -657,18 +855,30 @@ def main() -> int:
     n_short = sum(j.kind == "short" for j in jobs)
     n_long = len(jobs) - n_short
     long_tokens = [j.prompt_tokens for j in jobs if j.kind == "long"]
-    print(f"model {model} ({name}); per mode: {n_short} short chats every {args.short_interval} s, {n_long} long prompts "
-          f"({min(long_tokens, default=0)}-{max(long_tokens, default=0)} tokens) every {args.long_interval} s, over {args.duration} s ({args.arrivals})",
-          flush=True)
+    print(
+        f"model {model} ({name}); per mode: {n_short} short chats every {args.short_interval} s, {n_long} long prompts "
+        f"({min(long_tokens, default=0)}-{max(long_tokens, default=0)} tokens) every {args.long_interval} s, over "
+        f"{args.duration} s ({args.arrivals})",
+        flush=True,
+    )
     if long_tokens and min(long_tokens) < args.long_tokens:
         raise SystemExit("a long prompt is shorter than --long-tokens")
 
     log_dir = Path(tempfile.mkdtemp(prefix="serve_bench_"))
-    report: dict = {"benchmark": "serve_bench", "date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": machine_info(),
-                    "settings": {**vars(args), "model": str(model), "served_model": name}, "workload": {
-                        "short": n_short, "long": n_long, "long_prompt_tokens": long_tokens,
-                        "short_prompt_tokens": sorted({j.prompt_tokens for j in jobs if j.kind == "short"}),
-                        "schedule": [[round(j.at, 3), j.kind] for j in jobs]}, "modes": {}}
+    report: dict = {
+        "benchmark": "serve_bench",
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "machine": machine_info(),
+        "settings": {**vars(args), "model": str(model), "served_model": name},
+        "workload": {
+            "short": n_short,
+            "long": n_long,
+            "long_prompt_tokens": long_tokens,
+            "short_prompt_tokens": sorted({j.prompt_tokens for j in jobs if j.kind == "short"}),
+            "schedule": [[round(j.at, 3), j.kind] for j in jobs],
+        },
+        "modes": {},
+    }
     servers: list[Server] = []
     try:
         for mode in modes:
@@ -680,15 +890,26 @@ def main() -> int:
                 health = server.wait_ready(args.ready_timeout)
             except (RuntimeError, TimeoutError) as e:  # record it and go on with the next mode
                 print(f"[{mode}] FAILED to start: {e}", flush=True)
-                report["modes"][mode] = {"failed": str(e), "server_command": server.cmd, "stop": server.stop(grace=10),
-                                         "server_log": str(server.log_path), "server_log_tail": server.log_tail()}
+                report["modes"][mode] = {
+                    "failed": str(e),
+                    "server_command": server.cmd,
+                    "stop": server.stop(grace=10),
+                    "server_log": str(server.log_path),
+                    "server_log_tail": server.log_tail(),
+                }
                 servers.remove(server)
                 continue
-            print(f"[{mode}] ready in {server.ready_s:.1f} s: {[(w['name'], w['pid']) for w in health['workers']]}", flush=True)
+            print(
+                f"[{mode}] ready in {server.ready_s:.1f} s: {[(w['name'], w['pid']) for w in health['workers']]}",
+                flush=True,
+            )
             t = time.perf_counter()
             warm_errors = asyncio.run(warm_up(server.url, jobs, args.warmup))
             warm_s = time.perf_counter() - t
-            print(f"[{mode}] warm-up {warm_s:.1f} s{'; errors: ' + '; '.join(warm_errors) if warm_errors else ''}", flush=True)
+            print(
+                f"[{mode}] warm-up {warm_s:.1f} s{'; errors: ' + '; '.join(warm_errors) if warm_errors else ''}",
+                flush=True,
+            )
             print(f"[{mode}] running the workload ({len(jobs)} requests) ...", flush=True)
             results, wall, samples, cpu = asyncio.run(run_workload(server.url, jobs, args, server.pgid))
             metrics_text = server.metrics()
@@ -697,28 +918,61 @@ def main() -> int:
             servers.remove(server)
             classes = {k: summarise(results, None if k == "all" else k) for k in ("short", "long", "all")}
             total_tokens = classes["all"]["output_tokens"]
-            errors = [{"index": r.index, "kind": r.kind, "at": r.scheduled, "status": r.status, "error": r.error} for r in results if r.error]
+            errors = [
+                {"index": r.index, "kind": r.kind, "at": r.scheduled, "status": r.status, "error": r.error}
+                for r in results
+                if r.error
+            ]
             report["modes"][mode] = {
-                "server_command": server.cmd, "ready_s": round(server.ready_s, 2), "warmup_s": round(warm_s, 2), "warmup_errors": warm_errors,
-                "wall_s": round(wall, 3), "cpu_cores": cpu, "tokens_per_s": total_tokens / wall if wall else 0.0,
-                "requests_per_s": classes["all"]["done"] / wall if wall else 0.0, "classes": classes, "errors": errors,
-                "server_alive_after_run": alive_after, "stop": stop_info, "health": worker_summary(samples),
+                "server_command": server.cmd,
+                "ready_s": round(server.ready_s, 2),
+                "warmup_s": round(warm_s, 2),
+                "warmup_errors": warm_errors,
+                "wall_s": round(wall, 3),
+                "cpu_cores": cpu,
+                "tokens_per_s": total_tokens / wall if wall else 0.0,
+                "requests_per_s": classes["all"]["done"] / wall if wall else 0.0,
+                "classes": classes,
+                "errors": errors,
+                "server_alive_after_run": alive_after,
+                "stop": stop_info,
+                "health": worker_summary(samples),
                 "health_samples": samples,
-                "server_metrics": {line.split(" ")[0]: line.split(" ")[1] for line in (metrics_text or "").splitlines()
-                                   if line.startswith(("http_requests_total", "vllm:generation_tokens_total", "unweight:kv_transfer_bytes_total",
-                                                       "vllm:time_to_first_token_seconds_count", "vllm:time_to_first_token_seconds_sum",
-                                                       "vllm:inter_token_latency_seconds_count", "vllm:inter_token_latency_seconds_sum"))},
-                "server_log": str(server.log_path), "server_log_tail": server.log_tail(),
-                "requests": [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in asdict(r).items() if k != "gaps"} | {"gaps": [round(g, 4) for g in r.gaps]}
-                             for r in results],
+                "server_metrics": {
+                    line.split(" ")[0]: line.split(" ")[1]
+                    for line in (metrics_text or "").splitlines()
+                    if line.startswith(
+                        (
+                            "http_requests_total",
+                            "vllm:generation_tokens_total",
+                            "unweight:kv_transfer_bytes_total",
+                            "vllm:time_to_first_token_seconds_count",
+                            "vllm:time_to_first_token_seconds_sum",
+                            "vllm:inter_token_latency_seconds_count",
+                            "vllm:inter_token_latency_seconds_sum",
+                        )
+                    )
+                },
+                "server_log": str(server.log_path),
+                "server_log_tail": server.log_tail(),
+                "requests": [
+                    {k: (round(v, 4) if isinstance(v, float) else v) for k, v in asdict(r).items() if k != "gaps"}
+                    | {"gaps": [round(g, 4) for g in r.gaps]}
+                    for r in results
+                ],
                 "mode_s": round(time.perf_counter() - t_mode, 1),
             }
             for line in server_events(report["modes"][mode]):
                 print(f"[{mode}] {line}", flush=True)
             c = classes
-            print(f"[{mode}] done in {wall:.1f} s: {c['all']['done']}/{c['all']['sent']} ok, {c['all']['errors']} errors, cpu cores {cpu}, "
-                  f"{total_tokens / wall if wall else 0:.2f} tok/s; stopped in {stop_info['stop_s']} s (exit {stop_info['exit_code']}"
-                  f"{', killed ' + str(stop_info['killed']) if stop_info['killed'] else ''})", flush=True)
+            print(
+                f"[{mode}] done in {wall:.1f} s: {c['all']['done']}/{c['all']['sent']} ok, {c['all']['errors']} "
+                f"errors, cpu cores {cpu}, "
+                f"{total_tokens / wall if wall else 0:.2f} tok/s; stopped in {stop_info['stop_s']} s (exit "
+                f"{stop_info['exit_code']}"
+                f"{', killed ' + str(stop_info['killed']) if stop_info['killed'] else ''})",
+                flush=True,
+            )
     finally:
         for s in servers:  # interrupted: leave nothing running
             s.stop(grace=10)
@@ -731,15 +985,25 @@ def main() -> int:
         di, ai = d["classes"]["short"]["itl_p99_s"], a["classes"]["short"]["itl_p99_s"]
         itl_ratio = di / ai if di is not None and ai else None
         tok_ratio = d["tokens_per_s"] / a["tokens_per_s"] if a["tokens_per_s"] else None
-        headline = {"short_itl_p99_ratio": itl_ratio, "short_itl_p99_target": args.itl_target,
-                    "short_itl_p99_met": itl_ratio is not None and itl_ratio <= args.itl_target,
-                    "tokens_per_s_ratio": tok_ratio, "tokens_per_s_target": args.throughput_target,
-                    "tokens_per_s_met": tok_ratio is not None and tok_ratio >= args.throughput_target}
+        headline = {
+            "short_itl_p99_ratio": itl_ratio,
+            "short_itl_p99_target": args.itl_target,
+            "short_itl_p99_met": itl_ratio is not None and itl_ratio <= args.itl_target,
+            "tokens_per_s_ratio": tok_ratio,
+            "tokens_per_s_target": args.throughput_target,
+            "tokens_per_s_met": tok_ratio is not None and tok_ratio >= args.throughput_target,
+        }
         print()
-        print(f"short-chat p99 ITL, disagg / agg: {fmt(di)} ms / {fmt(ai)} ms = {'-' if itl_ratio is None else f'{itl_ratio:.3f}'}"
-              f"  (target <= {args.itl_target}: {'met' if headline['short_itl_p99_met'] else 'NOT met'})")
-        print(f"output tokens/s,    disagg / agg: {d['tokens_per_s']:.2f} / {a['tokens_per_s']:.2f} = {'-' if tok_ratio is None else f'{tok_ratio:.3f}'}"
-              f"  (target >= {args.throughput_target}: {'met' if headline['tokens_per_s_met'] else 'NOT met'})")
+        print(
+            f"short-chat p99 ITL, disagg / agg: {fmt(di)} ms / {fmt(ai)} ms = "
+            f"{'-' if itl_ratio is None else f'{itl_ratio:.3f}'}"
+            f"  (target <= {args.itl_target}: {'met' if headline['short_itl_p99_met'] else 'NOT met'})"
+        )
+        print(
+            f"output tokens/s,    disagg / agg: {d['tokens_per_s']:.2f} / {a['tokens_per_s']:.2f} = "
+            f"{'-' if tok_ratio is None else f'{tok_ratio:.3f}'}"
+            f"  (target >= {args.throughput_target}: {'met' if headline['tokens_per_s_met'] else 'NOT met'})"
+        )
     report["headline"] = headline
     report["total_run_s"] = round(time.perf_counter() - run_start, 1)
     out = Path(args.out)

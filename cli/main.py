@@ -6,8 +6,9 @@ import json
 import os
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Callable, Optional
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -28,7 +29,7 @@ app = typer.Typer(
 out = Console(width=None if sys.stdout.isatty() else 200)  # pipes get full rows, not 80 columns
 err = Console(stderr=True)
 
-Threads = Annotated[Optional[int], typer.Option("--threads", "-t", min=0, help="CPU threads (default: all; 0 = all).")]
+Threads = Annotated[int | None, typer.Option("--threads", "-t", min=0, help="CPU threads (default: all; 0 = all).")]
 AsJson = Annotated[bool, typer.Option("--json", help="Print the result as JSON instead of a table.")]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")]
 SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -47,8 +48,16 @@ def parse_size(text: str) -> int:
     return int(value * SIZE_UNITS[unit])
 
 
-MaxMemory = Annotated[Optional[int], typer.Option("--max-memory", parser=parse_size, metavar="SIZE",
-                                                  help="Memory budget (e.g. 4G): verify, inspect and decompress work within it in pieces; compress refuses, naming it, a tensor that would need more.")]
+MaxMemory = Annotated[
+    int | None,
+    typer.Option(
+        "--max-memory",
+        parser=parse_size,
+        metavar="SIZE",
+        help="Memory budget (e.g. 4G): verify, inspect and decompress work within it in pieces; compress refuses, "
+        "naming it, a tensor that would need more.",
+    ),
+]
 
 EXIT_FAILED = 1  # bad input, corrupt file, or verification found a difference
 # Interrupted: 128 + the signal's number (Ctrl-C 130, SIGTERM 143, SIGHUP 129), as shells report it.
@@ -103,12 +112,26 @@ def _progress(verb: str, quiet: bool):
 def compress(
     src: Annotated[str, typer.Argument(help="Local model folder, .safetensors file, or Hub repo id (org/name).")],
     dst: Annotated[Path, typer.Argument(help="Output folder (must not exist).")],
-    revision: Annotated[Optional[str], typer.Option(help="Hub revision (branch, tag or commit) when SRC is a repo id.")] = None,
+    revision: Annotated[
+        str | None, typer.Option(help="Hub revision (branch, tag or commit) when SRC is a repo id.")
+    ] = None,
     threads: Threads = None,
-    verify: Annotated[bool, typer.Option("--verify/--no-verify", help="Decode every tensor again before writing it.")] = True,
-    precision: Annotated[int, typer.Option(min=PRECISION_RANGE[0], max=PRECISION_RANGE[1], help="rANS frequency precision in bits.")] = DEFAULT_PRECISION,
-    chunk: Annotated[int, typer.Option(help="Most elements per independently decodable chunk (multiple of 8); tensors are cut into a multiple of four chunks where each keeps 16K elements.")] = DEFAULT_CHUNK,
-    layout: Annotated[str, typer.Option(help="archive: smallest. serving: 2-D BF16 weights as fixed-rate tiles for GPU kernels.")] = "archive",
+    verify: Annotated[
+        bool, typer.Option("--verify/--no-verify", help="Decode every tensor again before writing it.")
+    ] = True,
+    precision: Annotated[
+        int, typer.Option(min=PRECISION_RANGE[0], max=PRECISION_RANGE[1], help="rANS frequency precision in bits.")
+    ] = DEFAULT_PRECISION,
+    chunk: Annotated[
+        int,
+        typer.Option(
+            help="Most elements per independently decodable chunk (multiple of 8); tensors are cut into a multiple of "
+            "four chunks where each keeps 16K elements."
+        ),
+    ] = DEFAULT_CHUNK,
+    layout: Annotated[
+        str, typer.Option(help="archive: smallest. serving: 2-D BF16 weights as fixed-rate tiles for GPU kernels.")
+    ] = "archive",
     max_memory: MaxMemory = None,
     as_json: AsJson = False,
     quiet: Quiet = False,
@@ -132,8 +155,18 @@ def compress(
 
     def body() -> None:
         with _progress("compressing", quiet or as_json) as bar:
-            report = unweight.compress(src, dst, threads=threads, verify=verify, precision=precision, chunk=chunk, layout=layout, revision=revision, progress=bar,
-                                      max_memory=max_memory)
+            report = unweight.compress(
+                src,
+                dst,
+                threads=threads,
+                verify=verify,
+                precision=precision,
+                chunk=chunk,
+                layout=layout,
+                revision=revision,
+                progress=bar,
+                max_memory=max_memory,
+            )
         if as_json:
             out.print_json(json.dumps(report.to_json()))
             return
@@ -143,7 +176,11 @@ def compress(
         for note in report.notes():
             err.print(f"note: {safe(note)}", highlight=False, soft_wrap=True)
         for f in report.skipped_files:
-            err.print(f"note: skipped {safe(f)} (pickle; the safetensors files carry the weights)", highlight=False, soft_wrap=True)
+            err.print(
+                f"note: skipped {safe(f)} (pickle; the safetensors files carry the weights)",
+                highlight=False,
+                soft_wrap=True,
+            )
 
     _run(body, writes=True)
 
@@ -174,7 +211,9 @@ def decompress(
 @app.command()
 def verify(
     path: Annotated[Path, typer.Argument(help="Compressed folder or container file.")],
-    against: Annotated[Optional[Path], typer.Option("--against", help="The original folder or file to compare with.")] = None,
+    against: Annotated[
+        Path | None, typer.Option("--against", help="The original folder or file to compare with.")
+    ] = None,
     threads: Threads = None,
     max_memory: MaxMemory = None,
     as_json: AsJson = False,
@@ -199,7 +238,10 @@ def verify(
             out.print_json(json.dumps(report.to_json()))
         elif report.ok:
             what = "identical to the original" if against else "checksums OK"
-            out.print(f"OK: {report.checked_tensors} tensors ({report.checked_bytes / 1e6:,.1f} MB) in {report.checked_files} files, {what}")
+            out.print(
+                f"OK: {report.checked_tensors} tensors ({report.checked_bytes / 1e6:,.1f} MB) in "
+                f"{report.checked_files} files, {what}"
+            )
         else:
             err.print(f"[bold red]MISMATCH:[/] {safe(report.mismatches[0])}", highlight=False, soft_wrap=True)
             if len(report.mismatches) > 1:
@@ -213,8 +255,12 @@ def verify(
 def inspect(
     path: Annotated[Path, typer.Argument(help="Compressed folder or container file.")],
     as_json: AsJson = False,
-    plot: Annotated[Optional[Path], typer.Option("--plot", help="Write exponent histograms to this PNG (needs matplotlib).")] = None,
-    tensors: Annotated[bool, typer.Option("--tensors", help="One row per tensor instead of one per layer type.")] = False,
+    plot: Annotated[
+        Path | None, typer.Option("--plot", help="Write exponent histograms to this PNG (needs matplotlib).")
+    ] = None,
+    tensors: Annotated[
+        bool, typer.Option("--tensors", help="One row per tensor instead of one per layer type.")
+    ] = False,
     threads: Threads = None,
     max_memory: MaxMemory = None,
 ) -> None:
@@ -256,15 +302,19 @@ def inspect(
 def generate(
     model: Annotated[Path, typer.Argument(help="Compressed model folder (made by `unweight compress`).")],
     prompt: Annotated[str, typer.Option("--prompt", "-p", help="The prompt text.")],
-    chat: Annotated[bool, typer.Option("--chat", help="Wrap the prompt as a user message in the model's chat template.")] = False,
+    chat: Annotated[
+        bool, typer.Option("--chat", help="Wrap the prompt as a user message in the model's chat template.")
+    ] = False,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="Most tokens to generate.")] = 256,
     temperature: Annotated[float, typer.Option(help="0 = greedy; higher is more random.")] = 0.0,
     top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass, in (0, 1].")] = 1.0,
     top_k: Annotated[int, typer.Option("--top-k", help="Sample among the k best tokens (0 = all).")] = 0,
-    seed: Annotated[Optional[int], typer.Option(help="Random seed for sampling.")] = None,
-    stop: Annotated[Optional[list[str]], typer.Option(help="Stop before this string (repeatable).")] = None,
+    seed: Annotated[int | None, typer.Option(help="Random seed for sampling.")] = None,
+    stop: Annotated[list[str] | None, typer.Option(help="Stop before this string (repeatable).")] = None,
     device: Annotated[str, typer.Option(help="cpu or cuda[:n].")] = "cpu",
-    layout: Annotated[str, typer.Option(help="serving: fused kernels over tiles; archive: smallest, decoded at each use.")] = "serving",
+    layout: Annotated[
+        str, typer.Option(help="serving: fused kernels over tiles; archive: smallest, decoded at each use.")
+    ] = "serving",
     threads: Threads = None,
 ) -> None:
     """Generate text from a compressed model, streamed to the terminal.
@@ -282,7 +332,9 @@ def generate(
     def body() -> None:
         from unweight.runtime.sampling import SamplingParams
 
-        sampling = SamplingParams(max_new_tokens, temperature, top_p, top_k, seed, stop or [])  # bad values fail before the load
+        sampling = SamplingParams(
+            max_new_tokens, temperature, top_p, top_k, seed, stop or []
+        )  # bad values fail before the load
         tok = unweight.load_tokenizer(model)
         m = unweight.load(model, device=device, layout=layout, threads=threads)
         g = unweight.stream(m, tok, prompt, chat=chat, **{k: getattr(sampling, k) for k in SamplingParams.__slots__})
@@ -308,26 +360,107 @@ def serve(
     prefill_workers: Annotated[int, typer.Option("--prefill-workers", help="Prefill worker processes to start.")] = 1,
     decode_workers: Annotated[int, typer.Option("--decode-workers", help="Decode worker processes to start.")] = 1,
     max_batch: Annotated[int, typer.Option("--max-batch", help="Most sequences in one decode batch.")] = 16,
-    max_model_len: Annotated[Optional[int], typer.Option("--max-model-len", help="Longest prompt + completion (default: the model's).")] = None,
-    max_queue: Annotated[int, typer.Option("--max-queue", help="Requests in flight beyond which new ones get HTTP 429.")] = 64,
+    max_model_len: Annotated[
+        int | None, typer.Option("--max-model-len", help="Longest prompt + completion (default: the model's).")
+    ] = None,
+    max_queue: Annotated[
+        int, typer.Option("--max-queue", help="Requests in flight beyond which new ones get HTTP 429.")
+    ] = 64,
     device: Annotated[str, typer.Option(help="cpu or cuda[:n] for the workers.")] = "cpu",
-    api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="UNWEIGHT_API_KEY", help="Require `Authorization: Bearer KEY` on every endpoint, /health and /metrics included.")] = None,
-    public_health: Annotated[bool, typer.Option("--public-health", help="Let /health and /metrics answer without the API key.")] = False,
-    max_body_bytes: Annotated[int, typer.Option("--max-body-bytes", min=1024, help="Largest request body; larger ones get HTTP 413 before they are read.")] = 16 << 20,
-    timeout_keep_alive: Annotated[float, typer.Option("--timeout-keep-alive", min=0.001, help="Seconds an idle connection (before or between requests) stays open.")] = 5.0,
-    timeout_header: Annotated[float, typer.Option("--timeout-header", min=0.001, help="Seconds a client has to send a request's head, from connecting or from the previous response.")] = 10.0,
-    timeout_body: Annotated[float, typer.Option("--timeout-body", min=0.001, help="Seconds a client has to send a request's body, from the end of its head (then HTTP 408).")] = 30.0,
-    limit_concurrency: Annotated[int, typer.Option("--limit-concurrency", min=1, help="Open connections beyond which requests get HTTP 503.")] = 512,
-    no_disagg: Annotated[bool, typer.Option("--no-disagg", help="One aggregated worker that prefills and decodes (for comparison).")] = False,
-    role: Annotated[str, typer.Option(help="all (default: router plus local workers), router, prefill, decode or worker.")] = "all",
-    name: Annotated[Optional[str], typer.Option(help="Worker name (with --role prefill|decode|worker), unique per router.")] = None,
-    router_address: Annotated[Optional[str], typer.Option("--router-address", help="HOST:PORT of the router's control socket (worker roles).")] = None,
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            "--api-key",
+            envvar="UNWEIGHT_API_KEY",
+            help="Require `Authorization: Bearer KEY` on every endpoint, /health and /metrics included.",
+        ),
+    ] = None,
+    public_health: Annotated[
+        bool, typer.Option("--public-health", help="Let /health and /metrics answer without the API key.")
+    ] = False,
+    max_body_bytes: Annotated[
+        int,
+        typer.Option(
+            "--max-body-bytes", min=1024, help="Largest request body; larger ones get HTTP 413 before they are read."
+        ),
+    ] = 16 << 20,
+    timeout_keep_alive: Annotated[
+        float,
+        typer.Option(
+            "--timeout-keep-alive",
+            min=0.001,
+            help="Seconds an idle connection (before or between requests) stays open.",
+        ),
+    ] = 5.0,
+    timeout_header: Annotated[
+        float,
+        typer.Option(
+            "--timeout-header",
+            min=0.001,
+            help="Seconds a client has to send a request's head, from connecting or from the previous response.",
+        ),
+    ] = 10.0,
+    timeout_body: Annotated[
+        float,
+        typer.Option(
+            "--timeout-body",
+            min=0.001,
+            help="Seconds a client has to send a request's body, from the end of its head (then HTTP 408).",
+        ),
+    ] = 30.0,
+    limit_concurrency: Annotated[
+        int, typer.Option("--limit-concurrency", min=1, help="Open connections beyond which requests get HTTP 503.")
+    ] = 512,
+    no_disagg: Annotated[
+        bool, typer.Option("--no-disagg", help="One aggregated worker that prefills and decodes (for comparison).")
+    ] = False,
+    role: Annotated[
+        str, typer.Option(help="all (default: router plus local workers), router, prefill, decode or worker.")
+    ] = "all",
+    name: Annotated[
+        str | None, typer.Option(help="Worker name (with --role prefill|decode|worker), unique per router.")
+    ] = None,
+    router_address: Annotated[
+        str | None, typer.Option("--router-address", help="HOST:PORT of the router's control socket (worker roles).")
+    ] = None,
     control_port: Annotated[int, typer.Option("--control-port", help="Router control port (0: any free port).")] = 0,
-    served_model_name: Annotated[Optional[str], typer.Option("--served-model-name", help="Model id clients use (default: the folder name).")] = None,
-    worker_threads: Annotated[int, typer.Option("--worker-threads", min=0, help="CPU threads per worker (0: this machine's cores split among the local workers).")] = 0,
-    kv_cache_tokens: Annotated[Optional[int], typer.Option("--kv-cache-tokens", help="KV cache pool of each decode (or --no-disagg) worker, in tokens (default: --max-batch sequences of the full context). The context served is at most this; when the pool is full, new sequences wait and the newest running one is swapped out.")] = None,
-    control_secret_file: Annotated[Optional[Path], typer.Option("--control-secret-file", help="File (mode 600, one line of >= 32 characters) holding the secret that authenticates router and workers to each other. Needed by --role router and by workers started by hand; without it the router makes one for the workers it starts.")] = None,
-    worker_timeout: Annotated[float, typer.Option("--worker-timeout", envvar="UNWEIGHT_WORKER_TIMEOUT", help="Seconds without a heartbeat after which a worker counts as hung and its requests fail (503).")] = 10.0,
+    served_model_name: Annotated[
+        str | None, typer.Option("--served-model-name", help="Model id clients use (default: the folder name).")
+    ] = None,
+    worker_threads: Annotated[
+        int,
+        typer.Option(
+            "--worker-threads",
+            min=0,
+            help="CPU threads per worker (0: this machine's cores split among the local workers).",
+        ),
+    ] = 0,
+    kv_cache_tokens: Annotated[
+        int | None,
+        typer.Option(
+            "--kv-cache-tokens",
+            help="KV cache pool of each decode (or --no-disagg) worker, in tokens (default: --max-batch sequences of "
+            "the full context). The context served is at most this; when the pool is full, new sequences wait and the "
+            "newest running one is swapped out.",
+        ),
+    ] = None,
+    control_secret_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--control-secret-file",
+            help="File (mode 600, one line of >= 32 characters) holding the secret that authenticates router and "
+            "workers to each other. Needed by --role router and by workers started by hand; without it the router "
+            "makes one for the workers it starts.",
+        ),
+    ] = None,
+    worker_timeout: Annotated[
+        float,
+        typer.Option(
+            "--worker-timeout",
+            envvar="UNWEIGHT_WORKER_TIMEOUT",
+            help="Seconds without a heartbeat after which a worker counts as hung and its requests fail (503).",
+        ),
+    ] = 10.0,
 ) -> None:
     """Serve a compressed model behind an OpenAI-compatible API.
 
@@ -343,9 +476,11 @@ def serve(
 
         unweight serve ./smollm2-uw --no-disagg
 
-        unweight serve ./llama-uw --role router --host 10.0.0.1 --control-port 5555 --control-secret-file ~/.unweight-secret
+        unweight serve ./llama-uw --role router --host 10.0.0.1 --control-port 5555 \\
+            --control-secret-file ~/.unweight-secret
 
-        unweight serve ./llama-uw --role decode --name decode-0 --router-address 10.0.0.1:5555 --control-secret-file ~/.unweight-secret
+        unweight serve ./llama-uw --role decode --name decode-0 --router-address 10.0.0.1:5555 \\
+            --control-secret-file ~/.unweight-secret
 
     The control plane (router <-> workers) is ZeroMQ CURVE with keys derived from the control
     secret: no process without it can join as a worker, or pose as the router.
@@ -358,18 +493,40 @@ def serve(
             raise ValueError(f"role {role!r} is not one of all, {', '.join(ROLES)}")
         if not model.is_dir():
             raise ValueError(f"{model}: no such model folder")
-        cfg = ServeConfig(str(model), host, port, prefill_workers, decode_workers, max_batch, max_model_len, max_queue, device, api_key,
-                          not no_disagg, control_port, served_model_name, worker_threads, public_health=public_health,
-                          max_body_bytes=max_body_bytes, timeout_keep_alive=timeout_keep_alive, timeout_header=timeout_header, timeout_body=timeout_body,
-                          limit_concurrency=limit_concurrency,
-                          control_secret_file=str(control_secret_file) if control_secret_file else None, worker_timeout=worker_timeout,
-                          kv_cache_tokens=kv_cache_tokens)
+        cfg = ServeConfig(
+            str(model),
+            host,
+            port,
+            prefill_workers,
+            decode_workers,
+            max_batch,
+            max_model_len,
+            max_queue,
+            device,
+            api_key,
+            not no_disagg,
+            control_port,
+            served_model_name,
+            worker_threads,
+            public_health=public_health,
+            max_body_bytes=max_body_bytes,
+            timeout_keep_alive=timeout_keep_alive,
+            timeout_header=timeout_header,
+            timeout_body=timeout_body,
+            limit_concurrency=limit_concurrency,
+            control_secret_file=str(control_secret_file) if control_secret_file else None,
+            worker_timeout=worker_timeout,
+            kv_cache_tokens=kv_cache_tokens,
+        )
         if cfg.control_secret_file:
             read_secret_file(cfg.control_secret_file)  # a clear error now, not from inside a process
         if role in ("all", "router"):
             if role == "router":
                 if not control_secret_file:
-                    raise ValueError("--role router needs --control-secret-file PATH: the workers started elsewhere authenticate with the same file")
+                    raise ValueError(
+                        "--role router needs --control-secret-file PATH: the workers started elsewhere authenticate "
+                        "with the same file"
+                    )
                 cfg.prefill_workers = cfg.decode_workers = 0
             from unweight.runtime.serve.app import serve as _serve
 

@@ -11,7 +11,6 @@ from rich.table import Table
 
 from unweight.report import CompressReport, Totals
 
-
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
@@ -40,7 +39,7 @@ class BarProgress:
         )
         self._task = None
 
-    def __enter__(self) -> "BarProgress":
+    def __enter__(self) -> BarProgress:
         self._bar.__enter__()
         return self
 
@@ -56,7 +55,14 @@ class BarProgress:
 
 
 def _row(label: str, t: Totals) -> list[str]:
-    return [label, f"{t.tensors:,}", f"{t.original_bytes / 1e6:,.2f}", f"{t.stored_bytes / 1e6:,.2f}", f"{100 * t.saving:.2f} %", f"{t.bits_per_weight:.3f}"]
+    return [
+        label,
+        f"{t.tensors:,}",
+        f"{t.original_bytes / 1e6:,.2f}",
+        f"{t.stored_bytes / 1e6:,.2f}",
+        f"{100 * t.saving:.2f} %",
+        f"{t.bits_per_weight:.3f}",
+    ]
 
 
 def compress_table(report: CompressReport) -> Table:
@@ -73,25 +79,72 @@ def compress_table(report: CompressReport) -> Table:
 
 def inspect_table(stats: list) -> Table:
     table = Table(title="per-tensor statistics")
-    for col in ("tensor", "dtype", "shape", "codec", "original KB", "stored KB", "bits/w", "exp H", "order-0 bound", "gap"):
+    for col in (
+        "tensor",
+        "dtype",
+        "shape",
+        "codec",
+        "original KB",
+        "stored KB",
+        "bits/w",
+        "exp H",
+        "order-0 bound",
+        "gap",
+    ):
         table.add_column(col, justify="left" if col in ("tensor", "dtype", "codec") else "right")
     f = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
     for s in stats:
-        table.add_row(safe(s.name), safe(s.dtype), "x".join(map(str, s.shape)) or "()", safe(s.codec), f"{s.original_bytes / 1e3:,.1f}", f"{s.stored_bytes / 1e3:,.1f}", f"{s.bits_per_weight:.3f}", f(s.exponent_entropy), f(s.order0_bound), f(s.gap_to_bound))
+        table.add_row(
+            safe(s.name),
+            safe(s.dtype),
+            "x".join(map(str, s.shape)) or "()",
+            safe(s.codec),
+            f"{s.original_bytes / 1e3:,.1f}",
+            f"{s.stored_bytes / 1e3:,.1f}",
+            f"{s.bits_per_weight:.3f}",
+            f(s.exponent_entropy),
+            f(s.order0_bound),
+            f(s.gap_to_bound),
+        )
     return table
 
 
 def inspect_groups_table(groups: list, file_count: int) -> Table:
     """The statistics by layer type (layer and expert numbers as `*`), with a total per class:
     a few dozen rows whatever the number of tensors."""
-    table = Table(title=f"by layer type ({sum(g.tensors for g in groups):,} tensors in {file_count} file(s); --tensors for each one)")
-    for col in ("layer type", "count", "dtype", "codec", "original MB", "stored MB", "bits/w", "exp H", "order-0 bound", "gap"):
+    table = Table(
+        title=f"by layer type ({sum(g.tensors for g in groups):,} tensors in {file_count} file(s); --tensors for each "
+        f"one)"
+    )
+    for col in (
+        "layer type",
+        "count",
+        "dtype",
+        "codec",
+        "original MB",
+        "stored MB",
+        "bits/w",
+        "exp H",
+        "order-0 bound",
+        "gap",
+    ):
         table.add_column(col, justify="left" if col in ("layer type", "dtype", "codec") else "right")
     f = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
 
     def row(label, g, style=None):
-        table.add_row(safe(label), f"{g.tensors:,}", safe(",".join(g.dtypes)), safe(",".join(g.codecs)), f"{g.original_bytes / 1e6:,.2f}", f"{g.stored_bytes / 1e6:,.2f}",
-                      f"{g.bits_per_weight:.3f}", f(g.exponent_entropy), f(g.order0_bound), f(g.gap_to_bound), style=style)
+        table.add_row(
+            safe(label),
+            f"{g.tensors:,}",
+            safe(",".join(g.dtypes)),
+            safe(",".join(g.codecs)),
+            f"{g.original_bytes / 1e6:,.2f}",
+            f"{g.stored_bytes / 1e6:,.2f}",
+            f"{g.bits_per_weight:.3f}",
+            f(g.exponent_entropy),
+            f(g.order0_bound),
+            f(g.gap_to_bound),
+            style=style,
+        )
 
     from unweight.inspection import GroupStats
 

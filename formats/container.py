@@ -73,7 +73,10 @@ def _entry_from_json(path: str, name: str, obj: Any) -> TensorEntry:
         return FormatError(path, msg, name)
 
     if name == RESERVED_NAME:
-        raise bad("a tensor may not be named __metadata__: safetensors reserves that key, so the file decompressed from it would not load")
+        raise bad(
+            "a tensor may not be named __metadata__: safetensors reserves that key, so the file decompressed from it "
+            "would not load"
+        )
     if not isinstance(obj, dict):
         raise bad("manifest entry is not an object")
     for key in ("dtype", "shape", "codec", "streams", "crc32"):
@@ -123,13 +126,18 @@ class ContainerReader:
     def _validate(self) -> None:
         meta = self._file.metadata or {}
         if meta.get("format") != FORMAT_NAME:
-            raise FormatError(self.path, "not an Unweight container (a plain safetensors file? its metadata has no format=unweight)")
+            raise FormatError(
+                self.path, "not an Unweight container (a plain safetensors file? its metadata has no format=unweight)"
+            )
         version = meta.get("format_version", "")
         m = _VERSION_RE.fullmatch(version) if isinstance(version, str) else None
         if not m:
             raise FormatError(self.path, f"format_version {version!r} is not MAJOR.MINOR")
         if int(m.group(1)) != SUPPORTED_MAJOR:
-            raise FormatError(self.path, f"format version {version} is not supported (this reader knows {SUPPORTED_MAJOR}.x); upgrade unweight")
+            raise FormatError(
+                self.path,
+                f"format version {version} is not supported (this reader knows {SUPPORTED_MAJOR}.x); upgrade unweight",
+            )
         self.format_version = version
         try:
             manifest = json.loads(meta.get("unweight", ""))
@@ -151,7 +159,9 @@ class ContainerReader:
                 if stream not in self._file.tensors:
                     raise FormatError(self.path, f"stream {stream!r} (role {role!r}) is missing", entry.name)
                 if stream in used:
-                    raise FormatError(self.path, f"stream {stream!r} is also used by tensor {used[stream]!r}", entry.name)
+                    raise FormatError(
+                        self.path, f"stream {stream!r} is also used by tensor {used[stream]!r}", entry.name
+                    )
                 used[stream] = entry.name
                 if self._file.tensors[stream].dtype != "U8" or len(self._file.tensors[stream].shape) != 1:
                     raise FormatError(self.path, f"stream {stream!r} is not a 1-D U8 tensor", entry.name)
@@ -172,7 +182,7 @@ class ContainerReader:
     def close(self) -> None:
         self._file.close()
 
-    def __enter__(self) -> "ContainerReader":
+    def __enter__(self) -> ContainerReader:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -207,7 +217,9 @@ class ContainerWriter:
         if entry.name in self._tensor_names:
             raise ValueError(f"tensor {entry.name!r} added twice")
         if entry.name == RESERVED_NAME:
-            raise ValueError("a tensor may not be named '__metadata__': safetensors reserves that key for the file's metadata")
+            raise ValueError(
+                "a tensor may not be named '__metadata__': safetensors reserves that key for the file's metadata"
+            )
         if set(streams) != set(entry.streams):
             raise ValueError(f"tensor {entry.name!r}: stream roles {sorted(streams)} != {sorted(entry.streams)}")
         for role, blob in streams.items():
@@ -215,7 +227,9 @@ class ContainerWriter:
             if name in self._names:
                 raise ValueError(f"stream name {name!r} is used twice (a tensor name collides with a stream name)")
             self._names.add(name)
-            view = memoryview(np.ascontiguousarray(blob).reshape(-1).view(np.uint8) if isinstance(blob, np.ndarray) else blob).cast("B")
+            view = memoryview(
+                np.ascontiguousarray(blob).reshape(-1).view(np.uint8) if isinstance(blob, np.ndarray) else blob
+            ).cast("B")
             part = view.nbytes % 2
             self._data[part].write(view)
             self._streams.append((name, part, self._sizes[part], self._sizes[part] + view.nbytes))
@@ -262,7 +276,7 @@ class ContainerWriter:
             except FileNotFoundError:
                 pass
 
-    def __enter__(self) -> "ContainerWriter":
+    def __enter__(self) -> ContainerWriter:
         return self
 
     def __exit__(self, exc_type, *exc) -> None:

@@ -11,8 +11,9 @@ import mmap
 import os
 import stat
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import BinaryIO, Iterable
+from typing import BinaryIO
 
 import numpy as np
 
@@ -87,8 +88,13 @@ def parse_header(path: str, raw: bytes, data_len: int) -> tuple[dict[str, Tensor
     return tensors, metadata
 
 
-_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
-          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+_KINDS = (
+    (stat.S_ISDIR, "a folder"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
 
 
 def file_kind(mode: int) -> str:
@@ -135,7 +141,9 @@ class SafetensorsFile:
         if n > MAX_HEADER_BYTES:
             raise FormatError(self.path, f"header claims {n} bytes, over the {MAX_HEADER_BYTES}-byte cap")
         if 8 + n > size:
-            raise FormatError(self.path, f"header claims {n} bytes but the file has {size - 8} after the length (truncated?)")
+            raise FormatError(
+                self.path, f"header claims {n} bytes but the file has {size - 8} after the length (truncated?)"
+            )
         raw = self._file.read(n)
         try:
             self.header_text = raw.decode("utf-8")
@@ -162,7 +170,7 @@ class SafetensorsFile:
                 pass  # a caller still holds a view; the mapping goes when it does
         self._file.close()
 
-    def __enter__(self) -> "SafetensorsFile":
+    def __enter__(self) -> SafetensorsFile:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -176,7 +184,9 @@ def encode_header(entries: Iterable[tuple[str, str, list[int], int, int]], metad
         header["__metadata__"] = metadata
     for name, dtype, shape, begin, end in entries:
         if name == RESERVED_NAME:
-            raise ValueError("a tensor may not be named '__metadata__': safetensors reserves that key for the file's metadata")
+            raise ValueError(
+                "a tensor may not be named '__metadata__': safetensors reserves that key for the file's metadata"
+            )
         header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [begin, end]}
     raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     return raw + b" " * (-len(raw) % HEADER_ALIGN)
@@ -192,9 +202,10 @@ def write_safetensors(
     """Write a safetensors file to the open binary `out`, streaming one tensor at a time.
 
     `entries` are (name, dtype, shape) in data order and `data` yields each one's bytes in that
-    order (whole, or an iterator of consecutive pieces), so a caller can decode lazily. With `header_text`, that exact header is written instead
-    of one built from `entries` (a byte-identical reconstruction): the caller has checked that it
-    lists the same tensors and that `entries` follow its offsets.
+    order (whole, or an iterator of consecutive pieces), so a caller can decode lazily. With
+    `header_text`, that exact header is written instead of one built from `entries` (a
+    byte-identical reconstruction): the caller has checked that it lists the same tensors and that
+    `entries` follow its offsets.
     """
     if header_text is None:
         rows, cursor = [], 0
@@ -212,7 +223,11 @@ def write_safetensors(
         # before the next is asked for: a decoder can reuse one buffer)
         size = 0
         for piece in (blob,) if isinstance(blob, (bytes, bytearray, memoryview, np.ndarray)) else blob:
-            view = np.ascontiguousarray(piece).reshape(-1).view(np.uint8) if isinstance(piece, np.ndarray) else memoryview(piece).cast("B")
+            view = (
+                np.ascontiguousarray(piece).reshape(-1).view(np.uint8)
+                if isinstance(piece, np.ndarray)
+                else memoryview(piece).cast("B")
+            )
             size += len(view)
             if size > tensor_nbytes(dtype, shape):
                 break

@@ -2,8 +2,10 @@
 
 The first call for a key times every candidate (one warm-up each, then REPEATS rounds that run the
 candidates in turn; each keeps its fastest run, since noise only ever adds time, and taking turns
-spreads a slow spell of the machine over all of them) and remembers the fastest (keyed also by a digest of the kernels' code, `code_version`), in memory and in a JSON file (`$UNWEIGHT_CACHE/autotune.json`), written
-atomically. `UNWEIGHT_PIPELINE=name` forces one pipeline everywhere (for debugging).
+spreads a slow spell of the machine over all of them) and remembers the fastest (keyed also by a
+digest of the kernels' code, `code_version`), in memory and in a JSON file
+(`$UNWEIGHT_CACHE/autotune.json`), written atomically. `UNWEIGHT_PIPELINE=name` forces one
+pipeline everywhere (for debugging).
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ import json
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -78,7 +80,9 @@ class Autotuner:
         except OSError:
             pass  # a read-only home: choices still hold for this process
 
-    def choose(self, key: str, candidates: dict[str, Callable[[], torch.Tensor]], device: torch.device) -> tuple[str, torch.Tensor | None]:
+    def choose(
+        self, key: str, candidates: dict[str, Callable[[], torch.Tensor]], device: torch.device
+    ) -> tuple[str, torch.Tensor | None]:
         """(name of the pipeline to use, its output if it was just run while timing, else None)."""
         forced = os.environ.get(FORCE_ENV)
         if forced:

@@ -20,9 +20,9 @@ wrapper hands numba the tensors' addresses, since converting them to arrays woul
 a tenth of a small layer's GEMV.
 
 Elsewhere, and for rows whose start is not a multiple of 8 elements (in_features % 8 != 0), the
-portable kernels (also the oracle the tests hold the fast ones to) rebuild a row into an fp32 buffer (in L1) in three passes that LLVM vectorises
-or keeps branch-free (1536x576 on one thread: 0.54 ns per element, against 0.99 for one fused
-scalar loop):
+portable kernels (also the oracle the tests hold the fast ones to) rebuild a row into an fp32
+buffer (in L1) in three passes that LLVM vectorises or keeps branch-free (1536x576 on one thread:
+0.54 ns per element, against 0.99 for one fused scalar loop):
 1. the three code planes of each 8-element group become 8 exponent bytes with three table lookups
    (SWAR on uint64); groups holding an escape are listed without a branch;
 2. sign+mantissa and exponent bytes are merged into fp32 bit patterns, element-wise;
@@ -71,7 +71,9 @@ def _expand(codes3, e64, spread, base8, hits):
         b = codes3[3 * g + 1]
         c = codes3[3 * g + 2]
         h = np.int64(a & b & c)
-        e64[g] = ((spread[a] | (spread[b] << np.uint64(1)) | (spread[c] << np.uint64(2))) - spread[h] * np.uint64(7)) + base8
+        e64[g] = (
+            (spread[a] | (spread[b] << np.uint64(1)) | (spread[c] << np.uint64(2))) - spread[h] * np.uint64(7)
+        ) + base8
         hits[nh] = g * 256 + h
         nh += (h + 255) >> 8  # 1 if the group holds an escape: no branch to mispredict
     return nh
@@ -82,7 +84,11 @@ def _merge(smr, ebytes, bits):
     """Pass 2: fp32 bit patterns from sign+mantissa and exponent bytes (vectorised)."""
     for j in range(bits.shape[0]):
         s = np.uint32(smr[j])
-        bits[j] = ((s & np.uint32(0x80)) << np.uint32(24)) | (np.uint32(ebytes[j]) << np.uint32(23)) | ((s & np.uint32(0x7F)) << np.uint32(16))
+        bits[j] = (
+            ((s & np.uint32(0x80)) << np.uint32(24))
+            | (np.uint32(ebytes[j]) << np.uint32(23))
+            | ((s & np.uint32(0x7F)) << np.uint32(16))
+        )
 
 
 @njit(nogil=True, cache=True)
@@ -93,8 +99,8 @@ def _row_bits(sm, codes, esc, esc_index, K, bpr, base, n, spread, lowbit, e64, h
     if K % 8 == 0:
         G = K >> 3
         g0 = row >> 3
-        nh = _expand(codes[3 * g0: 3 * (g0 + G)], e64[:G], spread, np.uint64(base) * ONES, hits)
-        _merge(sm[row: row + K], e64[:G].view(np.uint8), bits)
+        nh = _expand(codes[3 * g0 : 3 * (g0 + G)], e64[:G], spread, np.uint64(base) * ONES, hits)
+        _merge(sm[row : row + K], e64[:G].view(np.uint8), bits)
         for t in range(nh):  # pass 3: escapes, in order
             g = hits[t] >> 8
             h = hits[t] & 255
@@ -115,7 +121,9 @@ def _row_bits(sm, codes, esc, esc_index, K, bpr, base, n, spread, lowbit, e64, h
         else:
             e = np.uint32(base + cc)
         s = np.uint32(sm[p])
-        bits[j] = ((s & np.uint32(0x80)) << np.uint32(24)) | (e << np.uint32(23)) | ((s & np.uint32(0x7F)) << np.uint32(16))
+        bits[j] = (
+            ((s & np.uint32(0x80)) << np.uint32(24)) | (e << np.uint32(23)) | ((s & np.uint32(0x7F)) << np.uint32(16))
+        )
 
 
 @njit(nogil=True, cache=True, fastmath=True)
@@ -173,7 +181,9 @@ def _rows_portable(sm, codes, esc, esc_index, K, bpr, base, ids, out, spread, lo
 
 _I8, _I32, _I64, _F32 = simd.I8, simd.I32, simd.I64, simd.F32
 _V8I32, _V8F32, _V32I8, _V4I64 = simd.V8I32, simd.V8F32, simd.V32I8, simd.V4I64
-MAX_FUSED_ROWS = 8  # rows of x one pass of the fused kernel multiplies (accumulators stay in registers); more take several passes
+MAX_FUSED_ROWS = (
+    8  # rows of x one pass of the fused kernel multiplies (accumulators stay in registers); more take several passes
+)
 
 
 def _esc_ctrl() -> np.ndarray:
@@ -278,8 +288,11 @@ def _hsum(builder, acc):
     undef = ir.Constant(_V8F32, ir.Undefined)
     half = lambda v, idx: b.shuffle_vector(v, undef, ir.Constant(ir.VectorType(_I32, len(idx)), idx))  # noqa: E731
     s4 = b.fadd(half(acc, [0, 1, 2, 3]), half(acc, [4, 5, 6, 7]), flags=("fast",))
-    s2 = b.fadd(b.shuffle_vector(s4, s4, ir.Constant(ir.VectorType(_I32, 2), [0, 1])),
-                b.shuffle_vector(s4, s4, ir.Constant(ir.VectorType(_I32, 2), [2, 3])), flags=("fast",))
+    s2 = b.fadd(
+        b.shuffle_vector(s4, s4, ir.Constant(ir.VectorType(_I32, 2), [0, 1])),
+        b.shuffle_vector(s4, s4, ir.Constant(ir.VectorType(_I32, 2), [2, 3])),
+        flags=("fast",),
+    )
     return b.fadd(b.extract_element(s2, _const(0, _I32)), b.extract_element(s2, _const(1, _I32)), flags=("fast",))
 
 
@@ -459,7 +472,9 @@ def _gemv_fused_at(x_at, M, sm_at, codes_at, n_codes, esc_at, n_esc, index_at, n
 
 
 @njit(nogil=True, cache=True, parallel=True)
-def _rows_fused_at(sm_at, n_sm, codes_at, n_codes, esc_at, n_esc, index_at, n_index, K, bpr, base, ids_at, R, out_at, parts):
+def _rows_fused_at(
+    sm_at, n_sm, codes_at, n_codes, esc_at, n_esc, index_at, n_index, K, bpr, base, ids_at, R, out_at, parts
+):
     """out[i] = row ids[i] of W as fp32 bit patterns (K % 8 == 0), on the tensors' addresses."""
     sm = carray(_u8_at(sm_at), (n_sm,))
     codes = carray(_u8_at(codes_at), (n_codes,))
@@ -481,15 +496,28 @@ def _parts(rows: int) -> int:
     return max(1, min(get_num_threads(), rows // ROWS_PER_PART))
 
 
-def tiles_gemv_cpu(x: torch.Tensor, weight: dict[str, torch.Tensor], base: int, block: int, out_features: int, in_features: int) -> torch.Tensor:
+def tiles_gemv_cpu(
+    x: torch.Tensor, weight: dict[str, torch.Tensor], base: int, block: int, out_features: int, in_features: int
+) -> torch.Tensor:
     """y = x @ W^T in fp32 for x (..., in_features) on the CPU, W in the serving layout."""
     sm, codes, esc, esc_index = weight["sm"], weight["codes"], weight["esc"], weight["esc_index"]
     bpr = -(-in_features // block)
     # The fused kernels take the streams' addresses, so the streams must be laid out as
     # tile_tensors makes them. (Every line here is written for speed: a small layer's GEMV takes
     # tens of microseconds, and each Python-level step costs a tenth of one.)
-    if (FAST_PATH and in_features and not in_features & 7 and x.is_cpu and sm.is_cpu and sm.is_contiguous() and codes.is_contiguous()
-            and esc.is_contiguous() and esc_index.is_contiguous() and esc_index.dtype is torch.int64 and sm.dtype is torch.uint8):
+    if (
+        FAST_PATH
+        and in_features
+        and not in_features & 7
+        and x.is_cpu
+        and sm.is_cpu
+        and sm.is_contiguous()
+        and codes.is_contiguous()
+        and esc.is_contiguous()
+        and esc_index.is_contiguous()
+        and esc_index.dtype is torch.int64
+        and sm.dtype is torch.uint8
+    ):
         if x.dtype is not torch.float32:
             x = x.float()
         if not x.is_contiguous():
@@ -500,8 +528,23 @@ def tiles_gemv_cpu(x: torch.Tensor, weight: dict[str, torch.Tensor], base: int, 
             parts = out_features // ROWS_PER_PART
             parts = _THREADS if parts > _THREADS else parts or 1
             with _PARALLEL:
-                _gemv_fused_at(x.data_ptr(), m, sm.data_ptr(), codes.data_ptr(), codes.numel(), esc.data_ptr(), esc.numel(),
-                               esc_index.data_ptr(), esc_index.numel(), out_features, in_features, bpr, base, y.data_ptr(), parts)
+                _gemv_fused_at(
+                    x.data_ptr(),
+                    m,
+                    sm.data_ptr(),
+                    codes.data_ptr(),
+                    codes.numel(),
+                    esc.data_ptr(),
+                    esc.numel(),
+                    esc_index.data_ptr(),
+                    esc_index.numel(),
+                    out_features,
+                    in_features,
+                    bpr,
+                    base,
+                    y.data_ptr(),
+                    parts,
+                )
         return y if x.dim() == 2 else y.view(*x.shape[:-1], out_features)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, in_features).to(torch.float32).contiguous().numpy()
@@ -512,21 +555,53 @@ def tiles_gemv_cpu(x: torch.Tensor, weight: dict[str, torch.Tensor], base: int, 
     return torch.from_numpy(y).reshape(*lead, out_features)
 
 
-def tiles_rows_cpu(weight: dict[str, torch.Tensor], base: int, block: int, out_features: int, in_features: int, ids: torch.Tensor | None = None) -> torch.Tensor:
+def tiles_rows_cpu(
+    weight: dict[str, torch.Tensor],
+    base: int,
+    block: int,
+    out_features: int,
+    in_features: int,
+    ids: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Rows `ids` of W (all rows if None) as an fp32 tensor (len(ids), in_features); exact, since
     every BF16 value is an fp32 value. The caller checks that ids lie in [0, out_features)."""
     sm, codes, esc, esc_index = weight["sm"], weight["codes"], weight["esc"], weight["esc_index"]
     bpr = -(-in_features // block)
-    if (FAST_PATH and in_features and not in_features & 7 and sm.is_cpu and sm.is_contiguous() and codes.is_contiguous()
-            and esc.is_contiguous() and esc_index.is_contiguous() and esc_index.dtype is torch.int64 and sm.dtype is torch.uint8):
+    if (
+        FAST_PATH
+        and in_features
+        and not in_features & 7
+        and sm.is_cpu
+        and sm.is_contiguous()
+        and codes.is_contiguous()
+        and esc.is_contiguous()
+        and esc_index.is_contiguous()
+        and esc_index.dtype is torch.int64
+        and sm.dtype is torch.uint8
+    ):
         idx = torch.arange(out_features) if ids is None else ids.reshape(-1).to("cpu", torch.int64).contiguous()
         r = idx.numel()
         out = torch.from_numpy(np.empty((r, in_features), dtype=np.float32))
         if r:
             parts = max(1, min(_THREADS, r // ROWS_PER_PART))
             with _PARALLEL:
-                _rows_fused_at(sm.data_ptr(), sm.numel(), codes.data_ptr(), codes.numel(), esc.data_ptr(), esc.numel(), esc_index.data_ptr(),
-                               esc_index.numel(), in_features, bpr, base, idx.data_ptr(), r, out.data_ptr(), parts)
+                _rows_fused_at(
+                    sm.data_ptr(),
+                    sm.numel(),
+                    codes.data_ptr(),
+                    codes.numel(),
+                    esc.data_ptr(),
+                    esc.numel(),
+                    esc_index.data_ptr(),
+                    esc_index.numel(),
+                    in_features,
+                    bpr,
+                    base,
+                    idx.data_ptr(),
+                    r,
+                    out.data_ptr(),
+                    parts,
+                )
         return out
     idx = np.arange(out_features, dtype=np.int64) if ids is None else ids.reshape(-1).to(torch.int64).numpy()
     out = np.empty((len(idx), in_features), dtype=np.uint32)

@@ -45,7 +45,9 @@ def encode_prompt(tokenizer, prompt: str | list[dict], chat: bool = False) -> li
     if isinstance(prompt, str) and not chat:
         return list(tokenizer(prompt)["input_ids"])
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-    if not isinstance(messages, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages):
+    if not isinstance(messages, list) or not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
+    ):
         raise ValueError("messages must be a list of {'role': str, 'content': str}")
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this checkpoint's tokenizer has no chat template; pass a plain prompt")
@@ -99,15 +101,19 @@ class TextStream:
             return ""
         self.tokens.append(token)
         searched = len(self._settled)  # no stop string lies wholly before this (checked at the last push)
-        window = self._decode(self.tokens[self._prefix:])
-        tail = window[len(self._prefix_text):]
+        window = self._decode(self.tokens[self._prefix :])
+        tail = window[len(self._prefix_text) :]
         if len(window) > len(self._prefix_text) and not window.endswith("\ufffd"):  # a clean boundary
             self._settled += tail
             self._prefix, self._read = self._read, len(self.tokens)
-            self._prefix_text = self._decode(self.tokens[self._prefix:self._read])
+            self._prefix_text = self._decode(self.tokens[self._prefix : self._read])
             tail = ""
         full = self._settled + tail if tail else self._settled
-        cut = self._find_stop(full, max(0, searched - self._longest_stop + 1)) if len(self.tokens) > self.min_tokens else None
+        cut = (
+            self._find_stop(full, max(0, searched - self._longest_stop + 1))
+            if len(self.tokens) > self.min_tokens
+            else None
+        )
         if cut is not None:
             full, self.finished = full[:cut], True
         self.text = full
@@ -126,7 +132,7 @@ class TextStream:
 
     def flush(self, upto: int | None = None) -> str:
         upto = len(self.text) if upto is None else upto
-        out = self.text[self.sent:upto] if upto > self.sent else ""
+        out = self.text[self.sent : upto] if upto > self.sent else ""
         self.sent = max(self.sent, upto)
         return out
 
@@ -151,14 +157,19 @@ class GenerationResult:
 class Generation:
     """An iterator of text pieces; `result` holds the tokens, text and timings as it runs."""
 
-    def __init__(self, model: CausalLM, tokenizer, prompt: str | list[dict], params: SamplingParams, chat: bool = False):
+    def __init__(
+        self, model: CausalLM, tokenizer, prompt: str | list[dict], params: SamplingParams, chat: bool = False
+    ):
         self.model, self.params = model, params
         self.prompt_ids = encode_prompt(tokenizer, prompt, chat)
         n, limit = len(self.prompt_ids), model.max_context
         if n == 0:
             raise ValueError("the prompt encodes to no tokens")
         if n + params.max_new_tokens > limit:
-            raise ValueError(f"the prompt has {n} tokens; with max_new_tokens {params.max_new_tokens} that exceeds the context length {limit}")
+            raise ValueError(
+                f"the prompt has {n} tokens; with max_new_tokens {params.max_new_tokens} that exceeds the context "
+                f"length {limit}"
+            )
         self.text = TextStream(tokenizer, params.stop, params.min_tokens)
         self.eos = eos_ids(model.config, tokenizer)
         self.result = GenerationResult(prompt_tokens=n)
@@ -212,7 +223,9 @@ def stream(model: CausalLM, tokenizer, prompt: str | list[dict], *, chat: bool =
     return Generation(model, tokenizer, prompt, SamplingParams(**sampling), chat)
 
 
-def generate(model: CausalLM, tokenizer, prompt: str | list[dict], *, chat: bool = False, **sampling) -> GenerationResult:
+def generate(
+    model: CausalLM, tokenizer, prompt: str | list[dict], *, chat: bool = False, **sampling
+) -> GenerationResult:
     """Generate a whole completion. sampling: the fields of `SamplingParams` (max_new_tokens,
     temperature, top_p, top_k, min_p, seed, stop, penalties, logit_bias, min_tokens, ...).
     A list of messages (or chat=True) goes through the checkpoint's chat template."""

@@ -38,8 +38,17 @@ class SeqCache:
 
 
 class KVCache:
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu",
-                 block_size: int = DEFAULT_BLOCK_SIZE, max_blocks: int = 1 << 16, initial_blocks: int = 16):
+    def __init__(
+        self,
+        layers: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        max_blocks: int = 1 << 16,
+        initial_blocks: int = 16,
+    ):
         if block_size <= 0 or max_blocks <= 0:
             raise ValueError(f"block_size {block_size} and max_blocks {max_blocks} must be positive")
         self.layers, self.kv_heads, self.head_dim = layers, kv_heads, head_dim
@@ -67,9 +76,13 @@ class KVCache:
         old = self.num_blocks
         new = min(self.max_blocks, max(2 * old, old + need))
         if new - old < need:
-            raise CacheFullError(f"KV cache full: {self.used_blocks} of {self.max_blocks} blocks of {self.block_size} tokens in use")
+            raise CacheFullError(
+                f"KV cache full: {self.used_blocks} of {self.max_blocks} blocks of {self.block_size} tokens in use"
+            )
         pad = (self.layers, new - old, self.block_size, self.kv_heads, self.head_dim)
-        with torch.inference_mode(False):  # normal tensors, whatever mode grew them: later in-place writes may run in either
+        with torch.inference_mode(
+            False
+        ):  # normal tensors, whatever mode grew them: later in-place writes may run in either
             self.k = torch.cat((self.k, self.k.new_zeros(pad)), dim=1)
             self.v = torch.cat((self.v, self.v.new_zeros(pad)), dim=1)
         self._free = list(range(new - 1, old - 1, -1)) + self._free
@@ -110,7 +123,9 @@ class KVCache:
         nb = -(-length // self.block_size)
         ids = self._ids(seq)[:nb]
         flat = (-1, self.kv_heads, self.head_dim)
-        return self.k[layer].index_select(0, ids).view(flat)[:length], self.v[layer].index_select(0, ids).view(flat)[:length]
+        return self.k[layer].index_select(0, ids).view(flat)[:length], self.v[layer].index_select(0, ids).view(flat)[
+            :length
+        ]
 
     # -- hand-off between processes ---------------------------------------------------------
     def export(self, seq: SeqCache) -> torch.Tensor:
@@ -122,7 +137,10 @@ class KVCache:
         """A new sequence holding `data` as export() made it (possibly in another process)."""
         want = (self.layers, 2)
         if data.dim() != 5 or tuple(data.shape[:2]) != want or tuple(data.shape[3:]) != (self.kv_heads, self.head_dim):
-            raise ValueError(f"KV data of shape {list(data.shape)} does not fit this cache ({self.layers}, 2, tokens, {self.kv_heads}, {self.head_dim})")
+            raise ValueError(
+                f"KV data of shape {list(data.shape)} does not fit this cache ({self.layers}, 2, tokens, "
+                f"{self.kv_heads}, {self.head_dim})"
+            )
         seq = SeqCache()
         data = data.to(self.k.device)  # it travels through host memory between processes
         length = data.shape[2]

@@ -63,7 +63,10 @@ def _check_parts(entries) -> int:
         if not tiles.applies(e.dtype, e.shape):
             raise ValueError(f"tensor {e.name!r}: a linear weight must be 2-D BF16, not {e.dtype}{list(e.shape)}")
         if e.shape[1] != entries[0].shape[1]:
-            raise ValueError(f"tensor {e.name!r} has {e.shape[1]} columns, {entries[0].name!r} {entries[0].shape[1]}: they cannot be stacked")
+            raise ValueError(
+                f"tensor {e.name!r} has {e.shape[1]} columns, {entries[0].name!r} {entries[0].shape[1]}: they cannot "
+                f"be stacked"
+            )
     return entries[0].shape[1]
 
 
@@ -119,16 +122,34 @@ def _check_row_ids(ids: torch.Tensor | None, rows: int) -> None:
 class UnweightLinear(nn.Module):
     """y = x @ W^T + b with W (out_features, in_features) BF16 stored as `tiles` streams."""
 
-    def __init__(self, in_features: int, out_features: int, streams: dict[str, np.ndarray], params: dict, bias: torch.Tensor | None = None, autotuner: Autotuner | None = None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        streams: dict[str, np.ndarray],
+        params: dict,
+        bias: torch.Tensor | None = None,
+        autotuner: Autotuner | None = None,
+    ):
         super().__init__()
         p = tiles.TilesParams.from_json(params)
         tiles.check(streams, p, out_features, in_features)  # a corrupt tile set stops here
         self._setup(in_features, out_features, p, TILES_ROLES, tile_tensors(streams), bias, autotuner)
 
-    def _setup(self, in_features: int, out_features: int, params: tiles.TilesParams, roles: tuple[str, ...], buffers: dict[str, torch.Tensor], bias, autotuner,
-               qmode: int = 0) -> None:
+    def _setup(
+        self,
+        in_features: int,
+        out_features: int,
+        params: tiles.TilesParams,
+        roles: tuple[str, ...],
+        buffers: dict[str, torch.Tensor],
+        bias,
+        autotuner,
+        qmode: int = 0,
+    ) -> None:
         self.in_features, self.out_features = in_features, out_features
-        self._qmode = qmode  # of the qtiles layout (runtime/qtiles.py), kept on the host: the launchers take it from here, no device read
+        # of the qtiles layout (runtime/qtiles.py), kept on the host: the launchers take it from here, no device read
+        self._qmode = qmode
         self.params = params  # of the tiles layout (its block size is kept when moving back to the CPU)
         self._roles = roles  # the layout the buffers hold: tiles (CPU) or qtiles (CUDA)
         for role in roles:
@@ -139,7 +160,9 @@ class UnweightLinear(nn.Module):
         self._chosen: dict[tuple, str] = {}
 
     @classmethod
-    def _from_values(cls, values: np.ndarray, out_f: int, in_f: int, bias, device, autotuner: Autotuner | None = None) -> "UnweightLinear":
+    def _from_values(
+        cls, values: np.ndarray, out_f: int, in_f: int, bias, device, autotuner: Autotuner | None = None
+    ) -> UnweightLinear:
         """A layer from W as uint16 values, encoded once into the layout `device` reads: for a GPU
         straight into qtiles, without the tiles encode and decode that moving it there would run."""
         if device is None or torch.device(device).type != "cuda":
@@ -150,11 +173,15 @@ class UnweightLinear(nn.Module):
         nn.Module.__init__(layer)
         qmode = int(q.pop("mode")[0])
         buffers = {k: torch.from_numpy(v) for k, v in q.items()}
-        layer._setup(in_f, out_f, tiles.TilesParams(0, tiles.DEFAULT_BLOCK), qtiles.ROLES, buffers, bias, autotuner, qmode)
+        layer._setup(
+            in_f, out_f, tiles.TilesParams(0, tiles.DEFAULT_BLOCK), qtiles.ROLES, buffers, bias, autotuner, qmode
+        )
         return layer
 
     @classmethod
-    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, device: torch.device | str | None = None, **kw) -> "UnweightLinear":
+    def from_weight(
+        cls, weight: torch.Tensor, bias: torch.Tensor | None = None, device: torch.device | str | None = None, **kw
+    ) -> UnweightLinear:
         """Compress a dense (out, in) BF16 weight into a new layer, on the CPU; with `device` a GPU,
         already in the layout the GPU reads (move it there with .to)."""
         if weight.dtype != torch.bfloat16 or weight.dim() != 2:
@@ -164,7 +191,15 @@ class UnweightLinear(nn.Module):
         return cls._from_values(values, out_f, in_f, bias, device, **kw)
 
     @classmethod
-    def from_entry(cls, entry, streams: dict[str, np.ndarray], bias: torch.Tensor | None = None, threads: int | None = None, device: torch.device | str | None = None, **kw) -> "UnweightLinear":
+    def from_entry(
+        cls,
+        entry,
+        streams: dict[str, np.ndarray],
+        bias: torch.Tensor | None = None,
+        threads: int | None = None,
+        device: torch.device | str | None = None,
+        **kw,
+    ) -> UnweightLinear:
         """A layer from one tensor of a compressed checkpoint. Serving-layout tensors are checked
         and taken as they are; archive-layout ones (any codec) are transcoded at load time:
         decoded on the CPU, then re-encoded as tiles, or as qtiles when `device` is a GPU. Errors
@@ -173,7 +208,9 @@ class UnweightLinear(nn.Module):
         from unweight.errors import CorruptDataError
 
         if not tiles.applies(entry.dtype, entry.shape):
-            raise ValueError(f"tensor {entry.name!r}: a linear weight must be 2-D BF16, not {entry.dtype}{list(entry.shape)}")
+            raise ValueError(
+                f"tensor {entry.name!r}: a linear weight must be 2-D BF16, not {entry.dtype}{list(entry.shape)}"
+            )
         out_f, in_f = entry.shape
         try:
             if entry.codec == "tiles":
@@ -186,7 +223,14 @@ class UnweightLinear(nn.Module):
         return cls._from_values(values, out_f, in_f, bias, device, **kw)
 
     @classmethod
-    def from_entries(cls, parts: list[tuple], bias: torch.Tensor | None = None, threads: int | None = None, device: torch.device | str | None = None, **kw) -> "UnweightLinear":
+    def from_entries(
+        cls,
+        parts: list[tuple],
+        bias: torch.Tensor | None = None,
+        threads: int | None = None,
+        device: torch.device | str | None = None,
+        **kw,
+    ) -> UnweightLinear:
         """One layer whose rows are those of several checkpoint tensors, stacked in order (q, k
         and v as one qkv matmul): each is decoded, the rows concatenated and encoded as tiles
         (qtiles for a GPU `device`)."""
@@ -249,8 +293,12 @@ class UnweightLinear(nn.Module):
             from unweight.runtime.kernels.qtiles_decode import qtiles_decode
 
             ids_dev = None if ids is None else to_device(ids, self.sm.device)
-            return qtiles_decode(self._streams(), self.out_features, self.in_features, ids_dev, mode=self._qmode).to(dtype)
-        return tiles_rows_cpu(self._streams(), self.params.base, self.params.block, self.out_features, self.in_features, ids).to(dtype)
+            return qtiles_decode(self._streams(), self.out_features, self.in_features, ids_dev, mode=self._qmode).to(
+                dtype
+            )
+        return tiles_rows_cpu(
+            self._streams(), self.params.base, self.params.block, self.out_features, self.in_features, ids
+        ).to(dtype)
 
     def _pipelines(self, m: int, device: torch.device) -> tuple[str, ...]:
         """The pipelines that can take m rows of x on the device."""
@@ -265,7 +313,9 @@ class UnweightLinear(nn.Module):
             from unweight.runtime.kernels.qtiles_matmul import qtiles_linear
 
             return qtiles_linear(x, self._streams(), self.out_features, self.in_features, mode=self._qmode)
-        return tiles_gemv_cpu(x, self._streams(), self.params.base, self.params.block, self.out_features, self.in_features).to(x.dtype)
+        return tiles_gemv_cpu(
+            x, self._streams(), self.params.base, self.params.block, self.out_features, self.in_features
+        ).to(x.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = _compute_input(x, self.sm.device, self._note)
@@ -276,8 +326,11 @@ class UnweightLinear(nn.Module):
         memo = (x.device, bucket, x.dtype, os.environ.get(FORCE_ENV))  # the choice, without rebuilding its key
         name, y = self._chosen.get(memo), None
         if name is None:
-            key = f"{device_name(x.device)}|{self.out_features}x{self.in_features}|m{bucket}|{str(x.dtype).removeprefix('torch.')}|{code_version()}"
-            name, y = self.autotuner.choose(key, {p: (lambda p=p: self._run(p, x)) for p in self._pipelines(bucket, x.device)}, x.device)
+            dtype = str(x.dtype).removeprefix("torch.")
+            key = f"{device_name(x.device)}|{self.out_features}x{self.in_features}|m{bucket}|{dtype}|{code_version()}"
+            name, y = self.autotuner.choose(
+                key, {p: (lambda p=p: self._run(p, x)) for p in self._pipelines(bucket, x.device)}, x.device
+            )
             self._chosen[memo] = name
         if y is None:
             y = self._run(name, x)
@@ -290,7 +343,10 @@ class UnweightLinear(nn.Module):
 
     def extra_repr(self) -> str:
         layout = "qtiles" if self._roles == qtiles.ROLES else "tiles"
-        return f"in_features={self.in_features}, out_features={self.out_features}, layout={layout}, stored_bytes={self.stored_bytes}"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, layout={layout}, "
+            f"stored_bytes={self.stored_bytes}"
+        )
 
 
 class ArchiveLinear(nn.Module):
@@ -386,4 +442,7 @@ class ArchiveLinear(nn.Module):
 
     def extra_repr(self) -> str:
         codecs = ",".join(sorted({e.codec for e in self.entries}))
-        return f"in_features={self.in_features}, out_features={self.out_features}, layout=archive ({codecs}), stored_bytes={self.stored_bytes}"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, layout=archive ({codecs}), "
+            f"stored_bytes={self.stored_bytes}"
+        )

@@ -54,10 +54,12 @@ class LoadReport:
     decode_only_to_check: int  # of those, decoded only to be checked (1.0 containers: no stream CRCs)
 
     def __str__(self) -> str:
-        return (f"loaded in {self.seconds:.2f} s; checked {self.stream_checked + self.decode_checked} tensors: "
-                f"{self.stream_checked} by stream CRC-32 ({self.stream_bytes / 1e6:.1f} MB), {self.decode_checked} "
-                f"by the CRC-32 of their decoded bytes ({self.decode_only_to_check} decoded only for it); "
-                f"the checks took {self.check_seconds:.3f} s")
+        return (
+            f"loaded in {self.seconds:.2f} s; checked {self.stream_checked + self.decode_checked} tensors: "
+            f"{self.stream_checked} by stream CRC-32 ({self.stream_bytes / 1e6:.1f} MB), {self.decode_checked} "
+            f"by the CRC-32 of their decoded bytes ({self.decode_only_to_check} decoded only for it); "
+            f"the checks took {self.check_seconds:.3f} s"
+        )
 
 
 def _device(device: str | torch.device) -> torch.device:
@@ -72,7 +74,14 @@ def _device(device: str | torch.device) -> torch.device:
     return dev
 
 
-def load(path: str | os.PathLike, device: str | torch.device = "cpu", layout: str = "serving", *, threads: int | None = None, max_cache_tokens: int | None = None) -> CausalLM:
+def load(
+    path: str | os.PathLike,
+    device: str | torch.device = "cpu",
+    layout: str = "serving",
+    *,
+    threads: int | None = None,
+    max_cache_tokens: int | None = None,
+) -> CausalLM:
     """Load a compressed Llama-family checkpoint (a folder made by `unweight compress`)."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout {layout!r} is not one of {', '.join(LAYOUTS)}")
@@ -91,8 +100,14 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu", layout: st
     model.init_cache(tokens, dtype)
     model.eval()
     st = ckpt.integrity
-    model.load_report = LoadReport(time.perf_counter() - t0, st.seconds, st.by_stream_crc, st.stream_bytes,
-                                   st.by_decode + st.decoded + transcoded, st.by_decode)
+    model.load_report = LoadReport(
+        time.perf_counter() - t0,
+        st.seconds,
+        st.by_stream_crc,
+        st.stream_bytes,
+        st.by_decode + st.decoded + transcoded,
+        st.by_decode,
+    )
     log.info("%s: %s", path, model.load_report)
     return model
 
@@ -130,13 +145,23 @@ def _fill(model: CausalLM, ckpt: CompressedCheckpoint, dev: torch.device, layout
             _set(model, name, linear)
             transcoded += n
         elif isinstance(module, RMSNorm):
-            module.weight = nn.Parameter(_dense(ckpt, f"{name}.weight", (module.weight.shape[0],), dtype, dev), requires_grad=False)
+            module.weight = nn.Parameter(
+                _dense(ckpt, f"{name}.weight", (module.weight.shape[0],), dtype, dev), requires_grad=False
+            )
     if tied:
         model.lm_head = model.model.embed_tokens
     return transcoded
 
 
-def _linear(ckpt: CompressedCheckpoint, name: str, shape: tuple[int, int], dev: torch.device, layout: str, threads: int | None, dtype: torch.dtype) -> tuple[nn.Module, int]:
+def _linear(
+    ckpt: CompressedCheckpoint,
+    name: str,
+    shape: tuple[int, int],
+    dev: torch.device,
+    layout: str,
+    threads: int | None,
+    dtype: torch.dtype,
+) -> tuple[nn.Module, int]:
     """The module `name` of shape (out, in) (for the embedding: (vocab, hidden)), from one
     checkpoint weight or from the several that PACKED stacks into it, and how many of those were
     decoded to be re-encoded (which checks the CRC-32 of their original bytes)."""
@@ -159,26 +184,36 @@ def _linear(ckpt: CompressedCheckpoint, name: str, shape: tuple[int, int], dev: 
     parts = [(e, ckpt.streams(e.name, check=not decoded)) for e in entries]
     got = (sum(e.shape[0] for e, _ in parts), parts[0][0].shape[1])
     if got != shape or any(e.shape[1] != shape[1] for e, _ in parts):
-        raise SourceError(f"{ckpt.path}: {', '.join(e.name for e, _ in parts)} have shapes {[list(e.shape) for e, _ in parts]}, the config implies {list(shape)}")
+        raise SourceError(
+            f"{ckpt.path}: {', '.join(e.name for e, _ in parts)} have shapes {[list(e.shape) for e, _ in parts]}, the "
+            f"config implies {list(shape)}"
+        )
     if biases and len(biases) != len(parts):
         raise SourceError(f"{ckpt.path}: only some of {', '.join(sources)} have a bias")
     bias = torch.cat(biases) if biases else None
     try:
         if layout == "archive":
             return ArchiveLinear(parts, bias, threads), 0
-        return UnweightLinear.from_entries(parts, bias, threads, dev).to(dev), len(parts) if decoded else 0  # encoded once, in the layout dev reads
+        return UnweightLinear.from_entries(parts, bias, threads, dev).to(dev), len(
+            parts
+        ) if decoded else 0  # encoded once, in the layout dev reads
     except FormatError as e:  # the codec names the tensor; name its file too
         if e.path is not None or e.tensor not in ckpt:
             raise
         raise type(e)(ckpt.file_of(e.tensor), e.reason, e.tensor) from None
 
 
-def _dense(ckpt: CompressedCheckpoint, name: str, shape: tuple[int, ...], dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
+def _dense(
+    ckpt: CompressedCheckpoint, name: str, shape: tuple[int, ...], dtype: torch.dtype, dev: torch.device
+) -> torch.Tensor:
     if name not in ckpt:
         raise SourceError(f"{ckpt.path}: the checkpoint lacks {name}")
     t = ckpt.get_tensor(name)
     if tuple(t.shape) != shape or not t.is_floating_point():
-        raise SourceError(f"{ckpt.path}: {name} is {str(t.dtype).removeprefix('torch.')}{list(t.shape)}, expected a float tensor of shape {list(shape)}")
+        raise SourceError(
+            f"{ckpt.path}: {name} is {str(t.dtype).removeprefix('torch.')}{list(t.shape)}, expected a float tensor of "
+            f"shape {list(shape)}"
+        )
     return t.to(device=dev, dtype=dtype)
 
 

@@ -49,7 +49,15 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.cfg = cfg
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int, cache: KVCache, segments: list[tuple[SeqCache, int]]) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        layer: int,
+        cache: KVCache,
+        segments: list[tuple[SeqCache, int]],
+    ) -> torch.Tensor:
         cfg = self.cfg
         n = x.shape[0]
         qkv = self.qkv_proj(x).view(n, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
@@ -61,9 +69,9 @@ class Attention(nn.Module):
         t0 = 0
         for seq, count in segments:
             start = seq.length
-            cache.write(layer, seq, start, k[t0:t0 + count], v[t0:t0 + count])
+            cache.write(layer, seq, start, k[t0 : t0 + count], v[t0 : t0 + count])
             ks, vs = cache.read(layer, seq, start + count)  # (L, kv_heads, head_dim)
-            out[t0:t0 + count] = _attend(q[t0:t0 + count], ks, vs, start, cfg.sliding_window)
+            out[t0 : t0 + count] = _attend(q[t0 : t0 + count], ks, vs, start, cfg.sliding_window)
             t0 += count
         return self.o_proj(out.view(n, -1))
 
@@ -78,7 +86,9 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, windo
         mask = kpos <= qpos
         if window is not None:
             mask &= kpos > qpos - window
-    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask, enable_gqa=True)
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask, enable_gqa=True
+    )
     return o[0].transpose(0, 1)
 
 
@@ -134,7 +144,15 @@ class CausalLM(nn.Module):
         """Create the KV cache (room for max_tokens tokens over all sequences) and the rotary tables."""
         cfg = self.config
         self.compute_dtype = dtype
-        self.cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype, self.device, block_size, max_blocks=-(-max_tokens // block_size))
+        self.cache = KVCache(
+            cfg.num_layers,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            dtype,
+            self.device,
+            block_size,
+            max_blocks=-(-max_tokens // block_size),
+        )
         self.rope = Rope(cfg, self.device)
 
     @property
@@ -153,12 +171,16 @@ class CausalLM(nn.Module):
         cache = self.cache
         for seq, count in segments:
             if seq.length + count > self.max_context:
-                raise ValueError(f"sequence would reach {seq.length + count} tokens, over the context length {self.max_context}")
+                raise ValueError(
+                    f"sequence would reach {seq.length + count} tokens, over the context length {self.max_context}"
+                )
             cache.reserve(seq, count)
         # positions and token ids are known on the host: nothing in a step waits for the device
         positions = to_device(torch.cat([torch.arange(s.length, s.length + c) for s, c in segments]), self.device)
         cos, sin = self.rope.cos_sin(positions, self.compute_dtype, end=max(s.length + c for s, c in segments))
-        x = self.model.embed_tokens.rows(tokens, self.compute_dtype).to(self.device)  # ids checked on the host by rows()
+        x = self.model.embed_tokens.rows(tokens, self.compute_dtype).to(
+            self.device
+        )  # ids checked on the host by rows()
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, i, cache, segments)
         for seq, count in segments:
@@ -180,7 +202,9 @@ class CausalLM(nn.Module):
         h = self._forward(tokens, [(seq, tokens.numel())])
         return self.lm_head(h).float() if all_logits else self.lm_head(h[-1:]).float()[0]
 
-    def prefill_logprobs(self, seq: SeqCache, tokens, top: int, chunk: int = 256) -> tuple[torch.Tensor, list[tuple[float, list[tuple[int, float]]]]]:
+    def prefill_logprobs(
+        self, seq: SeqCache, tokens, top: int, chunk: int = 256
+    ) -> tuple[torch.Tensor, list[tuple[float, list[tuple[int, float]]]]]:
         """`prefill` that also scores the prompt: fp32 logits of its last token, and for every
         token after the first its log-probability given the tokens before it and the `top` best
         (id, logprob) there. lm_head runs on `chunk` rows at a time, so a long prompt never holds
@@ -192,14 +216,16 @@ class CausalLM(nn.Module):
         scored = []
         for a in range(0, tokens.numel() - 1, chunk):
             b = min(a + chunk, tokens.numel() - 1)
-            scored += token_logprobs(self.lm_head(h[a:b]), tokens[a + 1:b + 1], top, chunk)
+            scored += token_logprobs(self.lm_head(h[a:b]), tokens[a + 1 : b + 1], top, chunk)
         return self.lm_head(h[-1:]).float()[0], scored
 
     def decode_step(self, seqs: list[SeqCache], tokens) -> torch.Tensor:
         """One new token for each sequence of a running batch; fp32 logits (batch, vocab)."""
         tokens = self._check_tokens(tokens)
         if tokens.numel() != len(seqs) or not seqs:
-            raise ValueError(f"decode_step needs one token per sequence ({len(seqs)} sequences, {tokens.numel()} tokens)")
+            raise ValueError(
+                f"decode_step needs one token per sequence ({len(seqs)} sequences, {tokens.numel()} tokens)"
+            )
         return self.lm_head(self._forward(tokens, [(s, 1) for s in seqs])).float()
 
     def resident_weight_bytes(self) -> int:

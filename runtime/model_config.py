@@ -44,12 +44,23 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"config {name} must be a positive integer, not {v!r}")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads {self.num_kv_heads}")
+            raise ValueError(
+                f"num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads {self.num_kv_heads}"
+            )
         if self.head_dim % 2:
             raise ValueError(f"head_dim {self.head_dim} must be even for rotary embeddings")
         if not self.rms_norm_eps > 0 or not self.rope_theta > 0:
@@ -61,12 +72,14 @@ class ModelConfig:
             raise ValueError(f"sliding_window must be positive, not {self.sliding_window}")
 
     @classmethod
-    def from_hf(cls, cfg: dict) -> "ModelConfig":
+    def from_hf(cls, cfg: dict) -> ModelConfig:
         """From the parsed config.json of a Llama, Mistral, Qwen2 or Qwen3 checkpoint."""
         mt = cfg.get("model_type")
         if mt not in FAMILIES:
             archs = ", ".join(cfg.get("architectures") or []) or "unknown"
-            raise UnsupportedModelError(f"model_type {mt!r} ({archs}) is not supported; supported: {', '.join(FAMILIES)}")
+            raise UnsupportedModelError(
+                f"model_type {mt!r} ({archs}) is not supported; supported: {', '.join(FAMILIES)}"
+            )
         act = cfg.get("hidden_act", "silu")
         if act != "silu":
             raise UnsupportedModelError(f"hidden_act {act!r} is not supported (only silu)")
@@ -104,7 +117,7 @@ class ModelConfig:
             raise ValueError(f"config.json has a value of the wrong type: {e}") from None
 
     @classmethod
-    def from_folder(cls, path: str | Path) -> "ModelConfig":
+    def from_folder(cls, path: str | Path) -> ModelConfig:
         f = Path(path) / "config.json"
         try:
             return cls.from_hf(json.loads(f.read_text(encoding="utf-8")))

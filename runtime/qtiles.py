@@ -95,7 +95,7 @@ def _best_window(hist, mode):
     """(base, elements not listed) of one row's exponent histogram, as _row_covers gives them."""
     width, lo, top = (8, 0, 248) if mode == 0 else (7, 1, 249)
     best, cover = lo, -1
-    run = hist[lo:lo + width].sum()
+    run = hist[lo : lo + width].sum()
     for b in range(lo, top + 1):
         if b > lo:
             run += hist[b + width - 1] - hist[b - 1]
@@ -173,7 +173,9 @@ def _list_escapes(v, r0, r1, mode, base, esc_row, esc_col, esc_exp):
                 k += 1
 
 
-def encode(values: np.ndarray, rows: int, cols: int, threads: int | None = None, mode: int | None = None) -> dict[str, np.ndarray]:
+def encode(
+    values: np.ndarray, rows: int, cols: int, threads: int | None = None, mode: int | None = None
+) -> dict[str, np.ndarray]:
     """The qtiles streams of a rows x cols BF16 matrix given as uint16 (C order, any shape): numba
     kernels over row ranges on `threads` threads (default: all), in `mode` (default: the one that
     lists fewer escapes). `encode_reference` is the oracle."""
@@ -191,16 +193,31 @@ def encode(values: np.ndarray, rows: int, cols: int, threads: int | None = None,
     words = np.zeros((rows, g, 3, 4), dtype=np.uint8)
     base = np.empty(rows, dtype=np.uint8)
     listed = np.empty(rows, dtype=np.int64)
-    map_chunk_ranges(lambda a, b: [_encode_rows(v, *spans[i], mode, row_base, sm, words, base, listed) for i in range(a, b)], len(spans), threads)
+    map_chunk_ranges(
+        lambda a, b: [_encode_rows(v, *spans[i], mode, row_base, sm, words, base, listed) for i in range(a, b)],
+        len(spans),
+        threads,
+    )
     esc_row = np.zeros(rows + 1, dtype=np.int64)
     np.cumsum(listed, out=esc_row[1:])
     if esc_row[-1] >= 2**31:
         raise ValueError(f"{esc_row[-1]} escapes do not fit the int32 escape index")
     esc_col = np.empty(esc_row[-1], dtype=np.uint16 if cols <= 1 << 16 else np.int32)
     esc_exp = np.empty(esc_row[-1], dtype=np.uint8)
-    map_chunk_ranges(lambda a, b: [_list_escapes(v, *spans[i], mode, base, esc_row, esc_col, esc_exp) for i in range(a, b)], len(spans), threads)
-    return {"sm": sm.ravel(), "codes": words.ravel(), "base": base, "esc_row": esc_row.astype(np.int32), "esc_col": esc_col, "esc_exp": esc_exp,
-            "mode": np.array([mode], dtype=np.uint8)}
+    map_chunk_ranges(
+        lambda a, b: [_list_escapes(v, *spans[i], mode, base, esc_row, esc_col, esc_exp) for i in range(a, b)],
+        len(spans),
+        threads,
+    )
+    return {
+        "sm": sm.ravel(),
+        "codes": words.ravel(),
+        "base": base,
+        "esc_row": esc_row.astype(np.int32),
+        "esc_col": esc_col,
+        "esc_exp": esc_exp,
+        "mode": np.array([mode], dtype=np.uint8),
+    }
 
 
 def encode_reference(values: np.ndarray, rows: int, cols: int, mode: int | None = None) -> dict[str, np.ndarray]:
@@ -246,7 +263,9 @@ def encode_reference(values: np.ndarray, rows: int, cols: int, mode: int | None 
     }
 
 
-def from_tiles(streams: dict[str, np.ndarray], params: dict, rows: int, cols: int, threads: int | None = None) -> dict[str, np.ndarray]:
+def from_tiles(
+    streams: dict[str, np.ndarray], params: dict, rows: int, cols: int, threads: int | None = None
+) -> dict[str, np.ndarray]:
     """Transcode stored `tiles` streams (already checked) into the resident layout."""
     return encode(tiles.decode(streams, tiles.TilesParams.from_json(params), rows, cols), rows, cols, threads)
 
@@ -289,7 +308,9 @@ def stand_ins_reference(q: dict[str, np.ndarray], rows: int, cols: int) -> np.nd
     width = groups(cols) * GROUP
     sm = np.asarray(q["sm"], dtype=np.uint16).reshape(rows, width)[:, :cols]
     base, code = np.asarray(q["base"], dtype=np.uint16)[:, None], unpack_codes(q["codes"], rows, cols).astype(np.uint16)
-    e = (base + code if int(np.asarray(q["mode"])[0]) == 0 else np.where(code > 0, base - 1 + code, 0)).astype(np.uint16)
+    e = (base + code if int(np.asarray(q["mode"])[0]) == 0 else np.where(code > 0, base - 1 + code, 0)).astype(
+        np.uint16
+    )
     return ((sm & 0x80) << 8) | (e << 7) | (sm & 0x7F)
 
 

@@ -53,7 +53,9 @@ class Rope:
             self._tables[dtype] = (emb.cos().to(dtype), emb.sin().to(dtype))
         return self._tables[dtype]
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype, end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype, end: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens, 1, head_dim) cos and sin for integer positions (tokens,), all below `end`. Give
         `end` when positions lie on a GPU: finding it there would wait for the device."""
         cos, sin = self._table(int(positions.max()) + 1 if end is None else end, dtype)

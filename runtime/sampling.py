@@ -24,7 +24,8 @@ compare and vLLM reports by default.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence as Seq
+from collections.abc import Iterable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -55,10 +56,14 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
-    min_tokens: int = 0  # stop tokens cannot be chosen, and stop strings do not count, before this many tokens (as vLLM)
+    min_tokens: int = (
+        0  # stop tokens cannot be chosen, and stop strings do not count, before this many tokens (as vLLM)
+    )
     ignore_eos: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
-    logprobs: int | None = None  # alternatives to report with each token (0: the chosen token's only); None: no logprobs
+    logprobs: int | None = (
+        None  # alternatives to report with each token (0: the chosen token's only); None: no logprobs
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -83,10 +88,14 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], not {v!r}")
         if not _is_num(self.repetition_penalty) or not 0 < self.repetition_penalty <= 1e3:
             raise ValueError(f"repetition_penalty must be in (0, 1000], not {self.repetition_penalty!r}")
-        if not isinstance(self.logit_bias, dict) or not all(_is_int(k) and k >= 0 and _is_num(v) and -100 <= v <= 100 for k, v in self.logit_bias.items()):
+        if not isinstance(self.logit_bias, dict) or not all(
+            _is_int(k) and k >= 0 and _is_num(v) and -100 <= v <= 100 for k, v in self.logit_bias.items()
+        ):
             raise ValueError("logit_bias must map token ids >= 0 to numbers in [-100, 100]")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_new_tokens:
-            raise ValueError(f"min_tokens must be an integer in [0, max_new_tokens={self.max_new_tokens}], not {self.min_tokens!r}")
+            raise ValueError(
+                f"min_tokens must be an integer in [0, max_new_tokens={self.max_new_tokens}], not {self.min_tokens!r}"
+            )
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be true or false, not {self.ignore_eos!r}")
         if not isinstance(self.stop_token_ids, list) or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
@@ -157,7 +166,9 @@ class Sequence:
     to stop. Used alike by `unweight generate` and by the server's workers (which hand it from a
     prefill worker to a decode worker through `state()` / `from_state()`)."""
 
-    def __init__(self, params: SamplingParams, prompt: Seq[int], eos: Iterable[int], generator: torch.Generator | None = None):
+    def __init__(
+        self, params: SamplingParams, prompt: Seq[int], eos: Iterable[int], generator: torch.Generator | None = None
+    ):
         self.params = params
         self.prompt = list(prompt)
         self.output: list[int] = []
@@ -260,7 +271,13 @@ class Sequence:
     def state(self) -> dict:
         """What a decode worker needs to carry on: settings, tokens so far, the random state."""
         rng = None if self.generator is None else self.generator.get_state().tolist()
-        return {"sampling": self.params.to_json(), "prompt": self.prompt, "output": self.output, "eos": self.eos, "rng": rng}
+        return {
+            "sampling": self.params.to_json(),
+            "prompt": self.prompt,
+            "output": self.output,
+            "eos": self.eos,
+            "rng": rng,
+        }
 
     @classmethod
     def from_state(cls, d: dict, vocab_size: int) -> Sequence:
@@ -306,14 +323,16 @@ def choose_rows(logits: torch.Tensor, seqs: list[Sequence]) -> list[Pick]:
     return out
 
 
-def token_logprobs(logits: torch.Tensor, next_ids: torch.Tensor, top: int, chunk: int = 256) -> list[tuple[float, list[tuple[int, float]]]]:
+def token_logprobs(
+    logits: torch.Tensor, next_ids: torch.Tensor, top: int, chunk: int = 256
+) -> list[tuple[float, list[tuple[int, float]]]]:
     """For logits (n, vocab) after each of n prefixes and the token that followed each (n,): that
     token's log-probability and the `top` best (id, logprob), in chunks of rows so that a long
     prompt never needs a second (n, vocab) buffer."""
     out = []
     for a in range(0, logits.shape[0], chunk):
-        lp = torch.log_softmax(logits[a:a + chunk].float(), dim=-1)
-        chosen = lp.gather(1, next_ids[a:a + chunk].reshape(-1, 1).to(lp.device))[:, 0].tolist()
+        lp = torch.log_softmax(logits[a : a + chunk].float(), dim=-1)
+        chosen = lp.gather(1, next_ids[a : a + chunk].reshape(-1, 1).to(lp.device))[:, 0].tolist()
         if top:
             v, i = torch.topk(lp, min(top, lp.shape[1]), dim=-1)
             alts = [list(zip(ii, vv)) for ii, vv in zip(i.tolist(), v.tolist())]

@@ -33,7 +33,9 @@ def _proc_ticks() -> tuple[int, int] | None:
             own = f.read().rsplit(")", 1)[1].split()
     except (OSError, ValueError, IndexError):
         return None
-    return sum(cpu) - cpu[3] - (cpu[4] if len(cpu) > 4 else 0), int(own[11]) + int(own[12])  # less idle, iowait; utime + stime
+    return sum(cpu) - cpu[3] - (cpu[4] if len(cpu) > 4 else 0), int(own[11]) + int(
+        own[12]
+    )  # less idle, iowait; utime + stime
 
 
 def threads_for(others: float, max_threads: int, current: int) -> int:
@@ -69,7 +71,9 @@ class CoreGovernor:
         ticks = _proc_ticks()
         if ticks is None or self._ticks is None:
             return self.threads
-        self.others = max(0.0, ((ticks[0] - self._ticks[0]) - (ticks[1] - self._ticks[1])) / self._hz / (now - self._last))
+        self.others = max(
+            0.0, ((ticks[0] - self._ticks[0]) - (ticks[1] - self._ticks[1])) / self._hz / (now - self._last)
+        )
         self._last, self._ticks = now, ticks
         want = threads_for(self.others, self.max_threads, self.threads)
         if want != self.threads:

@@ -31,9 +31,18 @@ def random_bf16(*shape: int, seed: int = 0, std: float = 0.02) -> torch.Tensor:
     return (torch.randn(*shape, generator=g) * std).to(torch.bfloat16)
 
 
-def run_cli(*args: str, cwd: Path | None = None, merged: bool = False, timeout: float = 600) -> subprocess.CompletedProcess:
+def run_cli(
+    *args: str, cwd: Path | None = None, merged: bool = False, timeout: float = 600
+) -> subprocess.CompletedProcess:
     """Run the real `unweight` console entry point in a separate process; with `merged`, stderr
     goes into the same pipe as stdout (as `2>&1` would), so the order of the two is kept."""
     env = {**os.environ, "COLUMNS": "200"}
-    return subprocess.run([sys.executable, "-m", "unweight.cli.main", *map(str, args)], stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT if merged else subprocess.PIPE, text=True, cwd=cwd, env=env, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "unweight.cli.main", *map(str, args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT if merged else subprocess.PIPE,
+        text=True,
+        cwd=cwd,
+        env=env,
+        timeout=timeout,
+    )

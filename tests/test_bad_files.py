@@ -154,7 +154,9 @@ def test_decompress_refuses(file_name, tmp_path):
     error = _decompress_error(path, work)
     if "decompress" in ops:
         assert error is not None, f"decompress accepted {file_name}"
-    if error is not None and "GB free" in error:  # refused before decoding: its declared output exceeds the free disk space
+    if (
+        error is not None and "GB free" in error
+    ):  # refused before decoding: its declared output exceeds the free disk space
         assert file_name == "zstd_declares_huge_size.safetensors", error
     elif error is not None:
         _check_message(error, path, tensor)

@@ -17,9 +17,8 @@ import pytest
 import torch
 
 import unweight
-from unweight.formats import SafetensorsFile
-
 from helpers import random_bf16, write_checkpoint
+from unweight.formats import SafetensorsFile
 
 
 def sha(path) -> str:
@@ -54,11 +53,19 @@ def sharded(tmp_path):
     """A two-shard BF16 checkpoint with an index, a config and an FP32 norm."""
     src = tmp_path / "src"
     shard1 = {"model.layers.0.mlp.up_proj.weight": random_bf16(256, 128, seed=1), "model.norm.weight": torch.ones(128)}
-    shard2 = {"model.layers.0.self_attn.q_proj.weight": random_bf16(128, 128, seed=2), "lm_head.weight": random_bf16(300, 128, seed=3)}
+    shard2 = {
+        "model.layers.0.self_attn.q_proj.weight": random_bf16(128, 128, seed=2),
+        "lm_head.weight": random_bf16(300, 128, seed=3),
+    }
     write_checkpoint(src / "model-00001-of-00002.safetensors", shard1, {"format": "pt"})
     write_checkpoint(src / "model-00002-of-00002.safetensors", shard2, {"format": "pt"})
-    weight_map = {**{k: "model-00001-of-00002.safetensors" for k in shard1}, **{k: "model-00002-of-00002.safetensors" for k in shard2}}
-    (src / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": 1}, "weight_map": weight_map}))
+    weight_map = {
+        **{k: "model-00001-of-00002.safetensors" for k in shard1},
+        **{k: "model-00002-of-00002.safetensors" for k in shard2},
+    }
+    (src / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": 1}, "weight_map": weight_map})
+    )
     (src / "config.json").write_text('{"model_type": "llama"}')
     return src
 
@@ -153,13 +160,19 @@ def test_refusals(tmp_path, sharded):
 
 def _big_source(tmp_path):
     """A checkpoint that takes a compress run a few seconds (48 MiB of BF16)."""
-    return write_checkpoint(tmp_path / "big" / "model.safetensors", {f"w{i}": random_bf16(1024, 1024, seed=i) for i in range(24)}).parent
+    return write_checkpoint(
+        tmp_path / "big" / "model.safetensors", {f"w{i}": random_bf16(1024, 1024, seed=i) for i in range(24)}
+    ).parent
 
 
 def _start_compress(src, dst) -> subprocess.Popen:
     """`unweight compress SRC DST` as a process, returned once its staging folder exists."""
-    proc = subprocess.Popen([sys.executable, "-m", "unweight.cli.main", "compress", str(src), str(dst), "-q"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "unweight.cli.main", "compress", str(src), str(dst), "-q"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.time() + 120
     while time.time() < deadline and not _partials(dst) and proc.poll() is None:
         time.sleep(0.02)
@@ -181,7 +194,10 @@ def test_signals_remove_the_partial_folder(tmp_path, signum):
     proc.send_signal(signum)
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signum, stderr
-    assert "Traceback" not in stderr and f"interrupted ({signal.Signals(signum).name}): partial output was removed" in stderr, stderr
+    assert (
+        "Traceback" not in stderr
+        and f"interrupted ({signal.Signals(signum).name}): partial output was removed" in stderr
+    ), stderr
     assert not dst.exists() and _partials(dst) == []
 
 
@@ -196,10 +212,18 @@ def test_next_run_removes_stale_partials_only(tmp_path):
     assert not dst.exists() and stale.name == f".out.partial-{killed.pid}"
     live = _start_compress(src, dst.parent / "elsewhere")  # a run to another DST is not touched either
     os.kill(live.pid, signal.SIGSTOP)
-    live_same = subprocess.Popen([sys.executable, "-m", "unweight.cli.main", "compress", str(src), str(dst), "-q"],
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    live_same = subprocess.Popen(
+        [sys.executable, "-m", "unweight.cli.main", "compress", str(src), str(dst), "-q"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.time() + 120
-    while time.time() < deadline and live_same.poll() is None and not any(p.name.endswith(f"-{live_same.pid}") for p in _partials(dst)):
+    while (
+        time.time() < deadline
+        and live_same.poll() is None
+        and not any(p.name.endswith(f"-{live_same.pid}") for p in _partials(dst))
+    ):
         time.sleep(0.02)
     os.kill(live_same.pid, signal.SIGSTOP)  # holds it mid-run, however fast the machine
     try:
@@ -210,7 +234,12 @@ def test_next_run_removes_stale_partials_only(tmp_path):
     finally:
         os.kill(live_same.pid, signal.SIGCONT)
     _, stderr = live_same.communicate(timeout=300)
-    assert live_same.returncode == 1 and stderr.strip() == f"error: {dst}: appeared while compressing (another run, or someone else, wrote it); this run's output was removed", stderr
+    assert (
+        live_same.returncode == 1
+        and stderr.strip()
+        == f"error: {dst}: appeared while compressing (another run, or someone else, wrote it); this run's output was "
+        f"removed"
+    ), stderr
     assert _partials(dst) == [] and unweight.verify(dst, against=small).ok
     assert len(_partials(dst.parent / "elsewhere")) == 1
     live.kill()
@@ -242,10 +271,22 @@ def test_decode_into_a_reused_buffer():
 
     g = np.random.default_rng(5)
     cases = [
-        ("rans", "BF16", (300, 257), random_bf16(300, 257).view(torch.int16).numpy().view(np.uint8).reshape(-1), CodecOptions()),
+        (
+            "rans",
+            "BF16",
+            (300, 257),
+            random_bf16(300, 257).view(torch.int16).numpy().view(np.uint8).reshape(-1),
+            CodecOptions(),
+        ),
         ("zstd", "I64", (5000,), np.arange(5000, dtype=np.int64).view(np.uint8), CodecOptions()),
         ("raw", "U8", (4099,), g.integers(0, 256, 4099, dtype=np.uint8), CodecOptions()),
-        ("tiles", "BF16", (64, 96), random_bf16(64, 96).view(torch.int16).numpy().view(np.uint8).reshape(-1), CodecOptions(layout="serving")),
+        (
+            "tiles",
+            "BF16",
+            (64, 96),
+            random_bf16(64, 96).view(torch.int16).numpy().view(np.uint8).reshape(-1),
+            CodecOptions(layout="serving"),
+        ),
         ("raw", "BF16", (0, 3), np.zeros(0, dtype=np.uint8), CodecOptions()),
     ]
     scratch = np.empty(max(len(c[3]) for c in cases) // 8 + 1, dtype=np.uint64).view(np.uint8)
@@ -258,8 +299,12 @@ def test_decode_into_a_reused_buffer():
         assert got.ctypes.data == out.ctypes.data and got.shape == out.shape
         assert np.array_equal(got, data), codec
     entry, streams = encode_tensor("t", *cases[0][1:4], CodecOptions())
-    for bad in (scratch[: entry.nbytes - 2], scratch[1 : entry.nbytes + 1], scratch[: entry.nbytes].view(np.int8),
-                np.frombuffer(bytes(entry.nbytes), dtype=np.uint8)):
+    for bad in (
+        scratch[: entry.nbytes - 2],
+        scratch[1 : entry.nbytes + 1],
+        scratch[: entry.nbytes].view(np.int8),
+        np.frombuffer(bytes(entry.nbytes), dtype=np.uint8),
+    ):
         with pytest.raises(TypeError, match="out must be"):
             decode_tensor(entry, streams, out=bad)
 
@@ -296,10 +341,17 @@ def test_special_files_are_refused_not_waited_on(tmp_path):
         fifo_dir.mkdir()
         fifo = fifo_dir / "model.safetensors"
         os.mkfifo(fifo)
-        for call in (lambda: unweight.compress(fifo_dir, tmp_path / "o1"), lambda: unweight.compress(fifo, tmp_path / "o2"),
-                     lambda: unweight.verify(fifo), lambda: unweight.verify(fifo_dir), lambda: unweight.inspect(fifo),
-                     lambda: unweight.decompress(fifo, tmp_path / "o3"), lambda: unweight.open(fifo), lambda: unweight.load_file(fifo),
-                     lambda: unweight.open(fifo_dir)):
+        for call in (
+            lambda: unweight.compress(fifo_dir, tmp_path / "o1"),
+            lambda: unweight.compress(fifo, tmp_path / "o2"),
+            lambda: unweight.verify(fifo),
+            lambda: unweight.verify(fifo_dir),
+            lambda: unweight.inspect(fifo),
+            lambda: unweight.decompress(fifo, tmp_path / "o3"),
+            lambda: unweight.open(fifo),
+            lambda: unweight.load_file(fifo),
+            lambda: unweight.open(fifo_dir),
+        ):
             with pytest.raises(unweight.SourceError, match=f"^{fifo}: not a regular file \\(a FIFO\\)$"):
                 call()
         for cls in (SafetensorsFile, ContainerReader):
@@ -311,7 +363,10 @@ def test_special_files_are_refused_not_waited_on(tmp_path):
             os.mkfifo(src / "tokenizer.json")
             unweight.compress(src, tmp_path / "o4")
         os.mkfifo(tmp_path / "uw" / "tokenizer.json")
-        for call in (lambda: unweight.decompress(tmp_path / "uw", tmp_path / "o5"), lambda: unweight.verify(tmp_path / "uw")):
+        for call in (
+            lambda: unweight.decompress(tmp_path / "uw", tmp_path / "o5"),
+            lambda: unweight.verify(tmp_path / "uw"),
+        ):
             with pytest.raises(unweight.SourceError, match="tokenizer.json: not a regular file"):
                 call()
         assert not any((tmp_path / f"o{i}").exists() for i in range(1, 6))
@@ -336,8 +391,12 @@ def test_symbolic_links_must_stay_inside_the_folder(tmp_path):
     assert not copied.is_symlink() and copied.read_text() == "a\nb\n" and not (tmp_path / "ok" / "inner").exists()
     assert unweight.verify(tmp_path / "ok", against=src).ok
 
-    for name, target in (("tokenizer.json", secret), ("model.safetensors.index.json", Path("/etc/hostname")),
-                         ("extra.safetensors", tmp_path / "ok" / "model.safetensors"), ("outside", tmp_path)):
+    for name, target in (
+        ("tokenizer.json", secret),
+        ("model.safetensors.index.json", Path("/etc/hostname")),
+        ("extra.safetensors", tmp_path / "ok" / "model.safetensors"),
+        ("outside", tmp_path),
+    ):
         link = src / name
         link.symlink_to(target, target_is_directory=target.is_dir())
         with pytest.raises(unweight.SourceError, match=f"^{link}: symbolic link to {target.resolve()}, outside {src}"):
@@ -351,7 +410,10 @@ def test_symbolic_links_must_stay_inside_the_folder(tmp_path):
 
     # A compressed folder is held to the same rule when it is decompressed or read.
     (tmp_path / "ok" / "tokenizer.json").symlink_to(secret)
-    for call in (lambda: unweight.decompress(tmp_path / "ok", tmp_path / "back"), lambda: unweight.open(tmp_path / "ok")):
+    for call in (
+        lambda: unweight.decompress(tmp_path / "ok", tmp_path / "back"),
+        lambda: unweight.open(tmp_path / "ok"),
+    ):
         with pytest.raises(unweight.SourceError, match="tokenizer.json: symbolic link to .*secret.txt, outside"):
             call()
     assert not (tmp_path / "back").exists()
@@ -369,12 +431,15 @@ def test_symbolic_links_must_stay_inside_the_folder(tmp_path):
     assert report.copied_files == ["config.json"] and (tmp_path / "from-hub" / "config.json").read_text() == "{}"
 
 
-@pytest.mark.parametrize("index_bytes, why", [
-    (b"[" * 100_000 + b"]" * 100_000, "RecursionError"),
-    (b'{"weight_map": {"w": "model.safetensors"}, "metadata": {"total_size": ' + b"7" * 5000 + b"}}", "ValueError"),
-    (b'{"weight_map": {"w": "model.\xff.safetensors"}}', "UnicodeDecodeError"),
-    (b'{"weight_map": ', "JSONDecodeError"),
-])
+@pytest.mark.parametrize(
+    "index_bytes, why",
+    [
+        (b"[" * 100_000 + b"]" * 100_000, "RecursionError"),
+        (b'{"weight_map": {"w": "model.safetensors"}, "metadata": {"total_size": ' + b"7" * 5000 + b"}}", "ValueError"),
+        (b'{"weight_map": {"w": "model.\xff.safetensors"}}', "UnicodeDecodeError"),
+        (b'{"weight_map": ', "JSONDecodeError"),
+    ],
+)
 def test_a_bad_index_is_a_typed_error_naming_it(tmp_path, index_bytes, why):
     from helpers import run_cli
 
@@ -385,10 +450,17 @@ def test_a_bad_index_is_a_typed_error_naming_it(tmp_path, index_bytes, why):
     message = f"^{src / 'model.safetensors.index.json'}: not valid UTF-8 JSON \\({why}"
     with pytest.raises(unweight.SourceError, match=message):
         unweight.compress(src, tmp_path / "o")
-    with pytest.raises(unweight.SourceError, match=f"^{tmp_path / 'uw' / 'model.safetensors.index.json'}: not valid UTF-8 JSON \\({why}"):
+    with pytest.raises(
+        unweight.SourceError,
+        match=f"^{tmp_path / 'uw' / 'model.safetensors.index.json'}: not valid UTF-8 JSON \\({why}",
+    ):
         unweight.open(tmp_path / "uw")
     r = run_cli("compress", src, tmp_path / "o")
-    assert r.returncode == 1 and "Traceback" not in r.stderr and r.stderr.startswith(f"error: {src / 'model.safetensors.index.json'}: not valid"), r.stderr
+    assert (
+        r.returncode == 1
+        and "Traceback" not in r.stderr
+        and r.stderr.startswith(f"error: {src / 'model.safetensors.index.json'}: not valid")
+    ), r.stderr
     assert not (tmp_path / "o").exists()
 
 

@@ -29,7 +29,9 @@ def test_compress_verify_inspect_decompress(minilm_dir, tmp_path):
     query = [line for line in table.stdout.splitlines() if "encoder.layer.*.attention.self.query.weight" in line]
     assert len(query) == 1 and " 6 " in query[0] and "encoder.layer.0." not in table.stdout and "total" in table.stdout
     per_tensor = run_cli("inspect", out, "--tensors")
-    assert per_tensor.returncode == 0 and all(f"encoder.layer.{i}.attention.self.query.weight" in per_tensor.stdout for i in range(6))
+    assert per_tensor.returncode == 0 and all(
+        f"encoder.layer.{i}.attention.self.query.weight" in per_tensor.stdout for i in range(6)
+    )
     r = run_cli("decompress", out, tmp_path / "back")
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "back" / "model.safetensors").read_bytes() == (minilm_dir / "model.safetensors").read_bytes()
@@ -77,7 +79,13 @@ def test_help_lists_commands():
         assert cmd in r.stdout
 
 
-HOSTILE = ["a[/]b", "[link=https://evil.example]click[/link]", "[bold]x", "esc\x1b]8;;https://evil.example\x07y", "two\nlines"]
+HOSTILE = [
+    "a[/]b",
+    "[link=https://evil.example]click[/link]",
+    "[bold]x",
+    "esc\x1b]8;;https://evil.example\x07y",
+    "two\nlines",
+]
 
 
 def _run_on_a_terminal(*args) -> tuple[int, str, str]:
@@ -89,8 +97,13 @@ def _run_on_a_terminal(*args) -> tuple[int, str, str]:
     import threading
 
     master, slave = pty.openpty()
-    proc = subprocess.Popen([sys.executable, "-m", "unweight.cli.main", *map(str, args)], stdout=subprocess.PIPE, stderr=slave,
-                            text=True, env={**os.environ, "COLUMNS": "200"})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "unweight.cli.main", *map(str, args)],
+        stdout=subprocess.PIPE,
+        stderr=slave,
+        text=True,
+        env={**os.environ, "COLUMNS": "200"},
+    )
     os.close(slave)
     chunks = []
 
@@ -115,9 +128,13 @@ def _run_on_a_terminal(*args) -> tuple[int, str, str]:
 def test_names_and_paths_are_text_not_markup(tmp_path):
     """Tensor names and paths holding rich markup or terminal escapes are printed literally: no
     crash after the output was written, no hyperlink, no terminal sequence, no extra line."""
-    src = write_checkpoint(tmp_path / "m[/]x" / "model.safetensors", {n: random_bf16(64, 64, seed=i) for i, n in enumerate(HOSTILE)}).parent
+    src = write_checkpoint(
+        tmp_path / "m[/]x" / "model.safetensors", {n: random_bf16(64, 64, seed=i) for i, n in enumerate(HOSTILE)}
+    ).parent
     out = tmp_path / "uw[link=mailto:x]"
-    rc, stdout, stderr = _run_on_a_terminal("compress", src, out, "--threads", "1")  # the progress bar shows tensor names
+    rc, stdout, stderr = _run_on_a_terminal(
+        "compress", src, out, "--threads", "1"
+    )  # the progress bar shows tensor names
     assert rc == 0 and "Traceback" not in stdout + stderr, stdout + stderr
     title = "".join(stdout.split())  # the table's title wraps
     assert f"{src}→{out}" in title, stdout
@@ -127,12 +144,20 @@ def test_names_and_paths_are_text_not_markup(tmp_path):
     assert "a[/]b" in r.stdout and "[link=https://evil.example]click[/link]" in r.stdout, r.stdout
     r = run_cli("inspect", out, "--tensors")
     assert r.returncode == 0, r.stderr
-    for name in ("a[/]b", "[link=https://evil.example]click[/link]", "[bold]x", "esc\\x1b]8;;https://evil.example\\x07y", "two\\nlines"):
+    for name in (
+        "a[/]b",
+        "[link=https://evil.example]click[/link]",
+        "[bold]x",
+        "esc\\x1b]8;;https://evil.example\\x07y",
+        "two\\nlines",
+    ):
         assert name in r.stdout, (name, r.stdout)
     assert "\x1b" not in r.stdout
     (tmp_path / "back[").mkdir()
     r = run_cli("decompress", out, tmp_path / "back[/]x")
-    assert r.returncode == 0 and r.stdout.strip() == f"wrote {len(HOSTILE)} tensors to {tmp_path / 'back[/]x'}", r.stdout + r.stderr
+    assert r.returncode == 0 and r.stdout.strip() == f"wrote {len(HOSTILE)} tensors to {tmp_path / 'back[/]x'}", (
+        r.stdout + r.stderr
+    )
     blob = bytearray((out / "model.safetensors").read_bytes())
     blob[-100] ^= 0xFF
     (out / "model.safetensors").write_bytes(bytes(blob))
@@ -147,8 +172,13 @@ def test_a_fifo_is_refused_not_waited_on(tmp_path):
 
     fifo = tmp_path / "model.safetensors"
     os.mkfifo(fifo)
-    for args in (("compress", fifo, tmp_path / "o"), ("compress", tmp_path, tmp_path / "o"), ("verify", fifo), ("inspect", fifo),
-                 ("decompress", fifo, tmp_path / "o")):
+    for args in (
+        ("compress", fifo, tmp_path / "o"),
+        ("compress", tmp_path, tmp_path / "o"),
+        ("verify", fifo),
+        ("inspect", fifo),
+        ("decompress", fifo, tmp_path / "o"),
+    ):
         one_line_error(run_cli(*args, timeout=60), f"{fifo}: not a regular file (a FIFO)")
     assert not (tmp_path / "o").exists()
 
@@ -164,7 +194,9 @@ def _hand_made_safetensors(path, tensors: dict) -> None:
     head = json.dumps(header).encode()
     head += b" " * (-len(head) % 8)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(struct.pack("<Q", len(head)) + head + b"".join(raw for _, _, raw in (tensors[n] for n in sorted(tensors))))
+    path.write_bytes(
+        struct.pack("<Q", len(head)) + head + b"".join(raw for _, _, raw in (tensors[n] for n in sorted(tensors)))
+    )
 
 
 def test_newer_safetensors_dtypes_are_stored_bit_exact(tmp_path):
@@ -197,9 +229,21 @@ def test_newer_safetensors_dtypes_are_stored_bit_exact(tmp_path):
     assert r.returncode == 0, r.stderr
     summary = json.loads(r.stdout)
     codecs = {t["name"]: t["codec"] for t in summary["tensors"]}
-    assert codecs["w"] == "rans" and codecs["zeros"] == "zstd" and all(codecs[n] in ("zstd", "raw") for n in tensors if n != "w"), codecs
+    assert (
+        codecs["w"] == "rans"
+        and codecs["zeros"] == "zstd"
+        and all(codecs[n] in ("zstd", "raw") for n in tensors if n != "w")
+    ), codecs
     assert any(n.startswith("2 F8_E8M0 tensors (4,396 bytes) stored with") for n in summary["notes"]), summary["notes"]
-    assert {n.split()[1] for n in summary["notes"]} == {"C64", "F4", "F6_E2M3", "F6_E3M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ", "F8_E8M0"}
+    assert {n.split()[1] for n in summary["notes"]} == {
+        "C64",
+        "F4",
+        "F6_E2M3",
+        "F6_E3M2",
+        "F8_E4M3FNUZ",
+        "F8_E5M2FNUZ",
+        "F8_E8M0",
+    }
     r = run_cli("compress", src.parent, tmp_path / "uw2")
     assert r.returncode == 0 and "note: 1 C64 tensor (2,560 bytes) stored with" in r.stderr, r.stderr
     r = run_cli("verify", out, "--against", src.parent)
@@ -213,9 +257,13 @@ def test_newer_safetensors_dtypes_are_stored_bit_exact(tmp_path):
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "back" / "model.safetensors").read_bytes() == src.read_bytes()
     with unweight.open(out) as ckpt:
-        for name, (dtype, shape, data) in tensors.items():
+        for name, (_dtype, _shape, data) in tensors.items():
             assert ckpt.get_bytes(name).tobytes() == data, name
-        for name, torch_dtype in (("scales", torch.float8_e8m0fnu), ("rot", torch.complex64), ("fnuz", torch.float8_e4m3fnuz)):
+        for name, torch_dtype in (
+            ("scales", torch.float8_e8m0fnu),
+            ("rot", torch.complex64),
+            ("fnuz", torch.float8_e4m3fnuz),
+        ):
             t = ckpt.get_tensor(name)
             assert t.dtype == torch_dtype and list(t.shape) == tensors[name][1]
             assert t.reshape(-1).view(torch.uint8).numpy().tobytes() == tensors[name][2], name
@@ -228,4 +276,9 @@ def test_newer_safetensors_dtypes_are_stored_bit_exact(tmp_path):
     assert back["c"].dtype == torch.complex64 and torch.equal(back["c"].view(torch.uint8), c.view(torch.uint8))
     # Sub-byte elements must fill whole bytes (safetensors' rule): named, typed, one line.
     _hand_made_safetensors(tmp_path / "odd" / "model.safetensors", {"w4": ("F4", [3], raw(2))})
-    one_line_error(run_cli("compress", tmp_path / "odd", tmp_path / "o"), "model.safetensors", "'w4'", "12 bits, not a whole number of bytes")
+    one_line_error(
+        run_cli("compress", tmp_path / "odd", tmp_path / "o"),
+        "model.safetensors",
+        "'w4'",
+        "12 bits, not a whole number of bytes",
+    )

@@ -11,18 +11,35 @@ import unweight
 from unweight.runtime.model_config import UnsupportedModelError
 
 ATOL = 2e-4  # fp32 accumulation order on logits of magnitude ~0.1 (random N(0, 0.02) weights)
-COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=128)
+COMMON = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
 
 
 def _configs():
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-    llama3_rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                   "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    llama3_rope = {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+    }
     return {
         "llama3.1-rope-scaling": LlamaConfig(**COMMON, rope_parameters=llama3_rope, tie_word_embeddings=False),
-        "llama-linear-rope-tied": LlamaConfig(**COMMON, rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}, tie_word_embeddings=True),
+        "llama-linear-rope-tied": LlamaConfig(
+            **COMMON,
+            rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+            tie_word_embeddings=True,
+        ),
         "mistral-sliding-window": MistralConfig(**COMMON, sliding_window=8, tie_word_embeddings=False),
         "qwen2-qkv-bias": Qwen2Config(**COMMON, tie_word_embeddings=True),
         "qwen3-qk-norm": Qwen3Config(**COMMON, head_dim=24, tie_word_embeddings=False),
@@ -77,7 +94,9 @@ def test_unknown_architecture_is_refused_with_the_list(tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)).to(torch.bfloat16).save_pretrained(tmp_path / "gpt2")
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)).to(torch.bfloat16).save_pretrained(
+        tmp_path / "gpt2"
+    )
     unweight.compress(tmp_path / "gpt2", tmp_path / "uw")
     with pytest.raises(UnsupportedModelError, match=r"'gpt2'.*supported: llama, mistral, qwen2, qwen3"):
         unweight.load(tmp_path / "uw")

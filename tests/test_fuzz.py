@@ -114,7 +114,9 @@ tensor_specs = st.tuples(st.sampled_from(DTYPES), shapes, modes, scales, st.inte
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(specs=st.lists(tensor_specs, min_size=1, max_size=3), threads=st.sampled_from([1, 2]))
 @example(specs=[(torch.bfloat16, (4097,), "specials", 1.0, 1, False)], threads=2)
-@example(specs=[(torch.float8_e4m3fn, (1025,), "bits", 1.0, 2, False), (torch.bool, (), "bits", 1.0, 3, False)], threads=1)
+@example(
+    specs=[(torch.float8_e4m3fn, (1025,), "bits", 1.0, 2, False), (torch.bool, (), "bits", 1.0, 3, False)], threads=1
+)
 @example(specs=[(torch.float32, (33, 31), "constant", 1.0, 4, True)], threads=1)
 def test_round_trip_bit_exact(work_dir, specs, threads):
     tensors, expected = {}, {}
@@ -174,7 +176,9 @@ def test_all_bf16_bit_patterns_forced_rans(tmp_path, precision):
     values = np.arange(65536, dtype=np.uint16)[perm.numpy()]
     p = rans.RansParams.for_word(16, True, precision)
     streams = rans.encode(values, p, threads=1)
-    entry = TensorEntry("all", "BF16", (256, 256), "rans", p.to_json(), {r: f"all#{r}" for r in streams}, zlib.crc32(values.tobytes()))
+    entry = TensorEntry(
+        "all", "BF16", (256, 256), "rans", p.to_json(), {r: f"all#{r}" for r in streams}, zlib.crc32(values.tobytes())
+    )
     path = tmp_path / "rans.safetensors"
     with ContainerWriter(str(path)) as writer:
         writer.add(entry, streams)

@@ -16,7 +16,6 @@ import pytest
 import torch
 
 import unweight
-
 from helpers import run_cli
 
 LOGIT_ATOL = 1e-3  # fp32 accumulation order on logits of magnitude ~30: measured 5e-5
@@ -83,7 +82,9 @@ def test_greedy_tokens_identical_to_transformers(model, hf, tok, kind, text):
     ids = prompt_ids(tok, kind, text)
     ours, our_logits = our_greedy(model, ids, 64)
     theirs, their_logits = hf_greedy(hf, ids, 64)
-    assert ours == theirs, f"first difference at token {next(i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b)}"
+    assert ours == theirs, (
+        f"first difference at token {next(i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b)}"
+    )
     assert (our_logits - their_logits).abs().max() < LOGIT_ATOL
 
 
@@ -91,7 +92,9 @@ def test_weights_stay_compressed(model, smollm2_dir):
     bf16_bytes = (smollm2_dir / "model.safetensors").stat().st_size
     resident = model.resident_weight_bytes()
     assert resident < 0.75 * bf16_bytes  # tiles: ~11.3 bits a weight instead of 16
-    dense = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_floating_point() and t.dim() >= 2]
+    dense = [
+        n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_floating_point() and t.dim() >= 2
+    ]
     assert dense == []  # no decoded copy of any matrix is kept
     assert model.lm_head is model.model.embed_tokens  # tied: one copy of the streams
 
@@ -157,25 +160,32 @@ def test_stop_strings_and_sampling(model, tok):
 
 
 def test_cli_generate_streams_then_prints_stats(smollm2_uw):
-    r = run_cli("generate", smollm2_uw[0], "--chat", "--prompt", "What is the capital of France?", "--max-new-tokens", "12")
+    r = run_cli(
+        "generate", smollm2_uw[0], "--chat", "--prompt", "What is the capital of France?", "--max-new-tokens", "12"
+    )
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
     stats = r.stderr.strip().splitlines()[-1]
     assert "prompt" in stats and "tokens/s" in stats and "MB resident" in stats
-    uncompressed = float(re.search(r"uncompressed ([0-9.]+) MB", stats).group(1))  # the checkpoint's tensor bytes, beside the resident ones
+    uncompressed = float(
+        re.search(r"uncompressed ([0-9.]+) MB", stats).group(1)
+    )  # the checkpoint's tensor bytes, beside the resident ones
     assert round(smollm2_uw[1]["total"]["original_bytes"] / 1e6, 1) == uncompressed
     both = run_cli("generate", smollm2_uw[0], "--prompt", "Hi", "--max-new-tokens", "3", merged=True)
     assert both.returncode == 0, both.stdout
     assert both.stdout.splitlines()[-1].startswith("prompt ")  # the text's newline comes before the stats
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--temperature", "-1"], "temperature must be"),
-    (["--top-p", "0"], "top_p must be"),
-    (["--max-new-tokens", "100000"], "exceeds the context length"),
-    (["--device", "tpu"], "is not a torch device"),
-    (["--device", "meta"], "only cpu and cuda"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--temperature", "-1"], "temperature must be"),
+        (["--top-p", "0"], "top_p must be"),
+        (["--max-new-tokens", "100000"], "exceeds the context length"),
+        (["--device", "tpu"], "is not a torch device"),
+        (["--device", "meta"], "only cpu and cuda"),
+    ],
+)
 def test_cli_generate_bad_values(smollm2_uw, args, message):
     r = run_cli("generate", smollm2_uw[0], "--prompt", "Hi", *args)
     assert r.returncode == 1 and message in r.stderr and "Traceback" not in r.stderr
@@ -222,8 +232,13 @@ def test_choose_rows_is_choose_per_row():
     from unweight.runtime.sampling import SamplingParams, Sequence, choose_rows
 
     logits = torch.randn(5, 300, generator=torch.Generator().manual_seed(0))
-    params = [SamplingParams(), SamplingParams(temperature=0.8, seed=3), SamplingParams(repetition_penalty=1.3),
-              SamplingParams(temperature=1.2, top_k=5, top_p=0.9, seed=9), SamplingParams(logprobs=3)]
+    params = [
+        SamplingParams(),
+        SamplingParams(temperature=0.8, seed=3),
+        SamplingParams(repetition_penalty=1.3),
+        SamplingParams(temperature=1.2, top_k=5, top_p=0.9, seed=9),
+        SamplingParams(logprobs=3),
+    ]
 
     def seqs():
         return [Sequence(p, [4, 5, 6], [0]) for p in params]

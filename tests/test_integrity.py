@@ -35,8 +35,16 @@ def folders(tmp_path_factory) -> dict[str, Path]:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     root = tmp_path_factory.mktemp("integrity")
-    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
     with torch.no_grad():
@@ -187,12 +195,15 @@ def test_verify_reports_every_damage_load_refuses(folders, tmp_path):
 # ------------------------------------------------------------------ format 1.0: no stream CRCs
 
 
-@pytest.mark.parametrize("kind, tensor, role, layout", [
-    ("serving", O_PROJ, "sm", "serving"),
-    ("serving", O_PROJ, "esc", "archive"),
-    ("archive", O_PROJ, "raw", "archive"),
-    ("archive", "model.embed_tokens.weight", "raw", "archive"),
-])
+@pytest.mark.parametrize(
+    "kind, tensor, role, layout",
+    [
+        ("serving", O_PROJ, "sm", "serving"),
+        ("serving", O_PROJ, "esc", "archive"),
+        ("archive", O_PROJ, "raw", "archive"),
+        ("archive", "model.embed_tokens.weight", "raw", "archive"),
+    ],
+)
 def test_version_1_0_damage_is_refused_by_a_decode(folders, tmp_path, kind, tensor, role, layout):
     folder = _as_version_1_0(_copy(folders[kind], tmp_path / "old"))
     _flip(folder, tensor, role, 9, 0x04)
@@ -221,7 +232,7 @@ def test_undamaged_folders_load_and_generate_the_same_tokens(folders):
 
     ref = AutoModelForCausalLM.from_pretrained(folders["bf16"], dtype=torch.float32).eval()
     with torch.no_grad():
-        want = ref.generate(torch.tensor([PROMPT]), max_new_tokens=8, do_sample=False)[0, len(PROMPT):].tolist()
+        want = ref.generate(torch.tensor([PROMPT]), max_new_tokens=8, do_sample=False)[0, len(PROMPT) :].tolist()
     for kind in ("serving", "archive"):
         for layout in ("serving", "archive"):
             assert _greedy(unweight.load(folders[kind], layout=layout, threads=1)) == want, (kind, layout)
@@ -229,8 +240,19 @@ def test_undamaged_folders_load_and_generate_the_same_tokens(folders):
 
 def _kept_as_stored(kind: str, layout: str) -> list[str]:
     """The matrices `load` keeps in their stored streams (the others are decoded and re-encoded)."""
-    matrices = [f"model.layers.{i}.{m}.weight" for i in range(2) for m in
-                ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
+    matrices = [
+        f"model.layers.{i}.{m}.weight"
+        for i in range(2)
+        for m in (
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.down_proj",
+        )
+    ]
     matrices += ["model.embed_tokens.weight", "lm_head.weight"]
     if layout == "archive":
         return matrices
@@ -239,7 +261,9 @@ def _kept_as_stored(kind: str, layout: str) -> list[str]:
     return []
 
 
-@pytest.mark.parametrize("kind, layout", [("serving", "serving"), ("serving", "archive"), ("archive", "archive"), ("archive", "serving")])
+@pytest.mark.parametrize(
+    "kind, layout", [("serving", "serving"), ("serving", "archive"), ("archive", "archive"), ("archive", "serving")]
+)
 def test_load_report_says_what_was_checked(folders, kind, layout, caplog):
     import logging
 
@@ -247,7 +271,11 @@ def test_load_report_says_what_was_checked(folders, kind, layout, caplog):
         model = unweight.load(folders[kind], layout=layout, threads=1)
     rep = model.load_report
     kept = _kept_as_stored(kind, layout)
-    assert rep.stream_checked == len(kept) == {("serving", "serving"): 6, ("archive", "serving"): 0}.get((kind, layout), 16)
+    assert (
+        rep.stream_checked
+        == len(kept)
+        == {("serving", "serving"): 6, ("archive", "serving"): 0}.get((kind, layout), 16)
+    )
     assert rep.stream_bytes == sum(sum(_stream_sizes(folders[kind], n).values()) for n in kept)
     assert rep.decode_checked == 21 - len(kept) and rep.decode_only_to_check == 0
     assert 0 <= rep.check_seconds <= rep.seconds
@@ -264,9 +292,18 @@ def test_reader_streams_check_and_name_the_file(folders, tmp_path):
     folder = _copy(folders["serving"], tmp_path / "damaged")
     _flip(folder, O_PROJ, "sm", 1)
     with CompressedCheckpoint(folder) as ckpt:
-        with pytest.raises(CorruptDataError, match=r"model\.safetensors: tensor 'model\.layers\.0\.self_attn\.o_proj\.weight': stream .*#sm' fails its CRC-32"):
+        with pytest.raises(
+            CorruptDataError,
+            match=r"model\.safetensors: tensor 'model\.layers\.0\.self_attn\.o_proj\.weight': stream .*#sm' fails its "
+            r"CRC-32",
+        ):
             ckpt.streams(O_PROJ)
-        assert set(ckpt.streams(O_PROJ, check=False)) == {"sm", "codes", "esc", "esc_index"}  # a caller that decodes checks
+        assert set(ckpt.streams(O_PROJ, check=False)) == {
+            "sm",
+            "codes",
+            "esc",
+            "esc_index",
+        }  # a caller that decodes checks
         assert ckpt.integrity.by_stream_crc == 0
         ckpt.streams("model.layers.1.self_attn.o_proj.weight")
         assert ckpt.integrity.by_stream_crc == 1 and ckpt.integrity.stream_bytes > 64 * 64

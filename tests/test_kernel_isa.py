@@ -14,7 +14,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_kernels_compile_within_budget(tmp_path):
     out = tmp_path / "isa.json"
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_isa.py"), "--quick", "--json", str(out)], capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "kernel_isa.py"), "--quick", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert {r["cc"] for r in rows} == {80, 90}
@@ -31,7 +36,20 @@ def test_kernels_compile_within_budget(tmp_path):
 def test_check_fails_on_a_budget_it_misses():
     """The check is not a formality: with every budget tightened below what the kernels take, it
     exits 1 and names the variants."""
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_isa.py"), "--quick", "--targets", "90", "--max-per-weight", "1"], capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "kernel_isa.py"),
+            "--quick",
+            "--targets",
+            "90",
+            "--max-per-weight",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert done.returncode == 1
     assert "gemv BM=1" in done.stdout and "misses the budget 1" in done.stdout
 
@@ -46,7 +64,11 @@ def test_check_names_an_int32_overflow():
     import torch
 
     huge = torch.zeros(1, dtype=torch.uint8).expand(2**31 + 5)
-    rec = {"kernel": "qtiles_gemv_kernel", "grid": (512, 1, 1), "bound": {"M": 1, "G": 128, "BLOCK_N": 8, "BLOCK_M": 1, "esc_exp_ptr": huge}}
+    rec = {
+        "kernel": "qtiles_gemv_kernel",
+        "grid": (512, 1, 1),
+        "bound": {"M": 1, "G": 128, "BLOCK_N": 8, "BLOCK_M": 1, "esc_exp_ptr": huge},
+    }
     assert any("escape entry" in p and "int32" in p for p in kernel_isa.check_launch(rec))
     rec["bound"]["esc_exp_ptr"] = huge[:1000]
     assert kernel_isa.check_launch(rec) == []

@@ -58,8 +58,13 @@ def as_u16(t: torch.Tensor) -> np.ndarray:
     return t.cpu().view(torch.int16).numpy().view(np.uint16).ravel()
 
 
-def resident(v: np.ndarray, rows: int, cols: int, device: str = DEVICE, mode: int | None = None) -> dict[str, torch.Tensor]:
-    return {k: torch.from_numpy(np.ascontiguousarray(a)).to(device) for k, a in qtiles.encode(v, rows, cols, mode=mode).items()}
+def resident(
+    v: np.ndarray, rows: int, cols: int, device: str = DEVICE, mode: int | None = None
+) -> dict[str, torch.Tensor]:
+    return {
+        k: torch.from_numpy(np.ascontiguousarray(a)).to(device)
+        for k, a in qtiles.encode(v, rows, cols, mode=mode).items()
+    }
 
 
 # -- the layout ------------------------------------------------------------------------------
@@ -76,7 +81,9 @@ def test_qtiles_round_trip_is_bit_exact(rows, cols, mode):
 
 
 @pytest.mark.parametrize("mode", [None, 0, 1])
-@pytest.mark.parametrize("rows,cols", [(16, 64), (9, 100), (3, 5), (2, 70000), (1100, 2048)])  # the last: 9 row ranges on 2 threads
+@pytest.mark.parametrize(
+    "rows,cols", [(16, 64), (9, 100), (3, 5), (2, 70000), (1100, 2048)]
+)  # the last: 9 row ranges on 2 threads
 def test_qtiles_encoder_matches_its_reference(rows, cols, mode):
     """The numba encoder (row ranges on threads) writes what the plain numpy one writes, in either
     mode and in the one they choose."""
@@ -118,7 +125,13 @@ def test_qtiles_windows_reach_the_inf_exponent_without_carrying(mode):
 def test_qtiles_mode_follows_the_zeros():
     """Trained weights (few exact zeros) take the eight-exponent windows; a pruned matrix, whose
     zeros mode 0 would all list, takes the zero code. Each lists fewer escapes than the other mode."""
-    dense = (torch.randn(64, 256, generator=torch.Generator().manual_seed(5)) * 0.02).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    dense = (
+        (torch.randn(64, 256, generator=torch.Generator().manual_seed(5)) * 0.02)
+        .to(torch.bfloat16)
+        .view(torch.int16)
+        .numpy()
+        .view(np.uint16)
+    )
     pruned = dense.copy()
     pruned.reshape(-1)[::2] = 0  # every other weight (a row of zeros alone mode 0 takes with base 0)
     for v, want in ((dense, 0), (pruned, 1)):
@@ -137,7 +150,12 @@ def test_qtiles_transcodes_the_stored_tiles_layout():
 
 def test_row_windows_cover_each_row():
     """Rows of very different scales each get their own window."""
-    v = np.concatenate([finite_matrix(1, 256, seed=1), (torch.randn(256) * 300).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)])
+    v = np.concatenate(
+        [
+            finite_matrix(1, 256, seed=1),
+            (torch.randn(256) * 300).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16),
+        ]
+    )
     q = qtiles.encode(v, 2, 256)
     assert q["base"][1] > q["base"][0] + 10
     assert np.diff(q["esc_row"])[1] < 256 * 0.1
@@ -195,7 +213,9 @@ def test_qtiles_decode_gathers_rows_bit_exact(rows, cols):
     ids = torch.tensor([rows - 1, 0, 3, 3, rows // 2, rows - 1])
     got = qtiles_decode(resident(v, rows, cols), rows, cols, ids.to(DEVICE))
     assert np.array_equal(as_u16(got).reshape(len(ids), cols), v.reshape(rows, cols)[ids.numpy()])
-    assert qtiles_decode(resident(v, rows, cols), rows, cols, torch.zeros(0, dtype=torch.int64, device=DEVICE)).shape == (0, cols)
+    assert qtiles_decode(
+        resident(v, rows, cols), rows, cols, torch.zeros(0, dtype=torch.int64, device=DEVICE)
+    ).shape == (0, cols)
 
 
 @gpu
@@ -215,7 +235,13 @@ def check_product(v: np.ndarray, rows: int, cols: int, m: int, seed: int = 0, mo
     the standard bound for recursive summation."""
     q = qtiles.encode(v, rows, cols, mode=mode)
     dense = torch.from_numpy(v.view(np.int16)).view(torch.bfloat16).reshape(rows, cols).to(DEVICE)
-    stand = torch.from_numpy(qtiles.stand_ins_reference(q, rows, cols).view(np.int16)).view(torch.bfloat16).reshape(rows, cols).to(DEVICE).float()
+    stand = (
+        torch.from_numpy(qtiles.stand_ins_reference(q, rows, cols).view(np.int16))
+        .view(torch.bfloat16)
+        .reshape(rows, cols)
+        .to(DEVICE)
+        .float()
+    )
     x = torch.randn(m, cols, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16).to(DEVICE)
     y = qtiles_linear(x, resident(v, rows, cols, mode=mode), rows, cols, out_dtype=torch.float32)
     ref = F.linear(x.float(), dense.float())
@@ -272,7 +298,9 @@ def test_qtiles_gemv_reads_only_its_rows_of_x():
         flat = torch.full((m * 45 + 1,), float("inf")).to(torch.bfloat16)
         flat[1:] = x.reshape(-1)
         shifted = flat[1:].view(m, 45)  # 2 bytes past an aligned start
-        y = qtiles_linear(shifted.to(DEVICE) if DEVICE == "cpu" else shifted.cuda(), q, 5, 45, out_dtype=torch.float32).cpu()
+        y = qtiles_linear(
+            shifted.to(DEVICE) if DEVICE == "cpu" else shifted.cuda(), q, 5, 45, out_dtype=torch.float32
+        ).cpu()
         assert torch.isfinite(y).all()
 
 

@@ -26,7 +26,11 @@ def pair(prefill_key: bytes, decode_key: bytes) -> tuple[KVLink, KVLink]:
 
 def hand_off(p: KVLink, d: KVLink, kv: torch.Tensor, tag: int) -> tuple[Transfer, Transfer]:
     p.submit(Transfer(f"r{tag}", tag, "decode-0", "inc-d", tensor=kv))
-    d.submit(Transfer(f"r{tag}", tag, "prefill-0", "inc-p", shape=tuple(kv.shape), dtype=str(kv.dtype).removeprefix("torch.")))
+    d.submit(
+        Transfer(
+            f"r{tag}", tag, "prefill-0", "inc-p", shape=tuple(kv.shape), dtype=str(kv.dtype).removeprefix("torch.")
+        )
+    )
     return p.done.get(timeout=60), d.done.get(timeout=60)
 
 
@@ -49,7 +53,9 @@ def test_a_peer_without_the_secret_gets_no_kv_and_sends_none_that_is_taken():
     try:
         sent, got = hand_off(p, d, torch.ones(1, 2, 3, 1, 4), 1)
         for t in (sent, got):
-            assert t.error is not None and "did not prove that it holds this server's control secret" in t.error, t.error
+            assert t.error is not None and "did not prove that it holds this server's control secret" in t.error, (
+                t.error
+            )
         assert got.tensor is None and sent.tensor is None
         assert not p._groups and not d._groups  # a group that failed its proof is not kept
     finally:
@@ -70,7 +76,12 @@ def test_rendezvous_rules():
     assert ask(r, "prefill", "P", live, "kv_set", "kv/P/D/1/0/0", b"addr")["error"] is None
     assert ask(r, "decode", "D", live, "kv_get", "kv/P/D/1/0/0")["value"] == base64.b64encode(b"addr").decode()
     assert ask(r, "decode", "D", live, "kv_get", "kv/P/D/1/0/1")["value"] is None
-    for role, inc, key in [("decode", "D2", "kv/P/D/1/0/0"), ("prefill", "D", "kv/P/D/1/0/0"), ("decode", "P", "kv/P/D/1/0/0"), ("worker", "P", "kv/P/D/1/0/0")]:
+    for role, inc, key in [
+        ("decode", "D2", "kv/P/D/1/0/0"),
+        ("prefill", "D", "kv/P/D/1/0/0"),
+        ("decode", "P", "kv/P/D/1/0/0"),
+        ("worker", "P", "kv/P/D/1/0/0"),
+    ]:
         assert ask(r, role, inc, live, "kv_get", key)["error"] == "not a KV group of this worker", (role, inc)
     for key in ("kv/P/D", "kv/P/D/", "kv//D/1", "other/P/D/1"):
         assert ask(r, "prefill", "P", live, "kv_get", key)["error"].startswith("not a KV group key"), key

@@ -61,13 +61,19 @@ def ours(mods: set[str], *layers: str) -> set[str]:
 
 def test_the_resolver_sees_relative_and_string_imports():
     mods = imports_of("runtime/serve")["runtime/serve/worker.py"]
-    assert "unweight.runtime.serve.kv_link" in mods and "unweight.runtime.loader" in mods  # from .kv_link, from ..loader
-    assert "unweight.runtime.serve.worker" in imports_of("runtime/serve")["runtime/serve/router.py"]  # "-m unweight.runtime.serve.worker"
+    assert (
+        "unweight.runtime.serve.kv_link" in mods and "unweight.runtime.loader" in mods
+    )  # from .kv_link, from ..loader
+    assert (
+        "unweight.runtime.serve.worker" in imports_of("runtime/serve")["runtime/serve/router.py"]
+    )  # "-m unweight.runtime.serve.worker"
 
 
 def test_formats_uses_only_stdlib_and_numpy():
     for f, mods in imports_of("formats").items():
-        bad = {m for m in mods if top(m) not in STDLIB | {"numpy", "unweight"}} | (ours(mods, "unweight") - ours(mods, "unweight.formats"))
+        bad = {m for m in mods if top(m) not in STDLIB | {"numpy", "unweight"}} | (
+            ours(mods, "unweight") - ours(mods, "unweight.formats")
+        )
         assert not bad, f"{f} imports {bad}"
 
 
@@ -106,7 +112,8 @@ def test_runtime_does_not_import_cli():
 
 def test_import_is_light():
     """Importing the package loads neither torch, numba nor the CLI stack."""
-    code = "import sys, unweight; print(sorted(m for m in ('torch', 'numba', 'typer', 'triton', 'huggingface_hub') if m in sys.modules))"
+    heavy = ("torch", "numba", "typer", "triton", "huggingface_hub")
+    code = f"import sys, unweight; print(sorted(m for m in {heavy!r} if m in sys.modules))"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert r.stdout.strip() == "[]"
 
@@ -114,7 +121,9 @@ def test_import_is_light():
 def test_reading_does_not_import_writing():
     """The reader (unweight.open, get_tensor) and inspect load neither the compress / decompress /
     verify module nor the container writer's encoder."""
-    code = ("import sys, unweight.reader, unweight.inspection; "
-            "print(sorted(m for m in ('unweight.checkpoint', 'unweight.tensors') if m in sys.modules))")
+    code = (
+        "import sys, unweight.reader, unweight.inspection; "
+        "print(sorted(m for m in ('unweight.checkpoint', 'unweight.tensors') if m in sys.modules))"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert r.stdout.strip() == "[]", r.stdout

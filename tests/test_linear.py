@@ -10,10 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers import random_bf16
 from unweight.runtime.autotune import Autotuner, batch_bucket, code_version
 from unweight.runtime.linear import UnweightLinear
-
-from helpers import random_bf16
 
 
 @pytest.fixture()
@@ -48,10 +47,16 @@ def test_autotuner_caches_choice_on_disk(layer, tmp_path, monkeypatch):
     monkeypatch.delenv("UNWEIGHT_PIPELINE", raising=False)
     mod(torch.randn(3, 160).to(torch.bfloat16))
     saved = json.loads((tmp_path / "tune.json").read_text())
-    (key, choice), = saved.items()
-    assert key.endswith(f"|96x160|m{batch_bucket(3)}|bfloat16|{code_version()}") and choice in ("decode_matmul", "fused")
+    ((key, choice),) = saved.items()
+    assert key.endswith(f"|96x160|m{batch_bucket(3)}|bfloat16|{code_version()}") and choice in (
+        "decode_matmul",
+        "fused",
+    )
     again = Autotuner(tmp_path / "tune.json")
-    assert again.choose(key, {"decode_matmul": lambda: None, "fused": lambda: None}, torch.device("cpu")) == (choice, None)
+    assert again.choose(key, {"decode_matmul": lambda: None, "fused": lambda: None}, torch.device("cpu")) == (
+        choice,
+        None,
+    )
 
 
 def test_bad_forced_pipeline_and_bad_weights(layer, monkeypatch):
@@ -129,12 +134,26 @@ def test_cpu_fast_and_portable_paths_agree(rows, cols, m, monkeypatch):
     s, p = lin._streams(), lin.params
     x = torch.randn(m, cols, generator=g)
     ids = torch.tensor([rows - 1, 0, rows // 2, rows - 1])
-    fast = cpu_gemv.tiles_gemv_cpu(x, s, p.base, p.block, rows, cols), cpu_gemv.tiles_rows_cpu(s, p.base, p.block, rows, cols, ids)
+    fast = (
+        cpu_gemv.tiles_gemv_cpu(x, s, p.base, p.block, rows, cols),
+        cpu_gemv.tiles_rows_cpu(s, p.base, p.block, rows, cols, ids),
+    )
     monkeypatch.setattr(cpu_gemv, "FAST_PATH", False)
-    slow = cpu_gemv.tiles_gemv_cpu(x, s, p.base, p.block, rows, cols), cpu_gemv.tiles_rows_cpu(s, p.base, p.block, rows, cols, ids)
-    ref = tiles.decode_reference({k: v.numpy() for k, v in s.items() if k != "esc_index"} | {"esc_index": s["esc_index"].numpy().astype("<u4").view(np.uint8)}, p, rows, cols)
+    slow = (
+        cpu_gemv.tiles_gemv_cpu(x, s, p.base, p.block, rows, cols),
+        cpu_gemv.tiles_rows_cpu(s, p.base, p.block, rows, cols, ids),
+    )
+    ref = tiles.decode_reference(
+        {k: v.numpy() for k, v in s.items() if k != "esc_index"}
+        | {"esc_index": s["esc_index"].numpy().astype("<u4").view(np.uint8)},
+        p,
+        rows,
+        cols,
+    )
     ref_rows = torch.from_numpy(ref.view(np.int16)).view(torch.bfloat16).reshape(rows, cols)[ids].float()
-    assert torch.equal(fast[1].view(torch.int32), ref_rows.view(torch.int32)) and torch.equal(slow[1].view(torch.int32), ref_rows.view(torch.int32))
+    assert torch.equal(fast[1].view(torch.int32), ref_rows.view(torch.int32)) and torch.equal(
+        slow[1].view(torch.int32), ref_rows.view(torch.int32)
+    )
     exact = torch.nn.functional.linear(x, w.float())
     bound = cols * 2.0**-23 * torch.nn.functional.linear(x.abs(), w.float().abs())
     for y in (fast[0], slow[0]):
@@ -167,8 +186,12 @@ def test_archive_linear_rows_and_fp32_forward_in_row_blocks(monkeypatch):
     from unweight.runtime import linear as L
 
     weights = [random_bf16(300, 64, seed=21), random_bf16(37, 64, seed=22)]
-    parts = [encode_tensor(f"p{i}", "BF16", tuple(w.shape), w.view(torch.int16).numpy().view(np.uint8).ravel(), CodecOptions(threads=1))
-             for i, w in enumerate(weights)]
+    parts = [
+        encode_tensor(
+            f"p{i}", "BF16", tuple(w.shape), w.view(torch.int16).numpy().view(np.uint8).ravel(), CodecOptions(threads=1)
+        )
+        for i, w in enumerate(weights)
+    ]
     mod = L.ArchiveLinear(parts, threads=1)
     want = torch.cat(weights)
     ids = torch.tensor([[336, 0], [299, 300], [5, 5]])
@@ -195,7 +218,18 @@ def test_archive_linear_forwards_share_one_workspace_and_return_their_own_tensor
     from unweight.runtime import linear as L
 
     def layer(w):
-        return L.ArchiveLinear([encode_tensor("w", "BF16", tuple(w.shape), w.view(torch.int16).numpy().view(np.uint8).ravel(), CodecOptions(threads=1))], threads=1)
+        return L.ArchiveLinear(
+            [
+                encode_tensor(
+                    "w",
+                    "BF16",
+                    tuple(w.shape),
+                    w.view(torch.int16).numpy().view(np.uint8).ravel(),
+                    CodecOptions(threads=1),
+                )
+            ],
+            threads=1,
+        )
 
     monkeypatch.setattr(L, "_WORKSPACE", L._Workspace())  # empty, whatever ran before in this process
     small, big = random_bf16(64, 128, seed=41), random_bf16(512, 128, seed=42)
@@ -235,7 +269,13 @@ def test_archive_linear_answers_on_the_inputs_device():
     from unweight.runtime.linear import ArchiveLinear
 
     w = random_bf16(40, 32, seed=31)
-    mod = ArchiveLinear([encode_tensor("w", "BF16", (40, 32), w.view(torch.int16).numpy().view(np.uint8).ravel(), CodecOptions(threads=1))])
+    mod = ArchiveLinear(
+        [
+            encode_tensor(
+                "w", "BF16", (40, 32), w.view(torch.int16).numpy().view(np.uint8).ravel(), CodecOptions(threads=1)
+            )
+        ]
+    )
     ids = torch.tensor([7, 39], device="cuda")
     got = mod.rows(ids)
     assert got.device.type == "cuda" and torch.equal(got.cpu().view(torch.int16), w[[7, 39]].view(torch.int16))
@@ -258,12 +298,20 @@ def test_moving_to_a_gpu_transcodes_the_streams_and_back():
     assert set(lin._streams()) == set(qtiles.ROLES) and "qtiles" in repr(lin)
     q = {k: v.numpy() for k, v in lin._streams().items()}
     assert lin._qmode == 1  # one weight in seven is a subnormal: the zero code lists none of them
-    assert np.array_equal(qtiles.decode_reference({**q, "mode": np.array([lin._qmode])}, 40, 96), w.view(torch.int16).numpy().view(np.uint16))
+    assert np.array_equal(
+        qtiles.decode_reference({**q, "mode": np.array([lin._qmode])}, 40, 96),
+        w.view(torch.int16).numpy().view(np.uint16),
+    )
     assert lin.stored_bytes < w.numel() * 2  # (11 % of these weights are listed escapes)
     lin._transcode("cpu")
     assert set(lin._streams()) == {"sm", "codes", "esc", "esc_index"} and lin.stored_bytes == tiles_bytes
     assert torch.equal(lin.decoded_weight().view(torch.int16), w.view(torch.int16))
-    assert lin.to("cpu") is lin and set(lin._streams()) == {"sm", "codes", "esc", "esc_index"}  # no transcode to the same kind
+    assert lin.to("cpu") is lin and set(lin._streams()) == {
+        "sm",
+        "codes",
+        "esc",
+        "esc_index",
+    }  # no transcode to the same kind
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -50,8 +50,13 @@ def run_measured(args: list[str], limit_as: int | None = None) -> tuple[int, int
     the peak is the command's own, measured through TRAMPOLINE."""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err, tempfile.TemporaryDirectory() as td:
         report = os.path.join(td, "peak")
-        r = subprocess.run([sys.executable, "-c", TRAMPOLINE, str(limit_as or 0), report, *map(str, args)], stdout=out, stderr=err, text=True,
-                           env={**os.environ, "COLUMNS": "200"})
+        r = subprocess.run(
+            [sys.executable, "-c", TRAMPOLINE, str(limit_as or 0), report, *map(str, args)],
+            stdout=out,
+            stderr=err,
+            text=True,
+            env={**os.environ, "COLUMNS": "200"},
+        )
         out.seek(0)
         err.seek(0)
         with open(report) as f:
@@ -90,7 +95,9 @@ def rans_bomb(path: Path, nchunks: int, good_crc: bool = True) -> tuple[Path, in
     n = nchunks * chunk
     crc = constant_crc(7, n) if good_crc else 12345
     entry = TensorEntry("bomb", "U8", (n,), "rans", p.to_json(), {r: f"bomb#{r}" for r in one}, crc)
-    return write_container(path, entry, {"table": one["table"], "raw": one["raw"], "words": one["words"], "index": index}), n
+    return write_container(
+        path, entry, {"table": one["table"], "raw": one["raw"], "words": one["words"], "index": index}
+    ), n
 
 
 def zstd_bomb(path: Path, n: int) -> Path:
@@ -108,10 +115,15 @@ def test_a_rans_bomb_is_verified_and_inspected_in_pieces_and_refused_whole(tmp_p
         assert code == 0, err
         assert peak < BOMB_CAP, (args, peak)
     # Whole, it is refused before allocation: by --max-memory, and by an address-space rlimit.
-    get = [sys.executable, "-c", "import sys, unweight\n"
-           "m = int(sys.argv[2]) or None\n"
-           "try:\n    unweight.open(sys.argv[1], max_memory=m).get_bytes('bomb')\n"
-           "except unweight.MemoryLimitError as e:\n    print(e); sys.exit(3)\n", str(path)]
+    get = [
+        sys.executable,
+        "-c",
+        "import sys, unweight\n"
+        "m = int(sys.argv[2]) or None\n"
+        "try:\n    unweight.open(sys.argv[1], max_memory=m).get_bytes('bomb')\n"
+        "except unweight.MemoryLimitError as e:\n    print(e); sys.exit(3)\n",
+        str(path),
+    ]
     code, peak, out, err = run_measured(get + [str(1 << 30)])
     assert code == 3, err
     assert "tensor 'bomb'" in out and "--max-memory budget" in out and str(path) in out
@@ -172,7 +184,9 @@ def test_decode_pieces_match_decode_tensor_for_every_codec():
 
 
 def test_rans_slabs_and_ranges_give_the_one_slab_streams(monkeypatch):
-    values = (np.random.default_rng(5).normal(0, 0.02, 100_003).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    values = (np.random.default_rng(5).normal(0, 0.02, 100_003).astype(np.float32).view(np.uint32) >> 16).astype(
+        np.uint16
+    )
     p = rans.RansParams.for_word(16, True, 14, 1024)
     whole = rans.encode(values, p, 2)
     monkeypatch.setattr(rans, "ENCODE_SLAB_BYTES", 3 * 2 * 1024 * 4)  # 12 chunks a slab: 9 slabs
@@ -187,7 +201,9 @@ def test_rans_slabs_and_ranges_give_the_one_slab_streams(monkeypatch):
 
 
 def test_tiles_row_ranges_check_what_a_whole_decode_checks():
-    values = (np.random.default_rng(6).normal(0, 0.5, 64 * 40).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    values = (np.random.default_rng(6).normal(0, 0.5, 64 * 40).astype(np.float32).view(np.uint32) >> 16).astype(
+        np.uint16
+    )
     p, streams = tiles.encode(values, 64, 40, block=16)
     assert len(streams["esc"]) > 0
     assert np.array_equal(tiles.decode(streams, p, 64, 40), tiles.decode_reference(streams, p, 64, 40))
@@ -198,7 +214,9 @@ def test_tiles_row_ranges_check_what_a_whole_decode_checks():
     assert np.array_equal(out, values)
     # Every entry shifted by one, esc one byte longer at the front: consistent but for entry 0.
     idx = tiles.esc_index_entries(streams["esc_index"]) + 1
-    shifted = dict(streams, esc_index=idx.astype("<u4").view(np.uint8), esc=np.concatenate([[0], streams["esc"]]).astype(np.uint8))
+    shifted = dict(
+        streams, esc_index=idx.astype("<u4").view(np.uint8), esc=np.concatenate([[0], streams["esc"]]).astype(np.uint8)
+    )
     with pytest.raises(ValueError, match="esc_index"):
         tiles.decode(shifted, p, 64, 40)
 
@@ -206,8 +224,23 @@ def test_tiles_row_ranges_check_what_a_whole_decode_checks():
 def test_every_command_within_the_memory_target(tmp_path):
     """benchmarks/memory_bench.py at 96 MiB: peak RSS of each command <= 1.5 × tensor + 256 MiB."""
     out = tmp_path / "memory_bench.json"
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "memory_bench.py"), "--mib", "96", "--threads", "2",
-                           "--workdir", str(tmp_path), "--out", str(out)], capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "memory_bench.py"),
+            "--mib",
+            "96",
+            "--threads",
+            "2",
+            "--workdir",
+            str(tmp_path),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     result = json.loads(out.read_text())
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = {r["command"]: r for r in result["rows"]}

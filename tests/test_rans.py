@@ -30,7 +30,11 @@ def roundtrip(values: np.ndarray, p: rans.RansParams, threads: int = 2) -> dict:
 
 def test_reference_matches_fast_decoder_on_minilm(minilm_tensors):
     # Several real tensors, cut to sizes that leave partial lane rounds and raw groups.
-    for name, n in [("encoder.layer.0.attention.self.query.weight", 9001), ("encoder.layer.3.intermediate.dense.weight", 4099), ("embeddings.word_embeddings.weight", 2053)]:
+    for name, n in [
+        ("encoder.layer.0.attention.self.query.weight", 9001),
+        ("encoder.layer.3.intermediate.dense.weight", 4099),
+        ("embeddings.word_embeddings.weight", 2053),
+    ]:
         values = minilm_tensors[name][:n]
         p = rans.RansParams.for_word(16, True, precision=12, chunk=1024)
         streams = roundtrip(values, p)
@@ -65,7 +69,9 @@ def test_lengths_around_lanes_groups_and_chunks(n):
     assert np.array_equal(decode_reference(p.to_json(), streams, n), values)
 
 
-@pytest.mark.parametrize("word_bits,rotate,dtype", [(8, True, np.uint8), (8, False, np.uint8), (16, False, np.uint16), (32, True, np.uint32)])
+@pytest.mark.parametrize(
+    "word_bits,rotate,dtype", [(8, True, np.uint8), (8, False, np.uint8), (16, False, np.uint16), (32, True, np.uint32)]
+)
 def test_other_word_sizes(word_bits, rotate, dtype):
     rng = np.random.default_rng(word_bits)
     if word_bits == 32:  # FP32 weights: a real-looking exponent spread
@@ -121,10 +127,11 @@ def test_corrupt_words_are_detected_not_misread():
 def test_a_tiny_file_cannot_claim_a_huge_tensor(tmp_path):
     """A constant tensor codes to no words at all, so a small file could declare terabytes: the
     reader refuses sizes beyond physical memory before allocating."""
+    import torch
+
     import unweight
     from unweight.codec import decode_tensor
     from unweight.formats import ContainerReader
-    import torch
 
     path = tmp_path / "c.safetensors"
     unweight.save_file({"c": torch.ones(20000, dtype=torch.bfloat16)}, path)

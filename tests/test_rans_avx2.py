@@ -109,12 +109,15 @@ def test_lookup_gives_every_slot_its_entry(case):
     symbol's entry) holds the same f, q - c and top bits as the slot table, slot for slot."""
     from unweight.codec import freq_table
 
-    values = {"weights": bf16(50_000, 3), "all patterns": np.arange(65536, dtype=np.uint16),
-              "one symbol": np.full(5000, 0x3F80, dtype=np.uint16)}[case]
+    values = {
+        "weights": bf16(50_000, 3),
+        "all patterns": np.arange(65536, dtype=np.uint16),
+        "one symbol": np.full(5000, 0x3F80, dtype=np.uint16),
+    }[case]
     p = rans.RansParams.for_word(16, True, precision=14, chunk=8192)
     table = rans.encode(values, p, 1)["table"]
     lut, wide = freq_table.lookup_from_stream(table, p.sym_bits, p.precision, 16, 6, True)
     tab = freq_table.slots_from_stream(table, p.sym_bits, p.precision, 16, 6, True)
     assert wide == (case == "all patterns")  # 1024 symbols in use need two-byte indices
-    index = lut[freq_table.LOOKUP_SYMBOLS:].view(np.uint16 if wide else np.uint8)
+    index = lut[freq_table.LOOKUP_SYMBOLS :].view(np.uint16 if wide else np.uint8)
     assert [freq_table.slot_entry(lut, index, q) for q in range(len(tab))] == tab.tolist()

@@ -14,7 +14,9 @@ def test_readme_python_example(minilm_dir, tmp_path, monkeypatch):
     (tmp_path / "path" / "to" / "model").symlink_to(minilm_dir)
     monkeypatch.chdir(tmp_path)
     exec(compile(code, str(README), "exec"), {})
-    assert (tmp_path / "model-restored" / "model.safetensors").read_bytes() == (minilm_dir / "model.safetensors").read_bytes()
+    assert (tmp_path / "model-restored" / "model.safetensors").read_bytes() == (
+        minilm_dir / "model.safetensors"
+    ).read_bytes()
 
 
 def test_readme_runtime_example(smollm2_uw, tmp_path, monkeypatch, capsys):

@@ -9,7 +9,6 @@ import hashlib
 import pytest
 
 import unweight
-
 from helpers import run_cli
 
 
@@ -46,7 +45,12 @@ def test_transformers_answers_from_the_decompressed_folder(compressed, tmp_path)
     unweight.decompress(out, back)
     tok = AutoTokenizer.from_pretrained(back)
     model = AutoModelForCausalLM.from_pretrained(back, dtype=torch.bfloat16)
-    ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
     new = model.generate(**ids, max_new_tokens=10, do_sample=False)[0, ids["input_ids"].shape[1] :]
     assert "Paris" in tok.decode(new, skip_special_tokens=True)
 

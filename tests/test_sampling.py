@@ -15,7 +15,9 @@ from unweight.runtime.sampling import SamplingParams, Sequence, token_logprobs
 V = 50
 
 
-def reference_scores(logits: list[float], p: SamplingParams, prompt: list[int], output: list[int], stop_ids: set[int]) -> list[float]:
+def reference_scores(
+    logits: list[float], p: SamplingParams, prompt: list[int], output: list[int], stop_ids: set[int]
+) -> list[float]:
     """The processed logits, one element at a time, in the order the module's docstring gives."""
     s = list(logits)
     for t, b in p.logit_bias.items():
@@ -46,7 +48,12 @@ params_st = st.builds(
 
 
 @settings(max_examples=150, deadline=None)
-@given(params_st, st.lists(st.integers(0, V - 1), min_size=1, max_size=6), st.lists(st.integers(0, V - 1), max_size=6), st.integers(0, 2**32))
+@given(
+    params_st,
+    st.lists(st.integers(0, V - 1), min_size=1, max_size=6),
+    st.lists(st.integers(0, V - 1), max_size=6),
+    st.integers(0, 2**32),
+)
 def test_processed_greedy_choice_matches_the_reference(p, prompt, output, seed):
     logits = torch.randn(V, generator=torch.Generator().manual_seed(seed))
     seq = Sequence(p, prompt, eos=[0])
@@ -110,7 +117,10 @@ def test_min_p_and_top_k_cut_the_draws():
 def test_logprobs_are_the_models_raw_distribution():
     logits = torch.randn(V, generator=torch.Generator().manual_seed(3))
     want = torch.log_softmax(logits, -1)
-    for p in (SamplingParams(logprobs=4), SamplingParams(logprobs=4, temperature=0.5, seed=2, repetition_penalty=2.0, logit_bias={3: 50.0})):
+    for p in (
+        SamplingParams(logprobs=4),
+        SamplingParams(logprobs=4, temperature=0.5, seed=2, repetition_penalty=2.0, logit_bias={3: 50.0}),
+    ):
         pick = Sequence(p, [3, 4], eos=[]).choose(logits)
         assert pick.logprob == pytest.approx(float(want[pick.token]), abs=1e-6)
         assert [t for t, _ in pick.top] == torch.topk(want, 4).indices.tolist()
@@ -149,27 +159,45 @@ def test_the_state_hands_over_mid_sequence():
     assert got == want
 
 
-@pytest.mark.parametrize("bad", [
-    {"sampling": {"temperature": "x"}, "prompt": [1], "output": [], "eos": [], "rng": None},
-    {"sampling": {"bogus": 1}, "prompt": [1], "output": [], "eos": [], "rng": None},
-    {"sampling": {}, "prompt": [V], "output": [], "eos": [], "rng": None},
-    {"sampling": {}, "prompt": ["1"], "output": [], "eos": [], "rng": None},
-    {"sampling": {}, "prompt": [1], "output": [], "eos": [], "rng": [300]},
-    {"sampling": {}, "prompt": [1], "output": [], "eos": [], "rng": [1, 2, 3]},
-    {"sampling": {"logit_bias": [[V + 5, 1.0]]}, "prompt": [1], "output": [], "eos": [], "rng": None},
-    {"sampling": {"logit_bias": {"1": 2}}, "prompt": [1], "output": [], "eos": [], "rng": None},
-    "not an object",
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"sampling": {"temperature": "x"}, "prompt": [1], "output": [], "eos": [], "rng": None},
+        {"sampling": {"bogus": 1}, "prompt": [1], "output": [], "eos": [], "rng": None},
+        {"sampling": {}, "prompt": [V], "output": [], "eos": [], "rng": None},
+        {"sampling": {}, "prompt": ["1"], "output": [], "eos": [], "rng": None},
+        {"sampling": {}, "prompt": [1], "output": [], "eos": [], "rng": [300]},
+        {"sampling": {}, "prompt": [1], "output": [], "eos": [], "rng": [1, 2, 3]},
+        {"sampling": {"logit_bias": [[V + 5, 1.0]]}, "prompt": [1], "output": [], "eos": [], "rng": None},
+        {"sampling": {"logit_bias": {"1": 2}}, "prompt": [1], "output": [], "eos": [], "rng": None},
+        "not an object",
+    ],
+)
 def test_a_bad_state_is_a_value_error(bad):
     with pytest.raises(ValueError):
         Sequence.from_state(bad, V)
 
 
-@pytest.mark.parametrize("kw", [
-    {"temperature": float("nan")}, {"temperature": -1}, {"top_p": 0}, {"top_k": -2}, {"min_p": 1.5},
-    {"presence_penalty": 2.5}, {"frequency_penalty": -3}, {"repetition_penalty": 0}, {"logit_bias": {1: 101}},
-    {"min_tokens": 300}, {"seed": 2**63}, {"seed": -(2**63) - 1}, {"logprobs": 21}, {"ignore_eos": 1}, {"stop_token_ids": [-1]},
-])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"temperature": float("nan")},
+        {"temperature": -1},
+        {"top_p": 0},
+        {"top_k": -2},
+        {"min_p": 1.5},
+        {"presence_penalty": 2.5},
+        {"frequency_penalty": -3},
+        {"repetition_penalty": 0},
+        {"logit_bias": {1: 101}},
+        {"min_tokens": 300},
+        {"seed": 2**63},
+        {"seed": -(2**63) - 1},
+        {"logprobs": 21},
+        {"ignore_eos": 1},
+        {"stop_token_ids": [-1]},
+    ],
+)
 def test_out_of_range_settings_are_refused(kw):
     with pytest.raises(ValueError):
         SamplingParams(**kw)

@@ -40,11 +40,15 @@ def free_port() -> int:
 class Server:
     """`unweight serve` as a subprocess (stderr to a pipe, or to the file object `stderr`)."""
 
-    def __init__(self, *args: str, port: int | None = None, wait: bool = True, env: dict | None = None, stderr=subprocess.PIPE):
+    def __init__(
+        self, *args: str, port: int | None = None, wait: bool = True, env: dict | None = None, stderr=subprocess.PIPE
+    ):
         self.port = port or free_port()
         env = {**os.environ, "UNWEIGHT_PIPELINE": "fused", **(env or {})}
         cmd = [sys.executable, "-m", "unweight.cli.main", "serve", *args, "--port", str(self.port)]
-        self.proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=stderr, text=True)
+        self.proc = subprocess.Popen(
+            cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=stderr, text=True
+        )
         self.url = f"http://127.0.0.1:{self.port}"
         self.http = httpx.Client(base_url=self.url, timeout=120, headers={"Authorization": f"Bearer {KEY}"})
         if wait:
@@ -71,7 +75,9 @@ class Server:
         return self.http.get("/health").json()
 
     def chat(self, messages, **kw) -> httpx.Response:
-        return self.http.post("/v1/chat/completions", json={"model": "uw", "messages": messages, "temperature": 0, **kw})
+        return self.http.post(
+            "/v1/chat/completions", json={"model": "uw", "messages": messages, "temperature": 0, **kw}
+        )
 
     def stop(self) -> list[int]:
         """SIGTERM, as a user's Ctrl-C would; returns the worker pids it had."""
@@ -133,7 +139,9 @@ def test_streaming_equals_non_streaming_with_the_openai_client(server):
     client = OpenAI(base_url=f"{server.url}/v1", api_key=KEY)
     assert [m.id for m in client.models.list()] == ["uw"]
     whole = client.completions.create(model="uw", prompt="The history of Rome", max_tokens=20, temperature=0)
-    pieces = client.completions.create(model="uw", prompt="The history of Rome", max_tokens=20, temperature=0, stream=True)
+    pieces = client.completions.create(
+        model="uw", prompt="The history of Rome", max_tokens=20, temperature=0, stream=True
+    )
     assert "".join(c.choices[0].text for c in pieces) == whole.choices[0].text and whole.usage.completion_tokens == 20
     chat = client.chat.completions.create(model="uw", messages=MESSAGES[0], max_tokens=16, temperature=0)
     stream = client.chat.completions.create(model="uw", messages=MESSAGES[0], max_tokens=16, temperature=0, stream=True)
@@ -145,7 +153,11 @@ def test_sixteen_concurrent_clients_get_complete_correct_answers(server, expecte
         r = server.chat(MESSAGES[i % 4], max_tokens=16, stream=(i % 2 == 1))
         if i % 2:
             chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
-            return i, "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks), r.text.rstrip().splitlines()[-1]
+            return (
+                i,
+                "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks),
+                r.text.rstrip().splitlines()[-1],
+            )
         return i, r.json()["choices"][0]["message"]["content"], "data: [DONE]"
 
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
@@ -154,16 +166,23 @@ def test_sixteen_concurrent_clients_get_complete_correct_answers(server, expecte
         assert text == expected[i % 4].text and last == "data: [DONE]", f"client {i}"
 
 
-@pytest.mark.parametrize("body,status,fragment", [
-    (b"{not json", 400, "not valid JSON"),
-    ({"model": "uw", "messages": MESSAGES[0], "max_tokens": "ten"}, 400, "max_tokens"),
-    ({"model": "uw", "messages": MESSAGES[0], "max_tokens": 0}, 400, "max_tokens"),
-    ({"model": "gpt-4", "messages": MESSAGES[0]}, 404, "is not served here"),
-    ({"model": "uw", "messages": [{"role": "user", "content": "word " * 600}]}, 400, "context length"),
-    ({"model": "uw", "messages": MESSAGES[0], "n": 65}, 400, "n"),
-    ({"model": "uw", "messages": MESSAGES[0], "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
-    ({"model": "uw", "messages": "hello"}, 400, "messages"),
-])
+@pytest.mark.parametrize(
+    "body,status,fragment",
+    [
+        (b"{not json", 400, "not valid JSON"),
+        ({"model": "uw", "messages": MESSAGES[0], "max_tokens": "ten"}, 400, "max_tokens"),
+        ({"model": "uw", "messages": MESSAGES[0], "max_tokens": 0}, 400, "max_tokens"),
+        ({"model": "gpt-4", "messages": MESSAGES[0]}, 404, "is not served here"),
+        ({"model": "uw", "messages": [{"role": "user", "content": "word " * 600}]}, 400, "context length"),
+        ({"model": "uw", "messages": MESSAGES[0], "n": 65}, 400, "n"),
+        (
+            {"model": "uw", "messages": MESSAGES[0], "tools": [{"type": "function", "function": {"name": "f"}}]},
+            400,
+            "tools",
+        ),
+        ({"model": "uw", "messages": "hello"}, 400, "messages"),
+    ],
+)
 def test_bad_requests_get_openai_errors(server, body, status, fragment):
     kw = {"content": body} if isinstance(body, bytes) else {"json": body}
     r = server.http.post("/v1/chat/completions", **kw)
@@ -171,7 +190,11 @@ def test_bad_requests_get_openai_errors(server, body, status, fragment):
 
 
 def test_wrong_api_key_is_401(server):
-    r = httpx.post(f"{server.url}/v1/chat/completions", json={"model": "uw", "messages": MESSAGES[0]}, headers={"Authorization": "Bearer nope"})
+    r = httpx.post(
+        f"{server.url}/v1/chat/completions",
+        json={"model": "uw", "messages": MESSAGES[0]},
+        headers={"Authorization": "Bearer nope"},
+    )
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
 
 
@@ -250,7 +273,9 @@ def test_aggregated_mode(uw, expected):
     try:
         h = s.health()
         assert h["mode"] == "aggregated" and [w["role"] for w in h["workers"]] == ["worker"]
-        r = s.http.post("/v1/chat/completions", json={"model": "uw", "messages": MESSAGES[2], "max_tokens": 16, "temperature": 0})
+        r = s.http.post(
+            "/v1/chat/completions", json={"model": "uw", "messages": MESSAGES[2], "max_tokens": 16, "temperature": 0}
+        )
         assert r.json()["choices"][0]["message"]["content"] == expected[2].text
     finally:
         s.stop()
@@ -263,11 +288,29 @@ def test_roles_started_separately(uw, expected, tmp_path):
     secret = tmp_path / "secret"
     secret.write_text("s" * 40 + "\n")
     secret.chmod(0o600)
-    router = Server(str(uw), "--role", "router", "--control-port", str(control), "--control-secret-file", str(secret), wait=False)
+    router = Server(
+        str(uw), "--role", "router", "--control-port", str(control), "--control-secret-file", str(secret), wait=False
+    )
     env = {**os.environ, "UNWEIGHT_PIPELINE": "fused"}
     workers = [
-        subprocess.Popen([sys.executable, "-m", "unweight.cli.main", "serve", str(uw), "--role", role, "--name", f"{role}-x",
-                          "--router-address", f"127.0.0.1:{control}", "--control-secret-file", str(secret)], env=env)
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "unweight.cli.main",
+                "serve",
+                str(uw),
+                "--role",
+                role,
+                "--name",
+                f"{role}-x",
+                "--router-address",
+                f"127.0.0.1:{control}",
+                "--control-secret-file",
+                str(secret),
+            ],
+            env=env,
+        )
         for role in ("prefill", "decode")
     ]
     try:

@@ -13,9 +13,9 @@ import json
 import openai
 import pytest
 import torch
-from test_serve import KEY, Server
 
 import unweight
+from test_serve import KEY, Server
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 TOL = 2e-3  # the server's fused CPU GEMV and this process's pipeline sum in different orders
@@ -56,13 +56,17 @@ def chat_ids(local, messages) -> list[int]:
 
 
 def test_chat_logprobs_match_the_model(client, local):
-    r = client.chat.completions.create(model="uw", messages=CHAT, max_tokens=8, temperature=0, logprobs=True, top_logprobs=3)
+    r = client.chat.completions.create(
+        model="uw", messages=CHAT, max_tokens=8, temperature=0, logprobs=True, top_logprobs=3
+    )
     choice = r.choices[0]
     content = choice.logprobs.content
     assert len(content) == r.usage.completion_tokens > 0
     assert b"".join(bytes(e.bytes) for e in content).decode() == choice.message.content
     tok = local[1]
-    gen = tok.convert_tokens_to_ids([tok.convert_ids_to_tokens(i) for i in tok(choice.message.content, add_special_tokens=False)["input_ids"]])
+    gen = tok.convert_tokens_to_ids(
+        [tok.convert_ids_to_tokens(i) for i in tok(choice.message.content, add_special_tokens=False)["input_ids"]]
+    )
     prompt = chat_ids(local, CHAT)
     lp = logprobs_of(local, prompt + gen)
     for k, e in enumerate(content):
@@ -97,7 +101,9 @@ def test_echo_scores_a_token_id_prompt_as_lm_eval_asks(client, local):
         assert lp.token_logprobs[k] == pytest.approx(float(want[k - 1, ids[k]]), abs=TOL)
         best = max(lp.top_logprobs[k].values())
         assert best == pytest.approx(float(want[k - 1].max()), abs=TOL)
-        assert lp.top_logprobs[k][lp.tokens[k]] == lp.token_logprobs[k]  # the chosen token is in its dict, as lm-eval's is_greedy needs
+        assert (
+            lp.top_logprobs[k][lp.tokens[k]] == lp.token_logprobs[k]
+        )  # the chosen token is in its dict, as lm-eval's is_greedy needs
     assert r.choices[0].text.startswith(tok.decode(ids)) and "".join(lp.tokens) == r.choices[0].text
     assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
     assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 1
@@ -116,7 +122,9 @@ def test_streamed_echo_sends_the_prompt_first(client):
 
 def test_batched_and_token_id_prompts_are_choices_of_their_own(client, local):
     prompts = ["The sky is", "Two plus two is"]
-    one = [client.completions.create(model="uw", prompt=p, max_tokens=6, temperature=0).choices[0].text for p in prompts]
+    one = [
+        client.completions.create(model="uw", prompt=p, max_tokens=6, temperature=0).choices[0].text for p in prompts
+    ]
     r = client.completions.create(model="uw", prompt=prompts, max_tokens=6, temperature=0)
     assert sorted((c.index, c.text) for c in r.choices) == [(0, one[0]), (1, one[1])]
     ids = [local[1](p)["input_ids"] for p in prompts]
@@ -126,24 +134,92 @@ def test_batched_and_token_id_prompts_are_choices_of_their_own(client, local):
 
 
 def test_content_parts_tool_histories_and_nulls(server, client):
-    plain = client.chat.completions.create(model="uw", messages=CHAT, max_tokens=8, temperature=0).choices[0].message.content
+    plain = (
+        client.chat.completions.create(model="uw", messages=CHAT, max_tokens=8, temperature=0)
+        .choices[0]
+        .message.content
+    )
     parts = [{"role": "user", "content": [{"type": "text", "text": CHAT[0]["content"]}]}]
-    assert client.chat.completions.create(model="uw", messages=parts, max_tokens=8, temperature=0).choices[0].message.content == plain
-    history = [{"role": "user", "content": "Weather?"},
-               {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}]},
-               {"role": "tool", "tool_call_id": "c1", "content": "sunny"}, *CHAT]
-    assert client.chat.completions.create(model="uw", messages=history, max_tokens=4, temperature=0).choices[0].message.content
-    nulls = {k: None for k in ("max_tokens", "max_completion_tokens", "top_p", "top_k", "n", "stream", "stop", "seed", "logprobs", "top_logprobs",
-                               "presence_penalty", "frequency_penalty", "logit_bias", "stream_options", "tools", "tool_choice", "response_format",
-                               "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "user")}
+    assert (
+        client.chat.completions.create(model="uw", messages=parts, max_tokens=8, temperature=0)
+        .choices[0]
+        .message.content
+        == plain
+    )
+    history = [
+        {"role": "user", "content": "Weather?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+        *CHAT,
+    ]
+    assert (
+        client.chat.completions.create(model="uw", messages=history, max_tokens=4, temperature=0)
+        .choices[0]
+        .message.content
+    )
+    nulls = {
+        k: None
+        for k in (
+            "max_tokens",
+            "max_completion_tokens",
+            "top_p",
+            "top_k",
+            "n",
+            "stream",
+            "stop",
+            "seed",
+            "logprobs",
+            "top_logprobs",
+            "presence_penalty",
+            "frequency_penalty",
+            "logit_bias",
+            "stream_options",
+            "tools",
+            "tool_choice",
+            "response_format",
+            "min_p",
+            "repetition_penalty",
+            "min_tokens",
+            "ignore_eos",
+            "stop_token_ids",
+            "user",
+        )
+    }
     r = server.http.post("/v1/chat/completions", json={"model": "uw", "messages": CHAT, "temperature": 0, **nulls})
     assert r.status_code == 200, r.text
-    r = server.http.post("/v1/completions", json={"model": "uw", "prompt": "Hi", "temperature": None, "echo": None, "best_of": None, "suffix": None, "max_tokens": 4})
+    r = server.http.post(
+        "/v1/completions",
+        json={
+            "model": "uw",
+            "prompt": "Hi",
+            "temperature": None,
+            "echo": None,
+            "best_of": None,
+            "suffix": None,
+            "max_tokens": 4,
+        },
+    )
     assert r.status_code == 200, r.text
-    unused = {"tool_choice": "auto", "parallel_tool_calls": True, "response_format": {"type": "text"}, "modalities": ["text"], "tools": []}
+    unused = {
+        "tool_choice": "auto",
+        "parallel_tool_calls": True,
+        "response_format": {"type": "text"},
+        "modalities": ["text"],
+        "tools": [],
+    }
     r = server.http.post("/v1/chat/completions", json={"model": "uw", "messages": CHAT, "max_tokens": 2, **unused})
     assert r.status_code == 200, r.text
-    r = server.http.post("/v1/chat/completions", json={"model": "uw", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]})
+    r = server.http.post(
+        "/v1/chat/completions",
+        json={
+            "model": "uw",
+            "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+        },
+    )
     assert r.status_code == 400 and "image_url" in r.json()["error"]["message"]
 
 
@@ -161,56 +237,103 @@ def test_n_and_best_of(client):
 
 def test_penalties_bias_and_stop_controls(client, local):
     model, tok = local
-    plain = client.completions.create(model="uw", prompt="one, one, one, one,", max_tokens=12, temperature=0).choices[0].text
+    plain = (
+        client.completions.create(model="uw", prompt="one, one, one, one,", max_tokens=12, temperature=0)
+        .choices[0]
+        .text
+    )
     kw = dict(frequency_penalty=2.0, presence_penalty=1.0)
-    penalised = client.completions.create(model="uw", prompt="one, one, one, one,", max_tokens=12, temperature=0, **kw).choices[0].text
+    penalised = (
+        client.completions.create(model="uw", prompt="one, one, one, one,", max_tokens=12, temperature=0, **kw)
+        .choices[0]
+        .text
+    )
     assert penalised != plain
     assert penalised == unweight.generate(model, tok, "one, one, one, one,", max_new_tokens=12, **kw).text
-    rep = client.completions.create(model="uw", prompt="one, one, one, one,", max_tokens=12, temperature=0, extra_body={"repetition_penalty": 1.5})
-    assert rep.choices[0].text == unweight.generate(model, tok, "one, one, one, one,", max_new_tokens=12, repetition_penalty=1.5).text
+    rep = client.completions.create(
+        model="uw", prompt="one, one, one, one,", max_tokens=12, temperature=0, extra_body={"repetition_penalty": 1.5}
+    )
+    assert (
+        rep.choices[0].text
+        == unweight.generate(model, tok, "one, one, one, one,", max_new_tokens=12, repetition_penalty=1.5).text
+    )
     x = tok(" banana", add_special_tokens=False)["input_ids"][0]
     r = client.completions.create(model="uw", prompt="Hello", max_tokens=5, temperature=0, logit_bias={str(x): 100})
     assert r.choices[0].text == " banana" * 5
-    r = client.completions.create(model="uw", prompt="Hello", max_tokens=7, temperature=0, logit_bias={str(x): 100}, extra_body={"stop_token_ids": [x], "min_tokens": 0})
+    r = client.completions.create(
+        model="uw",
+        prompt="Hello",
+        max_tokens=7,
+        temperature=0,
+        logit_bias={str(x): 100},
+        extra_body={"stop_token_ids": [x], "min_tokens": 0},
+    )
     assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == 0
     eos = tok.convert_tokens_to_ids("<|im_end|>")
-    r = client.chat.completions.create(model="uw", messages=CHAT, max_tokens=20, temperature=0, logit_bias={str(eos): 100}, extra_body={"min_tokens": 3})
+    r = client.chat.completions.create(
+        model="uw",
+        messages=CHAT,
+        max_tokens=20,
+        temperature=0,
+        logit_bias={str(eos): 100},
+        extra_body={"min_tokens": 3},
+    )
     assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "stop"
-    r = client.chat.completions.create(model="uw", messages=CHAT, max_tokens=20, temperature=0, logit_bias={str(eos): 100}, extra_body={"ignore_eos": True})
+    r = client.chat.completions.create(
+        model="uw",
+        messages=CHAT,
+        max_tokens=20,
+        temperature=0,
+        logit_bias={str(eos): 100},
+        extra_body={"ignore_eos": True},
+    )
     assert r.usage.completion_tokens == 20 and r.choices[0].finish_reason == "length"
 
 
 def test_tiny_temperatures_and_extreme_values_are_served(client):
     for t in (1e-40, 1e-6):
-        r = client.chat.completions.create(model="uw", messages=CHAT, max_tokens=4, temperature=t, top_p=1e-9, extra_body={"min_p": 1.0, "top_k": 1})
+        r = client.chat.completions.create(
+            model="uw", messages=CHAT, max_tokens=4, temperature=t, top_p=1e-9, extra_body={"min_p": 1.0, "top_k": 1}
+        )
         assert r.choices[0].message.content
-    r = client.chat.completions.create(model="uw", messages=CHAT, max_tokens=4, temperature=2.0, seed=-(2**63), presence_penalty=-2, frequency_penalty=2)
+    r = client.chat.completions.create(
+        model="uw",
+        messages=CHAT,
+        max_tokens=4,
+        temperature=2.0,
+        seed=-(2**63),
+        presence_penalty=-2,
+        frequency_penalty=2,
+    )
     assert r.usage.completion_tokens == 4 or r.choices[0].finish_reason == "stop"
 
 
-@pytest.mark.parametrize("endpoint,extra,param", [
-    ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
-    ("chat", {"tool_choice": "required"}, "tool_choice"),
-    ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
-    ("chat", {"guided_json": {"type": "object"}}, "guided_json"),
-    ("chat", {"echo": True}, "echo"),
-    ("chat", {"best_of": 2}, "best_of"),
-    ("completions", {"suffix": "end"}, "suffix"),
-    ("completions", {"prompt_logprobs": 1}, "prompt_logprobs"),
-    ("chat", {"seed": 2**63}, "seed"),
-    ("chat", {"seed": -(2**63) - 1}, "seed"),
-    ("chat", {"top_logprobs": 2}, None),
-    ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    ("completions", {"logprobs": 21}, "logprobs"),
-    ("chat", {"logit_bias": {"99999999": 5}}, None),
-    ("chat", {"logit_bias": {"the": 5}}, "logit_bias"),
-    ("chat", {"presence_penalty": 3}, "presence_penalty"),
-    ("chat", {"n": 0}, "n"),
-    ("chat", {"min_tokens": 300, "max_tokens": 10}, None),
-    ("completions", {"n": 3, "best_of": 2}, None),
-    ("completions", {"prompt": [[]]}, "prompt"),
-    ("completions", {"prompt": [1, 10**9]}, "prompt"),
-])
+@pytest.mark.parametrize(
+    "endpoint,extra,param",
+    [
+        ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+        ("chat", {"tool_choice": "required"}, "tool_choice"),
+        ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
+        ("chat", {"guided_json": {"type": "object"}}, "guided_json"),
+        ("chat", {"echo": True}, "echo"),
+        ("chat", {"best_of": 2}, "best_of"),
+        ("completions", {"suffix": "end"}, "suffix"),
+        ("completions", {"prompt_logprobs": 1}, "prompt_logprobs"),
+        ("chat", {"seed": 2**63}, "seed"),
+        ("chat", {"seed": -(2**63) - 1}, "seed"),
+        ("chat", {"top_logprobs": 2}, None),
+        ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ("completions", {"logprobs": 21}, "logprobs"),
+        ("chat", {"logit_bias": {"99999999": 5}}, None),
+        ("chat", {"logit_bias": {"the": 5}}, "logit_bias"),
+        ("chat", {"presence_penalty": 3}, "presence_penalty"),
+        ("chat", {"n": 0}, "n"),
+        ("chat", {"min_tokens": 300, "max_tokens": 10}, None),
+        ("completions", {"n": 3, "best_of": 2}, None),
+        ("completions", {"prompt": [[]]}, "prompt"),
+        ("completions", {"prompt": [1, 10**9]}, "prompt"),
+    ],
+)
 def test_unsupported_and_bad_fields_are_400_by_name(server, endpoint, extra, param):
     base = {"model": "uw", "max_tokens": 4}
     base.update({"messages": CHAT} if endpoint == "chat" else {"prompt": "Hi"})

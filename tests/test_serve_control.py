@@ -21,16 +21,20 @@ import sys
 import time
 import uuid
 
-import httpx
 import pytest
 import zmq
-from test_serve import KEY, MESSAGES, Server, alive, free_port
 
 import unweight
+from test_serve import KEY, MESSAGES, Server, alive, free_port
 from unweight.runtime.generate import encode_prompt
 from unweight.runtime.serve.protocol import curve_keys, read_secret_file
 
-PROMPTS = ["The history of Rome", "Once upon a time, in a small village", "The best way to learn a language is", "In the year 2050, cities"]
+PROMPTS = [
+    "The history of Rome",
+    "Once upon a time, in a small village",
+    "The best way to learn a language is",
+    "In the year 2050, cities",
+]
 POOL_TOKENS = 112  # the small KV pool of the module's server: 7 blocks of 16 tokens
 POOL_MAX_TOKENS = 64  # each completion: a few prompt tokens + 64 fit the pool alone; four at once need ~3x the pool
 
@@ -54,7 +58,9 @@ class LoggedServer(Server):
 
     def stop(self) -> None:
         # the test's own sockets posing as workers said hello with this process's pid
-        pids = [w["pid"] for w in self.workers().values() if w["pid"] != os.getpid()] if self.proc.poll() is None else []
+        pids = (
+            [w["pid"] for w in self.workers().values() if w["pid"] != os.getpid()] if self.proc.poll() is None else []
+        )
         self.proc.send_signal(signal.SIGTERM)
         self.proc.wait(timeout=60)
         self.http.close()
@@ -69,7 +75,9 @@ def write_secret(path) -> str:
     return read_secret_file(path)
 
 
-def dealer(ctx: zmq.Context, port: int, identity: str, keys: tuple[bytes, bytes] | None = None, server_key: bytes | None = None) -> zmq.Socket:
+def dealer(
+    ctx: zmq.Context, port: int, identity: str, keys: tuple[bytes, bytes] | None = None, server_key: bytes | None = None
+) -> zmq.Socket:
     s = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.IDENTITY, identity.encode())
     s.setsockopt(zmq.LINGER, 0)
@@ -106,7 +114,9 @@ def wait_for(predicate, timeout: float, what: str, step: float = 0.2):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def rogue_worker(ctx: zmq.Context, srv: LoggedServer, name: str, keys: dict, role: str = "decode") -> tuple[zmq.Socket, zmq.Socket, str]:
+def rogue_worker(
+    ctx: zmq.Context, srv: LoggedServer, name: str, keys: dict, role: str = "decode"
+) -> tuple[zmq.Socket, zmq.Socket, str]:
     """A peer holding the workers' key that says hello as a worker of `role` and beats
     (running=1000, so the router never picks it): its main socket and its heartbeat socket, both
     kept open (a closed socket drops what it queued), and the incarnation it said."""
@@ -134,8 +144,18 @@ def srv(uw, secret, tmp_path_factory):
     """Router + prefill + decode on 127.0.0.1, a known control port, the secret from a file, and a
     KV pool of POOL_TOKENS tokens."""
     control = free_port()
-    s = LoggedServer(tmp_path_factory.mktemp("logs"), str(uw), "--api-key", KEY, "--control-port", str(control),
-                     "--control-secret-file", str(secret[0]), "--kv-cache-tokens", str(POOL_TOKENS))
+    s = LoggedServer(
+        tmp_path_factory.mktemp("logs"),
+        str(uw),
+        "--api-key",
+        KEY,
+        "--control-port",
+        str(control),
+        "--control-secret-file",
+        str(secret[0]),
+        "--kv-cache-tokens",
+        str(POOL_TOKENS),
+    )
     s.control = control
     yield s
     s.stop()
@@ -168,7 +188,9 @@ def expected_long(model_and_tokenizer):
 
 
 def chat_ok(s, expected, i: int = 0) -> None:
-    r = s.http.post("/v1/chat/completions", json={"model": "uw", "messages": MESSAGES[i], "max_tokens": 16, "temperature": 0})
+    r = s.http.post(
+        "/v1/chat/completions", json={"model": "uw", "messages": MESSAGES[i], "max_tokens": 16, "temperature": 0}
+    )
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"] == expected[i].text
 
@@ -188,18 +210,26 @@ def test_a_process_without_the_secret_cannot_join_or_read_prompts(srv, secret, e
     try:
         # a name that sorts first, so the router would pick it (ties go by name) if it were let in
         plain = dealer(ctx, srv.control, "a-intruder")
-        wrong_key = dealer(ctx, srv.control, "a-intruder2", zmq.curve_keypair(), keys["router"][0])  # knows the router's public key only
+        wrong_key = dealer(
+            ctx, srv.control, "a-intruder2", zmq.curve_keypair(), keys["router"][0]
+        )  # knows the router's public key only
         for sock in (plain, wrong_key):
             send(sock, hello("prefill"))
             send(sock, {"op": "beat", "running": 0, "queued": 0, "kv_blocks_used": 0, "kv_blocks_total": 1})
         time.sleep(1)
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            answer = pool.submit(srv.http.post, "/v1/chat/completions", json={"model": "uw", "messages": MESSAGES[0], "max_tokens": 16, "temperature": 0},
-                                 timeout=60)
+            answer = pool.submit(
+                srv.http.post,
+                "/v1/chat/completions",
+                json={"model": "uw", "messages": MESSAGES[0], "max_tokens": 16, "temperature": 0},
+                timeout=60,
+            )
             got = received(plain, 3) + received(wrong_key, 0.5)
             r = answer.result()
         assert got == [], f"a peer without the secret received {got[:1]}"
-        assert not {"a-intruder", "a-intruder2"} & set(srv.workers()), "a peer without the secret was registered as a worker"
+        assert not {"a-intruder", "a-intruder2"} & set(srv.workers()), (
+            "a peer without the secret was registered as a worker"
+        )
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == expected[0].text
         logs = srv.logs()
         assert "refused a control connection" in logs and "CURVE" in logs
@@ -217,12 +247,30 @@ def test_a_worker_only_reports_on_requests_it_holds(srv, secret, expected_long):
         with srv.http.stream("POST", "/v1/completions", json=body) as r:
             lines = r.iter_lines()
             first = next(line for line in lines if line.startswith("data: {"))
-            rid = json.loads(first[6:])["id"] + "-0-0"  # the router's id of the request's one sequence (prompt 0, choice 0)
-            send(rogue, {"op": "tokens", "items": [[rid, 1234, None, None], [rid, 567, None, None], [rid, None, "stop", None]]})
+            rid = (
+                json.loads(first[6:])["id"] + "-0-0"
+            )  # the router's id of the request's one sequence (prompt 0, choice 0)
+            send(
+                rogue,
+                {"op": "tokens", "items": [[rid, 1234, None, None], [rid, 567, None, None], [rid, None, "stop", None]]},
+            )
             send(rogue, {"op": "failed", "id": rid, "error": "injected failure"})
             seq = {"sampling": {"max_new_tokens": 4}, "prompt": [1, 2], "output": [1], "eos": [2], "rng": None}
-            send(rogue, {"op": "prefilled", "id": rid, "tag": 1, "first_token": 1, "logprobs": None, "seq": seq, "kv_shape": [30, 2, 1, 3, 64],
-                         "kv_dtype": "float32", "kv_bytes": 0, "decode": "zz-rogue"})
+            send(
+                rogue,
+                {
+                    "op": "prefilled",
+                    "id": rid,
+                    "tag": 1,
+                    "first_token": 1,
+                    "logprobs": None,
+                    "seq": seq,
+                    "kv_shape": [30, 2, 1, 3, 64],
+                    "kv_dtype": "float32",
+                    "kv_bytes": 0,
+                    "decode": "zz-rogue",
+                },
+            )
             rest = [line for line in lines if line]
         assert sse_text([first, *rest]) == expected_long[0].text
         assert rest[-1] == "data: [DONE]" and not any("injected" in line for line in rest)
@@ -237,7 +285,13 @@ def test_malformed_messages_are_dropped_and_nothing_else_is_affected(srv, secret
     try:
         rogue, beat, _ = rogue_worker(ctx, srv, "zz-buggy", keys)
         for bad in [
-            {"op": "beat", "running": "x", "queued": 0, "kv_blocks_used": 0, "kv_blocks_total": 1},  # made every request a 500
+            {
+                "op": "beat",
+                "running": "x",
+                "queued": 0,
+                "kv_blocks_used": 0,
+                "kv_blocks_total": 1,
+            },  # made every request a 500
             {"op": "beat", "running": -1, "queued": 0, "kv_blocks_used": 0, "kv_blocks_total": 1},
             {"op": "beat", "running": 1.5, "queued": 0, "kv_blocks_used": 0, "kv_blocks_total": 1},
             {"op": "beat", "running": 0, "queued": 0, "kv_blocks_used": 0, "kv_blocks_total": 1, "extra": 1},
@@ -252,7 +306,9 @@ def test_malformed_messages_are_dropped_and_nothing_else_is_affected(srv, secret
             b"",
         ]:
             send(beat if isinstance(bad, dict) and bad.get("op") == "beat" else rogue, bad)
-        send(rogue, {"op": "beat", "running": 0, "queued": 0, "kv_blocks_used": 0, "kv_blocks_total": 1})  # a beat on the main socket
+        send(
+            rogue, {"op": "beat", "running": 0, "queued": 0, "kv_blocks_used": 0, "kv_blocks_total": 1}
+        )  # a beat on the main socket
         rogue.send_multipart([b"two", b"frames"])
         time.sleep(1)
         assert srv.proc.poll() is None
@@ -277,10 +333,30 @@ def test_a_worker_takes_jobs_only_from_its_router_and_survives_bad_ones(uw, secr
     fake.bind(f"tcp://127.0.0.1:{port}")
     log_path = tmp_path / "worker.log"
     with open(log_path, "w") as log:
-        worker = subprocess.Popen([sys.executable, "-m", "unweight.cli.main", "serve", str(uw), "--role", "worker", "--name", "worker-t",
-                                   "--router-address", f"127.0.0.1:{port}", "--control-secret-file", str(secret[0]), "--worker-threads", "1"],
-                                  env={**os.environ, "UNWEIGHT_PIPELINE": "fused"}, stdout=subprocess.DEVNULL, stderr=log)
+        worker = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "unweight.cli.main",
+                "serve",
+                str(uw),
+                "--role",
+                "worker",
+                "--name",
+                "worker-t",
+                "--router-address",
+                f"127.0.0.1:{port}",
+                "--control-secret-file",
+                str(secret[0]),
+                "--worker-threads",
+                "1",
+            ],
+            env={**os.environ, "UNWEIGHT_PIPELINE": "fused"},
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+        )
     try:
+
         def refused():
             assert worker.poll() is None, log_path.read_text()
             if fake.poll(0):
@@ -308,23 +384,42 @@ def test_a_worker_takes_jobs_only_from_its_router_and_survives_bad_ones(uw, secr
                 msg = json.loads(data)
                 if not ident.endswith(b"#beat") and (announce or msg["op"] != "hello"):
                     return msg
-                if announce:  # its first hello may have gone down with a refused connection: ask again, as the router does
+                if (
+                    announce
+                ):  # its first hello may have gone down with a refused connection: ask again, as the router does
                     router.send_multipart([b"worker-t", json.dumps({"op": "announce"}).encode()])
             raise AssertionError(f"the worker said nothing in {timeout} s; its log:\n{log_path.read_text()}")
 
         assert from_worker(announce=True)["op"] == "hello"
+
         def seq(prompt, **sampling) -> dict:
-            return {"sampling": {"max_new_tokens": 4, **sampling}, "prompt": prompt, "output": [], "eos": [], "rng": None}
+            return {
+                "sampling": {"max_new_tokens": 4, **sampling},
+                "prompt": prompt,
+                "output": [],
+                "eos": [],
+                "rng": None,
+            }
 
         bad_jobs = {
             "j-tokens": {"op": "generate", "id": "j-tokens", "seq": seq("x"), "prompt_logprobs": None},
-            "j-sampling": {"op": "generate", "id": "j-sampling", "seq": seq([1, 2], max_new_tokens="3"), "prompt_logprobs": None},
+            "j-sampling": {
+                "op": "generate",
+                "id": "j-sampling",
+                "seq": seq([1, 2], max_new_tokens="3"),
+                "prompt_logprobs": None,
+            },
             "j-vocab": {"op": "generate", "id": "j-vocab", "seq": seq([10**9]), "prompt_logprobs": None},
             "j-extra": {"op": "generate", "id": "j-extra", "seq": seq([1]), "prompt_logprobs": None, "evil": True},
         }
         for job in bad_jobs.values():
             router.send_multipart([b"worker-t", json.dumps(job).encode()])
-        for junk in [b"not json", b"[]", json.dumps({"op": "cancel", "id": 5}).encode(), json.dumps({"op": "shutdown", "now": 1}).encode()]:
+        for junk in [
+            b"not json",
+            b"[]",
+            json.dumps({"op": "cancel", "id": 5}).encode(),
+            json.dumps({"op": "shutdown", "now": 1}).encode(),
+        ]:
             router.send_multipart([b"worker-t", junk])
         failed = set()
         while failed != set(bad_jobs):
@@ -336,12 +431,24 @@ def test_a_worker_takes_jobs_only_from_its_router_and_survives_bad_ones(uw, secr
         tok = unweight.load_tokenizer(uw)
         ids = encode_prompt(tok, MESSAGES[0])
         want = expected[0].token_ids
-        router.send_multipart([b"worker-t", json.dumps({"op": "generate", "id": "j-good", "seq": seq(ids, max_new_tokens=len(want)), "prompt_logprobs": None}).encode()])
+        router.send_multipart(
+            [
+                b"worker-t",
+                json.dumps(
+                    {
+                        "op": "generate",
+                        "id": "j-good",
+                        "seq": seq(ids, max_new_tokens=len(want)),
+                        "prompt_logprobs": None,
+                    }
+                ).encode(),
+            ]
+        )
         got, finish = [], None
         while finish is None:
             msg = from_worker()
             assert msg["op"] == "tokens", msg
-            for rid, token, finish, logprobs in msg["items"]:
+            for rid, token, finish, logprobs in msg["items"]:  # noqa: B007 - the last item's finish ends the loop
                 assert rid == "j-good" and logprobs is None
                 got.append(token)
         assert got == want and finish == "length"
@@ -368,10 +475,31 @@ def test_secret_files_readable_by_others_are_refused(uw, tmp_path):
     path = tmp_path / "secret"
     path.write_text(secrets.token_hex(32))
     path.chmod(0o644)
-    r = subprocess.run([sys.executable, "-m", "unweight.cli.main", "serve", str(uw), "--role", "decode", "--router-address", "127.0.0.1:1",
-                        "--control-secret-file", str(path)], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "unweight.cli.main",
+            "serve",
+            str(uw),
+            "--role",
+            "decode",
+            "--router-address",
+            "127.0.0.1:1",
+            "--control-secret-file",
+            str(path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode != 0 and "readable by group or others" in r.stderr and "chmod 600" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "unweight.cli.main", "serve", str(uw), "--role", "router"], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "unweight.cli.main", "serve", str(uw), "--role", "router"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode != 0 and "--control-secret-file" in r.stderr
 
 
@@ -379,7 +507,11 @@ def test_secret_files_readable_by_others_are_refused(uw, tmp_path):
 def listening(pid: int) -> set[tuple[str, int]]:
     import psutil
 
-    return {(c.laddr.ip, c.laddr.port) for c in psutil.Process(pid).net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
+    return {
+        (c.laddr.ip, c.laddr.port)
+        for c in psutil.Process(pid).net_connections(kind="inet")
+        if c.status == psutil.CONN_LISTEN
+    }
 
 
 def test_every_socket_listens_on_the_requested_host(srv, expected):
@@ -405,7 +537,15 @@ def test_kv_rendezvous_keys_are_kept_to_their_pair_and_bounded(srv, secret):
 
     def ask(sock: zmq.Socket, op: str, key: str, value: bytes | None = None) -> dict | None:
         n = next(numbers)
-        send(sock, {"op": op, "n": n, "key": key, **({"value": base64.b64encode(value).decode()} if value is not None else {})})
+        send(
+            sock,
+            {
+                "op": op,
+                "n": n,
+                "key": key,
+                **({"value": base64.b64encode(value).decode()} if value is not None else {}),
+            },
+        )
         if not sock.poll(10_000):
             return None
         reply = json.loads(sock.recv())
@@ -413,19 +553,30 @@ def test_kv_rendezvous_keys_are_kept_to_their_pair_and_bounded(srv, secret):
         return reply
 
     try:
-        rogues = {n: rogue_worker(ctx, srv, n, keys, role) for n, role in [("zz-kv-p", "prefill"), ("zz-kv-d", "decode"), ("zz-kv-d2", "decode")]}
+        rogues = {
+            n: rogue_worker(ctx, srv, n, keys, role)
+            for n, role in [("zz-kv-p", "prefill"), ("zz-kv-d", "decode"), ("zz-kv-d2", "decode")]
+        }
         inc = {n: r[2] for n, r in rogues.items()}
         kv = {n: dealer(ctx, srv.control, f"{n}#kv", keys["worker"], keys["router"][0]) for n in rogues}
         group = f"kv/{inc['zz-kv-p']}/{inc['zz-kv-d']}/7"
         assert ask(kv["zz-kv-p"], "kv_set", f"{group}/0/0", b"where p listens")["error"] is None
-        assert ask(kv["zz-kv-d"], "kv_get", f"{group}/0/1") == {"op": "kv_reply", "n": 1, "value": None, "error": None}  # not set yet
+        assert ask(kv["zz-kv-d"], "kv_get", f"{group}/0/1") == {
+            "op": "kv_reply",
+            "n": 1,
+            "value": None,
+            "error": None,
+        }  # not set yet
         assert base64.b64decode(ask(kv["zz-kv-d"], "kv_get", f"{group}/0/0")["value"]) == b"where p listens"
         # the same secret, but not in this pair: neither reads nor writes its keys
         for op, value in (("kv_get", None), ("kv_set", b"x")):
             assert ask(kv["zz-kv-d2"], op, f"{group}/0/0", value)["error"] == "not a KV group of this worker"
         assert base64.b64decode(ask(kv["zz-kv-d"], "kv_get", f"{group}/0/0")["value"]) == b"where p listens"
         # a pair with a worker that is not one of this server's, a key outside any group, a name without a hello
-        assert "not a ready worker" in ask(kv["zz-kv-p"], "kv_set", f"kv/{inc['zz-kv-p']}/{uuid.uuid4().hex}/1/0/0", b"x")["error"]
+        assert (
+            "not a ready worker"
+            in ask(kv["zz-kv-p"], "kv_set", f"kv/{inc['zz-kv-p']}/{uuid.uuid4().hex}/1/0/0", b"x")["error"]
+        )
         assert ask(kv["zz-kv-p"], "kv_set", "elsewhere/0/0", b"x")["error"].startswith("not a KV group key")
         stranger = dealer(ctx, srv.control, "zz-kv-stranger#kv", keys["worker"], keys["router"][0])
         assert "not a ready worker of this server" in ask(stranger, "kv_get", f"{group}/0/0")["error"]
@@ -456,7 +607,13 @@ def test_a_full_kv_pool_queues_and_swaps_but_never_fails(srv, model_and_tokenize
     decode_pid = srv.workers()["decode-0"]["pid"]
 
     def ask(i: int) -> str:
-        body = {"model": "uw", "prompt": PROMPTS[i % 4], "max_tokens": POOL_MAX_TOKENS, "temperature": 0, "stream": i % 2 == 1}
+        body = {
+            "model": "uw",
+            "prompt": PROMPTS[i % 4],
+            "max_tokens": POOL_MAX_TOKENS,
+            "temperature": 0,
+            "stream": i % 2 == 1,
+        }
         r = srv.http.post("/v1/completions", json=body)
         assert r.status_code == 200, r.text
         if i % 2:
@@ -476,16 +633,23 @@ def test_a_full_kv_pool_queues_and_swaps_but_never_fails(srv, model_and_tokenize
 
 # -- fault: requests on a hung worker waited forever ------------------------------------------------
 def test_requests_on_a_hung_worker_fail_then_the_server_recovers(uw, expected, tmp_path):
-    s = LoggedServer(tmp_path, str(uw), "--api-key", KEY, "--max-model-len", "512", env={"UNWEIGHT_WORKER_TIMEOUT": "3"})
+    s = LoggedServer(
+        tmp_path, str(uw), "--api-key", KEY, "--max-model-len", "512", env={"UNWEIGHT_WORKER_TIMEOUT": "3"}
+    )
     decode_pid = s.workers()["decode-0"]["pid"]
     stopped = False
     try:
         stream_body = {"model": "uw", "prompt": PROMPTS[0], "max_tokens": 400, "temperature": 0, "stream": True}
-        with concurrent.futures.ThreadPoolExecutor(1) as pool, s.http.stream("POST", "/v1/completions", json=stream_body, timeout=30) as r:
+        with (
+            concurrent.futures.ThreadPoolExecutor(1) as pool,
+            s.http.stream("POST", "/v1/completions", json=stream_body, timeout=30) as r,
+        ):
             lines = r.iter_lines()
             next(line for line in lines if line.startswith("data: {"))
             plain = pool.submit(s.http.post, "/v1/completions", json={**stream_body, "stream": False}, timeout=30)
-            wait_for(lambda: s.workers()["decode-0"]["running"] == 2, 30, "both requests on the decode worker", step=0.1)
+            wait_for(
+                lambda: s.workers()["decode-0"]["running"] == 2, 30, "both requests on the decode worker", step=0.1
+            )
             os.kill(decode_pid, signal.SIGSTOP)
             stopped = True
             t0 = time.monotonic()
@@ -494,9 +658,15 @@ def test_requests_on_a_hung_worker_fail_then_the_server_recovers(uw, expected, t
             answer = plain.result()
         assert waited < 10
         assert rest[-1] == "data: [DONE]" and any('"worker_failed"' in line for line in rest), rest[-3:]
-        assert answer.status_code == 503 and answer.json()["error"]["type"] == "server_error" and "stopped responding" in answer.json()["error"]["message"]
+        assert (
+            answer.status_code == 503
+            and answer.json()["error"]["type"] == "server_error"
+            and "stopped responding" in answer.json()["error"]["message"]
+        )
         h = s.http.get("/health")
-        assert h.status_code == 503 and {w["name"]: w for w in h.json()["workers"]}["decode-0"]["state"] == "unresponsive"
+        assert (
+            h.status_code == 503 and {w["name"]: w for w in h.json()["workers"]}["decode-0"]["state"] == "unresponsive"
+        )
         os.kill(decode_pid, signal.SIGCONT)
         stopped = False
         s.wait_ready(timeout=30)
@@ -504,7 +674,11 @@ def test_requests_on_a_hung_worker_fail_then_the_server_recovers(uw, expected, t
         d = s.workers()["decode-0"]
         assert d["pid"] == decode_pid and d["state"] == "ready"
         # the requests it held were cancelled on it when it came back: its batch and pool empty out
-        wait_for(lambda: (lambda d: d["running"] == 0 and d["kv_blocks_used"] == 0)(s.workers()["decode-0"]), 20, "the woken worker to drop its old requests")
+        wait_for(
+            lambda: (lambda d: d["running"] == 0 and d["kv_blocks_used"] == 0)(s.workers()["decode-0"]),
+            20,
+            "the woken worker to drop its old requests",
+        )
     finally:
         if stopped:
             os.kill(decode_pid, signal.SIGCONT)

@@ -5,7 +5,6 @@ non-streaming clients that hang up, and vLLM-named metrics."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import os
 import re
@@ -16,6 +15,7 @@ import time
 
 import httpx
 import pytest
+
 from test_serve import KEY, MESSAGES, Server
 
 LIMIT_BODY = 4_000_000
@@ -26,9 +26,27 @@ AUTH = f"Authorization: Bearer {KEY}\r\n".encode()
 
 @pytest.fixture(scope="module")
 def server(uw):  # noqa: F811
-    s = Server(str(uw), "--api-key", KEY, "--max-model-len", str(MAX_LEN), "--max-batch", "4", "--max-queue", "8",
-               "--timeout-keep-alive", "1", "--timeout-header", "2", "--timeout-body", "2", "--limit-concurrency", str(LIMIT_CONNECTIONS),
-               "--max-body-bytes", str(LIMIT_BODY))
+    s = Server(
+        str(uw),
+        "--api-key",
+        KEY,
+        "--max-model-len",
+        str(MAX_LEN),
+        "--max-batch",
+        "4",
+        "--max-queue",
+        "8",
+        "--timeout-keep-alive",
+        "1",
+        "--timeout-header",
+        "2",
+        "--timeout-body",
+        "2",
+        "--limit-concurrency",
+        str(LIMIT_CONNECTIONS),
+        "--max-body-bytes",
+        str(LIMIT_BODY),
+    )
     yield s
     s.stop()
 
@@ -80,7 +98,12 @@ def closed_within(s: socket.socket, seconds: float) -> bool:
 # -- bodies --------------------------------------------------------------------------------------
 def test_a_body_announced_too_large_gets_413_before_it_is_sent(server):
     s = connect(server)
-    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n" + AUTH + b"Content-Type: application/json\r\nContent-Length: 314572800\r\n\r\n" + b"{" * 1000)
+    s.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+        + AUTH
+        + b"Content-Type: application/json\r\nContent-Length: 314572800\r\n\r\n"
+        + b"{" * 1000
+    )
     status, headers, body = read_response(s)  # the other 300 MiB are never sent
     assert status == 413 and headers["connection"] == "close"
     assert json.loads(body)["error"]["code"] == "request_too_large"
@@ -97,18 +120,45 @@ def test_a_chunked_body_gets_413_once_the_limit_has_arrived(server):
 
 
 # -- errors in OpenAI's body ---------------------------------------------------------------------
-@pytest.mark.parametrize("method,path,content,status,code", [
-    ("GET", "/v1/nothing-here", None, 404, "not_found"),
-    ("DELETE", "/v1/models", None, 405, "method_not_allowed"),
-    ("GET", "/v1/chat/completions", None, 405, "method_not_allowed"),
-    ("GET", "/v1/models/gpt-4", None, 404, "model_not_found"),
-    ("POST", "/v1/chat/completions", json.dumps({"model": "gpt-4", "messages": MESSAGES[0]}).encode(), 404, "model_not_found"),
-    ("POST", "/v1/chat/completions", b'{"model": "uw", "messages": [{"role": "user", "content": "\\ud800 alone"}]}', 400, None),
-    ("POST", "/v1/completions", b'{"model": "uw", "prompt": "\\udc00"}', 400, None),
-    ("POST", "/v1/chat/completions", b'{"model": "uw", "messages": ' + b"[" * 50_000 + b"]" * 50_000 + b"}", 400, None),
-    ("POST", "/v1/chat/completions", b'{"model": "uw", "stream_options": ' + b'{"a": ' * 2000 + b"1" + b"}" * 2000 + b', "messages": []}', 400, None),
-    ("POST", "/v1/chat/completions", b"\xff\xfe{}", 400, None),
-])
+@pytest.mark.parametrize(
+    "method,path,content,status,code",
+    [
+        ("GET", "/v1/nothing-here", None, 404, "not_found"),
+        ("DELETE", "/v1/models", None, 405, "method_not_allowed"),
+        ("GET", "/v1/chat/completions", None, 405, "method_not_allowed"),
+        ("GET", "/v1/models/gpt-4", None, 404, "model_not_found"),
+        (
+            "POST",
+            "/v1/chat/completions",
+            json.dumps({"model": "gpt-4", "messages": MESSAGES[0]}).encode(),
+            404,
+            "model_not_found",
+        ),
+        (
+            "POST",
+            "/v1/chat/completions",
+            b'{"model": "uw", "messages": [{"role": "user", "content": "\\ud800 alone"}]}',
+            400,
+            None,
+        ),
+        ("POST", "/v1/completions", b'{"model": "uw", "prompt": "\\udc00"}', 400, None),
+        (
+            "POST",
+            "/v1/chat/completions",
+            b'{"model": "uw", "messages": ' + b"[" * 50_000 + b"]" * 50_000 + b"}",
+            400,
+            None,
+        ),
+        (
+            "POST",
+            "/v1/chat/completions",
+            b'{"model": "uw", "stream_options": ' + b'{"a": ' * 2000 + b"1" + b"}" * 2000 + b', "messages": []}',
+            400,
+            None,
+        ),
+        ("POST", "/v1/chat/completions", b"\xff\xfe{}", 400, None),
+    ],
+)
 def test_errors_have_openai_bodies(server, method, path, content, status, code):
     r = server.http.request(method, path, content=content)
     body = r.json()
@@ -118,7 +168,10 @@ def test_errors_have_openai_bodies(server, method, path, content, status, code):
 
 
 def test_a_paired_surrogate_escape_is_fine(server):
-    r = server.http.post("/v1/completions", content=b'{"model": "uw", "prompt": "smile \\ud83d\\ude00", "max_tokens": 2, "temperature": 0}')
+    r = server.http.post(
+        "/v1/completions",
+        content=b'{"model": "uw", "prompt": "smile \\ud83d\\ude00", "max_tokens": 2, "temperature": 0}',
+    )
     assert r.status_code == 200, r.text
 
 
@@ -184,7 +237,13 @@ def test_a_header_sent_a_byte_at_a_time_is_cut_off(server):
 def test_a_body_sent_a_byte_at_a_time_gets_408(server):
     body = json.dumps({"model": "uw", "prompt": "x" * 400, "max_tokens": 1}).encode()
     s = connect(server)
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + AUTH + b"Content-Type: application/json\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n")
+    s.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+        + AUTH
+        + b"Content-Type: application/json\r\nContent-Length: "
+        + str(len(body)).encode()
+        + b"\r\n\r\n"
+    )
     started = time.monotonic()
     try:
         for byte in body:  # a byte every 0.1 s: 40 s for the whole body, far past the 2 s body timeout
@@ -197,7 +256,10 @@ def test_a_body_sent_a_byte_at_a_time_gets_408(server):
     finally:
         s.close()
     assert status == 408 and headers["connection"] == "close", (status, answer)
-    assert json.loads(answer)["error"]["code"] == "request_timeout" and "--timeout-body" in json.loads(answer)["error"]["message"]
+    assert (
+        json.loads(answer)["error"]["code"] == "request_timeout"
+        and "--timeout-body" in json.loads(answer)["error"]["message"]
+    )
     assert time.monotonic() - started < 10
     assert server.http.get("/v1/models").status_code == 200
 
@@ -237,7 +299,9 @@ def test_health_answers_while_a_long_prompt_is_tokenised(server):
     """A prompt just under the character pre-check takes the tokenizer a while; /health is
     answered meanwhile (the tokenizer runs on a thread, not on the event loop)."""
     random = __import__("random").Random(0)
-    prompt = "".join(chr(0x4E00 + random.randrange(20_000)) for _ in range(MAX_LEN * 80))  # ~2 s of tokenizer time, 2 MB
+    prompt = "".join(
+        chr(0x4E00 + random.randrange(20_000)) for _ in range(MAX_LEN * 80)
+    )  # ~2 s of tokenizer time, 2 MB
     order, big = [], {}
 
     def send_big():
@@ -252,7 +316,9 @@ def test_health_answers_while_a_long_prompt_is_tokenised(server):
             assert c.get("/health").status_code == 200
             order.append("health")
     t.join()
-    assert big["r"].status_code == 400 and big["r"].json()["error"]["code"] == "context_length_exceeded"  # too many tokens
+    assert (
+        big["r"].status_code == 400 and big["r"].json()["error"]["code"] == "context_length_exceeded"
+    )  # too many tokens
     assert order[:3] == ["health"] * 3, order
 
 
@@ -280,7 +346,12 @@ def test_non_streaming_clients_that_hang_up_free_their_slots(server):
     socks = []
     for _ in range(8):
         s = connect(server)
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + AUTH + b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+            + AUTH
+            + b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
+            + body
+        )
         socks.append(s)
     deadline = time.monotonic() + 60
     while worker_load(server) < 8:  # all prefilled: 4 in the decode batch, 4 waiting for a place
@@ -307,20 +378,43 @@ def test_metrics_use_vllms_names_types_and_labels(server):
     text = server.http.get("/metrics").text
     types = dict(re.findall(r"^# TYPE (\S+) (\S+)$", text, re.M))
     for name, kind in {
-        "vllm:time_to_first_token_seconds": "histogram", "vllm:inter_token_latency_seconds": "histogram",
-        "vllm:e2e_request_latency_seconds": "histogram", "vllm:request_queue_time_seconds": "histogram",
-        "vllm:request_prefill_time_seconds": "histogram", "vllm:request_decode_time_seconds": "histogram",
-        "vllm:prompt_tokens_total": "counter", "vllm:generation_tokens_total": "counter", "vllm:request_success_total": "counter",
-        "vllm:num_requests_running": "gauge", "vllm:num_requests_waiting": "gauge", "vllm:kv_cache_usage_perc": "gauge",
-        "http_requests_total": "counter", "unweight:worker_requests_total": "counter", "unweight:worker_restarts_total": "counter",
+        "vllm:time_to_first_token_seconds": "histogram",
+        "vllm:inter_token_latency_seconds": "histogram",
+        "vllm:e2e_request_latency_seconds": "histogram",
+        "vllm:request_queue_time_seconds": "histogram",
+        "vllm:request_prefill_time_seconds": "histogram",
+        "vllm:request_decode_time_seconds": "histogram",
+        "vllm:prompt_tokens_total": "counter",
+        "vllm:generation_tokens_total": "counter",
+        "vllm:request_success_total": "counter",
+        "vllm:num_requests_running": "gauge",
+        "vllm:num_requests_waiting": "gauge",
+        "vllm:kv_cache_usage_perc": "gauge",
+        "http_requests_total": "counter",
+        "unweight:worker_requests_total": "counter",
+        "unweight:worker_restarts_total": "counter",
     }.items():
         assert types.get(name) == kind, name
     samples = [line for line in text.splitlines() if line and not line.startswith("#")]
     assert all('model_name="uw"' in line for line in samples)
-    grew = {n: metric(text, n) - metric(text0, n) for n in ("vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds_count")}
-    assert grew == {"vllm:prompt_tokens_total": prompt, "vllm:generation_tokens_total": completion, "vllm:time_to_first_token_seconds_count": 1}
-    assert metric(text, "vllm:request_success_total", finished_reason="length") - metric(text0, "vllm:request_success_total", finished_reason="length") == 1
-    assert metric(text, "vllm:inter_token_latency_seconds_count") - metric(text0, "vllm:inter_token_latency_seconds_count") == completion - 1
+    grew = {
+        n: metric(text, n) - metric(text0, n)
+        for n in ("vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds_count")
+    }
+    assert grew == {
+        "vllm:prompt_tokens_total": prompt,
+        "vllm:generation_tokens_total": completion,
+        "vllm:time_to_first_token_seconds_count": 1,
+    }
+    assert (
+        metric(text, "vllm:request_success_total", finished_reason="length")
+        - metric(text0, "vllm:request_success_total", finished_reason="length")
+        == 1
+    )
+    assert (
+        metric(text, "vllm:inter_token_latency_seconds_count") - metric(text0, "vllm:inter_token_latency_seconds_count")
+        == completion - 1
+    )
     assert metric(text, "http_requests_total", status="404") >= 1 + metric(text0, "http_requests_total", status="404")
     for i in range(3):  # client-chosen methods do not become label values (one series each would grow without bound)
         server.http.request(f"X{i}", "/v1/models")
@@ -352,6 +446,7 @@ def test_a_restarted_worker_leaves_no_stale_series(server):
     text = server.http.get("/metrics").text
     assert f'pid="{old}"' not in text and f'pid="{d["pid"]}"' in text
     assert metric(text, "unweight:worker_restarts_total", worker="decode-0") == 1
-    assert metric(text, "unweight:worker_requests_total", worker="decode-0") == served  # a counter: it does not restart from 0
+    assert (
+        metric(text, "unweight:worker_requests_total", worker="decode-0") == served
+    )  # a counter: it does not restart from 0
     assert metric(text, "unweight:worker_up", worker="decode-0") == 1
-

@@ -30,7 +30,7 @@ class Reference:
         full = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
         hits = [at for at in (full.find(s) for s in self.stop) if at >= 0]
         if hits:
-            full, self.finished = full[:min(hits)], True
+            full, self.finished = full[: min(hits)], True
         self.text = full
 
 
@@ -83,7 +83,7 @@ def test_stop_strings_end_the_text_as_the_plain_version_does(tok, data):
     for _ in range(data.draw(st.integers(1, 3))):
         if full and data.draw(st.booleans()):  # a piece of the text itself, so that it hits
             i = data.draw(st.integers(0, len(full) - 1))
-            s = full[i:i + data.draw(st.integers(1, 6))]
+            s = full[i : i + data.draw(st.integers(1, 6))]
         else:
             s = data.draw(st.text(st.sampled_from("ab 中😀\n."), min_size=1, max_size=4))
         if "\ufffd" not in s:
@@ -112,7 +112,11 @@ def run_reference(ref, tokens):
 def test_each_push_decodes_a_few_tokens_however_long_the_text(tok):
     """An 8,000-token completion used to re-decode all its tokens at every push (32 million
     token decodes); now each push decodes the last few."""
-    paragraph = ("The history of Rome spans 28 centuries. " + MULTIBYTE + " Ünïcödé, 日本語のテキスト, and code: `x = [i**2 for i in range(10)]`.\n")
+    paragraph = (
+        "The history of Rome spans 28 centuries. "
+        + MULTIBYTE
+        + " Ünïcödé, 日本語のテキスト, and code: `x = [i**2 for i in range(10)]`.\n"
+    )
     tokens = tok(paragraph * 120, add_special_tokens=False)["input_ids"]
     assert len(tokens) > 4000
     counting = Counting(tok)
@@ -135,7 +139,7 @@ def test_held_back_text_comes_out_whole(tok):
 
 
 def test_a_stop_string_ending_in_an_unfinished_character_is_held_back(tok):
-    """" t" is settled text, then a half character arrives: " t" may begin the stop " t¡", so it
+    """ " t" is settled text, then a half character arrives: " t" may begin the stop " t¡", so it
     is not shown; the next byte completes "¡" and the stop (found by hypothesis)."""
     ids = [252, 141, 111]  # " t", then the two bytes of "¡"
     assert tok.decode(ids) == " t¡" and tok.decode(ids[:2]) == " t\ufffd"
@@ -167,6 +171,6 @@ def test_stop_strings_do_not_count_before_min_tokens(tok):
     got, _ = run(late, tokens)
     first = text.index(" the")
     assert at[6] >= first + 4  # the first " the" lies wholly within the first six tokens
-    assert late.finished and got == late.text == text[:text.index(" the", first + 1)] == "the cat sat on the mat and"
+    assert late.finished and got == late.text == text[: text.index(" the", first + 1)] == "the cat sat on the mat and"
     never = TextStream(tok, [" the"], min_tokens=len(tokens))
     assert run(never, tokens)[0] == text and not never.finished

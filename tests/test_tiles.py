@@ -7,9 +7,8 @@ import pytest
 import torch
 
 import unweight
-from unweight.codec import tiles
-
 from helpers import random_bf16, write_checkpoint
+from unweight.codec import tiles
 
 
 def roundtrip(values: np.ndarray, rows: int, cols: int, block: int = tiles.DEFAULT_BLOCK) -> dict:
@@ -58,7 +57,9 @@ def test_inconsistent_escapes_are_refused(role, index):
 
 
 def test_serving_layout_checkpoint(tmp_path):
-    src = write_checkpoint(tmp_path / "src" / "model.safetensors", {"w": random_bf16(96, 80), "b": random_bf16(80)}).parent
+    src = write_checkpoint(
+        tmp_path / "src" / "model.safetensors", {"w": random_bf16(96, 80), "b": random_bf16(80)}
+    ).parent
     report = unweight.compress(src, tmp_path / "out", layout="serving")
     codecs = {t.name: t.codec for t in report.tensors}
     assert codecs["w"] == "tiles" and codecs["b"] != "tiles"  # 1-D tensors keep the archive codecs

@@ -37,9 +37,9 @@ def compress(
     chunk: int | None = None,
     layout: str = "archive",
     revision: str | None = None,
-    progress: "Progress | None" = None,
+    progress: Progress | None = None,
     max_memory: int | None = None,
-) -> "CompressReport":
+) -> CompressReport:
     """Compress a Hugging Face checkpoint (local folder, .safetensors file or Hub repo id) into
     the folder `dst`, which must not exist. Returns the per-tensor report.
 
@@ -63,8 +63,14 @@ def _looks_like_repo_id(s: str) -> bool:
     return len(parts) == 2 and all(parts) and not s.startswith((".", "/", "~"))
 
 
-def decompress(src: str | os.PathLike, dst: str | os.PathLike, *, threads: int | None = None, progress: "Progress | None" = None,
-               max_memory: int | None = None) -> int:
+def decompress(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    *,
+    threads: int | None = None,
+    progress: Progress | None = None,
+    max_memory: int | None = None,
+) -> int:
     """Write bit-identical safetensors files of a compressed folder into `dst` (must not exist).
     Large tensors go in pieces, smaller under a max_memory budget (bytes)."""
     from .checkpoint import decompress as _decompress
@@ -72,8 +78,14 @@ def decompress(src: str | os.PathLike, dst: str | os.PathLike, *, threads: int |
     return _decompress(src, dst, threads, progress, max_memory)
 
 
-def verify(path: str | os.PathLike, against: str | os.PathLike | None = None, *, threads: int | None = None, progress: "Progress | None" = None,
-           max_memory: int | None = None) -> "VerifyReport":
+def verify(
+    path: str | os.PathLike,
+    against: str | os.PathLike | None = None,
+    *,
+    threads: int | None = None,
+    progress: Progress | None = None,
+    max_memory: int | None = None,
+) -> VerifyReport:
     """Decode every tensor and check checksums; with `against`, compare with the original bytes.
     Large tensors go in pieces, smaller under a max_memory budget (bytes)."""
     from .checkpoint import verify as _verify
@@ -88,7 +100,7 @@ def inspect(path: str | os.PathLike, *, threads: int | None = None, max_memory: 
     return _inspect(path, threads, max_memory)
 
 
-def open(path: str | os.PathLike, *, threads: int | None = None, max_memory: int | None = None) -> "CompressedCheckpoint":  # noqa: A001
+def open(path: str | os.PathLike, *, threads: int | None = None, max_memory: int | None = None) -> CompressedCheckpoint:  # noqa: A001
     """A lazy reader of a compressed folder or file: `.keys()`, `.get_tensor(name)`. A tensor
     that would need more than max_memory bytes (default: the memory available) is refused with
     MemoryLimitError before it is decoded."""
@@ -97,7 +109,14 @@ def open(path: str | os.PathLike, *, threads: int | None = None, max_memory: int
     return CompressedCheckpoint(path, threads, max_memory)
 
 
-def load(path: str | os.PathLike, device: str = "cpu", layout: str = "serving", *, threads: int | None = None, max_cache_tokens: int | None = None):
+def load(
+    path: str | os.PathLike,
+    device: str = "cpu",
+    layout: str = "serving",
+    *,
+    threads: int | None = None,
+    max_cache_tokens: int | None = None,
+):
     """A compressed Llama-family checkpoint as an nn.Module whose linears stay compressed.
 
     layout="serving" (the default) keeps 2-D weights in the fixed-rate tiles the fused kernels read

@@ -14,10 +14,11 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import Iterator, Protocol
+from typing import Protocol
 
 try:
     import fcntl
@@ -84,12 +85,17 @@ def _staging(dst: Path, verb: str = "writing") -> Iterator[Path]:
     try:
         yield tmp
         if dst.exists():
-            raise DestinationError(f"{dst}: appeared while {verb} (another run, or someone else, wrote it); this run's output was removed")
+            raise DestinationError(
+                f"{dst}: appeared while {verb} (another run, or someone else, wrote it); this run's output was removed"
+            )
         try:
             os.replace(tmp, dst)
         except OSError as e:
             if dst.exists():  # created between the check and the rename
-                raise DestinationError(f"{dst}: appeared while {verb} (another run, or someone else, wrote it); this run's output was removed") from None
+                raise DestinationError(
+                    f"{dst}: appeared while {verb} (another run, or someone else, wrote it); this run's output was "
+                    f"removed"
+                ) from None
             raise DestinationError(f"{dst}: cannot move the finished output into place: {e.strerror or e}") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -123,7 +129,7 @@ def _remove_stale(parent: Path, name: str) -> None:
     except OSError:
         return
     for p in candidates:
-        pid = p.name[len(prefix):]
+        pid = p.name[len(prefix) :]
         if not pid.isdigit() or int(pid) == os.getpid() or _pid_alive(int(pid)) or p.is_symlink() or not p.is_dir():
             continue
         if fcntl is not None:
@@ -203,24 +209,39 @@ def compress(
     return report
 
 
-def _compress_file(sf: SafetensorsFile, out: Path, rel: str, options: CodecOptions, progress: Progress, report: CompressReport) -> None:
+def _compress_file(
+    sf: SafetensorsFile, out: Path, rel: str, options: CodecOptions, progress: Progress, report: CompressReport
+) -> None:
     def encode(info, inner: int):  # big tensors alone on every thread; small ones several at once
         return encode_tensor(info.name, info.dtype, info.shape, sf.bytes_of(info.name), replace(options, threads=inner))
 
     infos = sorted(sf.tensors.values(), key=lambda t: t.begin)
     with ContainerWriter(str(out)) as writer:
-        for info, get in map_in_order(encode, infos, options.threads, lambda t: t.nbytes > PARALLEL_TENSOR_BYTES, lambda t: t.nbytes <= INLINE_TENSOR_BYTES):
+        for info, get in map_in_order(
+            encode,
+            infos,
+            options.threads,
+            lambda t: t.nbytes > PARALLEL_TENSOR_BYTES,
+            lambda t: t.nbytes <= INLINE_TENSOR_BYTES,
+        ):
             entry, streams = get()
             writer.add(entry, streams)
             memory.release(sf.bytes_of(info.name))  # its mapped source pages: a shard is not kept resident
             stored = sum(len(s) for s in streams.values())
-            report.tensors.append(TensorReport(rel, info.name, info.dtype, list(info.shape), entry.codec, info.nbytes, stored))
+            report.tensors.append(
+                TensorReport(rel, info.name, info.dtype, list(info.shape), entry.codec, info.nbytes, stored)
+            )
             progress.advance(f"{rel}: {info.name}", info.nbytes)
         writer.finish(source_header=sf.header_text)
 
 
-def decompress(src: str | os.PathLike, dst: str | os.PathLike, threads: int | None = None, progress: Progress | None = None,
-               max_memory: int | None = None) -> int:
+def decompress(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    threads: int | None = None,
+    progress: Progress | None = None,
+    max_memory: int | None = None,
+) -> int:
     """Write the original safetensors files (byte-identical where the source header was kept) and
     copy the other files; returns the number of tensors written. Large tensors are decoded and
     written in pieces (memory.piece_bytes(max_memory)), so memory does not follow tensor sizes."""
@@ -264,7 +285,9 @@ def _check_disk(dst: Path, nbytes: int) -> None:
     except OSError:
         return  # no parent folder: _staging says so
     if nbytes > free:
-        raise DestinationError(f"{dst}: the decompressed files need {nbytes / 1e9:,.2f} GB, and {parent} has {free / 1e9:,.2f} GB free")
+        raise DestinationError(
+            f"{dst}: the decompressed files need {nbytes / 1e9:,.2f} GB, and {parent} has {free / 1e9:,.2f} GB free"
+        )
 
 
 def _source_layout(reader: ContainerReader) -> list[str]:
@@ -284,11 +307,17 @@ def _source_layout(reader: ContainerReader) -> list[str]:
     for name, info in infos.items():
         e = reader.tensors[name]
         if (info.dtype, info.shape) != (e.dtype, e.shape):
-            raise FormatError(reader.path, f"source header says {info.dtype}{list(info.shape)}, manifest {e.dtype}{list(e.shape)}", name)
+            raise FormatError(
+                reader.path,
+                f"source header says {info.dtype}{list(info.shape)}, manifest {e.dtype}{list(e.shape)}",
+                name,
+            )
     return [t.name for t in sorted(infos.values(), key=lambda t: t.begin)]
 
 
-def _decompress_file(reader: ContainerReader, out: Path, rel: str, threads: int | None, progress: Progress, piece_bytes: int) -> int:
+def _decompress_file(
+    reader: ContainerReader, out: Path, rel: str, threads: int | None, progress: Progress, piece_bytes: int
+) -> int:
     order = _source_layout(reader)
     entries = [reader.tensors[n] for n in order]
 
@@ -319,8 +348,13 @@ def _advancing(pieces: Iterator[np.ndarray], progress: Progress, label: str) -> 
         progress.advance(label, len(piece))
 
 
-def verify(path: str | os.PathLike, against: str | os.PathLike | None = None, threads: int | None = None, progress: Progress | None = None,
-           max_memory: int | None = None) -> VerifyReport:
+def verify(
+    path: str | os.PathLike,
+    against: str | os.PathLike | None = None,
+    threads: int | None = None,
+    progress: Progress | None = None,
+    max_memory: int | None = None,
+) -> VerifyReport:
     """Decode every tensor and check its CRC-32; with `against` (the original folder or file),
     also compare every tensor's bytes, dtype and shape, and every copied file's bytes. Large
     tensors are checked in pieces (memory.piece_bytes(max_memory)): no whole-tensor buffer."""
@@ -377,8 +411,15 @@ def _check_stream_crcs(reader: ContainerReader, entry) -> None:
             memory.release(view)
 
 
-def _verify_file(reader: ContainerReader, original: SafetensorsFile | None, rel: str, threads: int | None, progress: Progress,
-                 report: VerifyReport, piece_bytes: int) -> None:
+def _verify_file(
+    reader: ContainerReader,
+    original: SafetensorsFile | None,
+    rel: str,
+    threads: int | None,
+    progress: Progress,
+    report: VerifyReport,
+    piece_bytes: int,
+) -> None:
     if original is not None:
         missing = sorted(set(original.tensors) - set(reader.tensors))
         extra = sorted(set(reader.tensors) - set(original.tensors))
@@ -392,7 +433,9 @@ def _verify_file(reader: ContainerReader, original: SafetensorsFile | None, rel:
         if original is not None and name in original.tensors:
             o = original.tensors[name]
             if (o.dtype, o.shape) != (entry.dtype, entry.shape):
-                report.mismatches.append(f"{rel}: tensor {name!r} is {entry.dtype}{list(entry.shape)}, the original {o.dtype}{list(o.shape)}")
+                report.mismatches.append(
+                    f"{rel}: tensor {name!r} is {entry.dtype}{list(entry.shape)}, the original {o.dtype}{list(o.shape)}"
+                )
             else:
                 ob = original.bytes_of(name)
         at, differs = 0, None

@@ -3,7 +3,7 @@ threads (what the reader, inspect, verify and decompress share)."""
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -20,7 +20,9 @@ PARALLEL_TENSOR_BYTES = 8 << 20
 INLINE_TENSOR_BYTES = 64 << 10
 
 
-def decode_one(reader: ContainerReader, name: str, threads: int | None = None, max_memory: int | None = None) -> np.ndarray:
+def decode_one(
+    reader: ContainerReader, name: str, threads: int | None = None, max_memory: int | None = None
+) -> np.ndarray:
     """One tensor's original bytes, whole (new memory); FormatError subclasses name the file and
     tensor on damage. Its streams are checked before anything of the declared size is allocated,
     and MemoryLimitError refuses a tensor over the budget (max_memory, else available memory)."""
@@ -47,11 +49,12 @@ def _pieces_of(reader: ContainerReader, name: str, threads: int | None, piece_by
         raise type(e)(reader.path, e.reason, name) from None
     finally:
         for view in streams.values():  # its mapped pages leave the resident set (a verify of a whole
-            memory.release(view)       # checkpoint would otherwise end holding all of it)
+            memory.release(view)  # checkpoint would otherwise end holding all of it)
 
 
-def decode_in_order(reader: ContainerReader, names: list[str], threads: int | None, piece_bytes: int = memory.PIECE_BYTES
-                    ) -> Iterator[tuple[str, Callable[[], Iterator[np.ndarray]]]]:
+def decode_in_order(
+    reader: ContainerReader, names: list[str], threads: int | None, piece_bytes: int = memory.PIECE_BYTES
+) -> Iterator[tuple[str, Callable[[], Iterator[np.ndarray]]]]:
     """(name, get) for each name in order, where get() returns an iterator of the tensor's bytes
     in consecutive pieces, each valid until the next, or raises its FormatError (naming file and
     tensor), possibly partway. Tensors over PARALLEL_TENSOR_BYTES run alone on all threads, in
@@ -64,7 +67,10 @@ def decode_in_order(reader: ContainerReader, names: list[str], threads: int | No
             return _pieces_of(reader, name, inner, piece_bytes)
         return iter((decode_one(reader, name, inner),))
 
-    yield from map_in_order(decode, names, threads, lambda name: reader.tensors[name].nbytes > PARALLEL_TENSOR_BYTES,
-                            lambda name: reader.tensors[name].nbytes <= INLINE_TENSOR_BYTES)
-
-
+    yield from map_in_order(
+        decode,
+        names,
+        threads,
+        lambda name: reader.tensors[name].nbytes > PARALLEL_TENSOR_BYTES,
+        lambda name: reader.tensors[name].nbytes <= INLINE_TENSOR_BYTES,
+    )

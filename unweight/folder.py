@@ -59,7 +59,9 @@ def _check_link(path: Path, tree: Path) -> None:
     except (OSError, RuntimeError):  # missing target, or a loop
         raise SourceError(f"{path}: broken symbolic link (-> {os.readlink(path)})") from None
     if not target.is_relative_to(tree):
-        raise SourceError(f"{path}: symbolic link to {target}, outside {tree}; copy the file into the folder or remove the link")
+        raise SourceError(
+            f"{path}: symbolic link to {target}, outside {tree}; copy the file into the folder or remove the link"
+        )
 
 
 def _check_regular(path: Path, error: type[Exception]) -> None:
@@ -80,7 +82,11 @@ def check_source(src: Path) -> tuple[list[Path], list[Path], list[Path]]:
     if not src.is_dir():
         _check_regular(src, SourceError)
         if src.suffix != ".safetensors":
-            raise SourceError(_pickle_message(src) if src.suffix in PICKLE_SUFFIXES else f"{src}: not a .safetensors file or a model folder")
+            raise SourceError(
+                _pickle_message(src)
+                if src.suffix in PICKLE_SUFFIXES
+                else f"{src}: not a .safetensors file or a model folder"
+            )
         return [Path(src.name)], [], []
     files = walk(src)
     tensors = [f for f in files if f.suffix == ".safetensors"]
@@ -128,8 +134,6 @@ def _check_index(index: Path, root: Path) -> dict:
     return data
 
 
-
-
 def containers_of(path: str | os.PathLike) -> tuple[Path, list[Path], list[Path]]:
     """(root, container files, other files) of a compressed folder or single container file."""
     path = Path(path)
@@ -143,5 +147,3 @@ def containers_of(path: str | os.PathLike) -> tuple[Path, list[Path], list[Path]
     if not containers:
         raise SourceError(f"{path}: no compressed *.safetensors files in this folder")
     return path, containers, [f for f in files if f.suffix != ".safetensors"]
-
-

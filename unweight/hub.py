@@ -23,10 +23,16 @@ def resolve_source(repo_id: str, revision: str | None = None) -> str:
     try:
         return snapshot_download(repo_id, revision=revision, allow_patterns=ALLOW_PATTERNS)
     except RepositoryNotFoundError:
-        raise SourceError(f"{repo_id}: no such model on the Hub (or it is private: log in with `hf auth login`)") from None
+        raise SourceError(
+            f"{repo_id}: no such model on the Hub (or it is private: log in with `hf auth login`)"
+        ) from None
     except LocalEntryNotFoundError:
         offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
-        why = "HF_HUB_OFFLINE is set and it is not in the local cache" if offline else "not in the local cache and the Hub cannot be reached"
+        why = (
+            "HF_HUB_OFFLINE is set and it is not in the local cache"
+            if offline
+            else "not in the local cache and the Hub cannot be reached"
+        )
         raise SourceError(f"{repo_id}: {why}; pass a local folder instead") from None
     except (HfHubHTTPError, OSError, ValueError) as e:
         raise SourceError(f"{repo_id}: cannot fetch from the Hub ({e.__class__.__name__}: {e})") from None

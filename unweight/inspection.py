@@ -9,11 +9,12 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 from numba import njit
 
+from unweight.formats import DTYPE_BITS, ContainerReader
+
 from . import memory
 from .decoding import decode_in_order
 from .folder import containers_of
 from .report import CLASS_ORDER, TensorReport
-from unweight.formats import DTYPE_BITS, ContainerReader
 
 # dtype -> (word dtype, exponent shift, exponent mask)
 EXPONENT_FIELDS = {
@@ -59,7 +60,9 @@ class TensorStats(TensorReport):
 def _decodes(reader: ContainerReader, name: str) -> bool:
     """Whether inspect decodes this tensor: floats (for the exponent) and 1- and 2-byte dtypes."""
     e = reader.tensors[name]
-    return bool(e.numel) and (e.dtype in EXPONENT_FIELDS or DTYPE_BITS[e.dtype] in (8, 16))  # not F4, F6: no whole-byte values
+    return bool(e.numel) and (
+        e.dtype in EXPONENT_FIELDS or DTYPE_BITS[e.dtype] in (8, 16)
+    )  # not F4, F6: no whole-byte values
 
 
 @njit(nogil=True, cache=True)
@@ -79,7 +82,9 @@ class _Histograms:
     def __init__(self, e) -> None:
         self.size = DTYPE_BITS[e.dtype] // 8  # whole bytes: _decodes() leaves out F4 and F6
         self.exponent = e.dtype in EXPONENT_FIELDS
-        word, self.shift, self.mask = EXPONENT_FIELDS[e.dtype] if self.exponent else ({1: np.uint8, 2: np.uint16}[self.size], 0, 0)
+        word, self.shift, self.mask = (
+            EXPONENT_FIELDS[e.dtype] if self.exponent else ({1: np.uint8, 2: np.uint16}[self.size], 0, 0)
+        )
         self.word = word
         self.fields = np.zeros(self.mask + 1, dtype=np.int64)
         self.words = np.zeros(1 << (8 * self.size) if self.size <= 2 else 0, dtype=np.int64)
@@ -144,7 +149,9 @@ class GroupStats:
     weights: int = 0
     original_bytes: int = 0
     stored_bytes: int = 0
-    _exp: list[float] = field(default_factory=lambda: [0.0, 0.0], repr=False)  # sum of entropy * weights, weights with one
+    _exp: list[float] = field(
+        default_factory=lambda: [0.0, 0.0], repr=False
+    )  # sum of entropy * weights, weights with one
     _bound: list[float] = field(default_factory=lambda: [0.0, 0.0], repr=False)
 
     def add(self, s: TensorStats, numel: int) -> None:
@@ -161,7 +168,7 @@ class GroupStats:
                 acc[0] += value * numel
                 acc[1] += numel
 
-    def merge(self, other: "GroupStats") -> None:
+    def merge(self, other: GroupStats) -> None:
         """Add another group's tensors to this one (a class's total from its layer types)."""
         self.tensors += other.tensors
         self.weights += other.weights
@@ -187,12 +194,27 @@ class GroupStats:
 
     @property
     def gap_to_bound(self) -> float | None:
-        return None if self.order0_bound is None or self._bound[1] != self.weights else self.bits_per_weight - self.order0_bound
+        return (
+            None
+            if self.order0_bound is None or self._bound[1] != self.weights
+            else self.bits_per_weight - self.order0_bound
+        )
 
     def to_json(self) -> dict:
-        return {"tensor_class": self.tensor_class, "layer_type": self.layer_type, "dtypes": self.dtypes, "codecs": self.codecs, "tensors": self.tensors,
-                "weights": self.weights, "original_bytes": self.original_bytes, "stored_bytes": self.stored_bytes, "bits_per_weight": self.bits_per_weight,
-                "exponent_entropy": self.exponent_entropy, "order0_bound": self.order0_bound, "gap_to_bound": self.gap_to_bound}
+        return {
+            "tensor_class": self.tensor_class,
+            "layer_type": self.layer_type,
+            "dtypes": self.dtypes,
+            "codecs": self.codecs,
+            "tensors": self.tensors,
+            "weights": self.weights,
+            "original_bytes": self.original_bytes,
+            "stored_bytes": self.stored_bytes,
+            "bits_per_weight": self.bits_per_weight,
+            "exponent_entropy": self.exponent_entropy,
+            "order0_bound": self.order0_bound,
+            "gap_to_bound": self.gap_to_bound,
+        }
 
 
 def group(stats: list[TensorStats]) -> list[GroupStats]:

@@ -60,7 +60,9 @@ def available() -> int:
 
 def check_budget(max_memory: int | None) -> int | None:
     """Validate a max_memory value (None: no explicit budget)."""
-    if max_memory is not None and (not isinstance(max_memory, int) or isinstance(max_memory, bool) or max_memory < MIN_PIECE_BYTES):
+    if max_memory is not None and (
+        not isinstance(max_memory, int) or isinstance(max_memory, bool) or max_memory < MIN_PIECE_BYTES
+    ):
         raise ValueError(f"max_memory {max_memory!r} must be an integer of at least {MIN_PIECE_BYTES} bytes")
     return max_memory
 

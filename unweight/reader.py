@@ -126,13 +126,18 @@ class CompressedCheckpoint:
         e = self.entry(name)
         dtype = getattr(torch, TORCH_DTYPES.get(e.dtype, ""), None)
         if not isinstance(dtype, torch.dtype):
-            raise TypeError(f"{self._reader(name).path}: tensor {name!r} is {e.dtype}, which this torch ({torch.__version__}) has no dtype for; get_bytes() gives its bytes")
+            raise TypeError(
+                f"{self._reader(name).path}: tensor {name!r} is {e.dtype}, which this torch ({torch.__version__}) has "
+                f"no dtype for; get_bytes() gives its bytes"
+            )
         data = self.get_bytes(name)
         if e.numel == 0:  # strides of an empty tensor may pass int64 ([0, 2^47, 2^47, 2^47]): reshape keeps them 0
             try:
                 return torch.empty(0, dtype=dtype).reshape(e.shape)
             except RuntimeError as err:  # a shape torch cannot represent: say which file and tensor
-                raise FormatError(self._reader(name).path, f"torch cannot hold an empty tensor of shape {list(e.shape)} ({err})", name) from None
+                raise FormatError(
+                    self._reader(name).path, f"torch cannot hold an empty tensor of shape {list(e.shape)} ({err})", name
+                ) from None
         if not data.flags.writeable:
             data = data.copy()  # raw-coded tensors are views of the read-only mapping
         return torch.from_numpy(data).view(dtype).reshape(e.shape)
@@ -149,7 +154,7 @@ class CompressedCheckpoint:
             r.close()
         self._readers.clear()
 
-    def __enter__(self) -> "CompressedCheckpoint":
+    def __enter__(self) -> CompressedCheckpoint:
         return self
 
     def __exit__(self, *exc) -> None:

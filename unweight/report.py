@@ -65,7 +65,11 @@ class Totals:
         return 8 * self.stored_bytes / self.weights if self.weights else 0.0
 
     def to_json(self) -> dict:
-        return {**asdict(self), "saving_percent": round(100 * self.saving, 3), "bits_per_weight": round(self.bits_per_weight, 4)}
+        return {
+            **asdict(self),
+            "saving_percent": round(100 * self.saving, 3),
+            "bits_per_weight": round(self.bits_per_weight, 4),
+        }
 
 
 @dataclass(slots=True)
@@ -105,8 +109,11 @@ class CompressReport:
         for dtype, t in self.by_dtype().items():
             if dtype in STORED_DTYPE_BITS:
                 codecs = sorted({r.codec for r in self.tensors if r.dtype == dtype})
-                out.append(f"{t.tensors} {dtype} tensor{'s' if t.tensors > 1 else ''} ({t.original_bytes:,} bytes) stored with "
-                           f"{' or '.join(codecs)}, bit-exact: the codec has no model of {dtype} values")
+                out.append(
+                    f"{t.tensors} {dtype} tensor{'s' if t.tensors > 1 else ''} ({t.original_bytes:,} bytes) stored "
+                    f"with "
+                    f"{' or '.join(codecs)}, bit-exact: the codec has no model of {dtype} values"
+                )
         return out
 
     def to_json(self) -> dict:

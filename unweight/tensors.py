@@ -8,9 +8,8 @@ import numpy as np
 
 from unweight.codec import CodecOptions, encode_tensor
 from unweight.formats import ContainerWriter
-from unweight.formats.safetensors_file import RESERVED_NAME
-
 from unweight.formats.dtypes import TORCH_DTYPES
+from unweight.formats.safetensors_file import RESERVED_NAME
 
 DTYPE_OF_TORCH = {v: k for k, v in TORCH_DTYPES.items()}  # torch dtype name -> safetensors dtype
 
@@ -34,7 +33,10 @@ def save_file(tensors: dict, path: str | os.PathLike, threads: int | None = None
         if not isinstance(name, str):
             raise TypeError(f"tensor names must be strings, not {name!r}")
         if name == RESERVED_NAME:
-            raise ValueError("a tensor may not be named '__metadata__': safetensors reserves that key, so the file decompressed from it would not load")
+            raise ValueError(
+                "a tensor may not be named '__metadata__': safetensors reserves that key, so the file decompressed "
+                "from it would not load"
+            )
     with ContainerWriter(os.fspath(path)) as writer:
         for name in sorted(tensors):
             dtype, shape, data = tensor_bytes(tensors[name])

@@ -90,7 +90,9 @@ def bf16_pair(h, lo, P: tl.constexpr, PRMT: tl.constexpr):
     PRMT one `prmt.b32` (a byte permute); else its plain integer model (the interpreter)."""
     if PRMT:
         sel: tl.constexpr = 0x5140 if P == 0 else 0x7362
-        return tl.inline_asm_elementwise(f"prmt.b32 $0, $1, $2, {sel};", "=r,r,r", [lo, h], dtype=tl.uint32, is_pure=True, pack=1)
+        return tl.inline_asm_elementwise(
+            f"prmt.b32 $0, $1, $2, {sel};", "=r,r,r", [lo, h], dtype=tl.uint32, is_pure=True, pack=1
+        )
     else:
         lo2 = lo >> (16 * P)
         h2 = h >> (16 * P)

@@ -25,10 +25,22 @@ _NO_GUARD = contextlib.nullcontext()
 def qtiles_decode_kernel(
     # W (N, K) in the resident layout: sm (N, 32G) uint8, codes (N, G, 3) words, base (N,) uint8,
     # esc_row (N + 1,) int32, esc_col and esc_exp (one per listed escape)
-    sm_ptr, codes_ptr, base_ptr, esc_row_ptr, esc_col_ptr, esc_exp_ptr, N, K, G,
+    sm_ptr,
+    codes_ptr,
+    base_ptr,
+    esc_row_ptr,
+    esc_col_ptr,
+    esc_exp_ptr,
+    N,
+    K,
+    G,
     # output: int16 view of the BF16 rows (n_out, K), row-major; rows to take (int64) when GATHER
-    out_ptr, ids_ptr, n_out,
-    BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, ESC_BLOCK: tl.constexpr,
+    out_ptr,
+    ids_ptr,
+    n_out,
+    BLOCK_N: tl.constexpr,
+    GROUPS: tl.constexpr,
+    ESC_BLOCK: tl.constexpr,
     GATHER: tl.constexpr,  # output row i is W row ids[i] (embedding lookups); else all rows
     PRMT: tl.constexpr,  # byte permutes as inline PTX (a GPU); else their integer model (the interpreter)
     MODE: tl.constexpr,  # the matrix's mode (runtime/qtiles.py): 0, eight-exponent windows; 1, seven and a zero code
@@ -60,7 +72,11 @@ def qtiles_decode_kernel(
     tl.debug_barrier()  # the escapes below overwrite what other threads of this program stored
     # each output row's listed escapes: entries esc_row[r] .. esc_row[r + 1] of its W row r
     for i in tl.static_range(BLOCK_N):
-        r = tl.load(ids_ptr + pid * BLOCK_N + i, mask=pid * BLOCK_N + i < n_out, other=0) if GATHER else (pid * BLOCK_N + i).to(tl.int64)
+        r = (
+            tl.load(ids_ptr + pid * BLOCK_N + i, mask=pid * BLOCK_N + i < n_out, other=0)
+            if GATHER
+            else (pid * BLOCK_N + i).to(tl.int64)
+        )
         if pid * BLOCK_N + i < n_out:
             first = tl.load(esc_row_ptr + r)
             last = tl.load(esc_row_ptr + r + 1)
@@ -78,7 +94,9 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def qtiles_decode(q: dict[str, torch.Tensor], rows: int, cols: int, ids: torch.Tensor | None = None, mode: int | None = None) -> torch.Tensor:
+def qtiles_decode(
+    q: dict[str, torch.Tensor], rows: int, cols: int, ids: torch.Tensor | None = None, mode: int | None = None
+) -> torch.Tensor:
     """The (rows, cols) BF16 matrix of resident-layout streams `q` (runtime.qtiles, as torch
     tensors), decoded on their device; with `ids` (int64, on that device, each in [0, rows): the
     caller checks), only those rows, as a (len(ids), cols) matrix. Never synchronises (given
@@ -96,8 +114,24 @@ def qtiles_decode(q: dict[str, torch.Tensor], rows: int, cols: int, ids: torch.T
         block_n = 4
         with torch.cuda.device(sm.device) if sm.device.type == "cuda" else _NO_GUARD:
             qtiles_decode_kernel[(-(-n_out // block_n),)](
-                sm, q["codes"], q["base"], q["esc_row"], q["esc_col"], q["esc_exp"], rows, cols, -(-cols // 32),
-                out, ids if gather else out, n_out,
-                BLOCK_N=block_n, GROUPS=32, ESC_BLOCK=128, GATHER=gather, PRMT=not _interpreted(), MODE=mode, EVEN_K=cols % 32 == 0,
+                sm,
+                q["codes"],
+                q["base"],
+                q["esc_row"],
+                q["esc_col"],
+                q["esc_exp"],
+                rows,
+                cols,
+                -(-cols // 32),
+                out,
+                ids if gather else out,
+                n_out,
+                BLOCK_N=block_n,
+                GROUPS=32,
+                ESC_BLOCK=128,
+                GATHER=gather,
+                PRMT=not _interpreted(),
+                MODE=mode,
+                EVEN_K=cols % 32 == 0,
             )
     return out.view(torch.bfloat16)

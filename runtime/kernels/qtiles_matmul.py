@@ -43,11 +43,26 @@ INTERPRETER_BF16_DOT = False
 @triton.jit
 def qtiles_gemv_kernel(
     # activations x (M, K) bf16 with row stride; output y (M, N) with row stride
-    x_ptr, y_ptr, M, stride_xm, stride_ym,
+    x_ptr,
+    y_ptr,
+    M,
+    stride_xm,
+    stride_ym,
     # W (N, K) in the resident layout: sm (N, 32G) uint8, codes (N, G, 3) words, base (N,) uint8,
     # esc_row (N + 1,) int32, esc_col and esc_exp (one per listed escape)
-    sm_ptr, codes_ptr, base_ptr, esc_row_ptr, esc_col_ptr, esc_exp_ptr, N, K, G,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, ESC_BLOCK: tl.constexpr,
+    sm_ptr,
+    codes_ptr,
+    base_ptr,
+    esc_row_ptr,
+    esc_col_ptr,
+    esc_exp_ptr,
+    N,
+    K,
+    G,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    GROUPS: tl.constexpr,
+    ESC_BLOCK: tl.constexpr,
     PRMT: tl.constexpr,  # byte permutes as inline PTX (a GPU); else their integer model (the interpreter)
     MODE: tl.constexpr,  # the matrix's mode (runtime/qtiles.py): 0, eight-exponent windows; 1, seven and a zero code
 ):
@@ -70,7 +85,9 @@ def qtiles_gemv_kernel(
             pairs = quad_pairs(a, b, c, tl.load(words + q, mask=live, other=0), off, q, PRMT, MODE)
             for p in tl.static_range(2):  # weights and x as bf16 pairs: lanes 2p, 2p + 1
                 k = gi * 32 + 4 * q + 2 * p  # (GROUPS,) column of lane 2p
-                xw = tl.load(x_words + (k // 2)[None, None, :], mask=m_live[:, None, None] & (k < K)[None, None, :], other=0)
+                xw = tl.load(
+                    x_words + (k // 2)[None, None, :], mask=m_live[:, None, None] & (k < K)[None, None, :], other=0
+                )
                 acc += pair_f32(xw, 0) * pair_f32(pairs[p], 0)
                 acc += pair_f32(xw, 1) * pair_f32(pairs[p], 1)
     out = tl.sum(acc, axis=2)  # (BLOCK_M, BLOCK_N)
@@ -91,7 +108,9 @@ def qtiles_gemv_kernel(
                 col = tl.load(esc_col_ptr + ei, mask=e_live, other=0).to(tl.int64)
                 exp = tl.load(esc_exp_ptr + ei, mask=e_live, other=0).to(tl.uint32)
                 smb = tl.load(sm_ptr + r * (G * 32) + col, mask=e_live, other=0).to(tl.uint32)
-                xe = tl.load(x_row.reshape(BLOCK_M, 1) + col[None, :], mask=m_live[:, None] & e_live[None, :], other=0.0).to(tl.float32)
+                xe = tl.load(
+                    x_row.reshape(BLOCK_M, 1) + col[None, :], mask=m_live[:, None] & e_live[None, :], other=0.0
+                ).to(tl.float32)
                 fix += xe * escape_delta(smb, exp, row_base, MODE)[None, :]  # (BLOCK_M, ESC_BLOCK)
             out += tl.where((tl.arange(0, BLOCK_N) == i)[None, :], tl.sum(fix, axis=1)[:, None], 0.0)
     y_ptrs = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn64[None, :]
@@ -108,15 +127,32 @@ def _by_quad(t0, t1, t2, t3, t4, t5, t6, t7):
 @triton.jit
 def qtiles_dot_kernel(
     # activations x (M, K) bf16 with row stride; output y (M, N) with row stride
-    x_ptr, y_ptr, M, stride_xm, stride_ym,
+    x_ptr,
+    y_ptr,
+    M,
+    stride_xm,
+    stride_ym,
     # W (N, K) in the resident layout, as for qtiles_gemv_kernel
-    sm_ptr, codes_ptr, base_ptr, esc_row_ptr, esc_col_ptr, esc_exp_ptr, N, K, G,
+    sm_ptr,
+    codes_ptr,
+    base_ptr,
+    esc_row_ptr,
+    esc_col_ptr,
+    esc_exp_ptr,
+    N,
+    K,
+    G,
     # split-K: program_id(2) of splits takes groups [pid_k * groups_per_split, ...) and every
     # splits-th escape of each row; partials (splits, M, N) fp32 in ws, tile counters (all 0
     # between calls). A runtime value, so that one variant serves every split count (Triton's
     # JIT still specialises splits == 1, the plain store)
-    ws_ptr, count_ptr, groups_per_split, splits,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
+    ws_ptr,
+    count_ptr,
+    groups_per_split,
+    splits,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    GROUPS: tl.constexpr,
     PRMT: tl.constexpr,  # byte permutes as inline PTX (a GPU); else their integer model (the interpreter)
     MODE: tl.constexpr,  # the matrix's mode (runtime/qtiles.py): 0, eight-exponent windows; 1, seven and a zero code
     DOT_F32: tl.constexpr,  # feed tl.dot fp32 operands (the interpreter, whose bf16 dot is wrong) instead of bf16
@@ -174,7 +210,9 @@ def qtiles_dot_kernel(
         col = tl.load(esc_col_ptr + ei, mask=e_live, other=0).to(tl.int64)
         exp = tl.load(esc_exp_ptr + ei, mask=e_live, other=0).to(tl.uint32)
         smb = tl.load(sm_ptr + rn64 * (G * 32) + col, mask=e_live, other=0).to(tl.uint32)
-        xe = tl.load(x_rows + col[None, :], mask=m_live[:, None] & e_live[None, :], other=0.0).to(tl.float32)  # (BLOCK_M, BLOCK_N)
+        xe = tl.load(x_rows + col[None, :], mask=m_live[:, None] & e_live[None, :], other=0.0).to(
+            tl.float32
+        )  # (BLOCK_M, BLOCK_N)
         fixes += xe * escape_delta(smb, exp, base, MODE)[None, :]
     acc += fixes
     out_live = m_live[:, None] & n_live[None, :]
@@ -193,6 +231,7 @@ def qtiles_dot_kernel(
                 total += tl.load(ws_ptr + k * plane + part, mask=out_live, other=0.0, cache_modifier=".cg")
             tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_live)
             tl.store(count_ptr + tile, 0)  # ready for the next call
+
 
 def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -223,13 +262,22 @@ def _workspace(device: torch.device, floats: int, counters: int) -> tuple[torch.
     ws, counts = _WORKSPACES.get(device, (None, None))
     if ws is None or ws.numel() < max(floats, 1) or counts.numel() < max(counters, 1):
         ws = torch.empty(max(floats, 1, 0 if ws is None else ws.numel()), dtype=torch.float32, device=device)
-        counts = torch.zeros(max(counters, 1, 0 if counts is None else counts.numel()), dtype=torch.int32, device=device)
+        counts = torch.zeros(
+            max(counters, 1, 0 if counts is None else counts.numel()), dtype=torch.int32, device=device
+        )
         _WORKSPACES[device] = ws, counts
     return ws, counts
 
 
-def qtiles_linear(x: torch.Tensor, q: dict[str, torch.Tensor], out_features: int, in_features: int, out_dtype: torch.dtype | None = None, split_k: int | None = None,
-                  mode: int | None = None) -> torch.Tensor:
+def qtiles_linear(
+    x: torch.Tensor,
+    q: dict[str, torch.Tensor],
+    out_features: int,
+    in_features: int,
+    out_dtype: torch.dtype | None = None,
+    split_k: int | None = None,
+    mode: int | None = None,
+) -> torch.Tensor:
     """y = x @ W^T for W (out_features, in_features) in the resident layout, W never materialised.
 
     `x` is (..., in_features) BF16 with at most MAX_M rows, on the device of the streams `q`
@@ -260,21 +308,53 @@ def qtiles_linear(x: torch.Tensor, q: dict[str, torch.Tensor], out_features: int
         return y.reshape(*lead, out_features)
     mode = stream_mode(q, mode)
     g = -(-in_features // 32)
-    args = (x2, y, m, x2.stride(0), y.stride(0), sm, q["codes"], q["base"], q["esc_row"], q["esc_col"], q["esc_exp"], out_features, in_features, g)
+    args = (
+        x2,
+        y,
+        m,
+        x2.stride(0),
+        y.stride(0),
+        sm,
+        q["codes"],
+        q["base"],
+        q["esc_row"],
+        q["esc_col"],
+        q["esc_exp"],
+        out_features,
+        in_features,
+        g,
+    )
     interpreted = _interpreted()
     with torch.cuda.device(x.device) if x.device.type == "cuda" else _NO_GUARD:
         if m <= GEMV_M:
             block_m, block_n, groups = _blocks(m, out_features)
-            qtiles_gemv_kernel[(-(-out_features // block_n),)](*args, BLOCK_M=block_m, BLOCK_N=block_n, GROUPS=groups, ESC_BLOCK=128, PRMT=not interpreted, MODE=mode)
+            qtiles_gemv_kernel[(-(-out_features // block_n),)](
+                *args, BLOCK_M=block_m, BLOCK_N=block_n, GROUPS=groups, ESC_BLOCK=128, PRMT=not interpreted, MODE=mode
+            )
         else:
             block_m, block_n, groups = _dot_blocks(m)
             tiles_m, tiles_n = -(-m // block_m), -(-out_features // block_n)
-            splits = split_k if split_k is not None else max(1, min(MAX_SPLITS, -(-MIN_PROGRAMS // (tiles_m * tiles_n)), g // groups))
+            splits = (
+                split_k
+                if split_k is not None
+                else max(1, min(MAX_SPLITS, -(-MIN_PROGRAMS // (tiles_m * tiles_n)), g // groups))
+            )
             per_split = -(-g // (splits * groups)) * groups
             splits = -(-g // per_split)
-            ws, counts = _workspace(x.device, splits * m * out_features if splits > 1 else 0, tiles_m * tiles_n if splits > 1 else 0)
+            ws, counts = _workspace(
+                x.device, splits * m * out_features if splits > 1 else 0, tiles_m * tiles_n if splits > 1 else 0
+            )
             qtiles_dot_kernel[(tiles_m, tiles_n, splits)](
-                *args, ws, counts, per_split, splits,
-                BLOCK_M=block_m, BLOCK_N=block_n, GROUPS=groups, PRMT=not interpreted, MODE=mode, DOT_F32=interpreted and not INTERPRETER_BF16_DOT,
+                *args,
+                ws,
+                counts,
+                per_split,
+                splits,
+                BLOCK_M=block_m,
+                BLOCK_N=block_n,
+                GROUPS=groups,
+                PRMT=not interpreted,
+                MODE=mode,
+                DOT_F32=interpreted and not INTERPRETER_BF16_DOT,
             )
     return y.reshape(*lead, out_features)

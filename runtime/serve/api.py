@@ -25,10 +25,25 @@ MAX_N = 64  # choices (n, best_of) per request; each one is a sequence of its ow
 # Fields that would change what a client gets and that this server does not implement, with the
 # value that means "not used" (a request that sends that value, or null, is served).
 UNSUPPORTED_COMMON = {
-    "tools": [], "tool_choice": "none", "functions": [], "function_call": "none", "response_format": {"type": "text"},
-    "parallel_tool_calls": False, "audio": None, "prediction": None, "web_search_options": None, "modalities": ["text"],
-    "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None, "structured_outputs": None,
-    "use_beam_search": False, "logits_processors": None, "prompt_logprobs": None, "truncate_prompt_tokens": None,
+    "tools": [],
+    "tool_choice": "none",
+    "functions": [],
+    "function_call": "none",
+    "response_format": {"type": "text"},
+    "parallel_tool_calls": False,
+    "audio": None,
+    "prediction": None,
+    "web_search_options": None,
+    "modalities": ["text"],
+    "guided_json": None,
+    "guided_regex": None,
+    "guided_choice": None,
+    "guided_grammar": None,
+    "structured_outputs": None,
+    "use_beam_search": False,
+    "logits_processors": None,
+    "prompt_logprobs": None,
+    "truncate_prompt_tokens": None,
 }
 UNSUPPORTED = {
     "completions": {**UNSUPPORTED_COMMON, "suffix": ""},
@@ -107,15 +122,35 @@ class _Sampling(BaseModel):
     def params(self, max_new_tokens: int, logprobs: int | None, choice: int = 0) -> SamplingParams:
         """The sampling settings of one choice, with defaults for what the request left out (raises
         ValueError). Choice i draws with seed + i."""
-        given = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                                               "logit_bias", "stop_token_ids", "min_tokens", "ignore_eos") if getattr(self, k) is not None}
+        given = {
+            k: getattr(self, k)
+            for k in (
+                "temperature",
+                "top_p",
+                "top_k",
+                "min_p",
+                "presence_penalty",
+                "frequency_penalty",
+                "repetition_penalty",
+                "logit_bias",
+                "stop_token_ids",
+                "min_tokens",
+                "ignore_eos",
+            )
+            if getattr(self, k) is not None
+        }
         given["seed"] = Sequence.seed_for(self.seed, choice)
         if given.get("top_k") == -1:
             given["top_k"] = 0
         if given.get("min_tokens", 0) > max_new_tokens:
             raise ValueError(f"min_tokens {given['min_tokens']} is more than max_tokens {max_new_tokens}")
-        return SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0 if self.temperature is None else self.temperature,
-                              stop=self.stop or [], logprobs=logprobs, **{k: v for k, v in given.items() if k != "temperature"})
+        return SamplingParams(
+            max_new_tokens=max_new_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            stop=self.stop or [],
+            logprobs=logprobs,
+            **{k: v for k, v in given.items() if k != "temperature"},
+        )
 
 
 class CompletionRequest(_Sampling):
@@ -217,7 +252,9 @@ class ChatRequest(_Sampling):
 
 
 # -- bodies ------------------------------------------------------------------------------------
-def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None, code: str | None = None) -> dict:
+def error_body(
+    message: str, kind: str = "invalid_request_error", param: str | None = None, code: str | None = None
+) -> dict:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
@@ -230,31 +267,77 @@ def usage(prompt: int, completion: int) -> dict:
 
 
 def completion_body(rid: str, model: str, choices: list[dict], prompt: int, completion: int) -> dict:
-    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model, "choices": choices, "usage": usage(prompt, completion)}
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": usage(prompt, completion),
+    }
 
 
 def completion_choice(index: int, text: str, finish: str | None, logprobs: dict | None) -> dict:
     return {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}
 
 
-def completion_chunk(rid: str, model: str, index: int, text: str, finish: str | None, logprobs: dict | None = None) -> dict:
-    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [completion_choice(index, text, finish, logprobs)]}
+def completion_chunk(
+    rid: str, model: str, index: int, text: str, finish: str | None, logprobs: dict | None = None
+) -> dict:
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [completion_choice(index, text, finish, logprobs)],
+    }
 
 
 def chat_body(rid: str, model: str, choices: list[dict], prompt: int, completion: int) -> dict:
-    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model, "choices": choices, "usage": usage(prompt, completion)}
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": usage(prompt, completion),
+    }
 
 
 def chat_choice(index: int, text: str, finish: str | None, logprobs: list[dict] | None) -> dict:
-    return {"index": index, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
-            "logprobs": None if logprobs is None else {"content": logprobs}}
+    return {
+        "index": index,
+        "message": {"role": "assistant", "content": text},
+        "finish_reason": finish,
+        "logprobs": None if logprobs is None else {"content": logprobs},
+    }
 
 
-def chat_chunk(rid: str, model: str, index: int, delta: dict, finish: str | None, logprobs: list[dict] | None = None) -> dict:
-    return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-            "choices": [{"index": index, "delta": delta, "finish_reason": finish, "logprobs": None if logprobs is None else {"content": logprobs}}]}
+def chat_chunk(
+    rid: str, model: str, index: int, delta: dict, finish: str | None, logprobs: list[dict] | None = None
+) -> dict:
+    return {
+        "id": rid,
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": index,
+                "delta": delta,
+                "finish_reason": finish,
+                "logprobs": None if logprobs is None else {"content": logprobs},
+            }
+        ],
+    }
 
 
 def usage_chunk(rid: str, model: str, obj: str, prompt: int, completion: int) -> dict:
-    return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [], "usage": usage(prompt, completion)}
+    return {
+        "id": rid,
+        "object": obj,
+        "created": int(time.time()),
+        "model": model,
+        "choices": [],
+        "usage": usage(prompt, completion),
+    }

@@ -1,7 +1,7 @@
 """The HTTP side of `unweight serve` (FastAPI): OpenAI endpoints, /health, /metrics, and launch.
 
-    unweight serve ./smollm2-uw --port 8000
-    curl localhost:8000/v1/chat/completions -d '{"model": "smollm2-uw", "messages": [{"role": "user", "content": "Hi"}]}'
+unweight serve ./smollm2-uw --port 8000
+curl localhost:8000/v1/chat/completions -d '{"model": "smollm2-uw", "messages": [{"role": "user", "content": "Hi"}]}'
 """
 
 from __future__ import annotations
@@ -34,7 +34,14 @@ JSON_IN_THREAD_BYTES = 64 << 10  # bodies larger than this are parsed off the ev
 
 
 class HTTPError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None, code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ):
         super().__init__(message)
         self.status, self.body = status, api.error_body(message, kind, param, code)
 
@@ -93,7 +100,7 @@ class Choice:
     def _entries(self, streaming: bool) -> list:
         if not streaming:
             return self.entries
-        out, self.sent = self.entries[self.sent:], len(self.entries)
+        out, self.sent = self.entries[self.sent :], len(self.entries)
         return out
 
     def _prompt_entries(self) -> list:
@@ -127,7 +134,9 @@ def create_app(cfg: ServeConfig) -> FastAPI:
     metrics = Metrics(name, max_len)
     router = Router(cfg, eos, metrics)
     metrics.watch(lambda: router.workers.values(), lambda: router.requests.values())
-    tokenizing = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="tokenize")  # prompts never tokenise on the event loop
+    tokenizing = concurrent.futures.ThreadPoolExecutor(
+        2, thread_name_prefix="tokenize"
+    )  # prompts never tokenise on the event loop
     max_chars = _max_prompt_chars(tokenizer, max_len)
 
     @contextlib.asynccontextmanager
@@ -167,7 +176,9 @@ def create_app(cfg: ServeConfig) -> FastAPI:
             raise HTTPError(400, "the body must be a JSON object")
         field = api.unsupported(body, endpoint)
         if field is not None:
-            raise HTTPError(400, f"{field}: this server does not support {field!r}", param=field, code="unsupported_parameter")
+            raise HTTPError(
+                400, f"{field}: this server does not support {field!r}", param=field, code="unsupported_parameter"
+            )
         try:
             req = schema.model_validate(body)
         except ValidationError as e:
@@ -175,7 +186,12 @@ def create_app(cfg: ServeConfig) -> FastAPI:
             param = ".".join(str(p) for p in err["loc"]) or None
             raise HTTPError(400, f"{param}: {err['msg']}" if param else err["msg"], param=param) from None
         if req.model != name:
-            raise HTTPError(404, f"model {req.model!r} is not served here; this server serves {name!r}", param="model", code="model_not_found")
+            raise HTTPError(
+                404,
+                f"model {req.model!r} is not served here; this server serves {name!r}",
+                param="model",
+                code="model_not_found",
+            )
         return req
 
     def budget(req, prompt_ids: list[int], param: str) -> int:
@@ -183,12 +199,22 @@ def create_app(cfg: ServeConfig) -> FastAPI:
         if n == 0:
             raise HTTPError(400, "the prompt encodes to no tokens", param=param)
         if n >= max_len:
-            raise HTTPError(400, f"the prompt has {n} tokens; the context length is {max_len}", param=param, code="context_length_exceeded")
+            raise HTTPError(
+                400,
+                f"the prompt has {n} tokens; the context length is {max_len}",
+                param=param,
+                code="context_length_exceeded",
+            )
         limit = req.limit()
         if limit is None:
             return min(api.DEFAULT_MAX_TOKENS, max_len - n)
         if n + limit > max_len:
-            raise HTTPError(400, f"the prompt has {n} tokens; with max_tokens {limit} that exceeds the context length {max_len}", param="max_tokens", code="context_length_exceeded")
+            raise HTTPError(
+                400,
+                f"the prompt has {n} tokens; with max_tokens {limit} that exceeds the context length {max_len}",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
         return limit
 
     async def encode(req, chat: bool) -> list[list[int]]:
@@ -202,12 +228,20 @@ def create_app(cfg: ServeConfig) -> FastAPI:
             if isinstance(p, list) and p and isinstance(p[0], int):
                 bad = [t for t in p if not 0 <= t < vocab_size]
                 if bad:
-                    raise HTTPError(400, f"prompt: token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})", param="prompt")
+                    raise HTTPError(
+                        400,
+                        f"prompt: token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})",
+                        param="prompt",
+                    )
                 out.append(list(p))
                 continue
             if max_chars is not None and _chars(p) > max_chars:
-                raise HTTPError(400, f"the prompt has more than {max_chars} characters, more than {max_len} tokens of context can hold",
-                                param=param, code="context_length_exceeded")
+                raise HTTPError(
+                    400,
+                    f"the prompt has more than {max_chars} characters, more than {max_len} tokens of context can hold",
+                    param=param,
+                    code="context_length_exceeded",
+                )
             try:
                 out.append(await asyncio.get_running_loop().run_in_executor(tokenizing, encode_prompt, tokenizer, p))
             except ValueError as e:
@@ -226,11 +260,22 @@ def create_app(cfg: ServeConfig) -> FastAPI:
             top = req.token_logprobs()
             echo = not chat and bool(req.echo)
             if len(prompts) * per_prompt > router.room():
-                raise HTTPError(429, f"server busy: {len(prompts) * per_prompt} sequences asked, room for {max(router.room(), 0)}", "rate_limit_error", code="overloaded")
+                raise HTTPError(
+                    429,
+                    f"server busy: {len(prompts) * per_prompt} sequences asked, room for {max(router.room(), 0)}",
+                    "rate_limit_error",
+                    code="overloaded",
+                )
             rid = api.new_id("chatcmpl" if chat else "cmpl")
             try:
                 for pi, ids in enumerate(prompts):
-                    prefix = "" if not echo else given if isinstance(given := req.prompts()[pi], str) else tokenizer.decode(ids)
+                    prefix = (
+                        ""
+                        if not echo
+                        else given
+                        if isinstance(given := req.prompts()[pi], str)
+                        else tokenizer.decode(ids)
+                    )
                     for j in range(per_prompt):
                         try:
                             # best_of ranks by the chosen tokens' logprobs: ask for them even if the client did not
@@ -238,8 +283,19 @@ def create_app(cfg: ServeConfig) -> FastAPI:
                             params.check_vocab(vocab_size)
                         except ValueError as e:
                             raise HTTPError(400, str(e)) from None
-                        r = await router.submit(f"{rid}-{pi}-{j}", ids, params, prompt_logprobs=top if echo and top is not None else None)
-                        choices.append(Choice(pi * n + j, r, TextStream(tokenizer, req.stop or [], params.min_tokens), ids, prefix, top))
+                        r = await router.submit(
+                            f"{rid}-{pi}-{j}", ids, params, prompt_logprobs=top if echo and top is not None else None
+                        )
+                        choices.append(
+                            Choice(
+                                pi * n + j,
+                                r,
+                                TextStream(tokenizer, req.stop or [], params.min_tokens),
+                                ids,
+                                prefix,
+                                top,
+                            )
+                        )
             except Overloaded as e:
                 raise HTTPError(429, f"server busy: {e}", "rate_limit_error", code="overloaded") from None
             except Unavailable as e:
@@ -263,16 +319,30 @@ def create_app(cfg: ServeConfig) -> FastAPI:
         if per_prompt > n:  # best_of: the n most likely of each prompt's candidates
             kept = []
             for pi in range(len(prompts)):
-                ranked = sorted(choices[pi * per_prompt:(pi + 1) * per_prompt], key=lambda c: -c.cumulative)
+                ranked = sorted(choices[pi * per_prompt : (pi + 1) * per_prompt], key=lambda c: -c.cumulative)
                 for j, c in enumerate(ranked[:n]):
                     c.index = pi * n + j
                     kept.append(c)
             choices = kept
         if chat:
-            body = api.chat_body(rid, name, [api.chat_choice(c.index, c.text.text, c.finish, c.chat_logprobs(texts)) for c in choices], n_prompt, completion)
+            body = api.chat_body(
+                rid,
+                name,
+                [api.chat_choice(c.index, c.text.text, c.finish, c.chat_logprobs(texts)) for c in choices],
+                n_prompt,
+                completion,
+            )
         else:
-            body = api.completion_body(rid, name, [api.completion_choice(c.index, c.prefix + c.text.text, c.finish, c.completion_logprobs(texts)) for c in choices],
-                                       n_prompt, completion)
+            body = api.completion_body(
+                rid,
+                name,
+                [
+                    api.completion_choice(c.index, c.prefix + c.text.text, c.finish, c.completion_logprobs(texts))
+                    for c in choices
+                ],
+                n_prompt,
+                completion,
+            )
         return JSONResponse(body)
 
     async def _sse(choices: list[Choice], req, rid: str, chat: bool, n_prompt: int):
@@ -291,7 +361,11 @@ def create_app(cfg: ServeConfig) -> FastAPI:
 
         def chunk(c: Choice, piece: str, finish: str | None) -> str:
             if finish is not None:  # the last chunk: its logprobs went out with the text before it
-                body = api.chat_chunk(rid, name, c.index, {}, finish) if chat else api.completion_chunk(rid, name, c.index, "", finish)
+                body = (
+                    api.chat_chunk(rid, name, c.index, {}, finish)
+                    if chat
+                    else api.completion_chunk(rid, name, c.index, "", finish)
+                )
                 return data(body)
             if chat:
                 lp = c.chat_logprobs(texts, streaming=True)
@@ -349,7 +423,13 @@ def create_app(cfg: ServeConfig) -> FastAPI:
         return {"object": "list", "data": [model_card()]}
 
     def model_card() -> dict:
-        return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "unweight", "max_model_len": max_len}
+        return {
+            "id": name,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "unweight",
+            "max_model_len": max_len,
+        }
 
     @app.get("/v1/models/{model_id:path}")
     async def model(request: Request, model_id: str):
@@ -372,9 +452,16 @@ def create_app(cfg: ServeConfig) -> FastAPI:
         except HTTPError as e:
             return fail(e, "health")
         ok = router.ready()
-        body = {"status": "ok" if ok else "starting" if not router.workers or any(w.state == "starting" for w in router.workers.values()) else "degraded",
-                "mode": "disaggregated" if cfg.disaggregated else "aggregated", "model": name,
-                "workers": [w.to_json() for w in router.workers.values()]}
+        body = {
+            "status": "ok"
+            if ok
+            else "starting"
+            if not router.workers or any(w.state == "starting" for w in router.workers.values())
+            else "degraded",
+            "mode": "disaggregated" if cfg.disaggregated else "aggregated",
+            "model": name,
+            "workers": [w.to_json() for w in router.workers.values()],
+        }
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")
@@ -398,8 +485,15 @@ def serve(cfg: ServeConfig) -> None:
     import uvicorn
 
     app = create_app(cfg)
-    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning", timeout_graceful_shutdown=10,
-                http=guarded_protocol(cfg.timeout_header, cfg.limit_concurrency), timeout_keep_alive=cfg.timeout_keep_alive)
+    uvicorn.run(
+        app,
+        host=cfg.host,
+        port=cfg.port,
+        log_level="warning",
+        timeout_graceful_shutdown=10,
+        http=guarded_protocol(cfg.timeout_header, cfg.limit_concurrency),
+        timeout_keep_alive=cfg.timeout_keep_alive,
+    )
 
 
 class ClientGone(HTTPError):
@@ -466,7 +560,10 @@ def run_worker(role: str, name: str, cfg: ServeConfig, router_address: tuple[str
 
     if not cfg.control_secret_file:
         raise ValueError(f"--role {role} needs --control-secret-file PATH (the file the router was given)")
-    main(WorkerSpec(cfg, role, name, router_address, parent_pid, cfg.worker_threads), read_secret_file(cfg.control_secret_file))
+    main(
+        WorkerSpec(cfg, role, name, router_address, parent_pid, cfg.worker_threads),
+        read_secret_file(cfg.control_secret_file),
+    )
 
 
 __all__ = ["create_app", "run_worker", "serve"]

@@ -41,11 +41,18 @@ _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 _OPEN, _CLOSE = np.frombuffer(b"[{", np.uint8), np.frombuffer(b"]}", np.uint8)
 
 
-async def send_error(send, status: int, message: str, kind: str, code: str | None, extra_headers: list | None = None) -> None:
+async def send_error(
+    send, status: int, message: str, kind: str, code: str | None, extra_headers: list | None = None
+) -> None:
     """An OpenAI error body straight through ASGI, closing the connection (used where the request
     was not read to its end, or before any handler ran)."""
     body = json.dumps(api.error_body(message, kind, None, code)).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), (b"connection", b"close"), *(extra_headers or [])]
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"connection", b"close"),
+        *(extra_headers or []),
+    ]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
@@ -62,7 +69,14 @@ class BodyLimit:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         if scope.get("state", {}).get(OVER_LIMIT):
-            return await send_error(send, 503, "too many open connections; retry later", "server_error", "overloaded", [(b"retry-after", b"1")])
+            return await send_error(
+                send,
+                503,
+                "too many open connections; retry later",
+                "server_error",
+                "overloaded",
+                [(b"retry-after", b"1")],
+            )
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
             return await self._too_large(send)
@@ -83,8 +97,13 @@ class BodyLimit:
         try:
             body = await asyncio.wait_for(read(), self.timeout_body)
         except asyncio.TimeoutError:
-            return await send_error(send, 408, f"the request body did not arrive within {self.timeout_body:g} s (--timeout-body)", "invalid_request_error",
-                                    "request_timeout")
+            return await send_error(
+                send,
+                408,
+                f"the request body did not arrive within {self.timeout_body:g} s (--timeout-body)",
+                "invalid_request_error",
+                "request_timeout",
+            )
         if body == "too large":
             return await self._too_large(send)
         if body == "gone":
@@ -97,7 +116,13 @@ class BodyLimit:
         await self.app(scope, replayed, send)
 
     async def _too_large(self, send):
-        await send_error(send, 413, f"the request body is larger than {self.max_bytes} bytes (--max-body-bytes)", "invalid_request_error", "request_too_large")
+        await send_error(
+            send,
+            413,
+            f"the request body is larger than {self.max_bytes} bytes (--max-body-bytes)",
+            "invalid_request_error",
+            "request_too_large",
+        )
 
 
 def json_depth(text: str) -> int:
@@ -124,7 +149,9 @@ def parse_json(data: bytes):
         try:
             json.dumps(body, ensure_ascii=False).encode("utf-8")
         except UnicodeEncodeError:
-            raise ValueError("the body is not valid JSON: a string holds a lone UTF-16 surrogate (\\ud800-\\udfff)") from None
+            raise ValueError(
+                "the body is not valid JSON: a string holds a lone UTF-16 surrogate (\\ud800-\\udfff)"
+            ) from None
     return body
 
 
@@ -139,7 +166,9 @@ def guarded_protocol(timeout_header: float, limit_concurrency: int) -> type[H11P
             super().connection_made(transport)
             if len(self.connections) > limit_concurrency:
                 self.app_state = {**self.app_state, OVER_LIMIT: True}
-            self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
+            self.timeout_keep_alive_task = self.loop.call_later(
+                self.timeout_keep_alive, self.timeout_keep_alive_handler
+            )
             self._arm_header_timer()
 
         def handle_events(self) -> None:
@@ -195,7 +224,10 @@ def openai_errors(app) -> None:
     async def validation_error(request, e: RequestValidationError):
         err = (e.errors() or [{}])[0]
         param = ".".join(str(p) for p in err.get("loc", ())) or None
-        return JSONResponse(api.error_body(f"{param}: {err.get('msg', 'invalid')}", "invalid_request_error", param, None), status_code=400)
+        return JSONResponse(
+            api.error_body(f"{param}: {err.get('msg', 'invalid')}", "invalid_request_error", param, None),
+            status_code=400,
+        )
 
 
 class CountResponses:
@@ -227,4 +259,12 @@ class CountResponses:
             self.record(getattr(route, "path", None) or "none", method, status[0] if status else 499)
 
 
-__all__ = ["BodyLimit", "DEFAULT_MAX_BODY_BYTES", "MAX_JSON_DEPTH", "CountResponses", "guarded_protocol", "openai_errors", "parse_json"]
+__all__ = [
+    "BodyLimit",
+    "DEFAULT_MAX_BODY_BYTES",
+    "MAX_JSON_DEPTH",
+    "CountResponses",
+    "guarded_protocol",
+    "openai_errors",
+    "parse_json",
+]

@@ -32,8 +32,8 @@ import queue
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -229,7 +229,9 @@ class KVLink:
     def _proof(self, rank: int, incarnation: str, peer_incarnation: str, challenge: bytes, own_nonce: bytes) -> bytes:
         """What the rank-`rank` side answers to `challenge`: bound to both incarnations, its rank
         (no reflecting a proof back) and its own nonce."""
-        return hmac.new(self.key, f"{rank}/{incarnation}/{peer_incarnation}/".encode() + challenge + own_nonce, hashlib.sha256).digest()
+        return hmac.new(
+            self.key, f"{rank}/{incarnation}/{peer_incarnation}/".encode() + challenge + own_nonce, hashlib.sha256
+        ).digest()
 
     def _exchange(self, g: dist.ProcessGroup, data: bytes) -> bytes:
         peer = 1 - self.rank
@@ -246,7 +248,9 @@ class KVLink:
         nonce = secrets.token_bytes(NONCE_BYTES)
         challenge = self._exchange(g, nonce)
         answer = self._exchange(g, self._proof(self.rank, self.incarnation, peer_incarnation, challenge, nonce))
-        if not hmac.compare_digest(answer, self._proof(1 - self.rank, peer_incarnation, self.incarnation, nonce, challenge)):
+        if not hmac.compare_digest(
+            answer, self._proof(1 - self.rank, peer_incarnation, self.incarnation, nonce, challenge)
+        ):
             raise PermissionError("the peer on this KV group did not prove that it holds this server's control secret")
 
     def _serve_peer(self, key: tuple[str, str], q: queue.Queue) -> None:

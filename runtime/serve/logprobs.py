@@ -67,6 +67,7 @@ class TokenText:
     # -- /v1/chat/completions ----------------------------------------------------------------
     def chat(self, entries: list[tuple[int, float, list]]) -> list[dict]:
         """choices[].logprobs.content entries: {"token", "logprob", "bytes", "top_logprobs"}."""
+
         def one(token: int, lp: float) -> dict:
             text, raw = self.piece(token)
             return {"token": text, "logprob": lp, "bytes": list(raw)}

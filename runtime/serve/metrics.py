@@ -25,9 +25,74 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py)
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+REQUEST_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 FINISH_REASONS = ("stop", "length", "abort", "error")  # vLLM's FinishReason values
 
 
@@ -63,22 +128,62 @@ class Metrics:
         def hist(name, doc, buckets):
             return Histogram(name, doc, m, buckets=buckets, registry=r).labels(model_name)
 
-        self.ttft = hist("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS)
+        self.ttft = hist(
+            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS
+        )
         self.itl = hist("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
-        self.e2e = hist("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", REQUEST_BUCKETS)
-        self.queue = hist("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.", REQUEST_BUCKETS)
-        self.prefill = hist("vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.", REQUEST_BUCKETS)
-        self.decode = hist("vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.", REQUEST_BUCKETS)
-        self.inference = hist("vllm:request_inference_time_seconds", "Histogram of time spent in RUNNING phase for request.", REQUEST_BUCKETS)
-        self.tpot = hist("vllm:request_time_per_output_token_seconds", "Histogram of time_per_output_token_seconds per request.", ITL_BUCKETS)
-        self.prompt_hist = hist("vllm:request_prompt_tokens", "Number of prefill tokens processed.", token_buckets(max_model_len))
-        self.generation_hist = hist("vllm:request_generation_tokens", "Number of generation tokens processed.", token_buckets(max_model_len))
-        self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", m, registry=r).labels(model_name)
-        self.generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed.", m, registry=r).labels(model_name)
-        success = Counter("vllm:request_success", "Count of successfully processed requests.", [*m, "finished_reason"], registry=r)
+        self.e2e = hist(
+            "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", REQUEST_BUCKETS
+        )
+        self.queue = hist(
+            "vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.", REQUEST_BUCKETS
+        )
+        self.prefill = hist(
+            "vllm:request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.",
+            REQUEST_BUCKETS,
+        )
+        self.decode = hist(
+            "vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.", REQUEST_BUCKETS
+        )
+        self.inference = hist(
+            "vllm:request_inference_time_seconds",
+            "Histogram of time spent in RUNNING phase for request.",
+            REQUEST_BUCKETS,
+        )
+        self.tpot = hist(
+            "vllm:request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.",
+            ITL_BUCKETS,
+        )
+        self.prompt_hist = hist(
+            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", token_buckets(max_model_len)
+        )
+        self.generation_hist = hist(
+            "vllm:request_generation_tokens", "Number of generation tokens processed.", token_buckets(max_model_len)
+        )
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", m, registry=r).labels(
+            model_name
+        )
+        self.generation_tokens = Counter(
+            "vllm:generation_tokens", "Number of generation tokens processed.", m, registry=r
+        ).labels(model_name)
+        success = Counter(
+            "vllm:request_success", "Count of successfully processed requests.", [*m, "finished_reason"], registry=r
+        )
         self.success = {reason: success.labels(model_name, reason) for reason in FINISH_REASONS}
-        self.kv_bytes = Counter("unweight:kv_transfer_bytes", "KV cache bytes sent from prefill to decode workers.", [*m, "prefill", "decode"], registry=r)
-        self.http = Counter("http_requests", "Total number of requests by method, status and handler.", [*m, "method", "status", "handler"], registry=r)
+        self.kv_bytes = Counter(
+            "unweight:kv_transfer_bytes",
+            "KV cache bytes sent from prefill to decode workers.",
+            [*m, "prefill", "decode"],
+            registry=r,
+        )
+        self.http = Counter(
+            "http_requests",
+            "Total number of requests by method, status and handler.",
+            [*m, "method", "status", "handler"],
+            registry=r,
+        )
         self._live: dict[str, _Live] = {}
         self._prefill_free_at: dict[str, float] = {}  # prefill worker -> when its last first token came back
         self._workers: Callable[[], Iterable] = lambda: ()
@@ -151,32 +256,77 @@ class _StateCollector:
         workers = list(self.m._workers())
         requests = list(self.m._requests())
         running = sum(1 for r in requests if r.first_at is not None)
-        g = GaugeMetricFamily("vllm:num_requests_running", "Number of requests in model execution batches.", labels=["model_name"])
+        g = GaugeMetricFamily(
+            "vllm:num_requests_running", "Number of requests in model execution batches.", labels=["model_name"]
+        )
         g.add_metric([name], running)
         yield g
-        g = GaugeMetricFamily("vllm:num_requests_waiting", "Number of requests waiting to be processed.", labels=["model_name"])
+        g = GaugeMetricFamily(
+            "vllm:num_requests_waiting", "Number of requests waiting to be processed.", labels=["model_name"]
+        )
         g.add_metric([name], len(requests) - running)
         yield g
         caches = [w for w in workers if w.role in ("decode", "worker") and w.state != "dead" and w.kv_blocks_total]
-        g = GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", labels=["model_name"])
+        g = GaugeMetricFamily(
+            "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", labels=["model_name"]
+        )
         g.add_metric([name], sum(w.kv_blocks_used for w in caches) / max(1, sum(w.kv_blocks_total for w in caches)))
         yield g
         labels = ["model_name", "worker", "role"]
         per_worker = [
-            (GaugeMetricFamily, "unweight:worker_up", "1 if the worker is ready.", lambda w: 1 if w.state == "ready" else 0),
-            (GaugeMetricFamily, "unweight:worker_running", "Sequences in the worker's running batch (last heartbeat).", lambda w: w.running),
-            (GaugeMetricFamily, "unweight:worker_queued", "Requests waiting in the worker (last heartbeat).", lambda w: w.queued),
-            (GaugeMetricFamily, "unweight:worker_kv_blocks_used", "KV cache blocks in use (last heartbeat).", lambda w: w.kv_blocks_used),
-            (GaugeMetricFamily, "unweight:worker_kv_blocks_total", "KV cache blocks the worker may use (last heartbeat).", lambda w: w.kv_blocks_total),
-            (CounterMetricFamily, "unweight:worker_requests", "Requests the worker took part in (prefill or decode).", lambda w: w.served),
-            (CounterMetricFamily, "unweight:worker_restarts", "Times the router restarted the worker.", lambda w: w.restarts),
+            (
+                GaugeMetricFamily,
+                "unweight:worker_up",
+                "1 if the worker is ready.",
+                lambda w: 1 if w.state == "ready" else 0,
+            ),
+            (
+                GaugeMetricFamily,
+                "unweight:worker_running",
+                "Sequences in the worker's running batch (last heartbeat).",
+                lambda w: w.running,
+            ),
+            (
+                GaugeMetricFamily,
+                "unweight:worker_queued",
+                "Requests waiting in the worker (last heartbeat).",
+                lambda w: w.queued,
+            ),
+            (
+                GaugeMetricFamily,
+                "unweight:worker_kv_blocks_used",
+                "KV cache blocks in use (last heartbeat).",
+                lambda w: w.kv_blocks_used,
+            ),
+            (
+                GaugeMetricFamily,
+                "unweight:worker_kv_blocks_total",
+                "KV cache blocks the worker may use (last heartbeat).",
+                lambda w: w.kv_blocks_total,
+            ),
+            (
+                CounterMetricFamily,
+                "unweight:worker_requests",
+                "Requests the worker took part in (prefill or decode).",
+                lambda w: w.served,
+            ),
+            (
+                CounterMetricFamily,
+                "unweight:worker_restarts",
+                "Times the router restarted the worker.",
+                lambda w: w.restarts,
+            ),
         ]
         for family, metric, doc, value in per_worker:
             f = family(metric, doc, labels=labels)
             for w in workers:
                 f.add_metric([name, w.name, w.role], value(w))
             yield f
-        info = GaugeMetricFamily("unweight:worker_info", "The worker's current process: pid, incarnation and state (always 1).", labels=[*labels, "pid", "incarnation", "state"])
+        info = GaugeMetricFamily(
+            "unweight:worker_info",
+            "The worker's current process: pid, incarnation and state (always 1).",
+            labels=[*labels, "pid", "incarnation", "state"],
+        )
         for w in workers:
             info.add_metric([name, w.name, w.role, str(w.pid), w.incarnation or "", w.state], 1)
         yield info

@@ -49,7 +49,7 @@ import secrets
 import stat
 import time
 from dataclasses import dataclass
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
@@ -224,8 +224,10 @@ class KVReply(_Msg):
     error: ErrorText | None = None
 
 
-ToWorker = TypeAdapter(Annotated[Union[Prefill, Generate, Decode, Cancel, Shutdown, Announce], Field(discriminator="op")])
-ToRouter = TypeAdapter(Annotated[Union[Hello, Beat, PromptLogprobs, Prefilled, TokensMsg, Failed, KVSet, KVGet], Field(discriminator="op")])
+ToWorker = TypeAdapter(Annotated[Prefill | Generate | Decode | Cancel | Shutdown | Announce, Field(discriminator="op")])
+ToRouter = TypeAdapter(
+    Annotated[Hello | Beat | PromptLogprobs | Prefilled | TokensMsg | Failed | KVSet | KVGet, Field(discriminator="op")]
+)
 ToKVClient = TypeAdapter(KVReply)
 
 
@@ -250,7 +252,9 @@ def unpack(data: bytes, schema: TypeAdapter) -> dict:
             rid = raw.get("id") if isinstance(raw, dict) and isinstance(raw.get("id"), str) else None
         except ValueError:
             pass
-        raise BadMessage(f"{where + ': ' if where else ''}{err['msg']} ({e.error_count()} error(s), {len(data)} bytes)", rid) from None
+        raise BadMessage(
+            f"{where + ': ' if where else ''}{err['msg']} ({e.error_count()} error(s), {len(data)} bytes)", rid
+        ) from None
 
 
 class RateLimitedLog:
@@ -283,7 +287,10 @@ def read_secret_file(path: str | os.PathLike) -> str:
     try:
         st = os.stat(path)
         if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-            raise ValueError(f"control secret file {path} is readable by group or others (mode {stat.S_IMODE(st.st_mode):o}); run chmod 600 {path}")
+            raise ValueError(
+                f"control secret file {path} is readable by group or others (mode {stat.S_IMODE(st.st_mode):o}); run "
+                f"chmod 600 {path}"
+            )
         with open(path, encoding="utf-8") as f:
             lines = f.read().splitlines()
     except OSError as e:
@@ -292,7 +299,10 @@ def read_secret_file(path: str | os.PathLike) -> str:
         raise ValueError(f"control secret file {path} is not text") from None
     lines = [line.strip() for line in lines if line.strip()]
     if len(lines) != 1 or len(lines[0]) < MIN_SECRET_CHARS:
-        raise ValueError(f"control secret file {path} must hold one line of at least {MIN_SECRET_CHARS} characters (make one: python -c 'import secrets; print(secrets.token_hex(32))' > {path}; chmod 600 {path})")
+        raise ValueError(
+            f"control secret file {path} must hold one line of at least {MIN_SECRET_CHARS} characters (make one: "
+            f"python -c 'import secrets; print(secrets.token_hex(32))' > {path}; chmod 600 {path})"
+        )
     return lines[0]
 
 
@@ -303,7 +313,9 @@ def curve_keys(secret: str) -> dict[str, tuple[bytes, bytes]]:
 
     keys = {}
     for who in ("router", "worker"):
-        sk = z85.encode(hmac.new(secret.encode(), f"unweight serve control: {who} key".encode(), hashlib.sha256).digest())
+        sk = z85.encode(
+            hmac.new(secret.encode(), f"unweight serve control: {who} key".encode(), hashlib.sha256).digest()
+        )
         keys[who] = (zmq.curve_public(sk), sk)
     return keys
 
@@ -314,7 +326,7 @@ def kv_link_key(secret: str) -> bytes:
     return hmac.new(secret.encode(), b"unweight serve kv link", hashlib.sha256).digest()
 
 
-def context_limits(cfg: "ServeConfig", model_context: int) -> tuple[int, int]:
+def context_limits(cfg: ServeConfig, model_context: int) -> tuple[int, int]:
     """The one place the sizes come from: (admitted context in tokens, KV pool tokens of a decode
     or aggregated worker). The pool holds --kv-cache-tokens (default: --max-batch sequences of the
     full context), rounded up to whole blocks; the admitted context is never more than the model's

@@ -27,12 +27,30 @@ from dataclasses import dataclass, field
 from ..sampling import SamplingParams, Sequence
 from .kv_link import Rendezvous
 from .metrics import Metrics
-from .protocol import (KV_TIMEOUT_S, MAX_MESSAGE_BYTES, SECRET_ENV, SPEC_ENV, BadMessage, RateLimitedLog, ServeConfig, ToRouter, WorkerSpec, curve_keys, new_secret,
-                       pack, read_secret_file, unpack)
+from .protocol import (
+    KV_TIMEOUT_S,
+    MAX_MESSAGE_BYTES,
+    SECRET_ENV,
+    SPEC_ENV,
+    BadMessage,
+    RateLimitedLog,
+    ServeConfig,
+    ToRouter,
+    WorkerSpec,
+    curve_keys,
+    new_secret,
+    pack,
+    read_secret_file,
+    unpack,
+)
 
 log = logging.getLogger(__name__)
 RESTART_BACKOFF_S = 1.0
-CHANNELS = {"beat": "beat", "kv_set": "kv", "kv_get": "kv"}  # the socket (NAME#...) an op comes on; every other op comes on NAME
+CHANNELS = {
+    "beat": "beat",
+    "kv_set": "kv",
+    "kv_get": "kv",
+}  # the socket (NAME#...) an op comes on; every other op comes on NAME
 
 
 class Overloaded(Exception):
@@ -61,13 +79,26 @@ class WorkerHandle:
     restarts: int = 0
     served: int = 0  # requests this worker took part in
     inflight: set[str] = field(default_factory=set)
-    sending: set[str] = field(default_factory=set)  # prefill: requests whose KV it may still be sending (it may report them failed)
-    draining: dict[str, tuple[str, float]] = field(default_factory=dict)  # prefill: cancelled mid-prefill -> (decode worker, when)
+    sending: set[str] = field(
+        default_factory=set
+    )  # prefill: requests whose KV it may still be sending (it may report them failed)
+    draining: dict[str, tuple[str, float]] = field(
+        default_factory=dict
+    )  # prefill: cancelled mid-prefill -> (decode worker, when)
     died_at: float = 0.0
 
     def to_json(self) -> dict:
-        return {"name": self.name, "role": self.role, "pid": self.pid, "state": self.state, "running": self.running, "queued": self.queued,
-                "kv_blocks_used": self.kv_blocks_used, "restarts": self.restarts, "served": self.served}
+        return {
+            "name": self.name,
+            "role": self.role,
+            "pid": self.pid,
+            "state": self.state,
+            "running": self.running,
+            "queued": self.queued,
+            "kv_blocks_used": self.kv_blocks_used,
+            "restarts": self.restarts,
+            "served": self.served,
+        }
 
     @property
     def load(self) -> int:
@@ -79,7 +110,9 @@ class Request:
     rid: str
     tag: int
     tokens: list[int]
-    events: asyncio.Queue  # ("token", id or None, finish reason or None, logprobs or None) | ("prompt", logprobs) | ("error", message)
+    events: (
+        asyncio.Queue
+    )  # ("token", id or None, finish reason or None, logprobs or None) | ("prompt", logprobs) | ("error", message)
     created: float = field(default_factory=time.monotonic)
     holder: str | None = None  # the worker holding its state now
     decode: str | None = None
@@ -104,7 +137,6 @@ class Router:
     async def start(self) -> None:
         import zmq
         import zmq.asyncio
-
         from zmq.auth.asyncio import AsyncioAuthenticator
 
         cfg = self.cfg
@@ -121,14 +153,20 @@ class Router:
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         self.sock.curve_server = True
         self.sock.curve_publickey, self.sock.curve_secretkey = keys["router"]
-        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+        self.monitor = self.sock.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+        )
         bind_host = cfg.host if cfg.host not in ("localhost",) else "127.0.0.1"
         if cfg.control_port:
             self.sock.bind(f"tcp://{bind_host}:{cfg.control_port}")
             self.control_port = cfg.control_port
         else:
             self.control_port = self.sock.bind_to_random_port(f"tcp://{bind_host}")
-        self._tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._watch()), asyncio.create_task(self._watch_handshakes())]
+        self._tasks = [
+            asyncio.create_task(self._receive()),
+            asyncio.create_task(self._watch()),
+            asyncio.create_task(self._watch_handshakes()),
+        ]
         for role, count in self._local_workers():
             for i in range(count):
                 self._spawn(WorkerHandle(f"{role}-{i}", role))
@@ -140,13 +178,25 @@ class Router:
 
     def _spawn(self, w: WorkerHandle) -> None:
         cfg = self.cfg
-        if w.command is None:  # the worker's own entry point, its whole config as a WorkerSpec: no CLI flags to keep in step
+        if (
+            w.command is None
+        ):  # the worker's own entry point, its whole config as a WorkerSpec: no CLI flags to keep in step
             local = sum(n for _, n in self._local_workers()) or 1
-            spec = WorkerSpec(cfg, w.role, w.name, (_connect_host(cfg.host), self.control_port), os.getpid(),
-                              cfg.worker_threads or max(1, _cpus() // local))
+            spec = WorkerSpec(
+                cfg,
+                w.role,
+                w.name,
+                (_connect_host(cfg.host), self.control_port),
+                os.getpid(),
+                cfg.worker_threads or max(1, _cpus() // local),
+            )
             w.command = [sys.executable, "-m", "unweight.runtime.serve.worker"]
             w.spec = spec.to_json()
-        env = {**os.environ, SECRET_ENV: self.secret, SPEC_ENV: w.spec}  # the environment, not argv: argv is visible to every user in ps
+        env = {
+            **os.environ,
+            SECRET_ENV: self.secret,
+            SPEC_ENV: w.spec,
+        }  # the environment, not argv: argv is visible to every user in ps
         w.proc = subprocess.Popen(w.command, stdin=subprocess.DEVNULL, env=env)
         w.pid, w.state, w.incarnation, w.last_seen = w.proc.pid, "starting", None, time.monotonic()
         self.workers[w.name] = w
@@ -198,7 +248,9 @@ class Router:
             try:
                 want = CHANNELS.get(msg["op"], "")
                 if channel != want:
-                    self.rejected.warning("dropped %s from %r: it comes on NAME%s", msg["op"], ident[:64], f"#{want}" if want else "")
+                    self.rejected.warning(
+                        "dropped %s from %r: it comes on NAME%s", msg["op"], ident[:64], f"#{want}" if want else ""
+                    )
                     continue
                 if channel == "kv":
                     self._rendezvous(name, msg)
@@ -211,7 +263,12 @@ class Router:
         """A KV rendezvous request (kv_set, kv_get) from a worker's NAME#kv socket: answered there."""
         w = self.workers.get(name)
         if w is None or w.state != "ready" or w.incarnation is None:
-            reply = {"op": "kv_reply", "n": msg["n"], "value": None, "error": f"{name} is not a ready worker of this server"}
+            reply = {
+                "op": "kv_reply",
+                "n": msg["n"],
+                "value": None,
+                "error": f"{name} is not a ready worker of this server",
+            }
         else:
             live = {"prefill": set(), "decode": set()}
             for other in self.workers.values():
@@ -235,8 +292,13 @@ class Router:
 
         while True:
             event = parse_monitor_message(await self.monitor.recv_multipart())
-            self.rejected.warning("refused a control connection on %s: CURVE handshake failed (event %s, error %s): not a worker of this server",
-                                  event["endpoint"].decode(errors="replace"), event["event"], event["value"])
+            self.rejected.warning(
+                "refused a control connection on %s: CURVE handshake failed (event %s, error %s): not a worker of "
+                "this server",
+                event["endpoint"].decode(errors="replace"),
+                event["event"],
+                event["value"],
+            )
 
     def _handle(self, name: str, msg: dict) -> None:
         w = self.workers.get(name)
@@ -245,9 +307,13 @@ class Router:
             if w is None:  # a worker started by hand (--role prefill|decode on another host)
                 w = self.workers[name] = WorkerHandle(name, msg["role"])
             elif w.role != msg["role"]:
-                self.rejected.warning("dropped hello from %s: it says role %s, it was registered as %s", name, msg["role"], w.role)
+                self.rejected.warning(
+                    "dropped hello from %s: it says role %s, it was registered as %s", name, msg["role"], w.role
+                )
                 return
-            if w.incarnation is not None and w.incarnation != msg["incarnation"]:  # restarted by hand: it holds nothing now
+            if (
+                w.incarnation is not None and w.incarnation != msg["incarnation"]
+            ):  # restarted by hand: it holds nothing now
                 self._fail_held(w, f"worker {name} restarted while serving this request")
             w.pid, w.incarnation, w.state = msg["pid"], msg["incarnation"], "ready"
         if w is None:
@@ -283,9 +349,21 @@ class Router:
             r.holder = d.name
             d.inflight.add(r.rid)
             d.served += 1
-            asyncio.get_running_loop().create_task(self._send(d.name, {
-                "op": "decode", "id": r.rid, "tag": r.tag, "kv_shape": msg["kv_shape"], "kv_dtype": msg["kv_dtype"],
-                "prefill": name, "prefill_incarnation": w.incarnation, "seq": msg["seq"]}))
+            asyncio.get_running_loop().create_task(
+                self._send(
+                    d.name,
+                    {
+                        "op": "decode",
+                        "id": r.rid,
+                        "tag": r.tag,
+                        "kv_shape": msg["kv_shape"],
+                        "kv_dtype": msg["kv_dtype"],
+                        "prefill": name,
+                        "prefill_incarnation": w.incarnation,
+                        "seq": msg["seq"],
+                    },
+                )
+            )
         elif op == "tokens":
             for rid, token, finish, logprobs in msg["items"]:
                 r = self.requests.get(rid)
@@ -306,9 +384,21 @@ class Router:
                 self._finish_error(r, msg["error"])
 
     def _discard_kv(self, w: WorkerHandle, msg: dict, decode: str) -> None:
-        asyncio.get_running_loop().create_task(self._send(decode, {
-            "op": "decode", "id": msg["id"], "tag": msg["tag"], "kv_shape": msg["kv_shape"], "kv_dtype": msg["kv_dtype"],
-            "prefill": w.name, "prefill_incarnation": w.incarnation, "discard": True}))
+        asyncio.get_running_loop().create_task(
+            self._send(
+                decode,
+                {
+                    "op": "decode",
+                    "id": msg["id"],
+                    "tag": msg["tag"],
+                    "kv_shape": msg["kv_shape"],
+                    "kv_dtype": msg["kv_dtype"],
+                    "prefill": w.name,
+                    "prefill_incarnation": w.incarnation,
+                    "discard": True,
+                },
+            )
+        )
 
     def _fail_held(self, w: WorkerHandle, error: str, gone: bool = True) -> None:
         """Fail the requests the worker holds. Those whose KV it was sending are held by their decode
@@ -365,7 +455,13 @@ class Router:
                 elif not exited and w.state == "ready" and now - w.last_seen > self.cfg.worker_timeout:
                     # hung (stopped, stuck, cut off): its requests fail now rather than wait forever;
                     # if it comes back, its beats make it ready again and it is told to drop them
-                    log.error("worker %s (pid %s) silent for %.1f s: failing its %d request(s)", w.name, w.pid, now - w.last_seen, len(w.inflight))
+                    log.error(
+                        "worker %s (pid %s) silent for %.1f s: failing its %d request(s)",
+                        w.name,
+                        w.pid,
+                        now - w.last_seen,
+                        len(w.inflight),
+                    )
                     w.state = "unresponsive"
                     held = set(w.inflight)
                     self._fail_held(w, f"worker {w.name} stopped responding while serving this request", gone=False)
@@ -374,7 +470,12 @@ class Router:
                 for rid, (_, since) in list(w.draining.items()):  # a `prefilled` that never came
                     if now - since > 3 * KV_TIMEOUT_S:
                         del w.draining[rid]
-                if w.state == "dead" and w.command is not None and not self.closing and now - w.died_at >= RESTART_BACKOFF_S:
+                if (
+                    w.state == "dead"
+                    and w.command is not None
+                    and not self.closing
+                    and now - w.died_at >= RESTART_BACKOFF_S
+                ):
                     w.restarts += 1
                     self._spawn(w)
 
@@ -393,7 +494,9 @@ class Router:
         """Requests that may still be admitted before new ones get 429."""
         return self.cfg.max_queue - len(self.requests)
 
-    async def submit(self, rid: str, tokens: list[int], params: SamplingParams, prompt_logprobs: int | None = None) -> Request:
+    async def submit(
+        self, rid: str, tokens: list[int], params: SamplingParams, prompt_logprobs: int | None = None
+    ) -> Request:
         """Start one sequence (a choice of a request): its events arrive on the returned
         Request's queue. prompt_logprobs: also score the prompt, with that many alternatives."""
         if self.room() < 1:
@@ -403,7 +506,15 @@ class Router:
         if self.cfg.disaggregated:
             p, d = self._pick("prefill"), self._pick("decode")
             r.holder, r.decode = p.name, d.name
-            msg = {"op": "prefill", "id": rid, "tag": r.tag, "seq": seq, "prompt_logprobs": prompt_logprobs, "decode": d.name, "decode_incarnation": d.incarnation}
+            msg = {
+                "op": "prefill",
+                "id": rid,
+                "tag": r.tag,
+                "seq": seq,
+                "prompt_logprobs": prompt_logprobs,
+                "decode": d.name,
+                "decode_incarnation": d.incarnation,
+            }
         else:
             p = self._pick("worker")
             r.holder = p.name
@@ -434,7 +545,10 @@ class _AllowList:
     def callback(self, domain: str, key: bytes) -> bool:
         ok = hmac.compare_digest(key, self.key)
         if not ok:
-            self.rejected.warning("refused a control connection: CURVE key %s is not this server's worker key", key[:8].decode(errors="replace") + "...")
+            self.rejected.warning(
+                "refused a control connection: CURVE key %s is not this server's worker key",
+                key[:8].decode(errors="replace") + "...",
+            )
         return ok
 
 

@@ -36,7 +36,20 @@ from ..model_config import ModelConfig
 from ..sampling import Pick, Sequence, choose_rows
 from ..threads import governor, set_threads
 from .kv_link import ControlStore, KVLink, Transfer
-from .protocol import HEARTBEAT_S, MAX_MESSAGE_BYTES, SECRET_ENV, SPEC_ENV, BadMessage, RateLimitedLog, ToWorker, WorkerSpec, curve_keys, kv_link_key, pack, unpack
+from .protocol import (
+    HEARTBEAT_S,
+    MAX_MESSAGE_BYTES,
+    SECRET_ENV,
+    SPEC_ENV,
+    BadMessage,
+    RateLimitedLog,
+    ToWorker,
+    WorkerSpec,
+    curve_keys,
+    kv_link_key,
+    pack,
+    unpack,
+)
 
 log = logging.getLogger(__name__)
 RECONNECT_AFTER_REFUSAL_S = 1.0
@@ -46,7 +59,12 @@ def _handshake_events() -> int:
     """What a control socket's monitor reports: its handshakes, failed and succeeded."""
     import zmq
 
-    return zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_SUCCEEDED
+    return (
+        zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+        | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+        | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+        | zmq.EVENT_HANDSHAKE_SUCCEEDED
+    )
 
 
 LOGPROB_FLOOR = -9999.0  # what a logprob of -inf is sent as (as vLLM does): JSON has no infinities
@@ -109,7 +127,13 @@ class Worker:
         self.kv_store = self.link = None
         if role in ("prefill", "decode"):  # the rendezvous over a control socket of its own, made when first needed
             self.kv_store = ControlStore(self._kv_socket)
-            self.link = KVLink(self.kv_store, kv_link_key(secret), self.incarnation, 0 if role == "prefill" else 1, local_address_towards(router[0]))
+            self.link = KVLink(
+                self.kv_store,
+                kv_link_key(secret),
+                self.incarnation,
+                0 if role == "prefill" else 1,
+                local_address_towards(router[0]),
+            )
         self.running: dict[str, Slot] = {}
         self.preempted: deque[tuple[Slot, torch.Tensor]] = deque()  # swapped out to host memory while the pool was full
         self.waiting: deque = deque()  # prompts (aggregated) or received caches (decode) not yet running
@@ -166,8 +190,14 @@ class Worker:
                 return last
             last = event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
             if not last:
-                self.rejected.warning("%s: the control peer at %s failed the CURVE handshake (event %s, error %s): not this server's router",
-                                      self.name, self.router_url, event["event"], event["value"])
+                self.rejected.warning(
+                    "%s: the control peer at %s failed the CURVE handshake (event %s, error %s): not this server's "
+                    "router",
+                    self.name,
+                    self.router_url,
+                    event["event"],
+                    event["value"],
+                )
 
     def _reconnect(self, sock) -> None:
         """ZeroMQ gives up on an endpoint whose handshake failed: connect again (the real router
@@ -229,8 +259,17 @@ class Worker:
                 if self._handshakes(monitor) is False:
                     self._reconnect(sock)  # at most once a heartbeat
                 cache = self.model.cache
-                sock.send(pack({"op": "beat", "running": len(self.running), "queued": len(self.waiting) + len(self.pending) + len(self.preempted),
-                                "kv_blocks_used": cache.used_blocks, "kv_blocks_total": cache.max_blocks}))
+                sock.send(
+                    pack(
+                        {
+                            "op": "beat",
+                            "running": len(self.running),
+                            "queued": len(self.waiting) + len(self.pending) + len(self.preempted),
+                            "kv_blocks_used": cache.used_blocks,
+                            "kv_blocks_total": cache.max_blocks,
+                        }
+                    )
+                )
                 if self.parent_pid is not None and os.getppid() != self.parent_pid:
                     self.stopping = True
                 time.sleep(HEARTBEAT_S)
@@ -291,8 +330,14 @@ class Worker:
         kv = self.model.cache.export(slot.cache).cpu()
         self.model.free(self.running.pop(rid).cache)
         self.preempted.append((slot, kv))
-        self.pool_log.warning("%s: KV pool full (%d blocks of %d tokens): %s swapped out (%d tokens) until blocks free up",
-                              self.name, self.model.cache.max_blocks, self.model.cache.block_size, rid, kv.shape[2])
+        self.pool_log.warning(
+            "%s: KV pool full (%d blocks of %d tokens): %s swapped out (%d tokens) until blocks free up",
+            self.name,
+            self.model.cache.max_blocks,
+            self.model.cache.block_size,
+            rid,
+            kv.shape[2],
+        )
 
     def _make_room(self) -> None:
         while len(self.running) > 1 and self._step_blocks() > self._free_blocks():
@@ -331,7 +376,13 @@ class Worker:
             top = job.get("prompt_logprobs")
             if top is not None:
                 logits, scored = self.model.prefill_logprobs(cache, tokens, top)
-                self.send({"op": "prompt_logprobs", "id": job["id"], "items": [[finite(lp), [[t, finite(v)] for t, v in alts]] for lp, alts in scored]})
+                self.send(
+                    {
+                        "op": "prompt_logprobs",
+                        "id": job["id"],
+                        "items": [[finite(lp), [[t, finite(v)] for t, v in alts]] for lp, alts in scored],
+                    }
+                )
             else:
                 logits = self.model.prefill(cache, tokens)
             pick = seq.choose(logits)
@@ -364,7 +415,14 @@ class Worker:
         for slot, pick in zip(slots, self._picks(logits, slots)):
             reason = None if pick is None else slot.seq.append(pick.token)
             if pick is not None:
-                items.append([slot.rid, None if reason == "stop" else pick.token, reason, None if reason == "stop" else lp_item(pick)])
+                items.append(
+                    [
+                        slot.rid,
+                        None if reason == "stop" else pick.token,
+                        reason,
+                        None if reason == "stop" else lp_item(pick),
+                    ]
+                )
             if pick is None or reason is not None:
                 self.model.free(self.running.pop(slot.rid).cache)
         self.emit(items)
@@ -413,11 +471,22 @@ class Worker:
         try:
             cache, seq, pick, reason = self.prefill(job)
         except Exception as e:  # noqa: BLE001 - a job that cannot run fails alone
-            self.fail(job["id"], f"{type(e).__name__}: {e}" if not isinstance(e, (ValueError, CacheFullError)) else str(e))
+            self.fail(
+                job["id"], f"{type(e).__name__}: {e}" if not isinstance(e, (ValueError, CacheFullError)) else str(e)
+            )
             return None
         if reason is not None:
             self.model.free(cache)
-            self.emit([[job["id"], None if reason == "stop" else pick.token, reason, None if reason == "stop" else lp_item(pick)]])
+            self.emit(
+                [
+                    [
+                        job["id"],
+                        None if reason == "stop" else pick.token,
+                        reason,
+                        None if reason == "stop" else lp_item(pick),
+                    ]
+                ]
+            )
         return cache, seq, pick, reason
 
 
@@ -439,8 +508,20 @@ class PrefillWorker(Worker):
         cache, seq, pick, _ = done
         kv = self.model.cache.export(cache).cpu()  # gloo moves host tensors; a GPU cache is staged through them
         self.model.free(cache)
-        self.send({"op": "prefilled", "id": job["id"], "tag": job["tag"], "first_token": pick.token, "logprobs": lp_item(pick), "seq": seq.state(),
-                   "kv_shape": list(kv.shape), "kv_dtype": str(kv.dtype).removeprefix("torch."), "kv_bytes": kv.numel() * kv.element_size(), "decode": job["decode"]})
+        self.send(
+            {
+                "op": "prefilled",
+                "id": job["id"],
+                "tag": job["tag"],
+                "first_token": pick.token,
+                "logprobs": lp_item(pick),
+                "seq": seq.state(),
+                "kv_shape": list(kv.shape),
+                "kv_dtype": str(kv.dtype).removeprefix("torch."),
+                "kv_bytes": kv.numel() * kv.element_size(),
+                "decode": job["decode"],
+            }
+        )
         self.link.submit(Transfer(job["id"], job["tag"], job["decode"], job["decode_incarnation"], tensor=kv))
 
 
@@ -453,15 +534,27 @@ class DecodeWorker(Worker):
     def accept(self, msg: dict) -> None:
         shape, cache = tuple(msg["kv_shape"]), self.model.cache
         if shape[:2] != (cache.layers, 2) or shape[3:] != (cache.kv_heads, cache.head_dim) or shape[2] > self.max_len:
-            raise ValueError(f"KV shape {list(shape)} does not fit this model's cache ({cache.layers}, 2, <= {self.max_len}, {cache.kv_heads}, {cache.head_dim})")
+            raise ValueError(
+                f"KV shape {list(shape)} does not fit this model's cache ({cache.layers}, 2, <= {self.max_len}, "
+                f"{cache.kv_heads}, {cache.head_dim})"
+            )
         self.pending[msg["id"]] = msg
         if msg.get("discard"):  # sends and receives must pair up on a link: take it, then drop it
             self.cancelled.add(msg["id"])
-        self.link.submit(Transfer(msg["id"], msg["tag"], msg["prefill"], msg["prefill_incarnation"], shape=shape, dtype=msg["kv_dtype"]))
+        self.link.submit(
+            Transfer(
+                msg["id"], msg["tag"], msg["prefill"], msg["prefill_incarnation"], shape=shape, dtype=msg["kv_dtype"]
+            )
+        )
 
     def _admit(self) -> None:
         self._resume_preempted()
-        while self.waiting and not self.preempted and len(self.running) < self.max_batch and self._fits(self.waiting[0][1].shape[2]):
+        while (
+            self.waiting
+            and not self.preempted
+            and len(self.running) < self.max_batch
+            and self._fits(self.waiting[0][1].shape[2])
+        ):
             job, kv = self.waiting.popleft()
             try:
                 seq = Sequence.from_state(job["seq"], self.model.config.vocab_size)
@@ -490,7 +583,12 @@ class AggregatedWorker(Worker):
     def step(self) -> None:
         self.poll(0 if (self.running or self.waiting or self.preempted) else 50)
         self._resume_preempted()
-        if self.waiting and not self.preempted and len(self.running) < self.max_batch and self._fits(len(self.waiting[0]["seq"]["prompt"])):
+        if (
+            self.waiting
+            and not self.preempted
+            and len(self.running) < self.max_batch
+            and self._fits(len(self.waiting[0]["seq"]["prompt"]))
+        ):
             job = self.waiting.popleft()  # the whole prompt now: every running sequence waits for it
             done = self._first_token(job)
             if done is not None and done[3] is None:

@@ -206,15 +206,27 @@ def _tables(blob, sym_bits, precision, word_bits, raw_bits, rotate, lookup: bool
     # room for two-byte indices; _fill_slots writes one-byte ones into the same place when they fit
     lut = np.empty(LOOKUP_SYMBOLS + (1 << precision) // 4 if lookup else 0, dtype=np.uint64)
     index = lut[LOOKUP_SYMBOLS:]
-    wide = _slots_from_stream(np.frombuffer(blob, dtype=np.uint8), sym_bits, precision, word_bits, raw_bits, rotate, tab, lut,
-                              index.view(np.uint8), index.view(np.uint16))
+    wide = _slots_from_stream(
+        np.frombuffer(blob, dtype=np.uint8),
+        sym_bits,
+        precision,
+        word_bits,
+        raw_bits,
+        rotate,
+        tab,
+        lut,
+        index.view(np.uint8),
+        index.view(np.uint16),
+    )
     if wide < 0:
         parse(blob, sym_bits, precision)  # raises the precise error
         raise TableError("invalid table")  # pragma: no cover - parse() found nothing wrong
     return tab, lut, bool(wide)
 
 
-def slots_from_stream(blob: np.ndarray, sym_bits: int, precision: int, word_bits: int, raw_bits: int, rotate: bool) -> np.ndarray:
+def slots_from_stream(
+    blob: np.ndarray, sym_bits: int, precision: int, word_bits: int, raw_bits: int, rotate: bool
+) -> np.ndarray:
     """The portable decoder's slot table of a `table` stream; raises TableError as parse() does.
 
     For each slot q of symbol s: f(s) | (q - c(s)) << 16 | top << 32 (uint64), where top is the
@@ -227,7 +239,9 @@ def slots_from_stream(blob: np.ndarray, sym_bits: int, precision: int, word_bits
 LOOKUP_SYMBOLS = 1024  # entries of the lookup's symbol table: the 10-bit alphabet of 16-bit words
 
 
-def lookup_from_stream(blob: np.ndarray, sym_bits: int, precision: int, word_bits: int, raw_bits: int, rotate: bool) -> tuple[np.ndarray, bool]:
+def lookup_from_stream(
+    blob: np.ndarray, sym_bits: int, precision: int, word_bits: int, raw_bits: int, rotate: bool
+) -> tuple[np.ndarray, bool]:
     """(lookup, wide): the AVX2 decoder's two-level form of slots_from_stream()'s table, one uint64
     array: for each symbol in use, in slot order, f | c << 16 | top << 32 (LOOKUP_SYMBOLS entries),
     then each slot's index into those entries, one byte each when at most 256 symbols are in use

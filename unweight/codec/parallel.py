@@ -6,9 +6,10 @@ from __future__ import annotations
 import os
 import threading
 from collections import deque
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache, partial
-from typing import Callable, Iterable, Iterator, TypeVar
+from typing import TypeVar
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -74,8 +75,13 @@ def map_chunk_ranges(fn: Callable[[int, int], None], nchunks: int, threads: int 
         f.result()
 
 
-def map_in_order(fn: Callable[[T, int], R], items: Iterable[T], threads: int | None, alone: Callable[[T], bool],
-                 inline: Callable[[T], bool] = lambda item: False) -> Iterator[tuple[T, Callable[[], R]]]:
+def map_in_order(
+    fn: Callable[[T, int], R],
+    items: Iterable[T],
+    threads: int | None,
+    alone: Callable[[T], bool],
+    inline: Callable[[T], bool] = lambda item: False,
+) -> Iterator[tuple[T, Callable[[], R]]]:
     """Yield (item, get) for each item in order, where get() returns fn(item, inner_threads) or
     raises what it raised.
 

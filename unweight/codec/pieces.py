@@ -8,7 +8,7 @@ one rANS symbol declares 3 GiB, and is valid). Whole-tensor decode_tensor is its
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import zstandard
@@ -21,8 +21,13 @@ from .checksum import crc32
 from .tensor_codec import _rans_word, check_entry
 
 
-def decode_pieces(entry: TensorEntry, streams: dict[str, np.ndarray], piece_bytes: int, threads: int | None = None,
-                  verify: bool = True) -> Iterator[np.ndarray]:
+def decode_pieces(
+    entry: TensorEntry,
+    streams: dict[str, np.ndarray],
+    piece_bytes: int,
+    threads: int | None = None,
+    verify: bool = True,
+) -> Iterator[np.ndarray]:
     """Consecutive uint8 pieces of the tensor's original bytes, together exactly entry.nbytes;
     each valid until the next is asked for. The streams are checked before the first piece; the
     CRC-32 after the last (with `verify`). Raises CorruptDataError naming the tensor."""
@@ -53,7 +58,9 @@ def check_streams(entry: TensorEntry, streams: dict[str, np.ndarray]) -> None:
         if entry.codec == "rans":
             p = rans.RansParams.from_json(entry.params)
             if _rans_word(entry.dtype) != (p.word_bits, p.rotate):
-                raise ValueError(f"rans params word_bits={p.word_bits} rotate={p.rotate} do not fit dtype {entry.dtype}")
+                raise ValueError(
+                    f"rans params word_bits={p.word_bits} rotate={p.rotate} do not fit dtype {entry.dtype}"
+                )
             rans.Decoder(streams, p, entry.numel)
         elif entry.codec == "tiles":
             tiles.Decoder(streams, tiles.TilesParams.from_json(entry.params), *entry.shape)
@@ -67,7 +74,9 @@ def check_streams(entry: TensorEntry, streams: dict[str, np.ndarray]) -> None:
         raise CorruptDataError(None, str(e), entry.name) from None
 
 
-def _pieces(entry: TensorEntry, streams: dict[str, np.ndarray], piece_bytes: int, threads: int | None) -> Iterator[np.ndarray]:
+def _pieces(
+    entry: TensorEntry, streams: dict[str, np.ndarray], piece_bytes: int, threads: int | None
+) -> Iterator[np.ndarray]:
     nbytes = entry.nbytes
     if entry.codec == "raw":
         data = np.asarray(streams["data"], dtype=np.uint8)

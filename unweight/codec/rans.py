@@ -48,7 +48,9 @@ class RansParams:
         if not isinstance(self.rotate, bool):
             raise ValueError(f"rotate {self.rotate!r} is not a boolean")
         if self.sym_bits != min(SYM_BITS_MAX, self.word_bits):
-            raise ValueError(f"sym_bits {self.sym_bits!r} must be {min(SYM_BITS_MAX, self.word_bits)} for word_bits {self.word_bits}")
+            raise ValueError(
+                f"sym_bits {self.sym_bits!r} must be {min(SYM_BITS_MAX, self.word_bits)} for word_bits {self.word_bits}"
+            )
         lo, hi = PRECISION_RANGE
         if not lo <= self.precision <= hi:
             raise ValueError(f"precision {self.precision!r} is outside {lo}..{hi}")
@@ -57,11 +59,13 @@ class RansParams:
             raise ValueError(f"chunk {self.chunk!r} is not a multiple of {LANES} in {lo}..{hi}")
 
     @classmethod
-    def for_word(cls, word_bits: int, rotate: bool, precision: int = DEFAULT_PRECISION, chunk: int = DEFAULT_CHUNK) -> "RansParams":
+    def for_word(
+        cls, word_bits: int, rotate: bool, precision: int = DEFAULT_PRECISION, chunk: int = DEFAULT_CHUNK
+    ) -> RansParams:
         return cls(word_bits, rotate, min(SYM_BITS_MAX, word_bits), precision, chunk)
 
     @classmethod
-    def from_json(cls, obj: dict) -> "RansParams":
+    def from_json(cls, obj: dict) -> RansParams:
         keys = {"word_bits", "rotate", "sym_bits", "precision", "chunk"}
         if set(obj) != keys:
             raise ValueError(f"rans params must be exactly {sorted(keys)}, got {sorted(obj)}")
@@ -71,7 +75,13 @@ class RansParams:
             return cls(**obj)
 
     def to_json(self) -> dict:
-        return {"word_bits": self.word_bits, "rotate": self.rotate, "sym_bits": self.sym_bits, "precision": self.precision, "chunk": self.chunk}
+        return {
+            "word_bits": self.word_bits,
+            "rotate": self.rotate,
+            "sym_bits": self.sym_bits,
+            "precision": self.precision,
+            "chunk": self.chunk,
+        }
 
     @property
     def raw_bits(self) -> int:
@@ -92,7 +102,8 @@ def chunk_for(n: int, limit: int = DEFAULT_CHUNK) -> int:
     where each can keep MIN_SPLIT_CHUNK elements, so the vector decoder (which interleaves four
     chunks) never runs one alone. Each chunk costs 40 bytes of index: 0.1 % of a 16K chunk."""
     count = max(1, min(4 * -(-n // (4 * limit)), n // MIN_SPLIT_CHUNK))
-    chunk = -(-(-(-n // count)) // LANES) * LANES
+    per_chunk = -(-n // count)  # ceil(n / count)
+    chunk = -(-per_chunk // LANES) * LANES
     return max(CHUNK_RANGE[0], min(limit, chunk))
 
 
@@ -116,7 +127,9 @@ def symbol_counts(values: np.ndarray, p: RansParams, threads: int | None = None)
     return np.sum(partial, axis=0) if partial else np.zeros(1 << p.sym_bits, dtype=np.int64)
 
 
-def encode(values: np.ndarray, p: RansParams, threads: int | None = None, counts: np.ndarray | None = None) -> dict[str, np.ndarray]:
+def encode(
+    values: np.ndarray, p: RansParams, threads: int | None = None, counts: np.ndarray | None = None
+) -> dict[str, np.ndarray]:
     """Encode a non-empty 1-D array of unsigned ints; returns the streams by role."""
     n = len(values)
     if n == 0:
@@ -145,9 +158,41 @@ def encode(values: np.ndarray, p: RansParams, threads: int | None = None, counts
 
         def work(c0: int, c1: int) -> None:
             if simd:
-                rans_avx2.encode_chunks16(sub_values, sub_n, p.chunk, c0, c1, f, cum, magic, tab, p.precision, scratch, sub_nwords, sub_states, sub_raw)
+                rans_avx2.encode_chunks16(
+                    sub_values,
+                    sub_n,
+                    p.chunk,
+                    c0,
+                    c1,
+                    f,
+                    cum,
+                    magic,
+                    tab,
+                    p.precision,
+                    scratch,
+                    sub_nwords,
+                    sub_states,
+                    sub_raw,
+                )
                 return
-            encode_chunks(sub_values, p.word_bits, p.raw_bits, p.rotate, sub_n, p.chunk, c0, c1, f, cum, magic, p.precision, scratch, sub_nwords, sub_states, sub_raw)
+            encode_chunks(
+                sub_values,
+                p.word_bits,
+                p.raw_bits,
+                p.rotate,
+                sub_n,
+                p.chunk,
+                c0,
+                c1,
+                f,
+                cum,
+                magic,
+                p.precision,
+                scratch,
+                sub_nwords,
+                sub_states,
+                sub_raw,
+            )
 
         map_chunk_ranges(work, s1 - s0, threads, align=rans_avx2.MAX_GROUP)
         memory.release(sub_values)  # its pages, if a file mapping's: the source is not kept whole
@@ -156,7 +201,7 @@ def encode(values: np.ndarray, p: RansParams, threads: int | None = None, counts
         words = np.empty(int(offsets[-1]), dtype="<u2")
         _gather_words(scratch, sub_nwords, p.chunk, offsets, words)
         pieces.append(words)
-    del scratch
+    scratch = None  # its memory goes before the index and the words are joined
     index = np.empty(8 * (nchunks + 1) + 4 * LANES * nchunks, dtype=np.uint8)
     offsets = index[: 8 * (nchunks + 1)].view("<u8")
     offsets[0] = 0
@@ -193,8 +238,14 @@ def _offsets_ok(offsets, nwords):
     return True
 
 
-def decode(streams: dict[str, np.ndarray], p: RansParams, n: int, threads: int | None = None, out: np.ndarray | None = None,
-           chunks: np.ndarray | None = None) -> np.ndarray:
+def decode(
+    streams: dict[str, np.ndarray],
+    p: RansParams,
+    n: int,
+    threads: int | None = None,
+    out: np.ndarray | None = None,
+    chunks: np.ndarray | None = None,
+) -> np.ndarray:
     """Decode n elements (1-D unsigned ints of p.word_bits bits) into `out` (a new array if None,
     else n aligned, writable elements of that type, which it returns); raises ValueError if corrupt.
 
@@ -204,8 +255,14 @@ def decode(streams: dict[str, np.ndarray], p: RansParams, n: int, threads: int |
     d = Decoder(streams, p, n)
     if out is None:
         out = np.empty(n, dtype=UINT_OF_BITS[p.word_bits])
-    elif out.dtype != UINT_OF_BITS[p.word_bits] or out.shape != (n,) or not (out.flags.writeable and out.flags.aligned and out.flags.c_contiguous):
-        raise TypeError(f"out must be {n} aligned, writable, contiguous {np.dtype(UINT_OF_BITS[p.word_bits]).name} elements")
+    elif (
+        out.dtype != UINT_OF_BITS[p.word_bits]
+        or out.shape != (n,)
+        or not (out.flags.writeable and out.flags.aligned and out.flags.c_contiguous)
+    ):
+        raise TypeError(
+            f"out must be {n} aligned, writable, contiguous {np.dtype(UINT_OF_BITS[p.word_bits]).name} elements"
+        )
     if chunks is None:
         d.run(0, d.nchunks, out, threads)
         return out
@@ -264,8 +321,14 @@ class Decoder:
         p, chunk = self.p, self.p.chunk
         e0 = c0 * chunk
         n = min(c1 * chunk, self.n) - e0
-        if out.dtype != UINT_OF_BITS[p.word_bits] or out.shape != (n,) or not (out.flags.writeable and out.flags.aligned and out.flags.c_contiguous):
-            raise TypeError(f"out must be {n} aligned, writable, contiguous {np.dtype(UINT_OF_BITS[p.word_bits]).name} elements")
+        if (
+            out.dtype != UINT_OF_BITS[p.word_bits]
+            or out.shape != (n,)
+            or not (out.flags.writeable and out.flags.aligned and out.flags.c_contiguous)
+        ):
+            raise TypeError(
+                f"out must be {n} aligned, writable, contiguous {np.dtype(UINT_OF_BITS[p.word_bits]).name} elements"
+            )
         offsets = self.offsets[c0 : c1 + 1]
         w0 = int(offsets[0])
         if w0:
@@ -278,14 +341,34 @@ class Decoder:
             lut, wide = self.tables
 
             def work(a: int, b: int) -> None:
-                rans_avx2.decode_chunks16(words, offsets, states, lut, wide, p.precision, raw, n, chunk, a, b, out, status)
+                rans_avx2.decode_chunks16(
+                    words, offsets, states, lut, wide, p.precision, raw, n, chunk, a, b, out, status
+                )
         else:
             tab, raw_pairs = self.tables, self.raw_pairs
             # the 16-bit fast path ORs raw bits into element pairs
             out32 = out[: n // 2 * 2].view(np.uint32) if p.word_bits == 16 else np.empty(0, dtype=np.uint32)
 
             def work(a: int, b: int) -> None:
-                decode_chunks(words, offsets, states, tab, raw_pairs, p.precision, raw, p.word_bits, p.raw_bits, p.rotate, n, chunk, a, b, out, out32, status)
+                decode_chunks(
+                    words,
+                    offsets,
+                    states,
+                    tab,
+                    raw_pairs,
+                    p.precision,
+                    raw,
+                    p.word_bits,
+                    p.raw_bits,
+                    p.rotate,
+                    n,
+                    chunk,
+                    a,
+                    b,
+                    out,
+                    out32,
+                    status,
+                )
 
         map_chunk_ranges(work, c1 - c0, threads, align=rans_avx2.MAX_GROUP)
         if not np.count_nonzero(status):  # (a few microseconds less than status.any() on tiny tensors)

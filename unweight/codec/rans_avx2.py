@@ -30,10 +30,10 @@ which is also what the tests hold this path to.
 from __future__ import annotations
 
 import numpy as np
+from llvmlite import ir
 from numba import njit
 from numba.core import cgutils, types
 from numba.extending import intrinsic
-from llvmlite import ir
 
 from . import freq_table, simd
 from .rans_kernels import ERR_BAD_STATE, LANES, RANS_L, _pack_raw6, checked_tail, encode_prologue, load_states
@@ -116,7 +116,9 @@ def _make_decoder(G: int):
         def codegen(context, builder, signature, args):
             b = builder
             rounds, wide, P = args[3], args[8], args[9]
-            wp, posp, xsp, rawp, outp, ep, lutp = (simd.data_ptr(context, b, signature.args[i], args[i]) for i in (0, 1, 2, 4, 5, 6, 7))
+            wp, posp, xsp, rawp, outp, ep, lutp = (
+                simd.data_ptr(context, b, signature.args[i], args[i]) for i in (0, 1, 2, 4, 5, 6, 7)
+            )
             expand = simd.table(b, "unweight_rans_expand", _EXPAND)
             p32 = b.trunc(P, I32)
             qmask = simd.splat(b, b.sub(b.shl(simd.const(1, I32), p32), simd.const(1, I32)), V8I32)
@@ -143,7 +145,9 @@ def _make_decoder(G: int):
                         b.store(b.select(need, b.or_(b.shl(x, c16), w), x), xv[g])
                         b.store(b.add(p, simd.ctpop64(b, m)), pv[g])
                         e = b.load(ev[g])
-                        rb = simd.splat(b, simd.load(b, rawp, b.mul(b.lshr(e, simd.const(2)), simd.const(3)), I64), V4I64)
+                        rb = simd.splat(
+                            b, simd.load(b, rawp, b.mul(b.lshr(e, simd.const(2)), simd.const(3)), I64), V4I64
+                        )
                         r = b.bitcast(simd.pshufb(b, b.bitcast(rb, V32I8), raw_ctrl), V8I32)
                         r = b.and_(b.lshr(r, raw_shift), c63)
                         # rotate right by one: the raw field's low bit (the sign) to bit 15, the rest down
@@ -174,7 +178,9 @@ def _mulhi32(b, x, m):
     xq, mq = b.bitcast(x, V4I64), b.bitcast(m, V4I64)
     even = b.lshr(b.mul(b.and_(xq, lo32), b.and_(mq, lo32)), c32)
     odd = b.mul(b.lshr(xq, c32), b.lshr(mq, c32))
-    return b.shuffle_vector(b.bitcast(even, V8I32), b.bitcast(odd, V8I32), ir.Constant(V8I32, [0, 9, 2, 11, 4, 13, 6, 15]))
+    return b.shuffle_vector(
+        b.bitcast(even, V8I32), b.bitcast(odd, V8I32), ir.Constant(V8I32, [0, 9, 2, 11, 4, 13, 6, 15])
+    )
 
 
 def _make_encoder():
@@ -189,7 +195,9 @@ def _make_encoder():
         def codegen(context, builder, signature, args):
             b = builder
             rounds, P = args[3], args[7]
-            vp, gp, xsp, sp, wpp, tabp, rawp = (simd.data_ptr(context, b, signature.args[i], args[i]) for i in (0, 1, 2, 4, 5, 6, 8))
+            vp, gp, xsp, sp, wpp, tabp, rawp = (
+                simd.data_ptr(context, b, signature.args[i], args[i]) for i in (0, 1, 2, 4, 5, 6, 8)
+            )
             compact = simd.table(b, "unweight_rans_compact", _COMPACT)
             p32 = b.trunc(P, I32)
             one_p = simd.splat(b, b.shl(simd.const(1, I32), p32), V8I32)
@@ -265,7 +273,9 @@ def encode_chunks16(values, n, chunk, c0, c1, freq, cum, magic, tab, P, scratch,
         stop = min(start + chunk, n)
         full = start + ((stop - start) >> 3 << 3)
         _pack_raw6(values, True, full, stop, raw)  # the partial round; the vector rounds store their own
-        full, wp[0] = encode_prologue(values, 16, 6, True, start, stop, (c + 1) * chunk, freq, cum, magic, P, scratch, xs, raw, False)
+        full, wp[0] = encode_prologue(
+            values, 16, 6, True, start, stop, (c + 1) * chunk, freq, cum, magic, P, scratch, xs, raw, False
+        )
         g[0] = full - LANES
         _encode_rounds(values, g, xs, (full - start) >> 3, scratch, wp, tab, P, raw)
         nwords[c] = (c + 1) * chunk - wp[0]

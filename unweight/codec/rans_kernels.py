@@ -118,12 +118,14 @@ def encoder_tables(freq, P):
         d = freq[s]
         cum[s] = c
         if d > 0:
-            l = 0
-            while (1 << l) < d:
-                l += 1
-            m = ((((1 << l) - d) << 32) // d) + 1
-            magic[s] = m | (min(l, 1) << 32) | (max(l - 1, 0) << 40)
-            entry[s] = np.uint64(m & 0xFFFFFFFF) | (np.uint64(c) << np.uint64(32)) | (np.uint64((1 << P) - d) << np.uint64(48))
+            shift = 0
+            while (1 << shift) < d:
+                shift += 1
+            m = ((((1 << shift) - d) << 32) // d) + 1
+            magic[s] = m | (min(shift, 1) << 32) | (max(shift - 1, 0) << 40)
+            entry[s] = (
+                np.uint64(m & 0xFFFFFFFF) | (np.uint64(c) << np.uint64(32)) | (np.uint64((1 << P) - d) << np.uint64(48))
+            )
         c += d
     return cum, magic, entry
 
@@ -222,7 +224,9 @@ def encode_chunks(values, W, R, rotate, n, chunk, c0, c1, freq, cum, magic, P, s
     for c in range(c0, c1):
         start = c * chunk
         stop = min(start + chunk, n)
-        full, wp = encode_prologue(values, W, R, rotate, start, stop, (c + 1) * chunk, freq, cum, magic, P, scratch, xs, raw, True)
+        full, wp = encode_prologue(
+            values, W, R, rotate, start, stop, (c + 1) * chunk, freq, cum, magic, P, scratch, xs, raw, True
+        )
         x0, x1, x2, x3, x4, x5, x6, x7 = xs[0], xs[1], xs[2], xs[3], xs[4], xs[5], xs[6], xs[7]
         if W == 16 and R == 6:
             for g in range(full - LANES, start - 1, -LANES):  # full rounds, last first, lanes 7..0

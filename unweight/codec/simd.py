@@ -28,13 +28,17 @@ V8F32, V32I8, V4I64 = ir.VectorType(F32, 8), ir.VectorType(I8, 32), ir.VectorTyp
 def host_features() -> frozenset[str]:
     """CPU features of the host numba compiles for; empty where the x86 kernels must not run
     (another architecture, a cross-compiling CPU_NAME, or the JIT disabled)."""
-    if platform.machine().lower() not in ("x86_64", "amd64") or config.CPU_NAME not in (None, "host") or config.DISABLE_JIT:
+    if (
+        platform.machine().lower() not in ("x86_64", "amd64")
+        or config.CPU_NAME not in (None, "host")
+        or config.DISABLE_JIT
+    ):
         return frozenset()
     try:
         from llvmlite import binding
 
         features = binding.get_host_cpu_features()
-    except Exception:  # pragma: no cover - llvmlite without the call
+    except Exception:  # noqa: BLE001 - llvmlite without the call, or a host it cannot read: no features
         return frozenset()
     return frozenset(name for name, on in features.items() if on)
 
@@ -54,7 +58,9 @@ def vconst(vals, ty=V8I32):
 def splat(builder, scalar, ty):
     """`scalar` in every lane of vector type `ty`."""
     v = builder.insert_element(ir.Constant(ty, ir.Undefined), scalar, const(0, I32))
-    return builder.shuffle_vector(v, ir.Constant(ty, ir.Undefined), ir.Constant(ir.VectorType(I32, ty.count), [0] * ty.count))
+    return builder.shuffle_vector(
+        v, ir.Constant(ty, ir.Undefined), ir.Constant(ir.VectorType(I32, ty.count), [0] * ty.count)
+    )
 
 
 def load(builder, base_ptr, byte_offset, ty, align=1):

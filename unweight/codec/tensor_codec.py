@@ -25,7 +25,12 @@ from . import rans, tiles
 from .checksum import crc32
 
 CODECS = ("raw", "zstd", "rans", "tiles")
-ROLES = {"raw": ("data",), "zstd": ("data",), "rans": ("table", "raw", "words", "index"), "tiles": ("sm", "codes", "esc", "esc_index")}
+ROLES = {
+    "raw": ("data",),
+    "zstd": ("data",),
+    "rans": ("table", "raw", "words", "index"),
+    "tiles": ("sm", "codes", "esc", "esc_index"),
+}
 LAYOUTS = ("archive", "serving")
 SMALL_TENSOR_BYTES = 1 << 18  # below this, every candidate is tried and the smallest kept
 SMALL_PRECISIONS = (10, 12, 14)
@@ -147,12 +152,18 @@ def _candidates(dtype: str, shape: tuple[int, ...], data: np.ndarray, opts: Code
         # together, so a level-1 pass decides whether the configured level could win. On 690 slices
         # (16-250 KiB) of MiniLM and SmolLM2 weights zstd-10 beat rans 3 times, level 1 then within
         # 9.4 % of rans; level 1 is at most 14 % above level 10, so a skipped win is under 4 %.
-        if word is None or nbytes <= TINY_TENSOR_BYTES or len(_zstd_encode(data, ZSTD_PROBE_LEVEL)) < ZSTD_PROBE_MARGIN * rans_size:
+        if (
+            word is None
+            or nbytes <= TINY_TENSOR_BYTES
+            or len(_zstd_encode(data, ZSTD_PROBE_LEVEL)) < ZSTD_PROBE_MARGIN * rans_size
+        ):
             yield "zstd", {}, {"data": _zstd_encode(data, opts.zstd_level)}
     yield "raw", {}, {"data": data}
 
 
-def encode_tensor(name: str, dtype: str, shape: tuple[int, ...], data: np.ndarray, opts: CodecOptions) -> tuple[TensorEntry, dict[str, np.ndarray]]:
+def encode_tensor(
+    name: str, dtype: str, shape: tuple[int, ...], data: np.ndarray, opts: CodecOptions
+) -> tuple[TensorEntry, dict[str, np.ndarray]]:
     """Compress one tensor given as its original bytes (uint8, C order); picks the smallest codec.
 
     With opts.verify, the chosen encoding is decoded again and compared byte for byte.
@@ -198,7 +209,9 @@ def check_stream_crcs(entry: TensorEntry, streams: dict[str, np.ndarray], path=N
     for role, want in entry.stream_crc32.items():
         data = _stream_bytes(streams[role])
         if crc32(data) != want:
-            raise CorruptDataError(path, f"stream {entry.streams[role]!r} fails its CRC-32 check (the file is damaged)", entry.name)
+            raise CorruptDataError(
+                path, f"stream {entry.streams[role]!r} fails its CRC-32 check (the file is damaged)", entry.name
+            )
         checked += len(data)
     return checked
 
@@ -225,8 +238,13 @@ def _physical_memory() -> int:
         return 1 << 62
 
 
-def decode_tensor(entry: TensorEntry, streams: dict[str, np.ndarray], threads: int | None = None, verify: bool = True,
-                  out: np.ndarray | None = None) -> np.ndarray:
+def decode_tensor(
+    entry: TensorEntry,
+    streams: dict[str, np.ndarray],
+    threads: int | None = None,
+    verify: bool = True,
+    out: np.ndarray | None = None,
+) -> np.ndarray:
     """The original bytes of one tensor (uint8, C order). Raises CorruptDataError on any damage.
 
     With `out` (entry.nbytes writable uint8, aligned to 8 bytes), the bytes are decoded into it and
@@ -234,8 +252,13 @@ def decode_tensor(entry: TensorEntry, streams: dict[str, np.ndarray], threads: i
     buffer instead of faulting in fresh memory for each, which cost from a tenth to half of the
     decode time on the VM of docs/compression.md. On an error `out` holds partial bytes."""
     nbytes = entry.nbytes
-    if out is not None and (out.dtype != np.uint8 or out.shape != (nbytes,) or not out.flags.writeable
-                            or not out.flags.c_contiguous or (nbytes and out.ctypes.data % 8)):
+    if out is not None and (
+        out.dtype != np.uint8
+        or out.shape != (nbytes,)
+        or not out.flags.writeable
+        or not out.flags.c_contiguous
+        or (nbytes and out.ctypes.data % 8)
+    ):
         raise TypeError(f"out must be {nbytes} writable, contiguous uint8 bytes aligned to 8")
     if nbytes > _physical_memory():  # a small hostile file can claim a huge constant tensor
         raise CorruptDataError(None, f"{nbytes} bytes exceed this machine's memory", entry.name)
@@ -249,8 +272,14 @@ def decode_tensor(entry: TensorEntry, streams: dict[str, np.ndarray], threads: i
     return data
 
 
-def _decode(entry: TensorEntry, nbytes: int, streams: dict[str, np.ndarray], threads: int | None, out: np.ndarray | None,
-            chunks: np.ndarray | None = None) -> tuple[np.ndarray, bool]:
+def _decode(
+    entry: TensorEntry,
+    nbytes: int,
+    streams: dict[str, np.ndarray],
+    threads: int | None,
+    out: np.ndarray | None,
+    chunks: np.ndarray | None = None,
+) -> tuple[np.ndarray, bool]:
     """decode_tensor's work without the CRC check: (the bytes, whether rans decoded them into
     `out`). `nbytes` is entry.nbytes, which the callers have computed already. With `chunks`
     (rans only), only those chunks are decoded. Errors name the tensor."""
@@ -261,7 +290,9 @@ def _decode(entry: TensorEntry, nbytes: int, streams: dict[str, np.ndarray], thr
             p = rans.RansParams.from_json(entry.params)
             word = _rans_word(entry.dtype)
             if word != (p.word_bits, p.rotate):
-                raise ValueError(f"rans params word_bits={p.word_bits} rotate={p.rotate} do not fit dtype {entry.dtype}")
+                raise ValueError(
+                    f"rans params word_bits={p.word_bits} rotate={p.rotate} do not fit dtype {entry.dtype}"
+                )
             into = None if out is None else out.view(rans.UINT_OF_BITS[p.word_bits])
             data = rans.decode(streams, p, entry.numel, threads, into, chunks).view(np.uint8)
             in_place = out is not None
@@ -281,7 +312,9 @@ def _decode(entry: TensorEntry, nbytes: int, streams: dict[str, np.ndarray], thr
     return data, in_place
 
 
-def decode_rows(entry: TensorEntry, streams: dict[str, np.ndarray], ids: np.ndarray, threads: int | None = None) -> np.ndarray:
+def decode_rows(
+    entry: TensorEntry, streams: dict[str, np.ndarray], ids: np.ndarray, threads: int | None = None
+) -> np.ndarray:
     """Rows `ids` (integers in [0, shape[0])) of a tensor, as a (len(ids), bytes per row) uint8
     array, for lookups such as an embedding's: a `rans` tensor decodes only the chunks that hold
     those rows (an embedding row of SmolLM2 lies in one or two of its 432 chunks), where

@@ -44,7 +44,7 @@ class TilesParams:
             raise ValueError(f"block {self.block} is not a multiple of 8 in {lo}..{hi}")
 
     @classmethod
-    def from_json(cls, obj: dict) -> "TilesParams":
+    def from_json(cls, obj: dict) -> TilesParams:
         if set(obj) != {"base", "block"}:
             raise ValueError(f"tiles params must be exactly ['base', 'block'], got {sorted(obj)}")
         return cls(**obj)
@@ -130,7 +130,9 @@ def _encode(values, r0, r1, cols, base, block, sm, codes, esc, esc_index, k):
 ENCODE_SLAB_BYTES = 32 << 20  # source rows encoded between two release() calls
 
 
-def encode(values: np.ndarray, rows: int, cols: int, block: int = DEFAULT_BLOCK) -> tuple[TilesParams, dict[str, np.ndarray]]:
+def encode(
+    values: np.ndarray, rows: int, cols: int, block: int = DEFAULT_BLOCK
+) -> tuple[TilesParams, dict[str, np.ndarray]]:
     """Encode a rows × cols BF16 matrix given as uint16 (C order)."""
     base, escapes = best_window(values)
     p = TilesParams(base, block)
@@ -201,7 +203,9 @@ class Decoder:
 
     def run(self, r0: int, r1: int, out: np.ndarray) -> None:
         """Rows [r0, r1) into `out`, (r1 - r0) * cols uint16; ValueError if inconsistent."""
-        if _decode(self.sm, self.codes, self.esc, self.esc_index, r0, r1, self.rows, self.cols, self.p.base, self.p.block, out):
+        if _decode(
+            self.sm, self.codes, self.esc, self.esc_index, r0, r1, self.rows, self.cols, self.p.base, self.p.block, out
+        ):
             raise ValueError("escapes disagree with esc_index")
 
 
