@@ -20,7 +20,7 @@ import numpy as np
 
 from .dtypes import tensor_nbytes
 from .errors import FormatError
-from .safetensors_file import RESERVED_NAME, SafetensorsFile, encode_header
+from .safetensors_file import MAX_HEADER_BYTES, RESERVED_NAME, SafetensorsFile, encode_header
 
 FORMAT_NAME = "unweight"
 FORMAT_VERSION = "1.1"  # 1.1 added the optional per-stream CRC-32s (SPEC.md §2, §5)
@@ -251,6 +251,13 @@ class ContainerWriter:
         shift = (0, self._sizes[0])
         rows = ((n, "U8", [e - b], b + shift[part], e + shift[part]) for n, part, b, e in self._streams)
         head = encode_header(rows, metadata)
+        if len(head) > MAX_HEADER_BYTES:  # readers would refuse the file: say so now, not when it is opened
+            self.abort()
+            raise FormatError(
+                self.path,
+                f"its header would be {len(head):,} bytes for {len(self._entries):,} tensors, over the "
+                f"{MAX_HEADER_BYTES:,}-byte cap that readers apply: split the tensors over several files (shards)",
+            )
         for f in self._data:
             f.close()
         with open(self._partial, "wb") as out:

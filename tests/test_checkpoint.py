@@ -492,3 +492,22 @@ def test_a_tensor_named_metadata_is_refused(tmp_path):
         unweight.save_file({1: torch.ones(2)}, tmp_path / "x.safetensors")
     with open(tmp_path / "plain.safetensors", "wb") as f, pytest.raises(ValueError, match="__metadata__"):
         write_safetensors(f, [("__metadata__", "F32", [2])], [np.zeros(2, np.float32)])
+
+
+def test_a_container_its_readers_would_refuse_is_not_written(tmp_path):
+    """100k tensors with long names make a header over the cap every reader applies: the writer
+    refuses to finish (naming the file and the way out), and leaves nothing behind."""
+    import numpy as np
+
+    from unweight.formats import ContainerWriter, TensorEntry
+
+    path = tmp_path / "many.safetensors"
+    one = np.zeros(2, dtype=np.uint8)
+    with pytest.raises(unweight.FormatError, match="split the tensors over several files") as e:
+        with ContainerWriter(str(path)) as w:
+            for i in range(100_000):
+                name = f"model.language_model.layers.{i // 1000}.block_sparse_moe.experts.{i % 1000}.{'w' * 120}.weight"
+                w.add(TensorEntry(name, "BF16", (1,), "raw", {}, {"data": f"{name}#data"}, 0), {"data": one})
+            w.finish()
+    assert str(path) in str(e.value)
+    assert list(tmp_path.iterdir()) == []
