@@ -1,10 +1,11 @@
 """`unweight inspect` on a checkpoint with as many tensors as a real MoE model (40-90k).
 
-Builds once a container of N small BF16 tensors named like an MoE checkpoint (layers x experts x
-gate/up/down, plus norms), then times the CLI on it, alternating the modes, each run a fresh
-process: the default table (one row per layer type), --tensors (one row per tensor) and --json.
-Also times `unweight.inspect` alone (decoding and statistics, no rendering). Target: every output
-under ~5 s for 100k tensors.
+Builds a compressed folder of N small BF16 tensors named like an MoE checkpoint (layers x experts
+x gate/up/down, plus norms), in shards of SHARD_TENSORS tensors with their index (one container
+holds at most about 60k tensors: its header would pass the readers' cap). Then times the CLI on
+it, alternating the modes, each run a fresh process: the default table (one row per layer type),
+--tensors (one row per tensor) and --json; and `unweight.inspect` alone (decoding and
+statistics, no rendering). Target: every output under ~5 s for 100k tensors.
 
     python benchmarks/inspect_bench.py                 # 100k tensors, 3 rounds
     python benchmarks/inspect_bench.py --tensors 20000 --rounds 5
@@ -27,33 +28,43 @@ import numpy as np
 SHAPE = (16, 32)  # 512 weights, 1 KiB a tensor
 
 
-def build(path: Path, n: int) -> None:
-    """A container of n tensors: layers of 64 experts' three projections, and two norms a layer."""
+SHARD_TENSORS = 10_000
+
+
+def names(n: int) -> list[str]:
+    """n tensor names: layers of two norms and 64 experts' three projections."""
+    out, layer = [], 0
+    while len(out) < n:
+        out += [f"model.layers.{layer}.input_layernorm.weight", f"model.layers.{layer}.post_attention_layernorm.weight"]
+        out += [
+            f"model.layers.{layer}.mlp.experts.{e}.{p}_proj.weight" for e in range(64) for p in ("gate", "up", "down")
+        ]
+        layer += 1
+    return out[:n]
+
+
+def build(folder: Path, n: int) -> None:
+    """The compressed folder: shards of SHARD_TENSORS tensors and model.safetensors.index.json."""
     from unweight.codec import CodecOptions, encode_tensor
     from unweight.formats import ContainerWriter
 
     rng = np.random.default_rng(0)
     opts = CodecOptions(threads=1, verify=False)
-    with ContainerWriter(os.fspath(path)) as writer:
-        made, layer = 0, 0
-        while made < n:
-            names = [
-                f"model.layers.{layer}.input_layernorm.weight",
-                f"model.layers.{layer}.post_attention_layernorm.weight",
-            ]
-            names += [
-                f"model.layers.{layer}.mlp.experts.{e}.{p}_proj.weight"
-                for e in range(64)
-                for p in ("gate", "up", "down")
-            ]
-            for name in names[: n - made]:
-                w = (rng.standard_normal(SHAPE, dtype=np.float32) * 0.02).astype(np.float32)
+    folder.mkdir()
+    all_names = names(n)
+    shards = -(-n // SHARD_TENSORS)
+    weight_map = {}
+    for k in range(shards):
+        file = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
+        with ContainerWriter(os.fspath(folder / file)) as writer:
+            for name in all_names[k * SHARD_TENSORS : (k + 1) * SHARD_TENSORS]:
+                w = rng.standard_normal(SHAPE, dtype=np.float32) * 0.02
                 bf16 = (w.view(np.uint32) >> 16).astype(np.uint16)  # truncation is fine for a size benchmark
                 entry, streams = encode_tensor(name, "BF16", SHAPE, bf16.view(np.uint8).reshape(-1), opts)
                 writer.add(entry, streams)
-            made += len(names[: n - made])
-            layer += 1
-        writer.finish(source_header=None)
+                weight_map[name] = file
+            writer.finish(source_header=None)
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
 
 
 def run_cli(path: Path, *flags: str) -> float:
