@@ -18,7 +18,6 @@ the checks cost.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -122,10 +121,13 @@ def model_config(path: str | os.PathLike) -> ModelConfig:
 
 def _generation_eos(path: Path) -> tuple[int, ...]:
     """End-of-turn ids from generation_config.json (chat models often list several)."""
-    try:
-        eos = json.loads((path / "generation_config.json").read_text(encoding="utf-8")).get("eos_token_id")
-    except (OSError, ValueError, AttributeError):
+    from unweight.folder import read_json
+
+    f = path / "generation_config.json"
+    if not f.exists():
         return ()
+    gen = read_json(f)  # SourceError naming the file: not JSON, not a regular file (a FIFO would hang)
+    eos = gen.get("eos_token_id") if isinstance(gen, dict) else None
     ids = eos if isinstance(eos, list) else [eos]
     return tuple(i for i in ids if isinstance(i, int) and not isinstance(i, bool))
 

@@ -6,7 +6,6 @@ and Qwen3 (q/k RMS norms); the switches are fields here, the checkpoint decides 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -118,10 +117,9 @@ class ModelConfig:
 
     @classmethod
     def from_folder(cls, path: str | Path) -> ModelConfig:
+        from unweight.folder import read_json
+
         f = Path(path) / "config.json"
-        try:
-            return cls.from_hf(json.loads(f.read_text(encoding="utf-8")))
-        except FileNotFoundError:
-            raise FileNotFoundError(f"{path}: no config.json (not a model folder)") from None
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{f}: not valid JSON ({e.msg}, line {e.lineno})") from None
+        if not f.exists():
+            raise FileNotFoundError(f"{path}: no config.json (not a model folder)")
+        return cls.from_hf(read_json(f))  # SourceError naming the file: not JSON, not a regular file

@@ -9,6 +9,7 @@ drift from transformers' own BF16 run after a few tokens; DESIGN.md §6.)
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 
@@ -245,3 +246,15 @@ def test_choose_rows_is_choose_per_row():
 
     want = [s.choose(row) for s, row in zip(seqs(), logits)]
     assert choose_rows(logits, seqs()) == want
+
+
+@pytest.mark.parametrize("name", ["config.json", "generation_config.json"])
+def test_a_fifo_among_the_model_files_is_refused_not_waited_on(smollm2_uw, tmp_path, name):
+    folder = tmp_path / "uw"
+    folder.mkdir()
+    for f in smollm2_uw[0].iterdir():
+        os.link(f, folder / f.name)  # the same files, without copying the weights
+    (folder / name).unlink()
+    os.mkfifo(folder / name)
+    r = run_cli("generate", folder, "--prompt", "Hi", "--max-new-tokens", "2", timeout=120)
+    assert r.returncode == 1 and "not a regular file" in r.stderr and name in r.stderr, r.stderr

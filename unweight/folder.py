@@ -112,7 +112,9 @@ def _pickle_message(path: Path) -> str:
 
 def read_json(path: Path):
     """A JSON file the user gave (a shard index), or SourceError naming it: invalid UTF-8 or JSON,
-    numbers past Python's 4300-digit limit and nesting past the recursion limit included."""
+    numbers past Python's 4300-digit limit and nesting past the recursion limit included; a FIFO
+    or other special file is refused, not waited on."""
+    _check_regular(path, SourceError)
     try:
         return json.loads(path.read_bytes().decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
