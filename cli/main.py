@@ -347,7 +347,8 @@ def generate(
 
         with unweight.open(model) as ckpt:
             original = sum(ckpt.entry(name).nbytes for name in ckpt.keys())
-        err.print(generation_stats(g.result, m.resident_weight_bytes(), original), highlight=False, soft_wrap=True)
+        stats = generation_stats(g.result, m.resident_weight_bytes(), original, getattr(m, "load_report", None))
+        err.print(stats, highlight=False, soft_wrap=True)
 
     _run(body)
 

@@ -161,9 +161,10 @@ def inspect_groups_table(groups: list, file_count: int) -> Table:
     return table
 
 
-def generation_stats(r, weight_bytes: int, original_bytes: int | None = None) -> str:
+def generation_stats(r, weight_bytes: int, original_bytes: int | None = None, load=None) -> str:
     """One line: prompt tokens, generated tokens, time to first token, tokens/s, resident weights
-    (beside the checkpoint's uncompressed size, when given)."""
+    (beside the checkpoint's uncompressed size, when given), and the load time with what its
+    checksums took (`load`: the model's LoadReport)."""
     line = (
         f"prompt {r.prompt_tokens} tokens · generated {len(r.token_ids)} ({r.finish_reason}) · "
         f"first token {r.time_to_first_token_s * 1e3:.0f} ms · {r.decode_tokens_per_s:.1f} tokens/s · "
@@ -171,4 +172,8 @@ def generation_stats(r, weight_bytes: int, original_bytes: int | None = None) ->
     )
     if original_bytes:
         line += f" (uncompressed {original_bytes / 1e6:.1f} MB: {100 * weight_bytes / original_bytes:.0f} %)"
+    if load is not None:
+        checked = load.stream_checked + load.decode_checked
+        extra = f", {load.check_seconds:.3f} s of it for checks alone" if load.stream_checked or load.decode_only_to_check else ""
+        line += f" · loaded in {load.seconds:.2f} s ({checked} tensors checksummed{extra})"
     return line

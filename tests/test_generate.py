@@ -172,6 +172,7 @@ def test_cli_generate_streams_then_prints_stats(smollm2_uw):
         re.search(r"uncompressed ([0-9.]+) MB", stats).group(1)
     )  # the checkpoint's tensor bytes, beside the resident ones
     assert round(smollm2_uw[1]["total"]["original_bytes"] / 1e6, 1) == uncompressed
+    assert "loaded in " in stats and f"({smollm2_uw[1]['total']['tensors']} tensors checksummed" in stats
     both = run_cli("generate", smollm2_uw[0], "--prompt", "Hi", "--max-new-tokens", "3", merged=True)
     assert both.returncode == 0, both.stdout
     assert both.stdout.splitlines()[-1].startswith("prompt ")  # the text's newline comes before the stats
