@@ -174,6 +174,7 @@ def generation_stats(r, weight_bytes: int, original_bytes: int | None = None, lo
         line += f" (uncompressed {original_bytes / 1e6:.1f} MB: {100 * weight_bytes / original_bytes:.0f} %)"
     if load is not None:
         checked = load.stream_checked + load.decode_checked
-        extra = f", {load.check_seconds:.3f} s of it for checks alone" if load.stream_checked or load.decode_only_to_check else ""
+        separate = load.stream_checked or load.decode_only_to_check  # checks that are not part of a decode
+        extra = f", {load.check_seconds:.3f} s of it for checks alone" if separate else ""
         line += f" · loaded in {load.seconds:.2f} s ({checked} tensors checksummed{extra})"
     return line
