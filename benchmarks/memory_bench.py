@@ -12,8 +12,9 @@ safetensors file, then runs each command in its own process through the CLI:
   inspect                  unweight inspect ARCHIVE --json
   verify serving, decompress serving, inspect serving: the same on the tiles layout
 
-and reads the child's peak resident set (ru_maxrss from wait4). "python" is the interpreter with
-unweight and its codec imported and nothing done: the floor every command starts from. Peak RSS is
+and reads the child's own peak resident set (ru_maxrss from wait4, through
+unweight.testing.run_measured). "python" is the interpreter with unweight and its codec imported
+and nothing done: the floor every command starts from. Peak RSS is
 memory, not time: a busy machine does not change it.
 
 Run:  python benchmarks/memory_bench.py [--mib 1024] [--threads 0] [--workdir /tmp]
@@ -28,7 +29,6 @@ import json
 import os
 import platform
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -83,12 +83,12 @@ def _write(path: Path, entries, norm: np.ndarray, row_blocks) -> None:
 
 
 def run_child(args: list[str]) -> tuple[int, int, str]:
-    """(exit status, peak RSS in bytes, stderr tail) of one process."""
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    err = proc.stderr.read().decode(errors="replace")
-    _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    return proc.returncode, usage.ru_maxrss * 1024, err[-2000:]  # ru_maxrss is in KiB on Linux
+    """(exit status, peak RSS in bytes, stderr tail) of one process: its own peak, not this
+    process's (unweight.testing.run_measured says why that needs care)."""
+    from unweight.testing import run_measured
+
+    code, peak, _, err = run_measured(args)
+    return code, peak, err[-2000:]
 
 
 def commands(work: Path, threads: int) -> list[tuple[str, list[str]]]:

@@ -8,13 +8,13 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 import zstandard
 
+from unweight import testing
 from unweight.codec import CodecOptions, decode_tensor, encode_tensor, rans, tiles
 from unweight.codec.checksum import crc32
 from unweight.codec.pieces import decode_pieces
@@ -26,42 +26,9 @@ MiB = 1 << 20
 BOMB_CAP = 450 * MiB  # peak RSS a command may reach on a bomb: the interpreter (~100 MiB) and pieces
 
 
-# Linux records a process's peak RSS across exec, and the first exec of a forked child inherits the
-# peak of the process it was forked from: a child of this (large) pytest process would report
-# pytest's peak. So a small trampoline forks the command (its own peak is then the trampoline's
-# few MiB before the exec) and reports the command's own peak.
-TRAMPOLINE = """
-import os, resource, sys
-limit, report, args = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
-pid = os.fork()
-if pid == 0:
-    if limit:
-        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    os.execv(args[0], args)
-_, status, usage = os.wait4(pid, 0)
-with open(report, "w") as f:
-    f.write(str(usage.ru_maxrss * 1024))
-sys.exit(os.waitstatus_to_exitcode(status) % 256)
-"""
-
-
 def run_measured(args: list[str], limit_as: int | None = None) -> tuple[int, int, str, str]:
-    """(exit status, peak RSS in bytes, stdout, stderr) of a process, optionally under RLIMIT_AS;
-    the peak is the command's own, measured through TRAMPOLINE."""
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err, tempfile.TemporaryDirectory() as td:
-        report = os.path.join(td, "peak")
-        r = subprocess.run(
-            [sys.executable, "-c", TRAMPOLINE, str(limit_as or 0), report, *map(str, args)],
-            stdout=out,
-            stderr=err,
-            text=True,
-            env={**os.environ, "COLUMNS": "200"},
-        )
-        out.seek(0)
-        err.seek(0)
-        with open(report) as f:
-            peak = int(f.read())
-        return r.returncode, peak, out.read(), err.read()
+    """(exit status, peak RSS in bytes, stdout, stderr): the command's own peak (unweight.testing)."""
+    return testing.run_measured(args, limit_as, env={**os.environ, "COLUMNS": "200"})
 
 
 def cli(*args) -> list[str]:
