@@ -102,6 +102,13 @@ def _run(fn: Callable[[], int | None], writes: bool = False) -> None:
     raise typer.Exit(code)
 
 
+def _print_json(obj) -> None:
+    """JSON on stdout, indented, as is: rich's print_json parses it again and highlights it token by
+    token, which took 85 s for inspect's 100k tensors."""
+    sys.stdout.write(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
+    sys.stdout.flush()
+
+
 def _progress(verb: str, quiet: bool):
     from .render import BarProgress
 
@@ -168,7 +175,7 @@ def compress(
                 max_memory=max_memory,
             )
         if as_json:
-            out.print_json(json.dumps(report.to_json()))
+            _print_json(report.to_json())
             return
         from .render import compress_table
 
@@ -235,7 +242,7 @@ def verify(
         with _progress("verifying", quiet or as_json) as bar:
             report = unweight.verify(path, against, threads=threads, progress=bar, max_memory=max_memory)
         if as_json:
-            out.print_json(json.dumps(report.to_json()))
+            _print_json(report.to_json())
         elif report.ok:
             what = "identical to the original" if against else "checksums OK"
             out.print(
@@ -282,7 +289,7 @@ def inspect(
 
             plot_exponents(stats, plot)
         if as_json:
-            out.print_json(json.dumps([s.to_json() for s in stats]))
+            _print_json([s.to_json() for s in stats])
             return
         from .render import inspect_groups_table, inspect_table
 

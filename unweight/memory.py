@@ -68,7 +68,10 @@ def check_budget(max_memory: int | None) -> int | None:
 
 
 def require(nbytes: int, max_memory: int | None, what: str, path: str | None = None, tensor: str | None = None) -> None:
-    """Raise MemoryLimitError unless `nbytes` fit in the budget (max_memory, or what is available)."""
+    """Raise MemoryLimitError unless `nbytes` fit in the budget (max_memory, or what is available;
+    without a budget, sizes up to a piece are not worth reading /proc/meminfo for, tensor by tensor)."""
+    if max_memory is None and nbytes <= PIECE_BYTES:
+        return
     budget = max_memory if max_memory is not None else available()
     if nbytes > budget:
         source = "the --max-memory budget" if max_memory is not None else "the memory this machine has available"
@@ -95,7 +98,7 @@ def release(view: np.ndarray) -> None:
     """Unmap the whole pages under `view`, a view of a read-only file mapping (SafetensorsFile):
     they leave this process's resident set and are read again from the page cache if touched.
     Anything else is left alone (dropping anonymous pages would lose their contents)."""
-    if os.name != "posix" or view.size == 0 or not _mapped_file(view):
+    if os.name != "posix" or view.nbytes < _PAGE or not _mapped_file(view):  # under a page: no whole page to give
         return
     start = view.ctypes.data
     lo = -(-start // _PAGE) * _PAGE
