@@ -87,6 +87,8 @@ def test_rendezvous_rules():
         assert ask(r, "prefill", "P", live, "kv_get", key)["error"].startswith("not a KV group key"), key
     assert "not a ready worker" in ask(r, "prefill", "P", live, "kv_set", "kv/P/GONE/1/0/0", b"x")["error"]
     assert "over 4096 bytes" in ask(r, "prefill", "P", live, "kv_set", "kv/P/D/1/big", b"x" * 4097)["error"]
+    bad = {"op": "kv_set", "n": 0, "key": "kv/P/D/1/pad", "value": "abc"}  # passes the message's pattern, not base64
+    assert r.handle("prefill", "P", live, bad)["error"] == "value is not base64"
     # bounded per pair, the newest kept
     for i in range(Rendezvous.MAX_KEYS_PER_PAIR + 10):
         assert ask(r, "decode", "D", live, "kv_set", f"kv/P/D/2/{i}", b"v")["error"] is None

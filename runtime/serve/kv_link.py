@@ -173,7 +173,12 @@ class Rendezvous:
         elif msg["op"] == "kv_get":
             reply["value"] = self.pairs.get(pair, {}).get(msg["key"])
         else:
-            if len(base64.b64decode(msg["value"])) > KV_VALUE_BYTES:
+            try:
+                size = len(base64.b64decode(msg["value"], validate=True))
+            except ValueError:  # binascii.Error: the padding does not fit
+                reply["error"] = "value is not base64"
+                return reply
+            if size > KV_VALUE_BYTES:
                 reply["error"] = f"value over {KV_VALUE_BYTES} bytes"
                 return reply
             for p in [p for p in self.pairs if p[0] not in live["prefill"] or p[1] not in live["decode"]]:
