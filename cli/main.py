@@ -228,8 +228,9 @@ def verify(
 ) -> None:
     """Decode every tensor and check it; exit 0 only if everything matches.
 
-    Each tensor is checked against its stored CRC-32 and, with --against, against the original
-    bytes, dtypes and shapes; the first difference is reported.
+    Each tensor's decoded bytes are checked against their stored CRC-32, and its stored streams
+    against theirs (format 1.1); with --against, against the original bytes, dtypes and shapes.
+    The first difference is reported.
 
     Examples:
 
