@@ -353,9 +353,8 @@ def generate(
         sys.stdout.flush()  # before the stats on stderr, also when both go to one pipe
         from .render import generation_stats
 
-        with unweight.open(model) as ckpt:
-            original = sum(ckpt.entry(name).nbytes for name in ckpt.keys())
-        stats = generation_stats(g.result, m.resident_weight_bytes(), original, getattr(m, "load_report", None))
+        # the load report brings the checkpoint's uncompressed size: no second read of its headers
+        stats = generation_stats(g.result, m.resident_weight_bytes(), m.load_report)
         err.print(stats, highlight=False, soft_wrap=True)
 
     _run(body)

@@ -77,6 +77,10 @@ def compress_table(report: CompressReport) -> Table:
     return table
 
 
+def _optional(v: float | None) -> str:
+    return "-" if v is None else f"{v:.3f}"
+
+
 def inspect_table(stats: list) -> Table:
     table = Table(title="per-tensor statistics")
     for col in (
@@ -92,7 +96,6 @@ def inspect_table(stats: list) -> Table:
         "gap",
     ):
         table.add_column(col, justify="left" if col in ("tensor", "dtype", "codec") else "right")
-    f = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
     for s in stats:
         table.add_row(
             safe(s.name),
@@ -102,9 +105,9 @@ def inspect_table(stats: list) -> Table:
             f"{s.original_bytes / 1e3:,.1f}",
             f"{s.stored_bytes / 1e3:,.1f}",
             f"{s.bits_per_weight:.3f}",
-            f(s.exponent_entropy),
-            f(s.order0_bound),
-            f(s.gap_to_bound),
+            _optional(s.exponent_entropy),
+            _optional(s.order0_bound),
+            _optional(s.gap_to_bound),
         )
     return table
 
@@ -112,10 +115,8 @@ def inspect_table(stats: list) -> Table:
 def inspect_groups_table(groups: list, file_count: int) -> Table:
     """The statistics by layer type (layer and expert numbers as `*`), with a total per class:
     a few dozen rows whatever the number of tensors."""
-    table = Table(
-        title=f"by layer type ({sum(g.tensors for g in groups):,} tensors in {file_count} file(s); --tensors for each "
-        f"one)"
-    )
+    count = sum(g.tensors for g in groups)
+    table = Table(title=f"by layer type ({count:,} tensors in {file_count} file(s); --tensors for each one)")
     for col in (
         "layer type",
         "count",
@@ -129,7 +130,6 @@ def inspect_groups_table(groups: list, file_count: int) -> Table:
         "gap",
     ):
         table.add_column(col, justify="left" if col in ("layer type", "dtype", "codec") else "right")
-    f = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
 
     def row(label, g, style=None):
         table.add_row(
@@ -140,9 +140,9 @@ def inspect_groups_table(groups: list, file_count: int) -> Table:
             f"{g.original_bytes / 1e6:,.2f}",
             f"{g.stored_bytes / 1e6:,.2f}",
             f"{g.bits_per_weight:.3f}",
-            f(g.exponent_entropy),
-            f(g.order0_bound),
-            f(g.gap_to_bound),
+            _optional(g.exponent_entropy),
+            _optional(g.order0_bound),
+            _optional(g.gap_to_bound),
             style=style,
         )
 
@@ -161,18 +161,20 @@ def inspect_groups_table(groups: list, file_count: int) -> Table:
     return table
 
 
-def generation_stats(r, weight_bytes: int, original_bytes: int | None = None, load=None) -> str:
-    """One line: prompt tokens, generated tokens, time to first token, tokens/s, resident weights
-    (beside the checkpoint's uncompressed size, when given), and the load time with what its
-    checksums took (`load`: the model's LoadReport)."""
+def generation_stats(r, weight_bytes: int, load=None) -> str:
+    """One line: prompt tokens, generated tokens, time to first token, tokens/s, resident weights;
+    with `load` (the model's LoadReport), beside the checkpoint's uncompressed size, and the load
+    time with what its checksums took."""
     line = (
         f"prompt {r.prompt_tokens} tokens · generated {len(r.token_ids)} ({r.finish_reason}) · "
         f"first token {r.time_to_first_token_s * 1e3:.0f} ms · {r.decode_tokens_per_s:.1f} tokens/s · "
         f"weights {weight_bytes / 1e6:.1f} MB resident"
     )
-    if original_bytes:
-        line += f" (uncompressed {original_bytes / 1e6:.1f} MB: {100 * weight_bytes / original_bytes:.0f} %)"
     if load is not None:
+        if load.original_bytes:
+            line += (
+                f" (uncompressed {load.original_bytes / 1e6:.1f} MB: {100 * weight_bytes / load.original_bytes:.0f} %)"
+            )
         checked = load.stream_checked + load.decode_checked
         separate = load.stream_checked or load.decode_only_to_check  # checks that are not part of a decode
         extra = f", {load.check_seconds:.3f} s of it for checks alone" if separate else ""

@@ -51,6 +51,7 @@ class LoadReport:
     stream_bytes: int  # the stored bytes those CRCs covered
     decode_checked: int  # tensors checked by the CRC-32 of their decoded bytes
     decode_only_to_check: int  # of those, decoded only to be checked (1.0 containers: no stream CRCs)
+    original_bytes: int = 0  # the checkpoint's tensors uncompressed (what the resident weights stand for)
 
     def __str__(self) -> str:
         return (
@@ -94,6 +95,7 @@ def load(
         model = CausalLM(cfg)
     with CompressedCheckpoint(path, threads) as ckpt:
         transcoded = _fill(model, ckpt, dev, layout, threads)
+        original = sum(ckpt.entry(name).nbytes for name in ckpt.keys())
     dtype = compute_dtype(dev)
     tokens = max_cache_tokens or min(cfg.max_position_embeddings, DEFAULT_CACHE_TOKENS)
     model.init_cache(tokens, dtype)
@@ -106,6 +108,7 @@ def load(
         st.stream_bytes,
         st.by_decode + st.decoded + transcoded,
         st.by_decode,
+        original,
     )
     log.info("%s: %s", path, model.load_report)
     return model
