@@ -252,14 +252,8 @@ def decompress(
     readers = [ContainerReader(root / c) for c in containers]
     count = 0
     try:
-        for reader in readers:  # streams that cannot produce what they declare are corrupt, whatever the disk
-            for name, entry in reader.tensors.items():
-                try:
-                    check_streams(entry, reader.streams_of(entry))
-                except FormatError as e:
-                    raise type(e)(reader.path, e.reason, name) from None
         total = sum(e.nbytes for r in readers for e in r.tensors.values())
-        _check_disk(dst, total + sum((root / rel).stat().st_size for rel in others))
+        _check_disk(dst, total + sum((root / rel).stat().st_size for rel in others), readers)
         progress.start(total)
         with _staging(dst, "decompressing") as tmp:
             for rel, reader in zip(containers, readers):
@@ -274,9 +268,11 @@ def decompress(
     return count
 
 
-def _check_disk(dst: Path, nbytes: int) -> None:
+def _check_disk(dst: Path, nbytes: int, readers: list[ContainerReader]) -> None:
     """Refuse before writing anything what the destination's file system cannot hold (a container
-    may declare far more than it stores: a valid one of 1 KB can decode to terabytes)."""
+    may declare far more than it stores: a valid one of 1 KB can decode to terabytes). Streams
+    that cannot produce what they declare are refused as corrupt first, whatever the disk; they
+    are checked here only when the space is short (each tensor's decode checks them anyway)."""
     parent = dst.parent if str(dst.parent) else Path(".")
     if parent.is_dir():
         _remove_stale(parent, dst.name)  # what interrupted runs left there is not taken space
@@ -285,6 +281,12 @@ def _check_disk(dst: Path, nbytes: int) -> None:
     except OSError:
         return  # no parent folder: _staging says so
     if nbytes > free:
+        for reader in readers:
+            for name, entry in reader.tensors.items():
+                try:
+                    check_streams(entry, reader.streams_of(entry))
+                except FormatError as e:
+                    raise type(e)(reader.path, e.reason, name) from None
         raise DestinationError(
             f"{dst}: the decompressed files need {nbytes / 1e9:,.2f} GB, and {parent} has {free / 1e9:,.2f} GB free"
         )
