@@ -103,9 +103,14 @@ def _run(fn: Callable[[], int | None], writes: bool = False) -> None:
 
 
 def _print_json(obj) -> None:
-    """JSON on stdout, indented, as is: rich's print_json parses it again and highlights it token by
-    token, which took 85 s for inspect's 100k tensors."""
-    sys.stdout.write(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
+    """JSON on stdout as is (rich's print_json parses it again and highlights it token by token,
+    which took 85 s for inspect's 100k tensors): an object indented, a list one item to a line (the
+    indenting encoder is pure Python, and a list of 100k tensors reads best a line each)."""
+    if isinstance(obj, list):
+        items = ",\n".join(json.dumps(item, ensure_ascii=False) for item in obj)
+        sys.stdout.write(f"[\n{items}\n]\n" if obj else "[]\n")
+    else:
+        sys.stdout.write(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
     sys.stdout.flush()
 
 
@@ -292,10 +297,11 @@ def inspect(
         if as_json:
             _print_json([s.to_json() for s in stats])
             return
-        from .render import inspect_groups_table, inspect_table
+        from .render import inspect_groups_table, inspect_lines
 
         if tensors:
-            out.print(inspect_table(stats))
+            sys.stdout.writelines(line + "\n" for line in inspect_lines(stats))
+            sys.stdout.flush()
         else:
             from unweight.inspection import group
 

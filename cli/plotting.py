@@ -24,7 +24,7 @@ def plot_exponents(stats: list, path: str | os.PathLike) -> None:
         if s.exponent_histogram is None:
             continue
         cls = by_dtype.setdefault(s.dtype, {})
-        h = np.asarray(s.exponent_histogram, dtype=np.int64)
+        h = s.exponent_histogram
         key = s.tensor_class
         cls[key] = cls.get(key, np.zeros_like(h)) + h
     if not by_dtype:

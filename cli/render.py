@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 
 from rich.console import Console
 from rich.markup import escape
@@ -14,12 +15,16 @@ from unweight.report import CompressReport, Totals
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
+def printable(value) -> str:
+    """`value` as text with its control characters shown as escapes: no terminal sequences and no
+    line breaks from a name or path."""
+    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], str(value))
+
+
 def safe(value) -> str:
-    """`value` as text that rich prints literally: markup escaped (a tensor named `[/]` or
-    `[link=...]` is a name, not a style) and control characters shown as escapes (no terminal
-    sequences, no line breaks from a name or path)."""
-    text = _CONTROL.sub(lambda m: repr(m.group())[1:-1], str(value))
-    return escape(text)
+    """`value` as text that rich prints literally: printable(), and markup escaped (a tensor named
+    `[/]` or `[link=...]` is a name, not a style)."""
+    return escape(printable(value))
 
 
 class BarProgress:
@@ -81,27 +86,21 @@ def _optional(v: float | None) -> str:
     return "-" if v is None else f"{v:.3f}"
 
 
-def inspect_table(stats: list) -> Table:
-    table = Table(title="per-tensor statistics")
-    for col in (
-        "tensor",
-        "dtype",
-        "shape",
-        "codec",
-        "original KB",
-        "stored KB",
-        "bits/w",
-        "exp H",
-        "order-0 bound",
-        "gap",
-    ):
-        table.add_column(col, justify="left" if col in ("tensor", "dtype", "codec") else "right")
-    for s in stats:
-        table.add_row(
-            safe(s.name),
-            safe(s.dtype),
+INSPECT_COLUMNS = (
+    *("tensor", "dtype", "shape", "codec", "original KB", "stored KB"),
+    *("bits/w", "exp H", "order-0 bound", "gap"),
+)
+
+
+def inspect_lines(stats: list) -> Iterator[str]:
+    """The per-tensor table as plain aligned text, a line per tensor: rich drew 100k rows in over a
+    minute, and a table that long is read with a pager or grep rather than as a box."""
+    rows = [
+        (
+            printable(s.name),
+            s.dtype,
             "x".join(map(str, s.shape)) or "()",
-            safe(s.codec),
+            printable(s.codec),
             f"{s.original_bytes / 1e3:,.1f}",
             f"{s.stored_bytes / 1e3:,.1f}",
             f"{s.bits_per_weight:.3f}",
@@ -109,7 +108,18 @@ def inspect_table(stats: list) -> Table:
             _optional(s.order0_bound),
             _optional(s.gap_to_bound),
         )
-    return table
+        for s in stats
+    ]
+    widths = [max([len(c), *(len(r[i]) for r in rows)]) for i, c in enumerate(INSPECT_COLUMNS)]
+    left = {0, 1, 3}  # the text columns; numbers are right-aligned
+
+    def line(cells) -> str:
+        return "  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    yield line(INSPECT_COLUMNS)
+    yield "  ".join("-" * w for w in widths)
+    for r in rows:
+        yield line(r)
 
 
 def inspect_groups_table(groups: list, file_count: int) -> Table:

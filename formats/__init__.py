@@ -13,7 +13,7 @@ from .container import (
 )
 from .dtypes import DTYPE_BITS, DTYPE_SIZES, STORED_DTYPE_BITS
 from .errors import FormatError
-from .safetensors_file import SafetensorsFile, TensorInfo, write_safetensors
+from .safetensors_file import SafetensorsFile, TensorInfo, declared_header_bytes, write_safetensors
 
 __all__ = [
     "DTYPE_BITS",
@@ -27,5 +27,6 @@ __all__ = [
     "SafetensorsFile",
     "TensorEntry",
     "TensorInfo",
+    "declared_header_bytes",
     "write_safetensors",
 ]

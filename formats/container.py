@@ -41,17 +41,16 @@ class TensorEntry:
     crc32: int
     # role -> CRC-32 of the stored stream bytes (format 1.1; None in containers written before)
     stream_crc32: dict[str, int] | None = None
+    nbytes: int = field(init=False, repr=False, compare=False)  # the original bytes' size
+    numel: int = field(init=False, repr=False, compare=False)
 
-    @property
-    def nbytes(self) -> int:
-        return tensor_nbytes(self.dtype, self.shape)
-
-    @property
-    def numel(self) -> int:
-        n = 1
+    def __post_init__(self) -> None:
+        # Computed once: readers ask for them several times per tensor, and checkpoints hold 100k tensors.
+        object.__setattr__(self, "nbytes", tensor_nbytes(self.dtype, self.shape))
+        numel = 1
         for d in self.shape:
-            n *= d
-        return n
+            numel *= d
+        object.__setattr__(self, "numel", numel)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"dtype": self.dtype, "shape": list(self.shape), "codec": self.codec}
@@ -79,23 +78,18 @@ def _entry_from_json(path: str, name: str, obj: Any) -> TensorEntry:
         )
     if not isinstance(obj, dict):
         raise bad("manifest entry is not an object")
-    for key in ("dtype", "shape", "codec", "streams", "crc32"):
-        if key not in obj:
-            raise bad(f"manifest entry lacks {key!r}")
+    if not _ENTRY_KEYS <= obj.keys():
+        raise bad(f"manifest entry lacks {next(k for k in _ENTRY_KEYS_ORDER if k not in obj)!r}")
     shape = obj["shape"]
-    if not isinstance(shape, list):
+    if type(shape) is not list:
         raise bad(f"shape {shape!r} is not a list")
-    try:
-        tensor_nbytes(obj["dtype"], shape)
-    except ValueError as e:
-        raise bad(str(e)) from None
     if not isinstance(obj["codec"], str):
         raise bad("codec is not a string")
     params = obj.get("params", {})
     if not isinstance(params, dict):
         raise bad("params is not an object")
     streams = obj["streams"]
-    if not isinstance(streams, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in streams.items()):
+    if type(streams) is not dict or not all(type(k) is str and type(v) is str for k, v in streams.items()):
         raise bad("streams must map role names to stream names")
     crc = obj["crc32"]
     if not _is_crc(crc):
@@ -108,7 +102,14 @@ def _entry_from_json(path: str, name: str, obj: Any) -> TensorEntry:
         if odd:
             raise bad(f"stream_crc32 of role {odd[0]!r}, {stream_crc[odd[0]]!r}, is not a 32-bit unsigned integer")
         stream_crc = dict(stream_crc)
-    return TensorEntry(name, obj["dtype"], tuple(shape), obj["codec"], params, dict(streams), crc, stream_crc)
+    try:  # (the entry checks dtype and shape as it computes its size)
+        return TensorEntry(name, obj["dtype"], tuple(shape), obj["codec"], params, dict(streams), crc, stream_crc)
+    except ValueError as e:
+        raise bad(str(e)) from None
+
+
+_ENTRY_KEYS_ORDER = ("dtype", "shape", "codec", "streams", "crc32")
+_ENTRY_KEYS = frozenset(_ENTRY_KEYS_ORDER)
 
 
 class ContainerReader:
@@ -154,23 +155,29 @@ class ContainerReader:
         self.source_header: str | None = src
         # Every stream referenced exactly once, every reference resolves.
         used: dict[str, str] = {}
+        infos = self._file.tensors
         for entry in self.tensors.values():
             for role, stream in entry.streams.items():
-                if stream not in self._file.tensors:
+                info = infos.get(stream)
+                if info is None:
                     raise FormatError(self.path, f"stream {stream!r} (role {role!r}) is missing", entry.name)
                 if stream in used:
                     raise FormatError(
                         self.path, f"stream {stream!r} is also used by tensor {used[stream]!r}", entry.name
                     )
                 used[stream] = entry.name
-                if self._file.tensors[stream].dtype != "U8" or len(self._file.tensors[stream].shape) != 1:
+                if info.dtype != "U8" or len(info.shape) != 1:
                     raise FormatError(self.path, f"stream {stream!r} is not a 1-D U8 tensor", entry.name)
-        unused = set(self._file.tensors) - set(used)
-        if unused:
+        if len(used) != len(infos):  # every stream used is in the file: the rest belong to no tensor
+            unused = set(infos) - set(used)
             raise FormatError(self.path, f"stream {sorted(unused)[0]!r} belongs to no tensor")
 
     def stream(self, name: str) -> np.ndarray:
         return self._file.bytes_of(name)
+
+    def stored_bytes(self, entry: TensorEntry) -> int:
+        """The bytes of the tensor's streams in the file."""
+        return sum(self._file.tensors[s].nbytes for s in entry.streams.values())
 
     def streams_of(self, entry: TensorEntry) -> dict[str, np.ndarray]:
         return {role: self._file.bytes_of(s) for role, s in entry.streams.items()}

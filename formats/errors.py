@@ -14,3 +14,6 @@ class FormatError(ValueError):
         self.reason = message
         where = [p for p in (self.path, f"tensor {tensor!r}" if tensor is not None else None) if p]
         super().__init__(": ".join([*where, message]))
+
+    def __reduce__(self):  # pickled as its parts (a worker process raises it to its parent)
+        return type(self), (self.path, self.reason, self.tensor)

@@ -2,17 +2,28 @@
 
 from __future__ import annotations
 
+import gc
+import multiprocessing
 import os
 import re
-from dataclasses import asdict, dataclass, field
+import signal
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from contextlib import contextmanager
+from dataclasses import dataclass, field, fields
+from itertools import repeat
+from pathlib import Path
 
 import numpy as np
 from numba import njit
 
-from unweight.formats import DTYPE_BITS, ContainerReader
+from unweight.formats import DTYPE_BITS, ContainerReader, declared_header_bytes
 
 from . import memory
+from .codec.parallel import default_threads
 from .decoding import decode_in_order
+from .errors import UnweightError
 from .folder import containers_of
 from .report import CLASS_ORDER, TensorReport
 
@@ -42,7 +53,9 @@ class TensorStats(TensorReport):
     bits_per_weight: float
     exponent_entropy: float | None  # bits per weight, floats only
     order0_bound: float | None  # bits per weight, entropy of whole values (1- and 2-byte dtypes)
-    exponent_histogram: list[int] | None = field(default=None, repr=False)
+    # int64 counts per exponent value, floats only: an array, not a list, so that 100k tensors' histograms
+    # are 100k objects for the garbage collector to walk rather than 25M
+    exponent_histogram: np.ndarray | None = field(default=None, repr=False)
 
     @property
     def gap_to_bound(self) -> float | None:
@@ -50,11 +63,15 @@ class TensorStats(TensorReport):
         return None if self.order0_bound is None else self.bits_per_weight - self.order0_bound
 
     def to_json(self, histogram: bool = False) -> dict:
-        d = asdict(self)
-        if not histogram:
-            d.pop("exponent_histogram")
+        d = {f: getattr(self, f) for f in _JSON_FIELDS}  # (asdict's deep copies cost a second at 100k tensors)
+        d["shape"] = list(self.shape)
+        if histogram:
+            d["exponent_histogram"] = None if self.exponent_histogram is None else self.exponent_histogram.tolist()
         d["gap_to_bound"] = self.gap_to_bound
         return d
+
+
+_JSON_FIELDS = [f.name for f in fields(TensorStats) if f.name != "exponent_histogram"]
 
 
 def _decodes(reader: ContainerReader, name: str) -> bool:
@@ -66,65 +83,159 @@ def _decodes(reader: ContainerReader, name: str) -> bool:
 
 
 @njit(nogil=True, cache=True)
-def _count_fields(values, shift, mask, fields, words):
+def _count(values, shift, mask, fields, words, seen, n_seen):
     """Add each element's (value >> shift) & mask to `fields` and, when `words` is not empty, the
-    value itself to `words`: histograms without np.bincount's int64 copy of the input."""
+    value itself to `words`, listing in seen[:n_seen] each value the first time it is counted;
+    returns the new n_seen. No np.bincount copy of the input, and no pass over all 65,536 bins."""
     whole = len(words) > 0
     for v in values:
         fields[(v >> shift) & mask] += 1
         if whole:
+            if words[v] == 0:
+                seen[n_seen] = v
+                n_seen += 1
             words[v] += 1
+    return n_seen
+
+
+@njit(nogil=True, cache=True)
+def _entropy(counts, total):
+    """Shannon entropy in bits per symbol of `counts` (which sum to total > 0)."""
+    h = 0.0
+    for c in counts:
+        if c > 0:
+            h += c * np.log2(total / c)
+    return max(0.0, h / total)
+
+
+@njit(nogil=True, cache=True)
+def _entropy_of_seen(words, seen, n_seen, total):
+    """_entropy of words[seen[:n_seen]], the only nonzero bins, which it sets back to zero."""
+    h = 0.0
+    for i in range(n_seen):
+        c = words[seen[i]]
+        h += c * np.log2(total / c)
+        words[seen[i]] = 0
+    return max(0.0, h / total)
 
 
 class _Histograms:
-    """A tensor's exponent histogram and whole-value histogram, piece by piece."""
+    """Exponent and whole-value histograms, filled piece by piece, one tensor at a time: the
+    65,536-bin whole-value histogram is allocated once and cleared bin by bin through the values
+    seen, so a small tensor costs what its values cost (100k small tensors: 100k histograms)."""
 
-    def __init__(self, e) -> None:
-        self.size = DTYPE_BITS[e.dtype] // 8  # whole bytes: _decodes() leaves out F4 and F6
-        self.exponent = e.dtype in EXPONENT_FIELDS
-        word, self.shift, self.mask = (
-            EXPONENT_FIELDS[e.dtype] if self.exponent else ({1: np.uint8, 2: np.uint16}[self.size], 0, 0)
+    def __init__(self) -> None:
+        self._words = {size: np.zeros(1 << (8 * size), dtype=np.int64) for size in (1, 2)}
+        self._seen = {size: np.zeros(1 << (8 * size), dtype=np.int64) for size in (1, 2)}
+
+    def start(self, dtype: str) -> None:
+        """Begin a tensor of `dtype` (one that _decodes() takes)."""
+        self.size = DTYPE_BITS[dtype] // 8  # whole bytes: _decodes() leaves out F4 and F6
+        self.exponent = dtype in EXPONENT_FIELDS
+        self.word, self.shift, self.mask = (
+            EXPONENT_FIELDS[dtype] if self.exponent else ({1: np.uint8, 2: np.uint16}[self.size], 0, 0)
         )
-        self.word = word
         self.fields = np.zeros(self.mask + 1, dtype=np.int64)
-        self.words = np.zeros(1 << (8 * self.size) if self.size <= 2 else 0, dtype=np.int64)
+        self.words = self._words.get(self.size, self._words[1][:0])
+        self.seen = self._seen.get(self.size, self._seen[1][:0])
+        self.n_seen = self.total = 0
 
     def add(self, piece: np.ndarray) -> None:
-        _count_fields(piece.view(self.word), self.shift, self.mask, self.fields, self.words)
+        values = piece.view(self.word)
+        self.n_seen = _count(values, self.shift, self.mask, self.fields, self.words, self.seen, self.n_seen)
+        self.total += len(values)
+
+    def finish(self) -> tuple[float | None, np.ndarray | None, float | None]:
+        """(exponent entropy, exponent histogram, order-0 bound) of the tensor, in bits per weight;
+        None where the dtype has no exponent or values too wide for a whole-value histogram."""
+        exp = (_entropy(self.fields, self.total), self.fields) if self.exponent else (None, None)
+        bound = _entropy_of_seen(self.words, self.seen, self.n_seen, self.total) if len(self.words) else None
+        return (*exp, bound)
 
 
 def tensor_stats(file: str, reader: ContainerReader, name: str, hist: _Histograms | None = None) -> TensorStats:
     """A tensor's statistics; `hist`, filled from its decoded bytes, is needed where _decodes() holds."""
     e = reader.tensors[name]
-    stored = sum(len(reader.stream(s)) for s in e.streams.values())
+    stored = reader.stored_bytes(e)
     numel = e.numel
     bpw = 8 * stored / numel if numel else 0.0
-    exp_h = bound = hists = None
-    if _decodes(reader, name):
-        if hist.exponent:
-            exp_h, hists = entropy_bits(hist.fields), hist.fields.tolist()
-        if hist.size <= 2:
-            bound = entropy_bits(hist.words)
+    exp_h, hists, bound = hist.finish() if _decodes(reader, name) else (None, None, None)
     return TensorStats(file, name, e.dtype, list(e.shape), e.codec, e.nbytes, stored, bpw, exp_h, bound, hists)
+
+
+# inspect reads a checkpoint's files in worker processes, one file each at a time, when their headers
+# (which grow with the tensor count: ~100 bytes a stream, 4 streams a tensor) add up to this much: its
+# work per tensor is Python's and holds the GIL, and a worker costs ~0.4 s to start.
+PARALLEL_HEADER_BYTES = 4 << 20
 
 
 def inspect(path: str | os.PathLike, threads: int | None = None, max_memory: int | None = None) -> list[TensorStats]:
     """Statistics of every tensor of a compressed folder or file (decodes the float tensors, in
-    pieces of memory.piece_bytes(max_memory): no whole-tensor buffer)."""
-    piece = memory.piece_bytes(memory.check_budget(max_memory))
+    pieces of memory.piece_bytes(max_memory): no whole-tensor buffer). A checkpoint of many files
+    and tensors is read by up to `threads` worker processes, sharing the threads and max_memory."""
+    budget = memory.check_budget(max_memory)
     root, files, _ = containers_of(path)
-    out: list[TensorStats] = []
-    for rel in files:
-        with ContainerReader(root / rel) as reader:
-            decoded = decode_in_order(reader, [n for n in reader.tensors if _decodes(reader, n)], threads, piece)
-            for name in reader.tensors:  # the decoded ones come in this order too, each used before the next
-                hist = None
-                if _decodes(reader, name):
-                    hist = _Histograms(reader.tensors[name])
-                    for data in next(decoded)[1]():
-                        hist.add(data)
-                out.append(tensor_stats(str(rel), reader, name, hist))
+    threads = threads or default_threads()
+    workers = min(threads, len(files))
+    if budget is not None:
+        workers = min(workers, budget // memory.MIN_PIECE_BYTES)
+    if workers < 2 or sum(declared_header_bytes(root / rel) for rel in files) < PARALLEL_HEADER_BYTES:
+        return [s for rel in files for s in _inspect_file(root, rel, threads, budget)]
+    share = (max(1, threads // workers), None if budget is None else budget // workers)
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_start)
+    try:
+        with _collector_paused():  # (unpickling the workers' results makes as many objects as they did)
+            parts = pool.map(_inspect_file, repeat(root), files, *map(repeat, share))
+            out = [s for part in parts for s in part]  # in file order; the first file's error in that order
+    except BrokenProcessPool:
+        raise UnweightError("an inspect worker process died (out of memory?); --threads 1 reads in this one") from None
+    except BaseException:  # an error, or Ctrl-C: the others' files are not waited for
+        _stop(pool)
+        raise
+    pool.shutdown()
     return out
+
+
+def _inspect_file(root: Path, rel: Path, threads: int, max_memory: int | None) -> list[TensorStats]:
+    """The statistics of the tensors of the container root / rel, in its order."""
+    out: list[TensorStats] = []
+    hist = _Histograms()
+    with _collector_paused(), ContainerReader(root / rel) as reader:
+        piece = memory.piece_bytes(max_memory)
+        decoded = decode_in_order(reader, [n for n in reader.tensors if _decodes(reader, n)], threads, piece)
+        for name in reader.tensors:  # the decoded ones come in this order too, each used before the next
+            if _decodes(reader, name):
+                hist.start(reader.tensors[name].dtype)
+                for data in next(decoded)[1]():
+                    hist.add(data)
+            out.append(tensor_stats(str(rel), reader, name, hist))
+    return out
+
+
+def _worker_start() -> None:
+    """A worker leaves Ctrl-C to the process that started it, which stops it (no traceback from each)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _stop(pool: ProcessPoolExecutor) -> None:
+    """Shut the pool down without waiting for the files its workers are reading."""
+    pool.shutdown(wait=False, cancel_futures=True)
+    for proc in list((getattr(pool, "_processes", None) or {}).values()):  # (no public way before 3.14)
+        proc.terminate()
+
+
+@contextmanager
+def _collector_paused() -> Iterator[None]:
+    """The cyclic garbage collector off for the duration (and back as it was): inspect makes no
+    cycles, but its headers, manifests and results are millions of objects that each full
+    collection walks again: a third of the time at 100k tensors."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 LAYER_INDEX = re.compile(r"(?<=\.)\d+(?=\.)")
