@@ -35,6 +35,7 @@ from unweight.errors import DestinationError, FormatError, SourceError
 from unweight.formats import ContainerReader, ContainerWriter, SafetensorsFile, write_safetensors
 from unweight.formats.safetensors_file import parse_header
 
+from . import hf_config
 from .decoding import INLINE_TENSOR_BYTES, PARALLEL_TENSOR_BYTES, decode_in_order
 from .folder import check_source, containers_of, walk
 from .report import CompressReport, TensorReport, VerifyReport
@@ -201,6 +202,10 @@ def compress(
             for rel in others:
                 (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(root / rel, tmp / rel)  # the shard index stays valid as it is
+                if hf_config.is_config(tmp / rel, rel):  # the quantization_config that vLLM's plugin is picked by
+                    data, note = hf_config.tag((root / rel).read_bytes())
+                    (tmp / rel).write_bytes(data)
+                    report.file_notes += [note] if note else []
                 report.copied_files.append(str(rel))
     finally:
         for sf in sources:
@@ -262,6 +267,8 @@ def decompress(
             for rel in others:
                 (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(root / rel, tmp / rel)
+                if hf_config.is_config(tmp / rel, rel):  # the source's bytes, without compress's tag
+                    (tmp / rel).write_bytes(hf_config.untag((root / rel).read_bytes()))
     finally:
         for r in readers:
             r.close()
@@ -395,7 +402,10 @@ def verify(
     if orig_root is not None and Path(path).is_dir():
         for rel in others:
             o = orig_root / rel
-            if not o.is_file() or o.read_bytes() != (root / rel).read_bytes():  # is_file: a FIFO would hang
+            ours = (root / rel).read_bytes()
+            if hf_config.is_config(root / rel, rel):
+                ours = hf_config.untag(ours)
+            if not o.is_file() or o.read_bytes() != ours:  # is_file: a FIFO would hang
                 report.mismatches.append(f"{rel}: differs from {o}")
         for rel in walk(orig_root):
             if rel.suffix == ".safetensors" and not (root / rel).exists():

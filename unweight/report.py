@@ -83,6 +83,7 @@ class CompressReport:
     copied_files: list[str] = field(default_factory=list)
     skipped_files: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    file_notes: list[str] = field(default_factory=list)  # what compress did not do to a copied file, and why
 
     def totals(self) -> Totals:
         t = Totals()
@@ -104,7 +105,8 @@ class CompressReport:
 
     def notes(self) -> list[str]:
         """What the summary says besides its numbers: tensors of dtypes the codec has no model of
-        (F8_E8M0, C64, ...: formats/dtypes.py STORED_DTYPE_BITS), kept bit-exact with zstd or raw."""
+        (F8_E8M0, C64, ...: formats/dtypes.py STORED_DTYPE_BITS), kept bit-exact with zstd or raw;
+        then the notes on copied files (a config.json that could not take the vLLM plugin's tag)."""
         out = []
         for dtype, t in self.by_dtype().items():
             if dtype in STORED_DTYPE_BITS:
@@ -114,7 +116,7 @@ class CompressReport:
                     f"with "
                     f"{' or '.join(codecs)}, bit-exact: the codec has no model of {dtype} values"
                 )
-        return out
+        return out + self.file_notes
 
     def to_json(self) -> dict:
         return {
