@@ -124,12 +124,7 @@ class CompressedCheckpoint:
         import torch
 
         e = self.entry(name)
-        dtype = getattr(torch, TORCH_DTYPES.get(e.dtype, ""), None)
-        if not isinstance(dtype, torch.dtype):
-            raise TypeError(
-                f"{self._reader(name).path}: tensor {name!r} is {e.dtype}, which this torch ({torch.__version__}) has "
-                f"no dtype for; get_bytes() gives its bytes"
-            )
+        dtype = self.torch_dtype(name)
         data = self.get_bytes(name)
         if e.numel == 0:  # strides of an empty tensor may pass int64 ([0, 2^47, 2^47, 2^47]): reshape keeps them 0
             try:
@@ -141,6 +136,41 @@ class CompressedCheckpoint:
         if not data.flags.writeable:
             data = data.copy()  # raw-coded tensors are views of the read-only mapping
         return torch.from_numpy(data).view(dtype).reshape(e.shape)
+
+    def get_rows(self, name: str, start: int, stop: int):
+        """Rows [start, stop) of the tensor's first dimension as a torch.Tensor (CPU, bit-exact),
+        decoding only what holds them where the codec allows (rans chunks, tiles rows): a tensor-
+        parallel rank's rows without the whole tensor. The streams are checked first (streams())."""
+        import torch
+
+        from unweight.codec import decode_rows
+
+        e = self.entry(name)
+        dtype = self.torch_dtype(name)
+        rows = e.shape[0] if e.shape else 0
+        if not 0 <= start <= stop <= rows:
+            raise ValueError(f"rows [{start}, {stop}) lie outside tensor {name!r}'s {rows}")
+        if start == stop or e.numel == 0:
+            return torch.empty((stop - start, *e.shape[1:]), dtype=dtype)
+        streams = self.streams(name)
+        try:
+            data = decode_rows(e, streams, np.arange(start, stop), self.threads)
+        except FormatError as err:
+            raise type(err)(self.file_of(name), err.reason, name) from None
+        self.integrity.decoded += 1
+        return torch.from_numpy(np.ascontiguousarray(data)).view(dtype).reshape(stop - start, *e.shape[1:])
+
+    def torch_dtype(self, name: str):
+        import torch
+
+        e = self.entry(name)
+        dtype = getattr(torch, TORCH_DTYPES.get(e.dtype, ""), None)
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(
+                f"{self._reader(name).path}: tensor {name!r} is {e.dtype}, which this torch ({torch.__version__}) has "
+                f"no dtype for; get_bytes() gives its bytes"
+            )
+        return dtype
 
     def __getitem__(self, name: str):
         return self.get_tensor(name)

@@ -312,15 +312,31 @@ def _decode(
     return data, in_place
 
 
+def _tiles_rows(entry: TensorEntry, streams: dict[str, np.ndarray], ids: np.ndarray) -> np.ndarray:
+    """decode_rows of a tiles tensor: rows min(ids)..max(ids), decoded as one range."""
+    r0, r1 = int(ids.min()), int(ids.max()) + 1
+    try:
+        check_entry(entry, streams)
+        d = tiles.Decoder(streams, tiles.TilesParams.from_json(entry.params), *entry.shape)
+        out = np.empty((r1 - r0) * entry.shape[1], dtype=np.uint16)
+        d.run(r0, r1, out)
+    except CorruptDataError as e:
+        raise CorruptDataError(None, e.reason, entry.name) from None
+    except (ValueError, TypeError) as e:
+        raise CorruptDataError(None, str(e), entry.name) from None
+    return out.view(np.uint8).reshape(r1 - r0, -1)[ids - r0]
+
+
 def decode_rows(
     entry: TensorEntry, streams: dict[str, np.ndarray], ids: np.ndarray, threads: int | None = None
 ) -> np.ndarray:
     """Rows `ids` (integers in [0, shape[0])) of a tensor, as a (len(ids), bytes per row) uint8
     array, for lookups such as an embedding's: a `rans` tensor decodes only the chunks that hold
     those rows (an embedding row of SmolLM2 lies in one or two of its 432 chunks), where
-    decode_tensor would decode all of them. Each chunk decoded is checked as decode_tensor checks
-    it, but the CRC-32, which covers the whole tensor, is not; other codecs decode the whole
-    tensor, CRC included. Raises CorruptDataError on damage, ValueError on bad ids."""
+    decode_tensor would decode all of them; a `tiles` tensor decodes only the rows from the first
+    id to the last. Each chunk or row decoded is checked as decode_tensor checks it, but the
+    CRC-32, which covers the whole tensor, is not; other codecs decode the whole tensor, CRC
+    included. Raises CorruptDataError on damage, ValueError on bad ids."""
     if len(entry.shape) == 0 or entry.shape[0] == 0:
         raise ValueError(f"tensor {entry.name!r} of shape {list(entry.shape)} has no rows")
     rows = entry.shape[0]
@@ -328,6 +344,8 @@ def decode_rows(
     if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= rows):
         raise ValueError(f"row ids must lie in [0, {rows})")
     nbytes = entry.nbytes
+    if entry.codec == "tiles" and len(ids) and nbytes <= _physical_memory():
+        return _tiles_rows(entry, streams, ids)
     if entry.codec != "rans" or nbytes > _physical_memory():
         return decode_tensor(entry, streams, threads).reshape(rows, -1)[ids]
     try:
