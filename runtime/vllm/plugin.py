@@ -1,0 +1,322 @@
+"""The vLLM plugin: quantization method `unweight`, its linear method and its model loader.
+
+Imported only by vLLM's plugin loader (`register` in runtime/vllm/__init__.py), in every vLLM
+process; the classes live at module level because vLLM pickles the config into its engine.
+
+- `UnweightConfig` is what `quantization_config: {"quant_method": "unweight"}` in config.json
+  selects. Linear layers get `UnweightLinearMethod`; MoE experts, embeddings and the lm_head
+  keep vLLM's own unquantized methods, their weights decoded at load (logged once).
+- `UnweightModelLoader` replaces vLLM's default loader for `--load-format auto` (and is also
+  `--load-format unweight`); for any other checkpoint it is the default loader unchanged. For an
+  unweight folder it hands vLLM's model code every tensor as a `LazyWeight`, undecoded.
+- A linear layer's weight loader takes the rank's block of each tensor (`shards.plan`), decodes
+  only that block into a buffer of the rank's weight, and once every shard is in, encodes the
+  buffer as `tiles` (CPU) or `qtiles` (CUDA) in an `UnweightLinear` and drops it: the rank holds
+  its compressed shard, and the largest decoded memory at any time is one layer's rank slice.
+- `apply` runs the layer through the custom op `unweight::linear` (one op for torch.compile,
+  with a fake implementation), which picks its pipeline per batch bucket with the autotuner:
+  fused (numba GEMV on the CPU, the Triton kernel on CUDA) or decode + matmul. On the CPU, decode
+  + matmul multiplies with vLLM's own CPU GEMM dispatch (oneDNN or sgl), so that forced
+  (`UNWEIGHT_PIPELINE=decode_matmul`) it gives vLLM's unquantized logits bit for bit.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import threading
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+from torch import nn
+from vllm.model_executor.layers.fused_moe import RoutedExperts
+from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+from vllm.model_executor.layers.linear import (
+    ColumnParallelLinear,
+    LinearBase,
+    LinearMethodBase,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
+from vllm.model_executor.layers.quantization import register_quantization_config
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
+from vllm.model_executor.model_loader import default_loader
+from vllm.model_executor.model_loader import register_model_loader as _register_loader
+from vllm.model_executor.utils import set_weight_attrs
+
+from . import shards
+
+# unweight's codec (numba, llvmlite) is imported only when a model loads: vLLM's CPU worker scans every
+# loaded module's globals when it starts, after the plugins, and llvmlite's function wrappers break that
+# scan (AttributeError: '_lib_fn_wrapper' object has no attribute 'get').
+
+log = logging.getLogger("unweight.vllm")
+NAME = "unweight"
+
+
+@register_quantization_config(NAME)
+class UnweightConfig(QuantizationConfig):
+    """quant_method "unweight": lossless, entropy-coded BF16 weights (see the module docstring)."""
+
+    def get_name(self) -> str:
+        return NAME
+
+    def get_supported_act_dtypes(self) -> list[torch.dtype]:
+        return [torch.bfloat16, torch.float16, torch.float32]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return 0  # any GPU Triton runs on, and the CPU
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return []
+
+    @classmethod
+    def from_config(cls, config: dict) -> UnweightConfig:
+        if config.get("quant_method", NAME) != NAME:
+            raise ValueError(f"quantization_config has quant_method {config.get('quant_method')!r}, not {NAME!r}")
+        return cls()
+
+    def get_quant_method(self, layer: nn.Module, prefix: str):
+        if isinstance(layer, LinearBase):
+            return UnweightLinearMethod(prefix)
+        if isinstance(layer, RoutedExperts):
+            _once(
+                f"MoE experts ({type(layer).__name__}) are decoded to dense weights at load: compressed "
+                f"experts are not built yet"
+            )
+            return UnquantizedFusedMoEMethod(layer.moe_config)
+        return None  # embeddings, the lm_head, attention: vLLM's own, their weights decoded at load
+
+
+_KINDS = (  # most specific first: QKV and merged layers are column-parallel layers too
+    (QKVParallelLinear, "qkv"),
+    (MergedColumnParallelLinear, "merged"),
+    (ColumnParallelLinear, "column"),
+    (RowParallelLinear, "row"),
+    (ReplicatedLinear, "replicated"),
+)
+
+
+def _kind(layer: nn.Module) -> str:
+    for cls, kind in _KINDS:
+        if isinstance(layer, cls):
+            return kind
+    raise ValueError(
+        f"layer {getattr(layer, 'prefix', '?')!r}: {type(layer).__name__} is not a linear layer the plugin knows"
+    )
+
+
+class _Pending:
+    """A layer's rank-local weight while its shards come in: decoded values, dropped once encoded."""
+
+    def __init__(self, rows: int, cols: int, expected: frozenset):
+        self.rows, self.cols, self.expected = rows, cols, expected
+        self.values: torch.Tensor | None = None  # (rows, cols) in the tensors' dtype, from the first shard on
+        self.dtype: torch.dtype | None = None
+        self.seen: set = set()
+
+
+class UnweightLinearMethod(LinearMethodBase):
+    """A vLLM linear layer whose rank-local weight is an UnweightLinear (see the module docstring)."""
+
+    def __init__(self, prefix: str = ""):
+        self.prefix = prefix
+
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs,
+    ) -> None:
+        extra_weight_attrs.pop("weight_loader", None)
+        kind = _kind(layer)
+        # No memory of the weight's size: the loader below builds the compressed layer instead.
+        weight = nn.Parameter(torch.empty(0, dtype=params_dtype), requires_grad=False)
+        layer.register_parameter("weight", weight)
+        set_weight_attrs(weight, {**extra_weight_attrs, "weight_loader": _ShardLoader(layer, kind, self.prefix)})
+        layer.uw_pending = _Pending(
+            sum(output_partition_sizes), input_size_per_partition, shards.shard_ids(kind, layer)
+        )
+        layer.uw_index = -1
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        pending = getattr(layer, "uw_pending", None)
+        if pending is not None and layer.uw_index < 0:
+            missing = sorted(map(str, pending.expected - pending.seen))
+            raise ValueError(f"layer {self.prefix!r}: the checkpoint gave no weight for shard(s) {', '.join(missing)}")
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        y = torch.ops.unweight.linear(x, layer.uw_index)
+        return y + bias if bias is not None else y
+
+
+class _ShardLoader:
+    """The weight_loader of an UnweightLinearMethod layer's weight: (param, tensor, shard_id)."""
+
+    def __init__(self, layer: nn.Module, kind: str, prefix: str):
+        self.layer, self.kind, self.prefix = layer, kind, prefix
+
+    def __call__(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        from .lazy import LazyWeight
+
+        layer, pending = self.layer, self.layer.uw_pending
+        name = loaded.uw_name if isinstance(loaded, LazyWeight) else f"{self.prefix}.weight"
+        if pending.dtype is None:
+            pending.dtype = loaded.dtype
+            if loaded.dtype != torch.bfloat16:
+                _once(f"tensor {name!r} is {loaded.dtype}, not BF16: its layer keeps a dense weight (vLLM's own GEMM)")
+        elif loaded.dtype != pending.dtype:
+            raise ValueError(f"tensor {name!r} is {loaded.dtype}, the layer's other shards {pending.dtype}")
+        block = shards.plan(self.kind, layer, shard_id, tuple(loaded.shape), name)
+        if block.cols != pending.cols or block.dst0 + block.rows > pending.rows:
+            raise ValueError(f"tensor {name!r} of shape {list(loaded.shape)} does not fit layer {self.prefix!r}")
+        if isinstance(loaded, LazyWeight):
+            part = loaded.block(block.src0, block.src0 + block.rows, block.col0, block.col0 + block.cols)
+        else:  # a model's loader that transformed the tensor first: it is dense already
+            part = loaded[block.src0 : block.src0 + block.rows, block.col0 : block.col0 + block.cols]
+        if pending.values is None:
+            pending.values = torch.empty(pending.rows, pending.cols, dtype=pending.dtype)
+        pending.values[block.dst0 : block.dst0 + block.rows] = part
+        pending.seen.add(shard_id)
+        if pending.seen >= pending.expected:
+            _finish(layer, pending, param)
+
+
+def _finish(layer: nn.Module, pending: _Pending, param: nn.Parameter) -> None:
+    device = param.device
+    weight, pending.values = pending.values, None
+    if weight.dtype == torch.bfloat16:
+        values = weight.view(torch.int16).numpy().view(np.uint16).reshape(-1)
+        uw = _linear_class()._from_values(values, pending.rows, pending.cols, None, device)
+        del values, weight
+    else:
+        uw = _DenseLinear(weight)
+    if device.type != "cpu":
+        uw = uw.to(device)
+    layer.uw = uw  # a submodule: vLLM moves it, and counts its buffers as the layer's weight
+    with _LOCK:
+        layer.uw_index = len(_LAYERS)
+        _LAYERS.append(uw)
+
+
+@functools.cache
+def _linear_class() -> type:
+    """UnweightLinear whose CPU decode + matmul multiplies with vLLM's CPU GEMM dispatch, the one
+    that vLLM's unquantized layers use, rather than F.linear (see the module docstring)."""
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    from unweight.runtime.linear import UnweightLinear
+
+    class VllmUnweightLinear(UnweightLinear):
+        def _run(self, pipeline: str, x: torch.Tensor) -> torch.Tensor:
+            if pipeline != "decode_matmul" or x.device.type != "cpu":
+                return super()._run(pipeline, x)
+            layer = SimpleNamespace(weight=self.decoded_weight(x.dtype))
+            dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
+            return layer.cpu_linear(x, layer.weight, None)
+
+    return VllmUnweightLinear
+
+
+class _DenseLinear(nn.Module):
+    """The fallback for a weight the tiles cannot hold (not BF16): dense, multiplied as vLLM's
+    unquantized layers multiply (its CPU GEMM dispatch; F.linear on a GPU)."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.out_features = weight.shape[0]
+        self._gemm = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight.to(x.dtype)
+        if x.device.type != "cpu":
+            return torch.nn.functional.linear(x, w)
+        if self._gemm is None or self._gemm.weight.dtype != x.dtype:
+            from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+            self._gemm = SimpleNamespace(weight=w)
+            dispatch_cpu_unquantized_gemm(self._gemm, remove_weight=False)
+        return self._gemm.cpu_linear(x, self._gemm.weight, None)
+
+
+_LAYERS: list[nn.Module] = []  # every built layer of this process, by uw_index
+_LOCK = threading.Lock()
+
+
+@torch.library.custom_op("unweight::linear", mutates_args=())
+def _linear(x: torch.Tensor, layer: int) -> torch.Tensor:
+    """y = x @ W^T for the process's layer number `layer` (one opaque op for torch.compile)."""
+    return _LAYERS[layer](x)
+
+
+@_linear.register_fake
+def _(x: torch.Tensor, layer: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], _LAYERS[layer].out_features))
+
+
+class UnweightModelLoader(default_loader.DefaultModelLoader):
+    """vLLM's default loader, except for an unweight folder: every tensor goes to the model's
+    weight loaders as a LazyWeight, and the checkpoint's stored streams are checked against their
+    CRC-32s as they are read."""
+
+    def download_model(self, model_config) -> None:
+        if model_config.quantization != NAME:
+            return super().download_model(model_config)
+        self._folder(model_config)
+
+    def load_weights(self, model: nn.Module, model_config) -> None:
+        if model_config.quantization != NAME:
+            return super().load_weights(model, model_config)
+        from unweight.reader import CompressedCheckpoint
+
+        from .lazy import LazyWeight
+
+        with CompressedCheckpoint(self._folder(model_config)) as ckpt:
+            model.load_weights((name, LazyWeight(ckpt, name)) for name in ckpt.keys())
+            stats = ckpt.integrity
+        log.info(
+            "unweight: %s: %d tensors' streams checked against their CRC-32s (%.2f s)",
+            model_config.model,
+            stats.by_stream_crc,
+            stats.seconds,
+        )
+
+    def _folder(self, model_config) -> str:
+        """The local folder of the checkpoint: the path given, or the Hub snapshot vLLM downloads."""
+        if os.path.isdir(model_config.model):
+            return model_config.model
+        from vllm.model_executor.model_loader.weight_utils import download_weights_from_hf
+
+        return download_weights_from_hf(
+            model_config.model, self.load_config.download_dir, ["*.safetensors", "*.json"], model_config.revision
+        )
+
+
+_WARNED: set[str] = set()
+
+
+def _once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        log.warning("unweight: %s", message)
+
+
+def register() -> None:
+    """Register the loader: as `--load-format unweight`, and in place of vLLM's default loader
+    for `auto` (which it is, for every checkpoint that is not an unweight folder)."""
+    from vllm.model_executor import model_loader
+
+    _register_loader(NAME)(UnweightModelLoader)
+    if model_loader._LOAD_FORMAT_TO_MODEL_LOADER.get("auto") is default_loader.DefaultModelLoader:
+        model_loader._LOAD_FORMAT_TO_MODEL_LOADER["auto"] = UnweightModelLoader

@@ -1,0 +1,127 @@
+"""The vLLM plugin's pieces that need no vLLM: the config.json tag, a rank's block of each kind of
+layer, LazyWeight's slices against the original bytes, and row decoding of the serving layout."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+import unweight
+from helpers import random_bf16, run_cli, write_checkpoint
+from unweight import hf_config
+from unweight.codec import decode_rows
+from unweight.reader import CompressedCheckpoint
+from unweight.runtime.vllm import shards
+from unweight.runtime.vllm.lazy import LazyWeight
+
+CONFIGS = [
+    b"{}",
+    b'{\n  "a": 1\n}\n',
+    b' {"a": [1, {"b": 2}], "quantization_config": null}  \n',
+    b'{"quantization_config": {"quant_method": "fp8"}}',
+    b"[1, 2]",
+    b"\xef\xbb\xbf{}",
+    b"not json",
+]
+
+
+@pytest.mark.parametrize("data", CONFIGS)
+def test_the_config_tag_comes_off_exactly(data):
+    tagged, note = hf_config.tag(data)
+    assert hf_config.untag(tagged) == data
+    if note is None:
+        assert json.loads(tagged)["quantization_config"] == {"quant_method": "unweight"}
+    else:
+        assert tagged == data
+
+
+def test_compress_tags_config_and_decompress_and_verify_undo_it(tmp_path):
+    src = write_checkpoint(tmp_path / "src" / "model.safetensors", {"w": random_bf16(64, 32)}).parent
+    original = b'{\n  "architectures": ["LlamaForCausalLM"],\n  "quantization_config": null\n}\n'
+    (src / "config.json").write_bytes(original)
+    out, back = tmp_path / "uw", tmp_path / "back"
+    unweight.compress(src, out)
+    assert json.loads((out / "config.json").read_bytes())["quantization_config"] == {"quant_method": "unweight"}
+    r = run_cli("verify", out, "--against", src)
+    assert r.returncode == 0 and r.stdout.startswith("OK:"), r.stdout + r.stderr
+    unweight.decompress(out, back)
+    assert (back / "config.json").read_bytes() == original
+    (src / "config.json").write_bytes(b'{"quantization_config": {"quant_method": "awq"}}')
+    r = run_cli("compress", src, tmp_path / "uw2")
+    assert r.returncode == 0 and "already declares a quantization_config (quant_method 'awq')" in r.stderr, r.stderr
+
+
+def layer(tp_rank=0, tp_size=2, **kw):
+    return SimpleNamespace(tp_rank=tp_rank, tp_size=tp_size, **kw)
+
+
+def test_blocks_of_each_kind_of_layer():
+    # q/k/v of 4 heads, 2 kv heads of 64 at TP=2: rank 1 takes the second half of each
+    qkv = layer(1, 2, num_heads=2, num_kv_heads=1, head_size=64, v_head_size=64, num_kv_head_replicas=1)
+    qkv.input_size_per_partition = qkv.input_size = 256
+    assert shards.plan("qkv", qkv, "q", (256, 256), "q") == shards.Block(0, 128, 128, 0, 256)
+    assert shards.plan("qkv", qkv, "k", (128, 256), "k") == shards.Block(128, 64, 64, 0, 256)
+    assert shards.plan("qkv", qkv, "v", (128, 256), "v") == shards.Block(192, 64, 64, 0, 256)
+    # 1 kv head at TP=2: replicated, both ranks take kv head 0
+    rep = layer(1, 2, num_heads=2, num_kv_heads=1, head_size=64, v_head_size=64, num_kv_head_replicas=2)
+    rep.input_size_per_partition = rep.input_size = 256
+    assert shards.plan("qkv", rep, "k", (64, 256), "k") == shards.Block(128, 0, 64, 0, 256)
+    merged = layer(1, 2, output_sizes=[640, 640], input_size_per_partition=256, input_size=256)
+    assert shards.plan("merged", merged, 1, (640, 256), "up") == shards.Block(320, 320, 320, 0, 256)
+    row = layer(1, 2, input_size_per_partition=320, input_size=640)
+    assert shards.plan("row", row, None, (256, 640), "down") == shards.Block(0, 0, 256, 320, 320)
+    col = layer(0, 2, output_size_per_partition=24576, input_size_per_partition=256, input_size=256)
+    assert shards.plan("column", col, None, (49152, 256), "lm_head") == shards.Block(0, 0, 24576, 0, 256)
+    assert shards.shard_ids("qkv", qkv) == frozenset("qkv") and shards.shard_ids("merged", merged) == {0, 1}
+
+
+def test_a_tensor_that_does_not_fit_its_layer_is_named():
+    row = layer(1, 2, input_size_per_partition=320, input_size=640)
+    with pytest.raises(ValueError, match="tensor 'x.down' of shape \\[256, 600\\] does not hold"):
+        shards.plan("row", row, None, (256, 600), "x.down")
+    merged = layer(0, 2, output_sizes=[640, 640], input_size_per_partition=256, input_size=256)
+    with pytest.raises(ValueError, match="shard id 2 of a merged layer"):
+        shards.plan("merged", merged, 2, (640, 256), "x.gate")
+    with pytest.raises(ValueError, match="not a 2-D linear weight"):
+        shards.plan("column", merged, None, (640,), "x.bias")
+
+
+@pytest.mark.parametrize("layout", ["archive", "serving"])
+def test_lazy_slices_are_the_original_bytes(tmp_path, layout):
+    w = random_bf16(300, 200, seed=3)
+    src = write_checkpoint(tmp_path / "src" / "model.safetensors", {"w": w, "n": torch.ones(5, dtype=torch.bfloat16)})
+    out = tmp_path / "uw"
+    unweight.compress(src.parent, out, layout=layout, threads=1)
+    with CompressedCheckpoint(out) as ckpt:
+        lazy = LazyWeight(ckpt, "w")
+        assert (lazy.shape, lazy.dtype, lazy.dim(), lazy.size(1)) == (torch.Size([300, 200]), torch.bfloat16, 2, 200)
+        assert ckpt.integrity.decoded == 0  # shape and dtype decode nothing
+
+        def same(a, b):
+            return torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+        assert same(lazy.narrow(0, 17, 101), w[17:118])
+        assert same(lazy.narrow(1, 33, 70), w[:, 33:103])
+        assert same(lazy.block(5, 290, 100, 200), w[5:290, 100:200])
+        dense = torch.empty(300, 200, dtype=torch.bfloat16)
+        dense.copy_(lazy)  # any other use decodes the tensor
+        assert same(dense, w) and same(lazy.to(torch.float32).to(torch.bfloat16), w)
+        with pytest.raises(ValueError, match="lies outside"):
+            lazy.block(0, 301, 0, 1)
+
+
+def test_decode_rows_of_the_serving_layout_decodes_only_their_range(tmp_path):
+    w = random_bf16(256, 96, seed=4)
+    src = write_checkpoint(tmp_path / "src" / "model.safetensors", {"w": w})
+    unweight.compress(src.parent, tmp_path / "uw", layout="serving")
+    with CompressedCheckpoint(tmp_path / "uw") as ckpt:
+        entry, streams = ckpt.entry("w"), ckpt.streams("w")
+        assert entry.codec == "tiles"
+        ids = np.array([200, 3, 17, 17, 255])
+        got = decode_rows(entry, streams, ids)
+        want = w.view(torch.int16).numpy().view(np.uint8).reshape(256, -1)[ids]
+        assert np.array_equal(got, want)

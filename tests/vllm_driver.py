@@ -1,0 +1,77 @@
+"""Runs vLLM offline on a model folder and prints greedy chat completions as JSON: what
+tests/test_vllm.py compares. It runs in the vLLM virtual environment, not the project's.
+
+    python tests/vllm_driver.py MODEL OUT.json [--tp 2 | --pp 2] [--pipelines decode_matmul,fused] [--compiled]
+
+(vLLM logs to stdout, so the result goes to OUT.json.)
+
+With several --pipelines the engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) and
+the prompts are run once per pipeline, UNWEIGHT_PIPELINE set to each in turn: one engine start
+for all of them (tensor parallelism needs worker processes, and takes one pipeline).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain in one sentence what a compiler does.",
+]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("out")
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--pipelines", default="")
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--compiled", action="store_true", help="vLLM's torch.compile (default: enforce_eager)")
+    args = ap.parse_args()
+    pipelines = [p for p in args.pipelines.split(",") if p] or [os.environ.get("UNWEIGHT_PIPELINE", "")]
+    if len(pipelines) > 1:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    workers = args.tp * args.pp
+    if workers > 1:  # vLLM's CPU workers bind a NUMA node each unless told their cores: one core each here
+        cores = sorted(os.sched_getaffinity(0))
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(cores[i % len(cores)]) for i in range(workers)))
+    from vllm import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(
+        model=args.model,
+        dtype="float32",
+        enforce_eager=not args.compiled,
+        max_model_len=512,
+        tensor_parallel_size=args.tp,
+        pipeline_parallel_size=args.pp,
+        seed=0,
+        gpu_memory_utilization=0.2,  # on the CPU: the share of RAM each worker takes (KV cache included)
+    )
+    started = time.perf_counter() - t0
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, logprobs=0)
+    runs = {}
+    for pipeline in pipelines:
+        if pipeline:
+            os.environ["UNWEIGHT_PIPELINE"] = pipeline
+        outs = llm.chat([[{"role": "user", "content": p}] for p in PROMPTS], params, use_tqdm=False)
+        runs[pipeline or "auto"] = [
+            {
+                "text": o.outputs[0].text,
+                "token_ids": list(o.outputs[0].token_ids),
+                "logprobs": [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)],
+            }
+            for o in outs
+        ]
+    with open(args.out, "w") as f:
+        json.dump({"start_s": started, "runs": runs}, f)
+
+
+if __name__ == "__main__":
+    main()
