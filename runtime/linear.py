@@ -122,6 +122,8 @@ def _check_row_ids(ids: torch.Tensor | None, rows: int) -> None:
 class UnweightLinear(nn.Module):
     """y = x @ W^T + b with W (out_features, in_features) BF16 stored as `tiles` streams."""
 
+    AUTOTUNE_TAG = ""  # a subclass whose pipelines differ keeps its choices apart in the autotuner's cache
+
     def __init__(
         self,
         in_features: int,
@@ -327,7 +329,8 @@ class UnweightLinear(nn.Module):
         name, y = self._chosen.get(memo), None
         if name is None:
             dtype = str(x.dtype).removeprefix("torch.")
-            key = f"{device_name(x.device)}|{self.out_features}x{self.in_features}|m{bucket}|{dtype}|{code_version()}"
+            where = device_name(x.device) + (f"|{self.AUTOTUNE_TAG}" if self.AUTOTUNE_TAG else "")
+            key = f"{where}|{self.out_features}x{self.in_features}|m{bucket}|{dtype}|{code_version()}"
             name, y = self.autotuner.choose(
                 key, {p: (lambda p=p: self._run(p, x)) for p in self._pipelines(bucket, x.device)}, x.device
             )

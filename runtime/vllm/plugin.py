@@ -17,7 +17,8 @@ process; the classes live at module level because vLLM pickles the config into i
   with a fake implementation), which picks its pipeline per batch bucket with the autotuner:
   fused (numba GEMV on the CPU, the Triton kernel on CUDA) or decode + matmul. On the CPU, decode
   + matmul multiplies with vLLM's own CPU GEMM dispatch (oneDNN or sgl), so that forced
-  (`UNWEIGHT_PIPELINE=decode_matmul`) it gives vLLM's unquantized logits bit for bit.
+  (`UNWEIGHT_PIPELINE=decode_matmul`) it gives vLLM's unquantized logits bit for bit; it packs the
+  weight at every call, so the CPU has a third pipeline, `decode_linear` (decode + F.linear).
 """
 
 from __future__ import annotations
@@ -218,7 +219,18 @@ def _linear_class() -> type:
     from unweight.runtime.linear import UnweightLinear
 
     class VllmUnweightLinear(UnweightLinear):
+        AUTOTUNE_TAG = "vllm"
+
+        def _pipelines(self, m: int, device: torch.device) -> tuple[str, ...]:
+            return (
+                (*super()._pipelines(m, device), "decode_linear")
+                if device.type == "cpu"
+                else super()._pipelines(m, device)
+            )
+
         def _run(self, pipeline: str, x: torch.Tensor) -> torch.Tensor:
+            if pipeline == "decode_linear":  # UnweightLinear's CPU decode + F.linear: no repacking per call
+                return super()._run("decode_matmul", x)
             if pipeline != "decode_matmul" or x.device.type != "cpu":
                 return super()._run(pipeline, x)
             layer = SimpleNamespace(weight=self.decoded_weight(x.dtype))
