@@ -1,13 +1,15 @@
 """Runs vLLM offline on a model folder and prints greedy chat completions as JSON: what
 tests/test_vllm.py compares. It runs in the vLLM virtual environment, not the project's.
 
-    python tests/vllm_driver.py MODEL OUT.json [--tp 2 | --pp 2] [--pipelines decode_matmul,fused] [--compiled]
+    python tests/vllm_driver.py MODEL OUT.json [--tp 2] [--pipelines decode_matmul,fused] [--compiled]
 
 (vLLM logs to stdout, so the result goes to OUT.json.)
 
-With several --pipelines the engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) and
-the prompts are run once per pipeline, UNWEIGHT_PIPELINE set to each in turn: one engine start
-for all of them (tensor parallelism needs worker processes, and takes one pipeline).
+Without parallelism the engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), which
+fixes its thread count: vLLM's worker process binds its own threads, and a different count changes
+oneDNN's summation order, so two runs compared bit for bit must run alike. With several
+--pipelines the prompts are run once per pipeline, UNWEIGHT_PIPELINE set to each in turn: one
+engine start for all of them (tensor parallelism needs worker processes, and takes one pipeline).
 """
 
 from __future__ import annotations
@@ -29,15 +31,16 @@ def main() -> None:
     ap.add_argument("model")
     ap.add_argument("out")
     ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--pipelines", default="")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--compiled", action="store_true", help="vLLM's torch.compile (default: enforce_eager)")
     args = ap.parse_args()
     pipelines = [p for p in args.pipelines.split(",") if p] or [os.environ.get("UNWEIGHT_PIPELINE", "")]
-    if len(pipelines) > 1:
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    workers = args.tp * args.pp
+    if len(pipelines) > 1 and args.tp > 1:
+        raise SystemExit("several --pipelines need the engine in this process: not with --tp")
+    workers = args.tp
+    if workers == 1:  # in this process, always: the engine's thread count (and so oneDNN's summation order,
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # which runs compare bit for bit) is then the same
     if workers > 1:  # vLLM's CPU workers bind a NUMA node each unless told their cores: one core each here
         cores = sorted(os.sched_getaffinity(0))
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(cores[i % len(cores)]) for i in range(workers)))
@@ -50,7 +53,6 @@ def main() -> None:
         enforce_eager=not args.compiled,
         max_model_len=512,
         tensor_parallel_size=args.tp,
-        pipeline_parallel_size=args.pp,
         seed=0,
         gpu_memory_utilization=0.2,  # on the CPU: the share of RAM each worker takes (KV cache included)
     )
