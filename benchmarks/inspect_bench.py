@@ -80,7 +80,8 @@ def run_cli(path: Path, *flags: str) -> float:
 
 def library(path: Path) -> float:
     code = (
-        f"import time, unweight; t = time.perf_counter(); unweight.inspect({str(path)!r}); "
+        f"import os, time, unweight; t = time.perf_counter(); "
+        f"unweight.inspect({str(path)!r}, processes=len(os.sched_getaffinity(0))); "
         "print(time.perf_counter() - t)"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

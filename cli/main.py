@@ -289,7 +289,10 @@ def inspect(
     """
 
     def body() -> None:
-        stats = unweight.inspect(path, threads=threads, max_memory=max_memory)
+        from unweight.codec.parallel import default_threads
+
+        # as many worker processes as threads (for a checkpoint of many tensors: unweight.inspect)
+        stats = unweight.inspect(path, threads=threads, max_memory=max_memory, processes=threads or default_threads())
         if plot is not None:
             from .plotting import plot_exponents
 

@@ -88,8 +88,10 @@ def test_worker_processes_give_what_one_process_gives(tmp_path, monkeypatch):
     out = shards(tmp_path)
     alone = [s.to_json(histogram=True) for s in unweight.inspect(out, threads=1)]
     monkeypatch.setattr(inspection, "PARALLEL_HEADER_BYTES", 0)  # three small files go to workers too
-    assert [s.to_json(histogram=True) for s in unweight.inspect(out, threads=2)] == alone
-    assert [s.to_json(histogram=True) for s in unweight.inspect(out, threads=2, max_memory=4 << 20)] == alone
+    assert [s.to_json(histogram=True) for s in unweight.inspect(out, threads=2, processes=2)] == alone
+    assert [
+        s.to_json(histogram=True) for s in unweight.inspect(out, threads=2, max_memory=4 << 20, processes=2)
+    ] == alone
 
 
 def test_a_damaged_shard_read_by_a_worker_is_named(tmp_path, monkeypatch):
@@ -103,5 +105,5 @@ def test_a_damaged_shard_read_by_a_worker_is_named(tmp_path, monkeypatch):
     shard.write_bytes(raw)
     monkeypatch.setattr(inspection, "PARALLEL_HEADER_BYTES", 0)
     with pytest.raises(CorruptDataError) as e:
-        unweight.inspect(out, threads=2)
+        unweight.inspect(out, threads=2, processes=2)
     assert e.value.path == str(shard) and e.value.tensor == name.split("#")[0], e.value

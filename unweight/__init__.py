@@ -93,11 +93,13 @@ def verify(
     return _verify(path, against, threads, progress, max_memory)
 
 
-def inspect(path: str | os.PathLike, *, threads: int | None = None, max_memory: int | None = None):
-    """Per-tensor statistics (codec, sizes, exponent entropy, order-0 bound)."""
+def inspect(path: str | os.PathLike, *, threads: int | None = None, max_memory: int | None = None, processes: int = 1):
+    """Per-tensor statistics (codec, sizes, exponent entropy, order-0 bound); processes > 1 reads
+    a checkpoint of many tensors in that many worker processes (the caller's script needs an
+    `if __name__ == "__main__":` guard)."""
     from .inspection import inspect as _inspect
 
-    return _inspect(path, threads, max_memory)
+    return _inspect(path, threads, max_memory, processes)
 
 
 def open(path: str | os.PathLike, *, threads: int | None = None, max_memory: int | None = None) -> CompressedCheckpoint:  # noqa: A001

@@ -169,14 +169,19 @@ def tensor_stats(file: str, reader: ContainerReader, name: str, hist: _Histogram
 PARALLEL_HEADER_BYTES = 4 << 20
 
 
-def inspect(path: str | os.PathLike, threads: int | None = None, max_memory: int | None = None) -> list[TensorStats]:
+def inspect(
+    path: str | os.PathLike, threads: int | None = None, max_memory: int | None = None, processes: int = 1
+) -> list[TensorStats]:
     """Statistics of every tensor of a compressed folder or file (decodes the float tensors, in
-    pieces of memory.piece_bytes(max_memory): no whole-tensor buffer). A checkpoint of many files
-    and tensors is read by up to `threads` worker processes, sharing the threads and max_memory."""
+    pieces of memory.piece_bytes(max_memory): no whole-tensor buffer). With processes > 1, a
+    checkpoint of many files and tensors is read by up to that many spawned worker processes,
+    which share the threads and max_memory. The CLI asks for as many as threads; the default is 1
+    because a spawned worker imports the caller's main module, which a script without an
+    `if __name__ == "__main__":` guard would then run again."""
     budget = memory.check_budget(max_memory)
     root, files, _ = containers_of(path)
     threads = threads or default_threads()
-    workers = min(threads, len(files))
+    workers = min(processes, threads, len(files))
     if budget is not None:
         workers = min(workers, budget // memory.MIN_PIECE_BYTES)
     if workers < 2 or sum(declared_header_bytes(root / rel) for rel in files) < PARALLEL_HEADER_BYTES:
