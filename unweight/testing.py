@@ -156,7 +156,7 @@ def vllm_env(dst: str | os.PathLike | None = None) -> Path:
 def _run(cmd: list) -> None:
     done = subprocess.run([str(c) for c in cmd], capture_output=True, text=True)
     if done.returncode != 0:
-        raise SourceError(f"{' '.join(map(str, cmd[2:5]))} failed: {done.stderr.strip()[-500:]}")
+        raise SourceError(f"{' '.join(map(str, cmd[1:]))} failed: {done.stderr.strip()[-500:]}")
 
 
 def main(argv: list[str] | None = None) -> None:
