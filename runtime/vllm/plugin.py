@@ -215,8 +215,6 @@ def _finish(layer: nn.Module, pending: _Pending, param: nn.Parameter) -> None:
 def _linear_class() -> type:
     """UnweightLinear whose CPU decode + matmul multiplies with vLLM's CPU GEMM dispatch, the one
     that vLLM's unquantized layers use, rather than F.linear (see the module docstring)."""
-    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-
     from unweight.runtime.linear import UnweightLinear
 
     class VllmUnweightLinear(UnweightLinear):
@@ -234,9 +232,7 @@ def _linear_class() -> type:
                 return super()._run("decode_matmul", x)
             if pipeline != "decode_matmul" or x.device.type != "cpu":
                 return super()._run(pipeline, x)
-            layer = SimpleNamespace(weight=self.decoded_weight(x.dtype))
-            dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
-            return layer.cpu_linear(x, layer.weight, None)
+            return _vllm_cpu_gemm(self.decoded_weight(x.dtype))(x)
 
     return VllmUnweightLinear
 
@@ -249,18 +245,24 @@ class _DenseLinear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.out_features = weight.shape[0]
-        self._gemm = None
+        self._gemm = self._gemm_dtype = None  # the packed GEMM, made at the first CPU forward of a dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight.to(x.dtype)
         if x.device.type != "cpu":
-            return torch.nn.functional.linear(x, w)
-        if self._gemm is None or self._gemm.weight.dtype != x.dtype:
-            from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+            return torch.nn.functional.linear(x, self.weight.to(x.dtype))
+        if self._gemm_dtype != x.dtype:
+            self._gemm, self._gemm_dtype = _vllm_cpu_gemm(self.weight.to(x.dtype)), x.dtype
+        return self._gemm(x)
 
-            self._gemm = SimpleNamespace(weight=w)
-            dispatch_cpu_unquantized_gemm(self._gemm, remove_weight=False)
-        return self._gemm.cpu_linear(x, self._gemm.weight, None)
+
+def _vllm_cpu_gemm(weight: torch.Tensor):
+    """x -> x @ weight^T through vLLM's CPU GEMM dispatch, the one its unquantized layers use
+    (oneDNN or its small-GEMM kernel), which packs `weight` here, once per call of this function."""
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    layer = SimpleNamespace(weight=weight)
+    dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
+    return lambda x: layer.cpu_linear(x, layer.weight, None)
 
 
 _LAYERS: list[nn.Module] = []  # every built layer of this process, by uw_index
