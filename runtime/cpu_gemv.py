@@ -135,18 +135,18 @@ def _dot(xr, w):
 
 
 @njit(nogil=True, cache=True, parallel=True)
-def _gemv_portable(x, sm, codes, esc, esc_index, K, bpr, base, y, spread, lowbit, parts):
-    """y[:, n] = x @ W[n] for every row n; x (M, K) float32, y (M, N) float32."""
-    N = y.shape[1]
+def _gemv_portable(x, sm, codes, esc, esc_index, K, bpr, base, y, r0, spread, lowbit, parts):
+    """y[:, n - r0] = x @ W[n] for the rows n in [r0, r0 + R); x (M, K) float32, y (M, R) float32."""
+    R = y.shape[1]
     for t in prange(parts):
         e64 = np.empty(K // 8 + 1, dtype=np.uint64)
         hits = np.empty(K // 8 + 1, dtype=np.int64)
         bits = np.empty(K, dtype=np.uint32)
         w = bits.view(np.float32)
-        for n in range(N * t // parts, N * (t + 1) // parts):
-            _row_bits(sm, codes, esc, esc_index, K, bpr, base, n, spread, lowbit, e64, hits, bits)
+        for i in range(R * t // parts, R * (t + 1) // parts):
+            _row_bits(sm, codes, esc, esc_index, K, bpr, base, r0 + i, spread, lowbit, e64, hits, bits)
             for m in range(x.shape[0]):
-                y[m, n] = _dot(x[m], w)
+                y[m, i] = _dot(x[m], w)
 
 
 @njit(nogil=True, cache=True, parallel=True)
@@ -373,19 +373,19 @@ def _in_place(codes, esc, esc_index, G, bpr, n):
 
 
 @njit(nogil=True, cache=True)
-def _portable_row_dot(x, sm, codes, esc, esc_index, K, bpr, base, y, n):
+def _portable_row_dot(x, sm, codes, esc, esc_index, K, bpr, base, y, n, col):
     e64 = np.empty(K // 8 + 1, dtype=np.uint64)
     hits = np.empty(K // 8 + 1, dtype=np.int64)
     bits = np.empty(K, dtype=np.uint32)
     _row_bits(sm, codes, esc, esc_index, K, bpr, base, n, SPREAD, LOWBIT, e64, hits, bits)
     w = bits.view(np.float32)
     for m in range(x.shape[0]):
-        y[m, n] = _dot(x[m], w)
+        y[m, col] = _dot(x[m], w)
 
 
 @njit(nogil=True, cache=True)
-def _fused_rows(x, sm, codes, esc, esc_index, K, bpr, base, y, n0, n1):
-    """y[:, n] = x @ W[n] for n in [n0, n1) (K % 8 == 0): rows of x in passes of up to
+def _fused_rows(x, sm, codes, esc, esc_index, K, bpr, base, y, n0, n1, c0):
+    """y[:, n - c0] = x @ W[n] for n in [n0, n1) (K % 8 == 0): rows of x in passes of up to
     MAX_FUSED_ROWS, one inlined loop per pass size (a call per row would cost more than a row)."""
     G = K >> 3
     n_fast = n1
@@ -399,30 +399,30 @@ def _fused_rows(x, sm, codes, esc, esc_index, K, bpr, base, y, n0, n1):
         mm = m1 - m0
         if mm == 1:
             for n in range(n0, n_fast):
-                _dot1(sm, n * K, codes, 3 * G * n, esc, esc_index[n * bpr], xs, G, base, ys, n)
+                _dot1(sm, n * K, codes, 3 * G * n, esc, esc_index[n * bpr], xs, G, base, ys, n - c0)
         elif mm == 2:
             for n in range(n0, n_fast):
-                _dot2(sm, n * K, codes, 3 * G * n, esc, esc_index[n * bpr], xs, G, base, ys, n)
+                _dot2(sm, n * K, codes, 3 * G * n, esc, esc_index[n * bpr], xs, G, base, ys, n - c0)
         elif mm == 3:
             for n in range(n0, n_fast):
-                _dot3(sm, n * K, codes, 3 * G * n, esc, esc_index[n * bpr], xs, G, base, ys, n)
+                _dot3(sm, n * K, codes, 3 * G * n, esc, esc_index[n * bpr], xs, G, base, ys, n - c0)
         elif mm == 4:
             for n in range(n0, n_fast):
-                _dot4(sm, n * K, codes, 3 * G * n, esc, esc_index[n * bpr], xs, G, base, ys, n)
+                _dot4(sm, n * K, codes, 3 * G * n, esc, esc_index[n * bpr], xs, G, base, ys, n - c0)
         elif mm == 5:
             for n in range(n0, n_fast):
-                _dot5(sm, n * K, codes, 3 * G * n, esc, esc_index[n * bpr], xs, G, base, ys, n)
+                _dot5(sm, n * K, codes, 3 * G * n, esc, esc_index[n * bpr], xs, G, base, ys, n - c0)
         elif mm == 6:
             for n in range(n0, n_fast):
-                _dot6(sm, n * K, codes, 3 * G * n, esc, esc_index[n * bpr], xs, G, base, ys, n)
+                _dot6(sm, n * K, codes, 3 * G * n, esc, esc_index[n * bpr], xs, G, base, ys, n - c0)
         elif mm == 7:
             for n in range(n0, n_fast):
-                _dot7(sm, n * K, codes, 3 * G * n, esc, esc_index[n * bpr], xs, G, base, ys, n)
+                _dot7(sm, n * K, codes, 3 * G * n, esc, esc_index[n * bpr], xs, G, base, ys, n - c0)
         else:
             for n in range(n0, n_fast):
-                _dot8(sm, n * K, codes, 3 * G * n, esc, esc_index[n * bpr], xs, G, base, ys, n)
+                _dot8(sm, n * K, codes, 3 * G * n, esc, esc_index[n * bpr], xs, G, base, ys, n - c0)
     for n in range(n_fast, n1):  # the last rows of the tensor, without slack to read past
-        _portable_row_dot(x, sm, codes, esc, esc_index, K, bpr, base, y, n)
+        _portable_row_dot(x, sm, codes, esc, esc_index, K, bpr, base, y, n, n - c0)
 
 
 @njit(nogil=True, cache=True)
@@ -457,18 +457,20 @@ _u8_at, _i64_at, _f32_at, _u32_at = (_make_pointer(t) for t in (types.uint8, typ
 
 
 @njit(nogil=True, cache=True, parallel=True)
-def _gemv_fused_at(x_at, M, sm_at, codes_at, n_codes, esc_at, n_esc, index_at, n_index, N, K, bpr, base, y_at, parts):
-    """y = x @ W^T for x (M, K) (K % 8 == 0), rows of W split into one range per thread. Takes
-    the tensors' addresses: a call costs microseconds less than one that converts six tensors to
-    arrays, and a small layer's GEMV takes only tens of microseconds."""
+def _gemv_fused_at(
+    x_at, M, sm_at, codes_at, n_codes, esc_at, n_esc, index_at, n_index, N, K, bpr, base, r0, R, y_at, parts
+):
+    """y (M, R) = x @ W[r0 : r0 + R]^T for x (M, K) (K % 8 == 0) and W (N, K), its rows split into one
+    range per thread. Takes the tensors' addresses: a call costs microseconds less than one that
+    converts six tensors to arrays, and a small layer's GEMV takes only tens of microseconds."""
     x = carray(_f32_at(x_at), (M, K))
     sm = carray(_u8_at(sm_at), (N * K,))
     codes = carray(_u8_at(codes_at), (n_codes,))
     esc = carray(_u8_at(esc_at), (n_esc,))
     esc_index = carray(_i64_at(index_at), (n_index,))
-    y = carray(_f32_at(y_at), (M, N))
+    y = carray(_f32_at(y_at), (M, R))
     for t in prange(parts):
-        _fused_rows(x, sm, codes, esc, esc_index, K, bpr, base, y, N * t // parts, N * (t + 1) // parts)
+        _fused_rows(x, sm, codes, esc, esc_index, K, bpr, base, y, r0 + R * t // parts, r0 + R * (t + 1) // parts, r0)
 
 
 @njit(nogil=True, cache=True, parallel=True)
@@ -497,11 +499,23 @@ def _parts(rows: int) -> int:
 
 
 def tiles_gemv_cpu(
-    x: torch.Tensor, weight: dict[str, torch.Tensor], base: int, block: int, out_features: int, in_features: int
+    x: torch.Tensor,
+    weight: dict[str, torch.Tensor],
+    base: int,
+    block: int,
+    out_features: int,
+    in_features: int,
+    rows: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """y = x @ W^T in fp32 for x (..., in_features) on the CPU, W in the serving layout."""
+    """y = x @ W^T in fp32 for x (..., in_features) on the CPU, W (out_features, in_features) in the
+    serving layout; with `rows` (r0, r1), only W's rows [r0, r1): y is (..., r1 - r0) (one expert
+    of a stacked MoE weight)."""
     sm, codes, esc, esc_index = weight["sm"], weight["codes"], weight["esc"], weight["esc_index"]
     bpr = -(-in_features // block)
+    r0, r1 = (0, out_features) if rows is None else rows
+    if not 0 <= r0 <= r1 <= out_features:
+        raise ValueError(f"rows [{r0}, {r1}) lie outside the weight's {out_features} rows")
+    n_out = r1 - r0
     # The fused kernels take the streams' addresses, so the streams must be laid out as
     # tile_tensors makes them. (Every line here is written for speed: a small layer's GEMV takes
     # tens of microseconds, and each Python-level step costs a tenth of one.)
@@ -523,9 +537,9 @@ def tiles_gemv_cpu(
         if not x.is_contiguous():
             x = x.contiguous()
         m = x.numel() // in_features
-        y = torch.from_numpy(np.empty((m, out_features), dtype=np.float32))
-        if m and out_features:
-            parts = out_features // ROWS_PER_PART
+        y = torch.from_numpy(np.empty((m, n_out), dtype=np.float32))
+        if m and n_out:
+            parts = n_out // ROWS_PER_PART
             parts = _THREADS if parts > _THREADS else parts or 1
             with _PARALLEL:
                 _gemv_fused_at(
@@ -542,17 +556,19 @@ def tiles_gemv_cpu(
                     in_features,
                     bpr,
                     base,
+                    r0,
+                    n_out,
                     y.data_ptr(),
                     parts,
                 )
-        return y if x.dim() == 2 else y.view(*x.shape[:-1], out_features)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], n_out)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, in_features).to(torch.float32).contiguous().numpy()
-    y = np.empty((x2.shape[0], out_features), dtype=np.float32)
-    if x2.shape[0] and out_features:
+    y = np.empty((x2.shape[0], n_out), dtype=np.float32)
+    if x2.shape[0] and n_out:
         with _PARALLEL:
-            _gemv_portable(x2, *_args(weight), in_features, bpr, base, y, SPREAD, LOWBIT, _parts(out_features))
-    return torch.from_numpy(y).reshape(*lead, out_features)
+            _gemv_portable(x2, *_args(weight), in_features, bpr, base, y, r0, SPREAD, LOWBIT, _parts(n_out))
+    return torch.from_numpy(y).reshape(*lead, n_out)
 
 
 def tiles_rows_cpu(

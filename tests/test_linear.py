@@ -160,6 +160,31 @@ def test_cpu_fast_and_portable_paths_agree(rows, cols, m, monkeypatch):
         assert torch.all((y - exact).abs() <= bound)
 
 
+@pytest.mark.parametrize("fast", [True, False])
+def test_cpu_gemv_of_a_row_range_is_those_rows_of_the_whole(fast, monkeypatch):
+    """`rows=(r0, r1)` (one expert of a stacked MoE weight) gives exactly columns [r0, r1) of the
+    whole GEMV, the last rows of the tensor (the kernels' tail path) included; a range outside
+    the weight is refused."""
+    from unweight.runtime import cpu_gemv
+
+    monkeypatch.setattr(cpu_gemv, "FAST_PATH", fast and cpu_gemv.FAST_PATH)
+    rows, cols = 96, 64
+    g = torch.Generator().manual_seed(7)
+    w = (torch.randn(rows, cols, generator=g) * 0.02).to(torch.bfloat16)
+    w.view(torch.int16).view(-1)[5::13] = -15872  # escapes
+    lin = UnweightLinear.from_weight(w)
+    s, p = lin._streams(), lin.params
+    for m in (1, 3, 9):
+        x = torch.randn(m, cols, generator=g)
+        whole = cpu_gemv.tiles_gemv_cpu(x, s, p.base, p.block, rows, cols)
+        for r0, r1 in ((0, 32), (32, 64), (64, 96), (50, 51), (7, 7)):
+            part = cpu_gemv.tiles_gemv_cpu(x, s, p.base, p.block, rows, cols, rows=(r0, r1))
+            assert part.shape == (m, r1 - r0)
+            assert torch.equal(part.view(torch.int32), whole[:, r0:r1].contiguous().view(torch.int32))
+    with pytest.raises(ValueError, match="outside"):
+        cpu_gemv.tiles_gemv_cpu(x, s, p.base, p.block, rows, cols, rows=(90, 100))
+
+
 def test_archive_linear_stacks_parts_of_any_size_and_codec_bit_exactly():
     """Parts decode into their rows of one buffer; a part that starts off an 8-byte boundary (5 rows
     of 3 BF16 = 30 bytes before it) takes the copying path."""

@@ -8,8 +8,11 @@ greedy text here, a vLLM defect).
   logprobs within FUSED_LOGPROB_BOUND. One engine runs both (vllm_driver.py).
 - A tiny Llama at tensor_parallel_size=2 (SmolLM2's 9 heads do not split in two) against
   unquantized vLLM at TP=2: exact per TP degree, as TP changes the summation order.
-- The tiny Llama in FP32: its linears stay dense (the logged fallback); logprobs equal vLLM's.
-- A tiny Qwen3-MoE: greedy tokens and logprobs equal unquantized vLLM's.
+- A tiny Qwen3-MoE, its experts compressed: with decode + vLLM's fused MoE forced, logprobs equal
+  unquantized vLLM's bit for bit (at TP=1 and TP=2); with the fused CPU GEMV, the same greedy
+  tokens and logprobs within FUSED_LOGPROB_BOUND.
+- The tiny Qwen3-MoE in FP32: its linears and experts stay dense (the logged fallbacks); logprobs
+  equal vLLM's.
 - vLLM's OpenAI server on the compressed SmolLM2, asked through the official `openai` client; and
   the serving layout under vLLM's torch.compile.
 - A damaged checkpoint stops vLLM's start with the tensor named.
@@ -104,22 +107,49 @@ def test_tensor_parallel_2_matches_unquantized_vllm_at_tp_2(vllm_python, smollm2
     assert [r["logprobs"] for r in ours] == [r["logprobs"] for r in base]
 
 
-def test_a_float32_checkpoint_keeps_dense_linears_and_matches_unquantized_vllm(vllm_python, smollm2_dir, tmp_path):
-    """FP32 linears, which tiles cannot hold, stay dense (the logged fallback), multiplied by
-    vLLM's own GEMM: vLLM's logits exactly."""
-    src = tiny_llama(tmp_path / "tiny-llama-f32", smollm2_dir, dtype=torch.float32)
-    uw = compress(src, tmp_path / "tiny-llama-f32-uw")
+def test_a_float32_checkpoint_keeps_dense_layers_and_matches_unquantized_vllm(vllm_python, smollm2_dir, tmp_path):
+    """FP32 linears and experts, which tiles cannot hold, stay dense (the logged fallbacks),
+    multiplied by vLLM's own GEMM and fused MoE: vLLM's logits exactly."""
+    src = tiny_qwen3_moe(tmp_path / "tiny-moe-f32", smollm2_dir, dtype=torch.float32)
+    uw = compress(src, tmp_path / "tiny-moe-f32-uw")
     base = one(drive(vllm_python, src, tmp_path))
-    ours = one(drive(vllm_python, uw, tmp_path))
+    result = drive(vllm_python, uw, tmp_path)
+    assert result["plugin"]["experts"] == 0  # none compressed
+    ours = one(result)
     assert same_tokens(ours, base)
     assert [r["logprobs"] for r in ours] == [r["logprobs"] for r in base]
 
 
-def test_a_moe_checkpoint_matches_unquantized_vllm(vllm_python, smollm2_dir, tmp_path):
-    src = tiny_qwen3_moe(tmp_path / "tiny-moe", smollm2_dir)
-    uw = compress(src, tmp_path / "tiny-moe-uw")
+@pytest.fixture(scope="session")
+def tiny_moe(smollm2_dir, tmp_path_factory) -> tuple[Path, Path]:
+    """A tiny random Qwen3-MoE in BF16, and the same compressed."""
+    tmp = tmp_path_factory.mktemp("moe")
+    src = tiny_qwen3_moe(tmp / "tiny-moe", smollm2_dir)
+    return src, compress(src, tmp / "tiny-moe-uw")
+
+
+def test_compressed_moe_experts_match_unquantized_vllm(vllm_python, tiny_moe, tmp_path):
+    """The experts stay compressed (UnweightMoEMethod): decoded and run through vLLM's own fused-MoE
+    kernel they give its logprobs bit for bit; through the fused CPU GEMV, its greedy tokens."""
+    src, uw = tiny_moe
     base = one(drive(vllm_python, src, tmp_path))
-    ours = one(drive(vllm_python, uw, tmp_path, env={"UNWEIGHT_PIPELINE": "decode_matmul"}))
+    result = drive(vllm_python, uw, tmp_path, "--pipelines", "decode_matmul,fused")
+    built = result["plugin"]
+    assert built["experts"] == 2  # both layers' experts, compressed
+    assert built["expert_stored_bytes"] < 0.8 * built["expert_bf16_bytes"], built
+    exact, fused = result["runs"]["decode_matmul"], result["runs"]["fused"]
+    assert same_tokens(exact, base) and [r["logprobs"] for r in exact] == [r["logprobs"] for r in base]
+    assert same_tokens(fused, base), [r["text"] for r in fused]
+    worst = max(abs(x - y) for f, b in zip(fused, base) for x, y in zip(f["logprobs"], b["logprobs"]))
+    assert worst < FUSED_LOGPROB_BOUND
+
+
+def test_compressed_moe_experts_at_tensor_parallel_2(vllm_python, tiny_moe, tmp_path):
+    """Each rank holds its half of every expert's intermediate dimension: bit for bit against
+    unquantized vLLM at TP=2."""
+    src, uw = tiny_moe
+    base = one(drive(vllm_python, src, tmp_path, "--tp", "2"))
+    ours = one(drive(vllm_python, uw, tmp_path, "--tp", "2", env={"UNWEIGHT_PIPELINE": "decode_matmul"}))
     assert same_tokens(ours, base)
     assert [r["logprobs"] for r in ours] == [r["logprobs"] for r in base]
 

@@ -47,7 +47,7 @@ def tiny_llama(dst: Path, tokenizer_from: Path, dtype: torch.dtype = torch.bfloa
     return _save(LlamaForCausalLM(cfg), dst, tokenizer_from, dtype)
 
 
-def tiny_qwen3_moe(dst: Path, tokenizer_from: Path) -> Path:
+def tiny_qwen3_moe(dst: Path, tokenizer_from: Path, dtype: torch.dtype = torch.bfloat16) -> Path:
     """Two layers of 4 experts (top 2) and a router, Qwen3-MoE's architecture."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -71,4 +71,4 @@ def tiny_qwen3_moe(dst: Path, tokenizer_from: Path) -> Path:
         bos_token_id=1,
         eos_token_id=2,
     )
-    return _save(Qwen3MoeForCausalLM(cfg), dst, tokenizer_from)
+    return _save(Qwen3MoeForCausalLM(cfg), dst, tokenizer_from, dtype)

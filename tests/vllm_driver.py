@@ -72,7 +72,24 @@ def main() -> None:
             for o in outs
         ]
     with open(args.out, "w") as f:
-        json.dump({"start_s": started, "runs": runs}, f)
+        json.dump({"start_s": started, "runs": runs, "plugin": plugin_layers() if workers == 1 else None}, f)
+
+
+def plugin_layers() -> dict:
+    """What the plugin built in this process (the engine's, at TP=1): its compressed linears and
+    experts, with their resident bytes against BF16's."""
+    import sys
+
+    if "unweight.runtime.vllm.experts" not in sys.modules:  # the plugin loaded no unweight model
+        return {"linears": 0, "experts": 0}
+    from unweight.runtime.vllm import experts, plugin
+
+    return {
+        "linears": len(plugin._LAYERS),
+        "experts": len(experts._EXPERTS),
+        "expert_stored_bytes": sum(e.stored_bytes for e in experts._EXPERTS),
+        "expert_bf16_bytes": sum(2 * e.num_experts * 3 * e.hidden * e.intermediate for e in experts._EXPERTS),
+    }
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ from vllm.model_executor.model_loader import default_loader
 from vllm.model_executor.model_loader import register_model_loader as _register_loader
 from vllm.model_executor.utils import set_weight_attrs
 
-from . import shards
+from . import experts, shards
 
 # unweight's codec (numba, llvmlite) is imported only when a model loads: vLLM's CPU worker scans every
 # loaded module's globals when it starts, after the plugins, and llvmlite's function wrappers break that
@@ -88,10 +88,10 @@ class UnweightConfig(QuantizationConfig):
         if isinstance(layer, LinearBase):
             return UnweightLinearMethod(prefix)
         if isinstance(layer, RoutedExperts):
-            _once(
-                f"MoE experts ({type(layer).__name__}) are decoded to dense weights at load: compressed "
-                f"experts are not built yet"
-            )
+            why = experts.unsupported(layer.moe_config)
+            if why is None:
+                return experts.UnweightMoEMethod(layer.moe_config, prefix)
+            _once(f"MoE experts of {prefix!r} are decoded to dense weights at load (vLLM's own MoE): {why}")
             return UnquantizedFusedMoEMethod(layer.moe_config)
         return None  # embeddings, the lm_head, attention: vLLM's own, their weights decoded at load
 

@@ -1,0 +1,236 @@
+"""`UnweightExperts`: a mixture-of-experts layer's routed experts, their weights in the serving layout.
+
+E experts, each a gated MLP y = w2 @ act_and_mul(w13 @ x) with w13 (2I, H) (the gate's I rows,
+then the up projection's) and w2 (H, I), all BF16. Each of the two weights is held for all
+experts as one stacked `UnweightLinear` (w13: (E * 2I, H), w2: (E * H, I)), expert e's weight
+being rows [e * 2I, (e + 1) * 2I) (rows [e * H, (e + 1) * H)): both layouts (tiles on the CPU,
+qtiles on CUDA) keep rows independent, so an expert is a row range, and moving the layer between
+devices transcodes it as UnweightLinear does.
+
+`forward(x, topk_weights, topk_ids)` takes the router's choice (T tokens, k experts each) and
+picks a pipeline per (shape, batch bucket) with the autotuner:
+
+- `fused`: on the CPU, per routed expert, the numba GEMV over its rows of both weights; on CUDA,
+  one grouped Triton GEMV launch per weight over all (token, slot) pairs, the expert ids read on
+  the device (`qtiles_experts_linear`, runtime/kernels/qtiles_matmul.py): no host sync;
+- `decode_matmul`: the routed experts decoded (fp32 on the CPU, BF16 on CUDA), then F.linear per
+  expert.
+
+Only the routed experts are read: a decode step of a top-k MoE touches k experts' bytes a token.
+`reference_experts` below is the plain fp32 computation on dense weights that the tests hold both
+pipelines to. `expert_weights(ids)` decodes whole experts (the vLLM plugin hands them to vLLM's
+own fused-MoE kernel).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .autotune import DEFAULT, FORCE_ENV, Autotuner, batch_bucket, code_version, device_name
+from .cpu_gemv import tiles_gemv_cpu
+from .linear import UnweightLinear, compute_dtype
+
+PIPELINES = ("decode_matmul", "fused")
+ACTIVATIONS = ("silu", "gelu")  # act_and_mul(h) = act(h[:, :I]) * h[:, I:]
+FUSED_MAX_PAIRS = 256  # (token, expert) pairs up to which `fused` competes; larger batches decode and multiply
+
+
+def act_and_mul(h: torch.Tensor, activation: str) -> torch.Tensor:
+    """(..., 2I) -> (..., I): the activation of the gate half times the up half."""
+    gate, up = h.chunk(2, dim=-1)
+    if activation == "silu":
+        return F.silu(gate) * up
+    if activation == "gelu":
+        return F.gelu(gate) * up
+    raise ValueError(f"activation {activation!r} is not one of {', '.join(ACTIVATIONS)}")
+
+
+def reference_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    activation: str = "silu",
+    weights_on_input: bool = False,
+) -> torch.Tensor:
+    """The oracle: sum over slots j of topk_weights[t, j] * expert topk_ids[t, j](x[t]), in fp32, one
+    token and slot at a time, on dense w13 (E, 2I, H) and w2 (E, H, I)."""
+    x, w13, w2 = x.float(), w13.float(), w2.float()
+    out = torch.zeros(x.shape[0], w2.shape[1])
+    for t in range(x.shape[0]):
+        for j in range(topk_ids.shape[1]):
+            e, w = int(topk_ids[t, j]), float(topk_weights[t, j])
+            xt = x[t] * w if weights_on_input else x[t]
+            y = w2[e] @ act_and_mul(w13[e] @ xt, activation)
+            out[t] += y if weights_on_input else w * y
+    return out
+
+
+class UnweightExperts(nn.Module):
+    """E routed experts with w13 (E, 2I, H) and w2 (E, H, I) as stacked UnweightLinear layers."""
+
+    AUTOTUNE_TAG = "experts"
+
+    def __init__(self, w13: UnweightLinear, w2: UnweightLinear, num_experts: int, autotuner: Autotuner | None = None):
+        super().__init__()
+        if num_experts < 1 or w13.out_features % (2 * num_experts) or w2.out_features % num_experts:
+            raise ValueError(
+                f"{num_experts} experts do not divide w13's {w13.out_features} rows into gate/up pairs or w2's "
+                f"{w2.out_features} rows"
+            )
+        self.num_experts = num_experts
+        self.hidden = w13.in_features
+        self.intermediate = w13.out_features // (2 * num_experts)
+        if (w2.in_features, w2.out_features // num_experts) != (self.intermediate, self.hidden):
+            raise ValueError(
+                f"w2 is ({w2.out_features}, {w2.in_features}) for {num_experts} experts; w13 needs "
+                f"({num_experts * self.hidden}, {self.intermediate})"
+            )
+        self.w13, self.w2 = w13, w2
+        self.autotuner = autotuner or DEFAULT
+        self._chosen: dict[tuple, str] = {}
+
+    @classmethod
+    def from_values(
+        cls,
+        w13: np.ndarray,
+        w2: np.ndarray,
+        num_experts: int,
+        hidden: int,
+        intermediate: int,
+        device: torch.device | str | None = None,
+    ) -> UnweightExperts:
+        """From the experts' BF16 bit patterns (uint16), w13 as (E, 2I, H) and w2 as (E, H, I) in
+        any shape of those sizes, encoded for `device` (tiles on the CPU, qtiles on CUDA)."""
+        rows13, rows2 = num_experts * 2 * intermediate, num_experts * hidden
+        if w13.size != rows13 * hidden or w2.size != rows2 * intermediate:
+            raise ValueError(
+                f"w13 has {w13.size} values and w2 {w2.size}; {num_experts} experts of hidden size {hidden} and "
+                f"intermediate size {intermediate} need {rows13 * hidden} and {rows2 * intermediate}"
+            )
+        lin = UnweightLinear._from_values
+        return cls(
+            lin(w13.reshape(-1), rows13, hidden, None, device),
+            lin(w2.reshape(-1), rows2, intermediate, None, device),
+            num_experts,
+        )
+
+    @property
+    def stored_bytes(self) -> int:
+        return self.w13.stored_bytes + self.w2.stored_bytes
+
+    def expert_weights(self, ids, dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13 (n, 2I, H), w2 (n, H, I)) of experts `ids` (host ints), decoded on the layer's device."""
+        ids = torch.as_tensor(ids, dtype=torch.int64).reshape(-1)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_experts):
+            raise ValueError(f"expert ids must lie in [0, {self.num_experts})")
+        n, i2 = ids.numel(), 2 * self.intermediate
+        rows13 = (ids[:, None] * i2 + torch.arange(i2)).reshape(-1)
+        rows2 = (ids[:, None] * self.hidden + torch.arange(self.hidden)).reshape(-1)
+        return (
+            self.w13.rows(rows13, dtype).reshape(n, i2, self.hidden),
+            self.w2.rows(rows2, dtype).reshape(n, self.hidden, self.intermediate),
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        activation: str = "silu",
+        weights_on_input: bool = False,
+    ) -> torch.Tensor:
+        """(T, H) -> (T, H): sum over j of topk_weights[:, j] * expert topk_ids[:, j](x) (with
+        `weights_on_input`, vLLM's apply_router_weight_on_input: the weight scales the expert's
+        input instead of its output). Computes in compute_dtype(device); returns x's dtype."""
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation {activation!r} is not one of {', '.join(ACTIVATIONS)}")
+        if x.dim() != 2 or x.shape[1] != self.hidden or topk_ids.shape != topk_weights.shape:
+            raise ValueError(
+                f"x {list(x.shape)}, topk_weights {list(topk_weights.shape)} and topk_ids {list(topk_ids.shape)} "
+                f"do not fit experts of hidden size {self.hidden}"
+            )
+        if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
+            raise ValueError(f"topk_ids {list(topk_ids.shape)} must be (tokens, k) for {x.shape[0]} tokens")
+        device = self.w13.sm.device
+        if x.device != device:
+            raise ValueError(f"input is on {x.device}, the experts on {device}")
+        pairs = topk_ids.numel()
+        bucket = batch_bucket(pairs)
+        memo = (x.device, bucket, x.dtype, os.environ.get(FORCE_ENV))
+        name, y = self._chosen.get(memo), None
+        args = (x, topk_weights, topk_ids, activation, weights_on_input)
+        if name is None:
+            where = device_name(x.device) + f"|{self.AUTOTUNE_TAG}"
+            shape = f"{self.num_experts}x{2 * self.intermediate}x{self.hidden}"
+            key = f"{where}|{shape}|p{bucket}|{str(x.dtype).removeprefix('torch.')}|{code_version()}"
+            name, y = self.autotuner.choose(
+                key, {p: (lambda p=p: self._run(p, *args)) for p in self._pipelines(bucket, device)}, device
+            )
+            self._chosen[memo] = name
+        return self._run(name, *args) if y is None else y
+
+    def _pipelines(self, pairs: int, device: torch.device) -> tuple[str, ...]:
+        return PIPELINES if pairs <= FUSED_MAX_PAIRS else ("decode_matmul",)
+
+    def _run(self, pipeline: str, x, topk_weights, topk_ids, activation, weights_on_input) -> torch.Tensor:
+        dtype = compute_dtype(x.device)
+        xc, w = x.to(dtype), topk_weights.to(dtype)
+        if pipeline == "fused" and x.device.type == "cuda":
+            return self._fused_cuda(xc, w, topk_ids, activation, weights_on_input).to(x.dtype)
+        out = torch.zeros(x.shape[0], self.hidden, dtype=dtype, device=x.device)
+        flat = topk_ids.reshape(-1).to(torch.int64)
+        experts = flat.unique().cpu()  # the routed experts, ascending (one host sync)
+        if experts.numel() and (int(experts[0]) < 0 or int(experts[-1]) >= self.num_experts):
+            raise ValueError(f"expert ids must lie in [0, {self.num_experts})")
+        decoded = self.expert_weights(experts, dtype) if pipeline == "decode_matmul" else None
+        k = topk_ids.shape[1]
+        for i, e in enumerate(experts.tolist()):
+            slot = torch.nonzero(flat == e).reshape(-1)  # (n,) pairs routed to e
+            tokens, scale = slot // k, w.reshape(-1)[slot][:, None]  # (n,), (n, 1)
+            xe = xc[tokens] * scale if weights_on_input else xc[tokens]
+            if decoded is None:
+                h = self._expert_gemv(self.w13, xe, e * 2 * self.intermediate, 2 * self.intermediate)
+                y = self._expert_gemv(self.w2, act_and_mul(h, activation), e * self.hidden, self.hidden)
+            else:
+                y = F.linear(act_and_mul(F.linear(xe, decoded[0][i]), activation), decoded[1][i])
+            out.index_add_(0, tokens, y if weights_on_input else y * scale)
+        return out.to(x.dtype)
+
+    @staticmethod
+    def _expert_gemv(lin: UnweightLinear, x: torch.Tensor, r0: int, n: int) -> torch.Tensor:
+        """x @ W[r0 : r0 + n]^T on the CPU, W's rows rebuilt as they are used (numba)."""
+        s = lin._streams()
+        return tiles_gemv_cpu(
+            x, s, lin.params.base, lin.params.block, lin.out_features, lin.in_features, rows=(r0, r0 + n)
+        )
+
+    def _fused_cuda(self, x, w, topk_ids, activation, weights_on_input) -> torch.Tensor:
+        """Two grouped GEMV launches over all (token, slot) pairs, the expert ids read on the device."""
+        from .kernels.qtiles_matmul import qtiles_experts_linear
+
+        t, k = topk_ids.shape
+        ids = topk_ids.reshape(-1)
+        if weights_on_input:  # pair p = (t, j) reads x[t] * w[t, j]
+            x, x_div = (x[:, None, :] * w[:, :, None]).reshape(t * k, self.hidden), 1
+        else:
+            x_div = k
+        q13, q2 = self.w13._streams(), self.w2._streams()
+        h = qtiles_experts_linear(x, q13, ids, 2 * self.intermediate, self.hidden, x_div, mode=self.w13._qmode)
+        y = qtiles_experts_linear(
+            act_and_mul(h, activation), q2, ids, self.hidden, self.intermediate, 1, mode=self.w2._qmode
+        )
+        y = y.view(t, k, self.hidden)
+        return y.sum(1) if weights_on_input else (y.float() * w[:, :, None].float()).sum(1)
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_experts={self.num_experts}, hidden={self.hidden}, intermediate={self.intermediate}, "
+            f"stored_bytes={self.stored_bytes}"
+        )

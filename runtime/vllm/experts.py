@@ -1,0 +1,282 @@
+"""The plugin's MoE method: a vLLM RoutedExperts layer whose experts stay compressed.
+
+`UnweightMoEMethod` registers no dense expert weights. Its weight loader takes each expert's
+gate (w1), up (w3) and down (w2) tensor, keeps the rank's part (w1 and w3 split on the
+intermediate dimension, w2 on its input, as vLLM's own loader splits them), and once every local
+expert of the layer is in, encodes them as an `UnweightExperts` (runtime/experts.py: w13 and w2
+stacked, tiles on the CPU, qtiles on CUDA) and drops the decoded buffer: the largest decoded
+memory at any time is one layer's rank-local experts.
+
+`apply` gets the router's choice (vLLM routes first) and runs the custom op `unweight::experts`,
+whose pipeline the autotuner picks per batch bucket:
+- `fused`: UnweightExperts' own (the numba GEMV over each routed expert's rows on the CPU, one
+  grouped Triton GEMV launch per weight on CUDA): only the routed experts' compressed bytes are
+  read;
+- `decode_matmul`: the routed experts decoded and handed to **vLLM's own fused-MoE kernel** (the
+  one its unquantized method would run, prepacked as that method prepacks, their ids renumbered),
+  so that forced (`UNWEIGHT_PIPELINE=decode_matmul`) it gives vLLM's unquantized output bit for bit.
+
+A layer this cannot hold falls back to vLLM's unquantized method, decoded at load and logged
+once: experts with biases, without a gated activation, under expert parallelism, or not BF16.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import torch
+from torch import nn
+from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
+from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+from vllm.model_executor.utils import set_weight_attrs
+
+SHARDS = ("w1", "w3", "w2")
+
+
+def unsupported(moe) -> str | None:
+    """Why a layer of this FusedMoEConfig cannot keep compressed experts, or None."""
+    if moe.has_bias:
+        return "its experts have biases"
+    if not moe.is_act_and_mul:
+        return "its experts have no gated activation"
+    if moe.moe_parallel_config.use_ep:
+        return "expert parallelism is on"
+    if str(getattr(moe.activation, "value", moe.activation)).lower() not in ("silu", "gelu"):
+        return f"its activation is {moe.activation}"
+    return None
+
+
+class _Pending:
+    """A layer's local experts while their tensors come in; dropped once encoded."""
+
+    def __init__(self, experts: int, hidden: int, intermediate: int):
+        self.experts, self.hidden, self.intermediate = experts, hidden, intermediate
+        self.w13: torch.Tensor | None = None  # (E, 2I, H) BF16, from the first tensor on
+        self.w2: torch.Tensor | None = None  # (E, H, I)
+        self.seen: set[tuple[int, str]] = set()
+        self.dtype: torch.dtype | None = None
+
+
+class UnweightMoEMethod(FusedMoEMethodBase):
+    """vLLM's FusedMoEMethodBase over compressed experts (see the module docstring)."""
+
+    def __init__(self, moe, prefix: str = ""):
+        super().__init__(moe)
+        self.prefix = prefix
+        self.vllm = UnquantizedFusedMoEMethod(moe)  # its kernel: the exact pipeline, and the dense fallback
+
+    def create_weights(
+        self,
+        layer: nn.Module,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size_per_partition: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs,
+    ) -> None:
+        extra_weight_attrs.pop("weight_loader", None)
+        loader = _ExpertLoader(layer, self.prefix)
+        for name in ("w13_weight", "w2_weight"):  # no memory: the loader builds the compressed experts instead
+            param = nn.Parameter(torch.empty(0, dtype=params_dtype), requires_grad=False)
+            layer.register_parameter(name, param)
+            set_weight_attrs(param, {**extra_weight_attrs, "weight_loader": loader})
+        intermediate = self.moe.intermediate_size_per_partition_unpadded or intermediate_size_per_partition
+        layer.uw_pending = _Pending(num_experts, self.moe.hidden_dim_unpadded or hidden_size, intermediate)
+        layer.uw_index = -1
+        layer.uw_dense = False
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        pending = layer.uw_pending
+        if pending is not None:
+            missing = sorted({(e, s) for e in range(pending.experts) for s in SHARDS} - pending.seen)
+            e, s = missing[0]
+            raise ValueError(
+                f"layer {self.prefix!r}: the checkpoint gave no weight for {len(missing)} expert shard(s), "
+                f"the first expert {e}'s {s}"
+            )
+        if layer.uw_dense:
+            self.vllm.process_weights_after_loading(layer)  # prepacks the dense experts as vLLM does
+        else:
+            self.vllm._init_moe_kernel(layer)  # the exact pipeline's kernel, run on the routed experts
+
+    def get_fused_moe_quant_config(self, layer: nn.Module):
+        return self.vllm.get_fused_moe_quant_config(layer)
+
+    def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input) -> torch.Tensor:
+        if layer.uw_dense:
+            return self.vllm.apply(layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input)
+        return torch.ops.unweight.experts(x, topk_weights, topk_ids, layer.uw_index)
+
+
+class _ExpertLoader:
+    """The weight_loader of both expert parameters: (param, tensor, weight_name, shard_id, expert_id)."""
+
+    def __init__(self, layer: nn.Module, prefix: str):
+        self.layer, self.prefix = layer, prefix
+
+    def __call__(self, param, loaded_weight, weight_name, shard_id, expert_id, return_success=False):
+        layer = self.layer
+        if shard_id not in SHARDS:
+            raise ValueError(f"tensor {weight_name!r}: expert shard id {shard_id!r} is not w1, w2 or w3")
+        if loaded_weight.dim() == 3:  # all experts in one tensor
+            done = [self(param, loaded_weight[e], weight_name, shard_id, e, True) for e in range(len(loaded_weight))]
+            return any(done) if return_success else None
+        local = layer._map_global_expert_id_to_local_expert_id(expert_id)
+        if local < 0:
+            return False if return_success else None
+        if layer.uw_pending is None:
+            raise ValueError(f"tensor {weight_name!r}: layer {self.prefix!r} already has all its experts")
+        self._take(layer.uw_pending, loaded_weight, weight_name, shard_id, local, param.device)
+        return True if return_success else None
+
+    def _take(self, pending: _Pending, loaded, name: str, shard_id: str, expert: int, device: torch.device) -> None:
+        from .lazy import LazyWeight
+
+        if pending.dtype is None:
+            pending.dtype = loaded.dtype
+        elif loaded.dtype != pending.dtype:
+            raise ValueError(f"tensor {name!r} is {loaded.dtype}, the layer's other experts {pending.dtype}")
+        h, i = pending.hidden, pending.intermediate
+        par = self.layer.moe_config.moe_parallel_config
+        rank, ranks = par.tp_rank, par.tp_size
+        want = (i * ranks, h) if shard_id != "w2" else (h, i * ranks)
+        if loaded.dim() != 2 or tuple(loaded.shape) != want:
+            raise ValueError(
+                f"tensor {name!r} of shape {list(loaded.shape)} is not expert {shard_id} {list(want)} of layer "
+                f"{self.prefix!r}"
+            )
+        rows, cols = ((rank * i, (rank + 1) * i), (0, h)) if shard_id != "w2" else ((0, h), (rank * i, (rank + 1) * i))
+        if isinstance(loaded, LazyWeight):
+            part = loaded.block(*rows, *cols)
+        else:
+            part = loaded[rows[0] : rows[1], cols[0] : cols[1]]
+        if pending.w13 is None:
+            pending.w13 = torch.empty(pending.experts, 2 * i, h, dtype=pending.dtype)
+            pending.w2 = torch.empty(pending.experts, h, i, dtype=pending.dtype)
+        if shard_id == "w2":
+            pending.w2[expert] = part
+        else:
+            pending.w13[expert, (0 if shard_id == "w1" else i) : (i if shard_id == "w1" else 2 * i)] = part
+        pending.seen.add((expert, shard_id))
+        if len(pending.seen) == 3 * pending.experts:
+            _finish(self.layer, pending, device)
+
+
+def _finish(layer: nn.Module, pending: _Pending, device: torch.device) -> None:
+    from . import plugin
+
+    layer.uw_pending = None
+    w13, w2 = pending.w13, pending.w2
+    method = layer.quant_method
+    if w13.dtype != torch.bfloat16:  # vLLM's own unquantized experts on dense weights
+        plugin._once(f"experts of {method.prefix!r} are {w13.dtype}, not BF16: they stay dense (vLLM's own MoE)")
+        layer.uw_dense = True
+        dtype = layer.w13_weight.dtype
+        layer.w13_weight = nn.Parameter(w13.to(device=device, dtype=dtype), requires_grad=False)
+        layer.w2_weight = nn.Parameter(w2.to(device=device, dtype=dtype), requires_grad=False)
+        return
+    from unweight.runtime.experts import UnweightExperts
+
+    def u16(t: torch.Tensor) -> np.ndarray:
+        return t.view(torch.int16).numpy().view(np.uint16)
+
+    experts = UnweightExperts.from_values(
+        u16(w13), u16(w2), pending.experts, pending.hidden, pending.intermediate, device
+    )
+    del w13, w2, pending.w13, pending.w2
+    experts = _experts_class().wrap(experts, method, layer)
+    if torch.device(device).type != "cpu":
+        experts = experts.to(device)
+    layer.uw_experts = experts  # a submodule: vLLM moves it, and counts its buffers as the layer's weight
+    with _LOCK:
+        layer.uw_index = len(_EXPERTS)
+        _EXPERTS.append(experts)
+
+
+_EXPERTS: list[nn.Module] = []  # every built experts layer of this process, by uw_index
+_LOCK = threading.Lock()
+
+
+def _experts_class() -> type:
+    """UnweightExperts whose `decode_matmul` runs vLLM's own fused-MoE kernel on the routed experts."""
+    global _VLLM_EXPERTS
+    if _VLLM_EXPERTS is not None:
+        return _VLLM_EXPERTS
+    from unweight.runtime.experts import UnweightExperts
+
+    class VllmUnweightExperts(UnweightExperts):
+        AUTOTUNE_TAG = "vllm-experts"
+
+        @classmethod
+        def wrap(cls, experts: UnweightExperts, method: UnweightMoEMethod, layer: nn.Module):
+            new = cls(experts.w13, experts.w2, experts.num_experts, experts.autotuner)
+            new.uw_method, new.uw_activation = method, layer.activation
+            new.uw_on_input = bool(layer.apply_router_weight_on_input)
+            return new
+
+        def _run(self, pipeline, x, topk_weights, topk_ids, activation, weights_on_input):
+            if pipeline != "decode_matmul":
+                return super()._run(pipeline, x, topk_weights, topk_ids, activation, weights_on_input)
+            return _vllm_moe(self, x, topk_weights, topk_ids)
+
+    _VLLM_EXPERTS = VllmUnweightExperts
+    return _VLLM_EXPERTS
+
+
+_VLLM_EXPERTS = None
+
+
+def _vllm_moe(experts, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """vLLM's unquantized fused-MoE kernel on the routed experts only: decoded into a scratch layer,
+    readied as vLLM's unquantized method readies a layer's experts (padding, prepacking), the ids
+    renumbered to that scratch layer's."""
+    from vllm.model_executor.layers.fused_moe.oracle.unquantized import convert_to_unquantized_kernel_format
+
+    method = experts.uw_method.vllm
+    used, local_ids = torch.unique(topk_ids, return_inverse=True)
+    scratch = _Scratch(*experts.expert_weights(used.cpu(), x.dtype), method.moe, experts.uw_activation)
+    w13, w2 = convert_to_unquantized_kernel_format(
+        method.unquantized_backend, method.moe, scratch.w13_weight, scratch.w2_weight, scratch
+    )
+    scratch.w13_weight, scratch.w2_weight = (nn.Parameter(w, requires_grad=False) for w in (w13, w2))
+    method.moe_kernel.fused_experts.process_weights_after_loading(scratch)  # pads and prepacks, on the CPU
+    return method.moe_kernel.apply(
+        hidden_states=x,
+        w1=scratch.w13_weight,
+        w2=scratch.w2_weight,
+        topk_weights=topk_weights,
+        topk_ids=local_ids.to(topk_ids.dtype),
+        activation=experts.uw_activation,
+        apply_router_weight_on_input=experts.uw_on_input,
+        global_num_experts=len(used),
+        expert_map=None,
+        shared_experts=None,
+        shared_experts_input=None,
+    )
+
+
+class _Scratch(nn.Module):
+    """What vLLM's unquantized MoE method readies and runs its kernel on: the routed experts' weights."""
+
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor, moe_config, activation):
+        super().__init__()
+        self.w13_weight = nn.Parameter(w13, requires_grad=False)
+        self.w2_weight = nn.Parameter(w2, requires_grad=False)
+        self.moe_config, self.activation = moe_config, activation
+
+
+@torch.library.custom_op("unweight::experts", mutates_args=())
+def _experts_op(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer: int) -> torch.Tensor:
+    """The routed experts' output (T, H) for the process's experts layer number `layer`."""
+    e = _EXPERTS[layer]
+    return e(x, topk_weights, topk_ids, _activation(e.uw_activation), e.uw_on_input)
+
+
+@_experts_op.register_fake
+def _(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer: int) -> torch.Tensor:
+    return x.new_empty((x.shape[0], _EXPERTS[layer].hidden))
+
+
+def _activation(act) -> str:
+    return str(getattr(act, "value", act)).lower()

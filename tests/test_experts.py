@@ -1,0 +1,88 @@
+"""UnweightExperts (runtime/experts.py): routed MoE experts in the serving layout, against the
+plain fp32 computation on the dense weights (`reference_experts`), each pipeline forced."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from unweight.runtime.autotune import FORCE_ENV
+from unweight.runtime.experts import UnweightExperts, reference_experts
+
+
+def make_experts(e: int, h: int, i: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Trained-like BF16 w13 (E, 2I, H) and w2 (E, H, I), escapes (zeros, subnormals, large) mixed in."""
+    g = torch.Generator().manual_seed(seed)
+    w13 = (torch.randn(e, 2 * i, h, generator=g) * 0.05).to(torch.bfloat16)
+    w2 = (torch.randn(e, h, i, generator=g) * 0.05).to(torch.bfloat16)
+    for w in (w13, w2):
+        flat = w.view(torch.int16).view(-1)
+        flat[::41] = 0x0001
+        flat[7::53] = -15872  # -32.0
+        flat[3::61] = 0
+    return w13, w2
+
+
+def u16(t: torch.Tensor) -> np.ndarray:
+    return t.contiguous().view(torch.int16).numpy().view(np.uint16)
+
+
+def routing(t: int, k: int, e: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    return torch.softmax(torch.randn(t, k, generator=g), -1), ids
+
+
+@pytest.mark.parametrize("pipeline", ["fused", "decode_matmul"])
+@pytest.mark.parametrize("h,i", [(64, 48), (40, 24)])  # 40: rows whose length is not a multiple of 8 (portable path)
+def test_pipelines_match_the_reference(pipeline, h, i, monkeypatch):
+    monkeypatch.setenv(FORCE_ENV, pipeline)
+    e, k = 6, 2
+    w13, w2 = make_experts(e, h, i, seed=h)
+    layer = UnweightExperts.from_values(u16(w13), u16(w2), e, h, i)
+    for t, on_input in ((1, False), (5, False), (3, True)):
+        kk = 1 if on_input else k  # vLLM applies router weights on the input only at top-1
+        weights, ids = routing(t, kk, e, seed=t)
+        x = torch.randn(t, h, generator=torch.Generator().manual_seed(t))
+        got = layer(x, weights, ids, "silu", on_input)
+        want = reference_experts(x, w13, w2, weights, ids, "silu", on_input)
+        assert got.shape == (t, h) and got.dtype == x.dtype
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_expert_weights_are_the_stored_experts_bit_for_bit():
+    e, h, i = 5, 32, 16
+    w13, w2 = make_experts(e, h, i, seed=3)
+    layer = UnweightExperts.from_values(u16(w13), u16(w2), e, h, i)
+    a, b = layer.expert_weights([4, 0, 4], torch.bfloat16)
+    assert torch.equal(a.view(torch.int16), w13[[4, 0, 4]].view(torch.int16))
+    assert torch.equal(b.view(torch.int16), w2[[4, 0, 4]].view(torch.int16))
+    assert layer.stored_bytes < (w13.numel() + w2.numel()) * 2
+
+
+def test_gelu_and_a_repeated_expert():
+    e, h, i = 3, 32, 16
+    w13, w2 = make_experts(e, h, i, seed=5)
+    layer = UnweightExperts.from_values(u16(w13), u16(w2), e, h, i)
+    ids = torch.tensor([[1, 1], [2, 0]])  # one token routed twice to the same expert: both slots count
+    weights = torch.tensor([[0.75, 0.25], [0.5, 0.5]])
+    x = torch.randn(2, h)
+    torch.testing.assert_close(
+        layer(x, weights, ids, "gelu"), reference_experts(x, w13, w2, weights, ids, "gelu"), rtol=1e-4, atol=1e-5
+    )
+
+
+def test_bad_input_is_refused_with_the_reason():
+    e, h, i = 3, 32, 16
+    w13, w2 = make_experts(e, h, i)
+    layer = UnweightExperts.from_values(u16(w13), u16(w2), e, h, i)
+    x = torch.randn(2, h)
+    with pytest.raises(ValueError, match=r"expert ids must lie in \[0, 3\)"):
+        layer(x, torch.ones(2, 1), torch.tensor([[0], [3]]))
+    with pytest.raises(ValueError, match="activation 'relu'"):
+        layer(x, torch.ones(2, 1), torch.tensor([[0], [1]]), "relu")
+    with pytest.raises(ValueError, match="hidden size 32"):
+        layer(torch.randn(2, 31), torch.ones(2, 1), torch.tensor([[0], [1]]))
+    with pytest.raises(ValueError, match="need"):
+        UnweightExperts.from_values(u16(w13), u16(w2)[:-1], e, h, i)
