@@ -5,8 +5,9 @@ process; the classes live at module level because vLLM pickles the config into i
 
 - `UnweightConfig` is what `quantization_config: {"quant_method": "unweight"}` in config.json
   selects. Linear layers get `UnweightLinearMethod` (a weight that is not BF16 stays dense there,
-  logged once); MoE experts, embeddings and the lm_head keep vLLM's own unquantized methods, their
-  weights decoded at load (logged once).
+  logged once); MoE experts get `UnweightMoEMethod` (runtime/vllm/experts.py; vLLM's own
+  unquantized method where it cannot hold them, logged once); embeddings and the lm_head keep
+  vLLM's own methods, their weights decoded at load.
 - `UnweightModelLoader` replaces vLLM's default loader for `--load-format auto` (and is also
   `--load-format unweight`); for any other checkpoint it is the default loader unchanged. For an
   unweight folder it hands vLLM's model code every tensor as a `LazyWeight`, undecoded.
