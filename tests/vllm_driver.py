@@ -91,8 +91,8 @@ def plugin_layers() -> dict:
     return {
         "linears": len(plugin._LAYERS),
         "experts": len(experts._EXPERTS),
-        "expert_stored_bytes": sum(e.stored_bytes for e in experts._EXPERTS),
-        "expert_bf16_bytes": sum(2 * e.num_experts * 3 * e.hidden * e.intermediate for e in experts._EXPERTS),
+        "expert_stored_bytes": sum(e.stored_bytes for e in experts._EXPERTS.values()),
+        "expert_bf16_bytes": sum(2 * e.num_experts * 3 * e.hidden * e.intermediate for e in experts._EXPERTS.values()),
     }
 
 

@@ -22,7 +22,7 @@ once: experts with biases, without a gated activation, under expert parallelism,
 
 from __future__ import annotations
 
-import threading
+import functools
 
 import numpy as np
 import torch
@@ -30,6 +30,8 @@ from torch import nn
 from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
 from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 from vllm.model_executor.utils import set_weight_attrs
+
+from .registry import Registry
 
 SHARDS = ("w1", "w3", "w2")
 
@@ -176,55 +178,42 @@ def _finish(layer: nn.Module, pending: _Pending, device: torch.device) -> None:
         layer.w13_weight = nn.Parameter(w13.to(device=device, dtype=dtype), requires_grad=False)
         layer.w2_weight = nn.Parameter(w2.to(device=device, dtype=dtype), requires_grad=False)
         return
-    from unweight.runtime.experts import UnweightExperts
 
     def u16(t: torch.Tensor) -> np.ndarray:
         return t.view(torch.int16).numpy().view(np.uint16)
 
-    experts = UnweightExperts.from_values(
+    experts = _experts_class().from_values(
         u16(w13), u16(w2), pending.experts, pending.hidden, pending.intermediate, device
     )
     del w13, w2, pending.w13, pending.w2
-    experts = _experts_class().wrap(experts, method, layer)
+    experts.uw_method, experts.uw_activation = method, layer.activation
+    experts.uw_on_input = bool(layer.apply_router_weight_on_input)
     if torch.device(device).type != "cpu":
         experts = experts.to(device)
     layer.uw_experts = experts  # a submodule: vLLM moves it, and counts its buffers as the layer's weight
-    with _LOCK:
-        layer.uw_index = len(_EXPERTS)
-        _EXPERTS.append(experts)
+    layer.uw_index = _EXPERTS.add(experts)
 
 
-_EXPERTS: list[nn.Module] = []  # every built experts layer of this process, by uw_index
-_LOCK = threading.Lock()
+_EXPERTS = Registry()  # the live built experts layers of this process, by uw_index
 
 
+@functools.cache
 def _experts_class() -> type:
     """UnweightExperts whose `decode_matmul` runs vLLM's own fused-MoE kernel on the routed experts."""
-    global _VLLM_EXPERTS
-    if _VLLM_EXPERTS is not None:
-        return _VLLM_EXPERTS
     from unweight.runtime.experts import UnweightExperts
 
     class VllmUnweightExperts(UnweightExperts):
         AUTOTUNE_TAG = "vllm-experts"
-
-        @classmethod
-        def wrap(cls, experts: UnweightExperts, method: UnweightMoEMethod, layer: nn.Module):
-            new = cls(experts.w13, experts.w2, experts.num_experts, experts.autotuner)
-            new.uw_method, new.uw_activation = method, layer.activation
-            new.uw_on_input = bool(layer.apply_router_weight_on_input)
-            return new
+        uw_method: UnweightMoEMethod  # set by _finish: the layer's method, its activation and router-weight mode
+        uw_activation = None
+        uw_on_input = False
 
         def _run(self, pipeline, x, topk_weights, topk_ids, activation, weights_on_input):
             if pipeline != "decode_matmul":
                 return super()._run(pipeline, x, topk_weights, topk_ids, activation, weights_on_input)
             return _vllm_moe(self, x, topk_weights, topk_ids)
 
-    _VLLM_EXPERTS = VllmUnweightExperts
-    return _VLLM_EXPERTS
-
-
-_VLLM_EXPERTS = None
+    return VllmUnweightExperts
 
 
 def _vllm_moe(experts, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:

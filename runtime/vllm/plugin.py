@@ -28,7 +28,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import threading
 from types import SimpleNamespace
 
 import numpy as np
@@ -52,6 +51,7 @@ from vllm.model_executor.model_loader import register_model_loader as _register_
 from vllm.model_executor.utils import set_weight_attrs
 
 from . import experts, shards
+from .registry import Registry
 
 # unweight's codec (numba, llvmlite) is imported only when a model loads: vLLM's CPU worker scans every
 # loaded module's globals when it starts, after the plugins, and llvmlite's function wrappers break that
@@ -207,9 +207,7 @@ def _finish(layer: nn.Module, pending: _Pending, param: nn.Parameter) -> None:
     if device.type != "cpu":
         uw = uw.to(device)
     layer.uw = uw  # a submodule: vLLM moves it, and counts its buffers as the layer's weight
-    with _LOCK:
-        layer.uw_index = len(_LAYERS)
-        _LAYERS.append(uw)
+    layer.uw_index = _LAYERS.add(uw)
 
 
 @functools.cache
@@ -266,8 +264,7 @@ def _vllm_cpu_gemm(weight: torch.Tensor):
     return lambda x: layer.cpu_linear(x, layer.weight, None)
 
 
-_LAYERS: list[nn.Module] = []  # every built layer of this process, by uw_index
-_LOCK = threading.Lock()
+_LAYERS = Registry()  # the live built layers of this process, by uw_index
 
 
 @torch.library.custom_op("unweight::linear", mutates_args=())
