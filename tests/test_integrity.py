@@ -307,6 +307,11 @@ def test_reader_streams_check_and_name_the_file(folders, tmp_path):
         assert ckpt.integrity.by_stream_crc == 0
         ckpt.streams("model.layers.1.self_attn.o_proj.weight")
         assert ckpt.integrity.by_stream_crc == 1 and ckpt.integrity.stream_bytes > 64 * 64
+        checked = ckpt.integrity.stream_bytes
+        ckpt.get_rows("model.layers.1.self_attn.o_proj.weight", 0, 8)  # checked once: not again for a slice
+        assert ckpt.integrity.by_stream_crc == 1 and ckpt.integrity.stream_bytes == checked
+        with pytest.raises(CorruptDataError):  # a tensor that failed is not remembered as checked
+            ckpt.streams(O_PROJ)
 
 
 def test_cli_generate_refuses_a_damaged_smollm2(smollm2_uw, tmp_path):

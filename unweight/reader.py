@@ -52,6 +52,7 @@ class CompressedCheckpoint:
         self._readers: dict[str, ContainerReader] = {}
         self._where: dict[str, str] = {}
         self.integrity = IntegrityStats()
+        self._checked: set[str] = set()  # tensors whose streams passed their check (the mapping is read-only)
         try:
             for rel in files:
                 reader = ContainerReader(root / rel)
@@ -86,14 +87,15 @@ class CompressedCheckpoint:
     def streams(self, name: str, check: bool = True) -> dict[str, np.ndarray]:
         """The tensor's stored streams by role, undecoded (read-only views of the mapping).
 
-        With `check` (the default) they are checked first: against their CRC-32s, or, in a 1.0
-        container that has none, by decoding the tensor once and checking the CRC-32 of its
-        original bytes. Raises CorruptDataError naming the file and tensor. A caller that decodes
-        the tensor itself with the CRC check (decode_tensor's default) may pass check=False."""
+        With `check` (the default) they are checked the first time they are asked for: against
+        their CRC-32s, or, in a 1.0 container that has none, by decoding the tensor once and
+        checking the CRC-32 of its original bytes. Raises CorruptDataError naming the file and
+        tensor. A caller that decodes the tensor itself with the CRC check (decode_tensor's
+        default) may pass check=False."""
         reader = self._reader(name)
         entry = reader.tensors[name]
         streams = reader.streams_of(entry)
-        if check:
+        if check and name not in self._checked:
             t0, st = time.perf_counter(), self.integrity
             nbytes = check_stream_crcs(entry, streams, reader.path)
             if nbytes >= 0:
@@ -108,6 +110,7 @@ class CompressedCheckpoint:
                 st.by_decode += 1
                 st.decoded_bytes += entry.nbytes
             st.seconds += time.perf_counter() - t0
+            self._checked.add(name)
         return streams
 
     def file_of(self, name: str) -> str:
