@@ -2,7 +2,8 @@
 
 The triton wheel bundles ptxas (sm_80: CUDA 12.9; sm_90a: 13.4) and cuobjdump, so
 `triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))` runs down to a cubin with no
-driver. For every launch that the runtime's launchers make on Llama-3.1-8B shapes, this:
+driver. For every launch that the runtime's launchers make on Llama-3.1-8B shapes (and the
+grouped GEMV, `qtiles_experts_linear`, on MoE expert shapes: Llama-4-Scout's and Kimi-K2's), this:
 
   1. records it: the launchers run on CPU tensors (the weight streams are expanded one-element
      views, so they take no memory) with each `@triton.jit` kernel swapped for a recorder;
@@ -69,6 +70,16 @@ SHAPES = {
 }
 BATCHES = (1, 2, 4, 8, 12, 16, 32, 64, 256, 1024, 4096)
 QUICK_SHAPES = ("q/o 4096x4096", "down 4096x14336")
+# MoE experts stacked into one (E N, K) matrix, for qtiles_experts_linear: label -> (N, K, E, topk);
+# w13 is gate and up stacked per expert (N = 2 intermediate), w2 the down projection
+EXPERT_SHAPES = {
+    "scout w13 16x16384x5120": (2 * 8192, 5120, 16, 1),  # Llama-4-Scout: top-1 of 16 experts
+    "scout w2 16x5120x8192": (5120, 8192, 16, 1),
+    "kimi w13 384x4096x7168": (2 * 2048, 7168, 384, 8),  # Kimi-K2: top-8 of 384
+    "kimi w2 384x7168x2048": (7168, 2048, 384, 8),
+}
+QUICK_EXPERT_SHAPES = ("scout w13 16x16384x5120", "kimi w13 384x4096x7168")  # X_DIV 1 and 8
+EXPERT_TOKENS = (1, 2)  # decode steps of 1 and 2 tokens: P = tokens * topk pairs
 QUICK_BATCHES = (1, 2, 4, 8, 16, 32)
 GATHER_TOKENS = (1, 64, 131072)  # embedding lookups; 131072: a whole Llama-3.1 context in one prefill
 ESCAPE_RATE = 0.015
@@ -122,10 +133,12 @@ def record_launches(
     batches: tuple[int, ...],
     gathers: tuple[int, ...],
     modes: tuple[int, ...] = (0, 1),
+    experts: dict[str, tuple[int, int, int, int]] | None = None,
 ) -> list[dict]:
     """Every launch the runtime's CUDA pipelines make on the shapes, in each qtiles mode: `fused`
     for the batches it takes (runtime.linear.UnweightLinear), `decode_matmul`'s decode, embedding
-    gathers."""
+    gathers, and the grouped GEMV on the `experts` shapes (EXPERT_SHAPES' form) for EXPERT_TOKENS
+    tokens (int64 ids with top-1, int32 ones, as vLLM's router gives them, with top-k)."""
     from unweight.runtime.kernels import qtiles_decode as qd
     from unweight.runtime.kernels import qtiles_matmul as qm
 
@@ -149,6 +162,12 @@ def record_launches(
             for t in gathers:
                 qd.qtiles_decode(emb, 128256, 4096, torch.zeros(t, dtype=torch.int64), mode=mode)
                 cases.append(f"embed-gather 128256x4096 ids={t}{tag}")
+            for label, (n, k, e, topk) in (experts or {}).items():
+                w = fake_streams(e * n, k)
+                for t in EXPERT_TOKENS:
+                    ids = torch.zeros(t * topk, dtype=torch.int64 if topk == 1 else torch.int32)
+                    qm.qtiles_experts_linear(torch.empty(t, k, dtype=torch.bfloat16), w, ids, n, k, topk, mode=mode)
+                    cases.append(f"experts {label} pairs={t * topk}{tag}")
     finally:
         for name, mod in MODULES.items():
             setattr(sys.modules[mod], name, saved[name])
@@ -320,7 +339,7 @@ def per_weight(kernel: str, c: dict, threads: int, r: dict) -> dict:
 
 
 def budget_key(kernel: str, c: dict) -> str | None:
-    if kernel == "qtiles_gemv_kernel":
+    if kernel == "qtiles_gemv_kernel":  # the grouped GEMV (BLOCK_M 1) takes the batch-1 budget
         return "gemv m=1" if c.get("M") == 1 or c["BLOCK_M"] == 1 else "gemv"
     if kernel == "qtiles_dot_kernel":
         return "dot m<=32" if c["BLOCK_M"] <= 32 else None
@@ -353,11 +372,13 @@ def check_launch(rec: dict) -> list[str]:
 
 
 def variant_label(kernel: str, c: dict) -> str:
-    keys = [k for k in ("BLOCK_M", "BLOCK_N", "GROUPS", "ESC_BLOCK", "GATHER", "EVEN_K", "MODE") if k in c]
+    """'kind constexprs': the kind is the kernel's name, or `experts` for the grouped GEMV."""
+    grouped = c.get("GROUPED") is True
+    keys = ("BLOCK_M", "BLOCK_N", "GROUPS", "ESC_BLOCK", "GATHER", "EVEN_K", "MODE") + (("X_DIV",) if grouped else ())
     return (
-        kernel.removeprefix("qtiles_").removesuffix("_kernel")
+        ("experts" if grouped else kernel.removeprefix("qtiles_").removesuffix("_kernel"))
         + " "
-        + " ".join(f"{k.replace('BLOCK_', 'B')}={c[k]}" for k in keys)
+        + " ".join(f"{k.replace('BLOCK_', 'B')}={c[k]}" for k in keys if k in c)
         + (" M=1" if c.get("M") == 1 else "")
     )
 
@@ -366,7 +387,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--targets", default="90,80", help="compute capabilities, comma-separated (90, 80)")
     ap.add_argument(
-        "--quick", action="store_true", help="two shapes, the fused batches and one gather size (the tests' mode)"
+        "--quick",
+        action="store_true",
+        help="two shapes, the fused batches, two gather sizes and two expert shapes (the tests' mode)",
     )
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--json", default=None, help="write the rows as JSON here")
@@ -392,9 +415,11 @@ def main(argv=None) -> int:
     )
     args = ap.parse_args(argv)
     shapes = {k: SHAPES[k] for k in QUICK_SHAPES} if args.quick else SHAPES
+    experts = {k: EXPERT_SHAPES[k] for k in QUICK_EXPERT_SHAPES} if args.quick else EXPERT_SHAPES
     if args.shapes:
         shapes = {k: v for k, v in SHAPES.items() if any(k.startswith(p) for p in args.shapes.split(","))}
-        if not shapes:
+        experts = {k: v for k, v in EXPERT_SHAPES.items() if any(k.startswith(p) for p in args.shapes.split(","))}
+        if not shapes and not experts:
             ap.error(f"no shape label starts with any of {args.shapes!r}")
     batches = (
         tuple(int(b) for b in args.batches.split(",")) if args.batches else QUICK_BATCHES if args.quick else BATCHES
@@ -411,7 +436,7 @@ def main(argv=None) -> int:
         ap.error(f"unknown target {unknown[0]}: choose from {', '.join(map(str, TARGETS))}")
     print(f"triton {triton.__version__}, torch {torch.__version__}", flush=True)
 
-    launches = record_launches(shapes, batches, GATHER_TOKENS[::2] if args.quick else GATHER_TOKENS)
+    launches = record_launches(shapes, batches, GATHER_TOKENS[::2] if args.quick else GATHER_TOKENS, experts=experts)
     jobs, recs = {}, []
     for cc in targets:
         for launch in launches:

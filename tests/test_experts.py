@@ -3,12 +3,17 @@ plain fp32 computation on the dense weights (`reference_experts`), each pipeline
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
 
-from unweight.runtime.autotune import FORCE_ENV
-from unweight.runtime.experts import UnweightExperts, reference_experts
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # the CUDA pipeline's kernels, on the CPU; before triton loads
+
+from unweight.runtime.autotune import FORCE_ENV  # noqa: E402
+from unweight.runtime.experts import UnweightExperts, act_and_mul, reference_experts  # noqa: E402
 
 
 def make_experts(e: int, h: int, i: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,3 +91,33 @@ def test_bad_input_is_refused_with_the_reason():
         layer(torch.randn(2, 31), torch.ones(2, 1), torch.tensor([[0], [1]]))
     with pytest.raises(ValueError, match="need"):
         UnweightExperts.from_values(u16(w13), u16(w2)[:-1], e, h, i)
+
+
+@pytest.mark.parametrize("on_input", [False, True])
+def test_cuda_fused_pipeline_composes_the_grouped_gemv(on_input):
+    """The CUDA `fused` pipeline (two grouped GEMV launches and the activation between them) on
+    experts encoded for a GPU (qtiles), through Triton's interpreter without one: BF16 compute,
+    so within BF16 rounding of the fp32 reference."""
+    e, h, i, t = 4, 64, 32, 3
+    k = 1 if on_input else 2
+    w13, w2 = make_experts(e, h, i, seed=11)
+    layer = UnweightExperts.from_values(u16(w13), u16(w2), e, h, i, device="cuda")  # qtiles, still on the CPU
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    layer = layer.to(device) if device == "cuda" else layer
+    weights, ids = routing(t, k, e, seed=2)
+    ids[0, 0] = ids[-1, 0]  # an expert taken by two tokens
+    x = torch.randn(t, h, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    wb = weights.to(torch.bfloat16)
+    got = layer._fused_cuda(x.to(device), wb.to(device), ids.to(device), "silu", on_input)
+    # the reference, rounded to BF16 where the pipeline rounds: each GEMV's output and the activation's
+    want = torch.zeros(t, h)
+    for tok in range(t):
+        for j in range(k):
+            ex, wj = int(ids[tok, j]), wb[tok, j]
+            xt = (x[tok] * wj) if on_input else x[tok]
+            hid = act_and_mul((xt.float() @ w13[ex].float().T).to(torch.bfloat16), "silu")
+            y = (hid.float() @ w2[ex].float().T).to(torch.bfloat16).float()
+            want[tok] += y if on_input else wj.float() * y
+    assert got.shape == (t, h)
+    err = (got.float().cpu() - want).abs().max()
+    assert err <= 2**-6 * want.abs().max(), (err, want.abs().max())  # the -32.0 escapes make large sums that cancel

@@ -5,7 +5,9 @@ materialised, for the decode-time batches (M <= MAX_M rows of x). Two kernels, o
   all of K, one group of 32 columns per thread per step, so each x value loaded serves BLOCK_N
   rows. A word of four weights decodes with about a dozen integer instructions (qtiles_common)
   and each weight costs one FFMA per row of x; partial sums stay in a (BLOCK_M, BLOCK_N, GROUPS)
-  accumulator, reduced once after the loop.
+  accumulator, reduced once after the loop. Its GROUPED variant (`qtiles_experts_linear`) is the
+  MoE decode step: W holds E experts stacked, (E N, K), and program_id(1) is a (token, expert)
+  pair, which multiplies its x row by the N rows of the expert whose id it reads on the device.
 - `qtiles_dot_kernel` (GEMV_M < M <= MAX_M), on the tensor cores: (BLOCK_M, BLOCK_N) tiles of y,
   W decoded to BF16 a (BLOCK_N, 32 GROUPS) tile at a time for `tl.dot`, K split among programs
   when the tiles alone would leave SMs idle.
@@ -33,6 +35,9 @@ GEMV_M = 2  # rows of x up to which the CUDA-core GEMV runs; beyond, the tensor-
 MAX_M = 32  # larger batches take decode + matmul (a 64-row tile costs 17-23 instructions a weight, and spills on sm_80)
 MIN_PROGRAMS = 256  # about two per SM of an H200: fewer leave SMs without enough loads in flight
 MAX_SPLITS = 8
+MAX_PAIRS = (
+    65535  # CUDA's limit on grid dimension 1, the grouped GEMV's pairs: beyond, a launch per MAX_PAIRS // x_div tokens
+)
 _NO_GUARD = contextlib.nullcontext()
 # Triton 3.9's interpreter multiplies bf16 tl.dot operands as their integer bit patterns, so under
 # it the kernel feeds tl.dot fp32 operands; tests that patch the interpreter's dot set this True
@@ -59,27 +64,42 @@ def qtiles_gemv_kernel(
     N,
     K,
     G,
+    ids_ptr,  # GROUPED only (else None): expert ids (P,), int32 or int64
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     GROUPS: tl.constexpr,
     ESC_BLOCK: tl.constexpr,
     PRMT: tl.constexpr,  # byte permutes as inline PTX (a GPU); else their integer model (the interpreter)
     MODE: tl.constexpr,  # the matrix's mode (runtime/qtiles.py): 0, eight-exponent windows; 1, seven and a zero code
+    # W is E stacked (N, K) experts, (E N, K), and program_id(1) is the pair p (BLOCK_M 1, M 1): it
+    # multiplies x row p // X_DIV by expert ids[p], rows [ids[p] N, ids[p] N + N) of W, into y row p
+    GROUPED: tl.constexpr,
+    # pairs per row of x (top-k; 1 unless GROUPED): a constant, as a runtime divisor's integer
+    # division took 8-22 more registers (sm_90a 88-102, against 80, down to 16 warps an SM)
+    X_DIV: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,) rows of W
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,) rows of the (expert's) W: y's columns
     n_live = rn < N
     rn64 = tl.where(n_live, rn, 0).to(tl.int64)
+    if GROUPED:
+        pair = tl.program_id(1)
+        w_row0 = tl.load(ids_ptr + pair).to(tl.int64) * N  # the expert's first row of W (ids trusted)
+        wn64 = w_row0 + rn64  # (BLOCK_N,) rows of W: a dead lane reads the expert's row 0
+        x_ptr += (pair // X_DIV).to(tl.int64) * stride_xm
+        y_ptr += pair.to(tl.int64) * stride_ym
+    else:
+        wn64 = rn64
     rm = tl.arange(0, BLOCK_M)  # (BLOCK_M,) rows of x
     m_live = rm < M
     x_row = x_ptr + rm.to(tl.int64)[:, None, None] * stride_xm  # (BLOCK_M, 1, 1)
     x_words = x_row.to(tl.pointer_type(tl.uint32))  # rows word-aligned and of even length (launcher)
-    off = row_offsets(tl.load(base_ptr + rn64).to(tl.uint32), MODE)[None, :, None]  # (1, BLOCK_N, 1)
+    off = row_offsets(tl.load(base_ptr + wn64).to(tl.uint32), MODE)[None, :, None]  # (1, BLOCK_N, 1)
     acc = tl.zeros((BLOCK_M, BLOCK_N, GROUPS), dtype=tl.float32)
     for g0 in range(0, G, GROUPS):
         gi = g0 + tl.arange(0, GROUPS)  # (GROUPS,) groups of this step
         live = n_live[None, :, None] & (gi < G)[None, None, :]  # (1, BLOCK_N, GROUPS)
-        grp = rn64[None, :, None] * G + gi[None, None, :]  # group index in W
+        grp = wn64[None, :, None] * G + gi[None, None, :]  # group index in W
         words, a, b, c = group_words(sm_ptr, codes_ptr, grp, live)
         for q in tl.static_range(8):
             pairs = quad_pairs(a, b, c, tl.load(words + q, mask=live, other=0), off, q, PRMT, MODE)
@@ -98,6 +118,8 @@ def qtiles_gemv_kernel(
     for i in tl.static_range(BLOCK_N):
         if row0 + i < N:
             r = (row0 + i).to(tl.int64)
+            if GROUPED:
+                r += w_row0  # its row of W
             first = tl.load(esc_row_ptr + r)
             last = tl.load(esc_row_ptr + r + 1)
             row_base = tl.load(base_ptr + r).to(tl.uint32)
@@ -329,7 +351,16 @@ def qtiles_linear(
         if m <= GEMV_M:
             block_m, block_n, groups = _blocks(m, out_features)
             qtiles_gemv_kernel[(-(-out_features // block_n),)](
-                *args, BLOCK_M=block_m, BLOCK_N=block_n, GROUPS=groups, ESC_BLOCK=128, PRMT=not interpreted, MODE=mode
+                *args,
+                None,
+                BLOCK_M=block_m,
+                BLOCK_N=block_n,
+                GROUPS=groups,
+                ESC_BLOCK=128,
+                PRMT=not interpreted,
+                MODE=mode,
+                GROUPED=False,
+                X_DIV=1,
             )
         else:
             block_m, block_n, groups = _dot_blocks(m)
@@ -358,3 +389,91 @@ def qtiles_linear(
                 DOT_F32=interpreted and not INTERPRETER_BF16_DOT,
             )
     return y.reshape(*lead, out_features)
+
+
+def qtiles_experts_linear(
+    x: torch.Tensor,
+    q: dict[str, torch.Tensor],
+    ids: torch.Tensor,
+    out_features: int,
+    in_features: int,
+    x_div: int = 1,
+    out_dtype: torch.dtype | None = None,
+    mode: int | None = None,
+) -> torch.Tensor:
+    """y (P, out_features): y[p] = x[p // x_div] @ W_e^T with e = ids[p], W_e = rows [e*out_features,
+    (e+1)*out_features) of the stacked W in q.
+
+    `q` holds E experts' (out_features, in_features) weights stacked into one (E out_features,
+    in_features) matrix in the resident layout (runtime.qtiles: rows are independent, so expert e
+    is a plain range of rows). `x` is (T, in_features) BF16 on the streams' device and `ids` a 1-D
+    int32 or int64 tensor of P = T x_div expert ids there (e.g. a (T, topk) routing reshaped,
+    x_div = topk). Returns y (P, out_features) in `out_dtype` (default x's), accumulated in fp32.
+
+    One launch of the GEMV (its batch-1 variant, GROUPED), grid (cdiv(out_features, BLOCK_N), P):
+    CUDA takes at most MAX_PAIRS on dimension 1, so more pairs take a launch per MAX_PAIRS // x_div
+    rows of x (whole rows, P in all). Program (i, p) reads ids[p] on the device, so the call
+    never synchronises and can be captured in a CUDA graph with ids changing between replays.
+    x_div is compiled in (one variant per top-k: a runtime divisor cost registers, see the kernel). The
+    ids are trusted: the caller guarantees 0 <= ids < E = rows(q) / out_features (checking them
+    here would wait for the device); an id outside it reads past the streams (garbage, or a fault)."""
+    if x.dtype != torch.bfloat16:
+        raise ValueError(f"x must be bfloat16, not {x.dtype}")
+    if x.dim() != 2 or x.shape[1] != in_features:
+        raise ValueError(f"x must be (tokens, {in_features}) to match the weight's features, not {tuple(x.shape)}")
+    if ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"ids must be a 1-D int32 or int64 tensor, not {ids.dtype} of shape {tuple(ids.shape)}")
+    if not isinstance(x_div, int) or not 1 <= x_div <= MAX_PAIRS:
+        raise ValueError(f"x_div must be an int in [1, {MAX_PAIRS}], not {x_div!r}")
+    if ids.shape[0] != x.shape[0] * x_div:
+        raise ValueError(f"{ids.shape[0]} ids for {x.shape[0]} rows of x with x_div {x_div}: need {x.shape[0] * x_div}")
+    sm = q["sm"]
+    if sm.device != x.device or ids.device != x.device:
+        raise ValueError(f"weight streams are on {sm.device}, ids on {ids.device}, x on {x.device}")
+    rows, g = q["base"].numel(), -(-in_features // 32)
+    if out_features < 1 or rows % out_features or sm.numel() != rows * 32 * g:
+        raise ValueError(
+            f"the streams hold a {rows}-row matrix of {sm.numel() // max(rows, 1)} stored columns, not experts of "
+            f"({out_features}, {in_features}) stacked"
+        )
+    x2 = x if x.stride(-1) == 1 else x.contiguous()
+    if in_features % 2 or x2.stride(0) % 2 or x2.data_ptr() % 4:
+        x2 = F.pad(x2, (0, in_features % 2))  # 32-bit pair loads, as in qtiles_linear
+    ids = ids.contiguous()
+    pairs = ids.shape[0]
+    y = torch.empty((pairs, out_features), dtype=out_dtype or x.dtype, device=x.device)
+    if pairs == 0:
+        return y
+    mode = stream_mode(q, mode)
+    _, block_n, groups = _blocks(1, out_features)
+    chunk = MAX_PAIRS // x_div * x_div  # whole rows of x per launch: chunk c0 starts at x row c0 // x_div
+    interpreted = _interpreted()
+    with torch.cuda.device(x.device) if x.device.type == "cuda" else _NO_GUARD:
+        for p0 in range(0, pairs, chunk):
+            n_pairs = min(chunk, pairs - p0)
+            qtiles_gemv_kernel[(-(-out_features // block_n), n_pairs)](
+                x2[p0 // x_div :],
+                y[p0:],
+                1,
+                x2.stride(0),
+                y.stride(0),
+                sm,
+                q["codes"],
+                q["base"],
+                q["esc_row"],
+                q["esc_col"],
+                q["esc_exp"],
+                out_features,
+                in_features,
+                g,
+                ids[p0:],
+                BLOCK_M=1,
+                BLOCK_N=block_n,
+                GROUPS=groups,
+                ESC_BLOCK=128,
+                PRMT=not interpreted,
+                MODE=mode,
+                GROUPED=True,
+                X_DIV=x_div,
+            )
+    return y
