@@ -474,6 +474,26 @@ def _gemv_fused_at(
 
 
 @njit(nogil=True, cache=True, parallel=True)
+def _gemv_grouped_at(
+    x_at, P, sm_at, codes_at, n_codes, esc_at, n_esc, index_at, n_index, N, K, bpr, base, starts, rows0, R, y_at, parts
+):
+    """y (P, R): rows [starts[g], starts[g + 1]) of x (P, K) times W[rows0[g] : rows0[g] + R]^T for
+    each group g (the pairs routed to one expert, K % 8 == 0); one task per (group, part of R)."""
+    x = carray(_f32_at(x_at), (P, K))
+    sm = carray(_u8_at(sm_at), (N * K,))
+    codes = carray(_u8_at(codes_at), (n_codes,))
+    esc = carray(_u8_at(esc_at), (n_esc,))
+    esc_index = carray(_i64_at(index_at), (n_index,))
+    y = carray(_f32_at(y_at), (P, R))
+    for task in prange(rows0.shape[0] * parts):
+        g, t = task // parts, task % parts
+        s, e, r0 = starts[g], starts[g + 1], rows0[g]
+        _fused_rows(
+            x[s:e], sm, codes, esc, esc_index, K, bpr, base, y[s:e], r0 + R * t // parts, r0 + R * (t + 1) // parts, r0
+        )
+
+
+@njit(nogil=True, cache=True, parallel=True)
 def _rows_fused_at(
     sm_at, n_sm, codes_at, n_codes, esc_at, n_esc, index_at, n_index, K, bpr, base, ids_at, R, out_at, parts
 ):
@@ -490,6 +510,23 @@ def _rows_fused_at(
 
 def _args(weight: dict[str, torch.Tensor]) -> tuple:
     return weight["sm"].numpy(), weight["codes"].numpy(), weight["esc"].numpy(), weight["esc_index"].numpy()
+
+
+def _fast_layout(sm, codes, esc, esc_index, in_features: int) -> bool:
+    """Whether the fused (AVX2) kernels take these streams: they read them by address, so the
+    streams must lie on the CPU as tile_tensors makes them, rows a multiple of 8 long."""
+    return (
+        FAST_PATH
+        and in_features
+        and not in_features & 7
+        and sm.is_cpu
+        and sm.is_contiguous()
+        and codes.is_contiguous()
+        and esc.is_contiguous()
+        and esc_index.is_contiguous()
+        and esc_index.dtype is torch.int64
+        and sm.dtype is torch.uint8
+    )
 
 
 def _parts(rows: int) -> int:
@@ -519,19 +556,7 @@ def tiles_gemv_cpu(
     # The fused kernels take the streams' addresses, so the streams must be laid out as
     # tile_tensors makes them. (Every line here is written for speed: a small layer's GEMV takes
     # tens of microseconds, and each Python-level step costs a tenth of one.)
-    if (
-        FAST_PATH
-        and in_features
-        and not in_features & 7
-        and x.is_cpu
-        and sm.is_cpu
-        and sm.is_contiguous()
-        and codes.is_contiguous()
-        and esc.is_contiguous()
-        and esc_index.is_contiguous()
-        and esc_index.dtype is torch.int64
-        and sm.dtype is torch.uint8
-    ):
+    if x.is_cpu and _fast_layout(sm, codes, esc, esc_index, in_features):
         if x.dtype is not torch.float32:
             x = x.float()
         if not x.is_contiguous():
@@ -571,6 +596,62 @@ def tiles_gemv_cpu(
     return torch.from_numpy(y).reshape(*lead, n_out)
 
 
+def tiles_grouped_gemv_cpu(
+    x: torch.Tensor,
+    weight: dict[str, torch.Tensor],
+    base: int,
+    block: int,
+    out_features: int,
+    in_features: int,
+    starts: np.ndarray,
+    rows0: np.ndarray,
+    rows: int,
+) -> torch.Tensor:
+    """y (P, rows) in fp32: for each group g, rows [starts[g], starts[g + 1]) of x (P, in_features)
+    times W's rows [rows0[g], rows0[g] + rows) transposed, W (out_features, in_features) in the
+    serving layout: the experts of a MoE layer stacked, each group the pairs routed to one expert,
+    in one call. starts (G + 1,) rises from 0 to P; each rows0[g] + rows lies within W (checked)."""
+    starts, rows0 = np.ascontiguousarray(starts, np.int64), np.ascontiguousarray(rows0, np.int64)
+    p = x.shape[0]
+    if len(starts) != len(rows0) + 1 or starts[0] != 0 or starts[-1] != p or np.any(np.diff(starts) < 0):
+        raise ValueError(f"group starts {starts.tolist()} do not split {p} rows of x into {len(rows0)} groups")
+    if len(rows0) and (rows0.min() < 0 or rows0.max() + rows > out_features):
+        raise ValueError(f"row ranges of {rows} from {rows0.tolist()} lie outside the weight's {out_features} rows")
+    sm, codes, esc, esc_index = weight["sm"], weight["codes"], weight["esc"], weight["esc_index"]
+    if not (x.is_cpu and _fast_layout(sm, codes, esc, esc_index, in_features)):
+        parts = [
+            tiles_gemv_cpu(x[a:b], weight, base, block, out_features, in_features, rows=(r0, r0 + rows))
+            for a, b, r0 in zip(starts[:-1], starts[1:], rows0)
+        ]
+        return torch.cat(parts) if parts else torch.empty(0, rows)
+    x = x.float().contiguous()
+    y = torch.from_numpy(np.empty((p, rows), dtype=np.float32))
+    if p and rows:
+        per = max(1, min(_THREADS, rows // ROWS_PER_PART))  # parts of each group's rows: the groups are few
+        with _PARALLEL:
+            _gemv_grouped_at(
+                x.data_ptr(),
+                p,
+                sm.data_ptr(),
+                codes.data_ptr(),
+                codes.numel(),
+                esc.data_ptr(),
+                esc.numel(),
+                esc_index.data_ptr(),
+                esc_index.numel(),
+                out_features,
+                in_features,
+                -(-in_features // block),
+                base,
+                starts,
+                rows0,
+                rows,
+                y.data_ptr(),
+                per,
+            )
+    return y
+
+
 def tiles_rows_cpu(
     weight: dict[str, torch.Tensor],
     base: int,
@@ -583,18 +664,7 @@ def tiles_rows_cpu(
     every BF16 value is an fp32 value. The caller checks that ids lie in [0, out_features)."""
     sm, codes, esc, esc_index = weight["sm"], weight["codes"], weight["esc"], weight["esc_index"]
     bpr = -(-in_features // block)
-    if (
-        FAST_PATH
-        and in_features
-        and not in_features & 7
-        and sm.is_cpu
-        and sm.is_contiguous()
-        and codes.is_contiguous()
-        and esc.is_contiguous()
-        and esc_index.is_contiguous()
-        and esc_index.dtype is torch.int64
-        and sm.dtype is torch.uint8
-    ):
+    if _fast_layout(sm, codes, esc, esc_index, in_features):
         idx = torch.arange(out_features) if ids is None else ids.reshape(-1).to("cpu", torch.int64).contiguous()
         r = idx.numel()
         out = torch.from_numpy(np.empty((r, in_features), dtype=np.float32))

@@ -10,7 +10,8 @@ devices transcodes it as UnweightLinear does.
 `forward(x, topk_weights, topk_ids)` takes the router's choice (T tokens, k experts each) and
 picks a pipeline per (shape, batch bucket) with the autotuner:
 
-- `fused`: on the CPU, per routed expert, the numba GEMV over its rows of both weights; on CUDA,
+- `fused`: on the CPU, one grouped numba GEMV call a weight, each routed expert's rows times the
+  tokens routed to it (tiles_grouped_gemv_cpu); on CUDA,
   one grouped Triton GEMV launch per weight over all (token, slot) pairs, the expert ids read on
   the device (`qtiles_experts_linear`, runtime/kernels/qtiles_matmul.py): no host sync;
 - `decode_matmul`: the routed experts decoded (fp32 on the CPU, BF16 on CUDA), then F.linear per
@@ -32,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .autotune import DEFAULT, FORCE_ENV, Autotuner, batch_bucket, code_version, device_name
-from .cpu_gemv import tiles_gemv_cpu
+from .cpu_gemv import tiles_grouped_gemv_cpu
 from .linear import UnweightLinear, compute_dtype
 
 PIPELINES = ("decode_matmul", "fused")
@@ -184,31 +185,41 @@ class UnweightExperts(nn.Module):
         xc, w = x.to(dtype), topk_weights.to(dtype)
         if pipeline == "fused" and x.device.type == "cuda":
             return self._fused_cuda(xc, w, topk_ids, activation, weights_on_input).to(x.dtype)
-        out = torch.zeros(x.shape[0], self.hidden, dtype=dtype, device=x.device)
+        # the (token, slot) pairs sorted by expert (stable: within an expert, in token order)
+        t, k = topk_ids.shape
         flat = topk_ids.reshape(-1).to(torch.int64)
-        experts = flat.unique().cpu()  # the routed experts, ascending (one host sync)
-        if experts.numel() and (int(experts[0]) < 0 or int(experts[-1]) >= self.num_experts):
-            raise ValueError(f"expert ids must lie in [0, {self.num_experts})")
-        decoded = self.expert_weights(experts, dtype) if pipeline == "decode_matmul" else None
-        k = topk_ids.shape[1]
-        for i, e in enumerate(experts.tolist()):
-            slot = torch.nonzero(flat == e).reshape(-1)  # (n,) pairs routed to e
-            tokens, scale = slot // k, w.reshape(-1)[slot][:, None]  # (n,), (n, 1)
-            xe = xc[tokens] * scale if weights_on_input else xc[tokens]
-            if decoded is None:
-                h = self._expert_gemv(self.w13, xe, e * 2 * self.intermediate, 2 * self.intermediate)
-                y = self._expert_gemv(self.w2, act_and_mul(h, activation), e * self.hidden, self.hidden)
-            else:
-                y = F.linear(act_and_mul(F.linear(xe, decoded[0][i]), activation), decoded[1][i])
-            out.index_add_(0, tokens, y if weights_on_input else y * scale)
+        order = torch.argsort(flat, stable=True)
+        if flat.numel():
+            lo, hi = (int(v) for v in torch.aminmax(flat))
+            if lo < 0 or hi >= self.num_experts:
+                raise ValueError(f"expert ids must lie in [0, {self.num_experts})")
+        counts = torch.bincount(flat, minlength=self.num_experts).cpu()
+        experts = torch.nonzero(counts).reshape(-1)  # the routed experts, ascending
+        starts = np.concatenate([[0], np.cumsum(counts[experts].numpy())])  # their groups of pairs
+        tokens, scale = order // k, w.reshape(-1)[order][:, None]  # (P,), (P, 1)
+        xs = xc[tokens] * scale if weights_on_input else xc[tokens]  # (P, H)
+        if pipeline == "fused":  # CPU: one grouped GEMV call a weight
+            i2 = 2 * self.intermediate
+            hid = act_and_mul(self._grouped_gemv(self.w13, xs, starts, experts.numpy() * i2, i2), activation)
+            y = self._grouped_gemv(self.w2, hid, starts, experts.numpy() * self.hidden, self.hidden)
+        else:
+            w13, w2 = self.expert_weights(experts, dtype)
+            y = torch.cat(
+                [
+                    F.linear(act_and_mul(F.linear(xs[a:b], w13[g]), activation), w2[g])
+                    for g, (a, b) in enumerate(zip(starts[:-1], starts[1:]))
+                ]
+            )
+        out = torch.zeros(t, self.hidden, dtype=dtype, device=x.device)
+        out.index_add_(0, tokens, (y if weights_on_input else y * scale).to(dtype))
         return out.to(x.dtype)
 
     @staticmethod
-    def _expert_gemv(lin: UnweightLinear, x: torch.Tensor, r0: int, n: int) -> torch.Tensor:
-        """x @ W[r0 : r0 + n]^T on the CPU, W's rows rebuilt as they are used (numba)."""
-        s = lin._streams()
-        return tiles_gemv_cpu(
-            x, s, lin.params.base, lin.params.block, lin.out_features, lin.in_features, rows=(r0, r0 + n)
+    def _grouped_gemv(lin: UnweightLinear, x: torch.Tensor, starts, rows0, rows: int) -> torch.Tensor:
+        """For each group g, x[starts[g] : starts[g + 1]] @ W[rows0[g] : rows0[g] + rows]^T (CPU, numba)."""
+        p = lin.params
+        return tiles_grouped_gemv_cpu(
+            x, lin._streams(), p.base, p.block, lin.out_features, lin.in_features, starts, rows0, rows
         )
 
     def _fused_cuda(self, x, w, topk_ids, activation, weights_on_input) -> torch.Tensor:

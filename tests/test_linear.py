@@ -185,6 +185,35 @@ def test_cpu_gemv_of_a_row_range_is_those_rows_of_the_whole(fast, monkeypatch):
         cpu_gemv.tiles_gemv_cpu(x, s, p.base, p.block, rows, cols, rows=(90, 100))
 
 
+@pytest.mark.parametrize("fast", [True, False])
+def test_cpu_grouped_gemv_is_each_groups_row_range(fast, monkeypatch):
+    """One call for the experts of a MoE layer: group g's rows of x times W's rows [rows0[g],
+    rows0[g] + R), the same bits as one row-range GEMV a group; empty groups and a range at the
+    weight's end included; bad groups are refused."""
+    import numpy as np
+
+    from unweight.runtime import cpu_gemv
+
+    monkeypatch.setattr(cpu_gemv, "FAST_PATH", fast and cpu_gemv.FAST_PATH)
+    rows, cols, r = 96, 64, 24
+    g = torch.Generator().manual_seed(9)
+    w = (torch.randn(rows, cols, generator=g) * 0.02).to(torch.bfloat16)
+    w.view(torch.int16).view(-1)[5::13] = -15872
+    lin = UnweightLinear.from_weight(w)
+    s, p = lin._streams(), lin.params
+    x = torch.randn(7, cols, generator=g)
+    starts, rows0 = np.array([0, 3, 3, 4, 7]), np.array([72, 0, 24, 48])
+    y = cpu_gemv.tiles_grouped_gemv_cpu(x, s, p.base, p.block, rows, cols, starts, rows0, r)
+    assert y.shape == (7, r)
+    for a, b, r0 in zip(starts[:-1], starts[1:], rows0):
+        want = cpu_gemv.tiles_gemv_cpu(x[a:b], s, p.base, p.block, rows, cols, rows=(r0, r0 + r))
+        assert torch.equal(y[a:b].view(torch.int32), want.view(torch.int32))
+    with pytest.raises(ValueError, match="do not split 7 rows"):
+        cpu_gemv.tiles_grouped_gemv_cpu(x, s, p.base, p.block, rows, cols, np.array([0, 3, 6]), rows0[:2], r)
+    with pytest.raises(ValueError, match="outside the weight"):
+        cpu_gemv.tiles_grouped_gemv_cpu(x, s, p.base, p.block, rows, cols, np.array([0, 7]), np.array([80]), r)
+
+
 def test_archive_linear_stacks_parts_of_any_size_and_codec_bit_exactly():
     """Parts decode into their rows of one buffer; a part that starts off an 8-byte boundary (5 rows
     of 3 BF16 = 30 bytes before it) takes the copying path."""
