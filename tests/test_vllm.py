@@ -112,6 +112,30 @@ def test_tensor_parallel_2_matches_unquantized_vllm_at_tp_2(vllm_python, smollm2
     assert [r["logprobs"] for r in ours] == [r["logprobs"] for r in base]
 
 
+def test_an_expert_tensor_that_does_not_fit_its_layer_is_named(vllm_python, tiny_moe, tmp_path):
+    """A config whose experts are narrower than the checkpoint's: vLLM's start fails, naming the
+    expert tensor, its shape and the shape the layer needs (no wrong answer)."""
+    import shutil
+
+    uw = shutil.copytree(tiny_moe[1], tmp_path / "narrow-uw")
+    text = (uw / "config.json").read_text()
+    assert '"moe_intermediate_size": 128' in text
+    (uw / "config.json").write_text(text.replace('"moe_intermediate_size": 128', '"moe_intermediate_size": 96'))
+    r = subprocess.run(
+        [str(vllm_python), str(DRIVER), str(uw), str(tmp_path / "out.json"), "--load-only"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    out = r.stdout + r.stderr
+    assert r.returncode != 0
+    named = re.search(
+        r"layer 'model\.layers\.\d\.mlp\.experts': expert \d+'s (w1|w2|w3) tensor .* has shape (\[.*?\])", out
+    )
+    assert named, out[-3000:]
+    assert named[2] == ("[256, 128]" if named[1] == "w2" else "[128, 256]") and "the layer needs" in out
+
+
 CHECKED = re.compile(r"\((\w+) pid=\d+\).*unweight: .*: (\d+) tensors' streams checked against their CRC-32s")
 
 

@@ -145,8 +145,8 @@ class _ExpertLoader:
         want = (i * ranks, h) if shard_id != "w2" else (h, i * ranks)
         if loaded.dim() != 2 or tuple(loaded.shape) != want:
             raise ValueError(
-                f"tensor {name!r} of shape {list(loaded.shape)} is not expert {shard_id} {list(want)} of layer "
-                f"{self.prefix!r}"
+                f"layer {self.prefix!r}: expert {expert}'s {shard_id} tensor ({name}) has shape {list(loaded.shape)}, "
+                f"the layer needs {list(want)}"
             )
         rows, cols = ((rank * i, (rank + 1) * i), (0, h)) if shard_id != "w2" else ((0, h), (rank * i, (rank + 1) * i))
         if isinstance(loaded, LazyWeight):
