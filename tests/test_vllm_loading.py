@@ -112,6 +112,12 @@ def test_lazy_slices_are_the_original_bytes(tmp_path, layout):
         assert same(dense, w) and same(lazy.to(torch.float32).to(torch.bfloat16), w)
         with pytest.raises(ValueError, match="lies outside"):
             lazy.block(0, 301, 0, 1)
+        # vLLM's MoE loader: unsqueeze(0), then unbind(), before the expert's own loader slices it
+        before = ckpt.integrity.decoded
+        (back,) = lazy.unsqueeze(0).unbind()
+        assert isinstance(back, LazyWeight) and back.shape == (300, 200) and ckpt.integrity.decoded == before
+        assert lazy.unsqueeze(0).shape == (1, 300, 200) and same(lazy.unsqueeze(0).unsqueeze(0).sum(0).sum(0), w)
+        assert same(back.narrow(0, 10, 5), w[10:15]) and same(lazy.unsqueeze(0)[0, 3], w[3])
 
 
 def test_decode_rows_of_the_serving_layout_decodes_only_their_range(tmp_path):

@@ -10,6 +10,8 @@ dtype, holding only (checkpoint, name). Then
 - any other loader gets real data on first use: `narrow` on dim 0 decodes only those rows (rans
   chunks, tiles rows: an embedding's vocabulary shard), `narrow` on dim 1 decodes the tensor a few
   MiB of rows at a time, keeping those columns; every other operation decodes the tensor whole.
+- `unsqueeze(0)` and then `unbind()` (dim 0), which vLLM's MoE expert loader applies to every
+  expert tensor, decode nothing: they give a LazyWeight with a leading unit dimension, and back.
 
 Shape, dtype and size queries never decode. This module needs torch, not vLLM.
 """
@@ -41,13 +43,14 @@ class LazyWeight(torch.Tensor):
 
     uw_checkpoint: CompressedCheckpoint
     uw_name: str
+    uw_lead: int  # leading unit dimensions before the tensor's own (unsqueeze(0)); 0 but in vLLM's MoE loader
 
     @staticmethod
-    def __new__(cls, checkpoint: CompressedCheckpoint, name: str) -> LazyWeight:
+    def __new__(cls, checkpoint: CompressedCheckpoint, name: str, lead: int = 0) -> LazyWeight:
         entry = checkpoint.entry(name)
-        meta = torch.empty(entry.shape, dtype=checkpoint.torch_dtype(name), device="meta")
+        meta = torch.empty((1,) * lead + tuple(entry.shape), dtype=checkpoint.torch_dtype(name), device="meta")
         t = torch.Tensor._make_subclass(cls, meta)
-        t.uw_checkpoint, t.uw_name = checkpoint, name
+        t.uw_checkpoint, t.uw_name, t.uw_lead = checkpoint, name, lead
         return t
 
     def rows(self, start: int, stop: int) -> torch.Tensor:
@@ -72,8 +75,9 @@ class LazyWeight(torch.Tensor):
         return out
 
     def materialize(self) -> torch.Tensor:
-        """The whole tensor, decoded (CPU, bit-exact)."""
-        return self.uw_checkpoint.get_tensor(self.uw_name)
+        """The whole tensor, decoded (CPU, bit-exact), in this LazyWeight's shape."""
+        t = self.uw_checkpoint.get_tensor(self.uw_name)
+        return t.reshape((1,) * self.uw_lead + tuple(t.shape)) if self.uw_lead else t
 
     def __repr__(self, *, tensor_contents=None) -> str:
         return f"LazyWeight({self.uw_name!r}, shape={list(self.shape)}, dtype={self.dtype})"
@@ -84,8 +88,14 @@ class LazyWeight(torch.Tensor):
         if func in _METADATA:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
-        if func is torch.Tensor.narrow and isinstance(args[0], LazyWeight) and not kwargs:
-            return args[0]._narrow(*args[1:])
+        lazy = args[0] if args and isinstance(args[0], LazyWeight) else None
+        if lazy is not None and not kwargs:
+            if func is torch.Tensor.narrow and not lazy.uw_lead:
+                return lazy._narrow(*args[1:])
+            if func is torch.Tensor.unsqueeze and args[1:] == (0,):
+                return LazyWeight(lazy.uw_checkpoint, lazy.uw_name, lazy.uw_lead + 1)
+            if func is torch.Tensor.unbind and args[1:] in ((), (0,)) and lazy.uw_lead:
+                return (LazyWeight(lazy.uw_checkpoint, lazy.uw_name, lazy.uw_lead - 1),)
         args, kwargs = torch.utils._pytree.tree_map(_dense, (args, kwargs))
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
