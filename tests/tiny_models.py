@@ -47,28 +47,32 @@ def tiny_llama(dst: Path, tokenizer_from: Path, dtype: torch.dtype = torch.bfloa
     return _save(LlamaForCausalLM(cfg), dst, tokenizer_from, dtype)
 
 
-def tiny_qwen3_moe(dst: Path, tokenizer_from: Path, dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Two layers of 4 experts (top 2) and a router, Qwen3-MoE's architecture."""
+def tiny_qwen3_moe(dst: Path, tokenizer_from: Path, dtype: torch.dtype = torch.bfloat16, **sizes) -> Path:
+    """Two layers of 4 experts (top 2) and a router, Qwen3-MoE's architecture; `sizes` override
+    the config's (benchmarks/vllm_bench.py makes a larger one)."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     if dst.exists():
         return dst
     torch.manual_seed(0)
     cfg = Qwen3MoeConfig(
-        vocab_size=49152,
-        hidden_size=256,
-        intermediate_size=512,
-        moe_intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        num_experts=4,
-        num_experts_per_tok=2,
-        decoder_sparse_step=1,
-        max_position_embeddings=1024,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
+        **{
+            "vocab_size": 49152,
+            "hidden_size": 256,
+            "intermediate_size": 512,
+            "moe_intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 64,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "decoder_sparse_step": 1,
+            "max_position_embeddings": 1024,
+            "tie_word_embeddings": False,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            **sizes,
+        }
     )
     return _save(Qwen3MoeForCausalLM(cfg), dst, tokenizer_from, dtype)
