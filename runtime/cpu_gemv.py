@@ -512,6 +512,11 @@ def _args(weight: dict[str, torch.Tensor]) -> tuple:
     return weight["sm"].numpy(), weight["codes"].numpy(), weight["esc"].numpy(), weight["esc_index"].numpy()
 
 
+def _addresses(codes, esc, esc_index) -> tuple:
+    """(address, length) of the codes, escapes and escape index, as the fused kernels take them."""
+    return codes.data_ptr(), codes.numel(), esc.data_ptr(), esc.numel(), esc_index.data_ptr(), esc_index.numel()
+
+
 def _fast_layout(sm, codes, esc, esc_index, in_features: int) -> bool:
     """Whether the fused (AVX2) kernels take these streams: they read them by address, so the
     streams must lie on the CPU as tile_tensors makes them, rows a multiple of 8 long."""
@@ -571,12 +576,7 @@ def tiles_gemv_cpu(
                     x.data_ptr(),
                     m,
                     sm.data_ptr(),
-                    codes.data_ptr(),
-                    codes.numel(),
-                    esc.data_ptr(),
-                    esc.numel(),
-                    esc_index.data_ptr(),
-                    esc_index.numel(),
+                    *_addresses(codes, esc, esc_index),
                     out_features,
                     in_features,
                     bpr,
@@ -633,12 +633,7 @@ def tiles_grouped_gemv_cpu(
                 x.data_ptr(),
                 p,
                 sm.data_ptr(),
-                codes.data_ptr(),
-                codes.numel(),
-                esc.data_ptr(),
-                esc.numel(),
-                esc_index.data_ptr(),
-                esc_index.numel(),
+                *_addresses(codes, esc, esc_index),
                 out_features,
                 in_features,
                 -(-in_features // block),
@@ -674,12 +669,7 @@ def tiles_rows_cpu(
                 _rows_fused_at(
                     sm.data_ptr(),
                     sm.numel(),
-                    codes.data_ptr(),
-                    codes.numel(),
-                    esc.data_ptr(),
-                    esc.numel(),
-                    esc_index.data_ptr(),
-                    esc_index.numel(),
+                    *_addresses(codes, esc, esc_index),
                     in_features,
                     bpr,
                     base,

@@ -12,6 +12,12 @@ import triton
 import triton.language as tl
 
 
+def kernel_streams(q: dict) -> tuple:
+    """The resident streams in the order every kernel takes them: sm, codes, base, esc_row,
+    esc_col, esc_exp (runtime/qtiles.py)."""
+    return q["sm"], q["codes"], q["base"], q["esc_row"], q["esc_col"], q["esc_exp"]
+
+
 def stream_mode(q: dict, mode: int | None) -> int:
     """The matrix's mode: as given, else read from its `mode` stream (a wait, if that is on a GPU:
     callers that care, as UnweightLinear does, keep the mode on the host and pass it)."""

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .qtiles_common import group_words, quad_pairs, row_offsets, stream_mode
+from .qtiles_common import group_words, kernel_streams, quad_pairs, row_offsets, stream_mode
 
 _NO_GUARD = contextlib.nullcontext()
 
@@ -114,12 +114,7 @@ def qtiles_decode(
         block_n = 4
         with torch.cuda.device(sm.device) if sm.device.type == "cuda" else _NO_GUARD:
             qtiles_decode_kernel[(-(-n_out // block_n),)](
-                sm,
-                q["codes"],
-                q["base"],
-                q["esc_row"],
-                q["esc_col"],
-                q["esc_exp"],
+                *kernel_streams(q),
                 rows,
                 cols,
                 -(-cols // 32),

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .qtiles_common import escape_delta, group_words, pair_f32, quad_pairs, row_offsets, stream_mode
+from .qtiles_common import escape_delta, group_words, kernel_streams, pair_f32, quad_pairs, row_offsets, stream_mode
 
 GEMV_M = 2  # rows of x up to which the CUDA-core GEMV runs; beyond, the tensor-core kernel (at 3-4 rows
 # the GEMV's FFMAs cost 14 instructions a weight, the 16-row tensor-core tile 11)
@@ -336,12 +336,7 @@ def qtiles_linear(
         m,
         x2.stride(0),
         y.stride(0),
-        sm,
-        q["codes"],
-        q["base"],
-        q["esc_row"],
-        q["esc_col"],
-        q["esc_exp"],
+        *kernel_streams(q),
         out_features,
         in_features,
         g,
@@ -457,12 +452,7 @@ def qtiles_experts_linear(
                 1,
                 x2.stride(0),
                 y.stride(0),
-                sm,
-                q["codes"],
-                q["base"],
-                q["esc_row"],
-                q["esc_col"],
-                q["esc_exp"],
+                *kernel_streams(q),
                 out_features,
                 in_features,
                 g,
