@@ -9,9 +9,8 @@ memory at any time is one layer's rank-local experts.
 
 `apply` gets the router's choice (vLLM routes first) and runs the custom op `unweight::experts`,
 whose pipeline the autotuner picks per batch bucket:
-- `fused`: UnweightExperts' own (the numba GEMV over each routed expert's rows on the CPU, one
-  grouped Triton GEMV launch per weight on CUDA): only the routed experts' compressed bytes are
-  read;
+- `fused`: UnweightExperts' own (one grouped numba GEMV call per weight on the CPU, one grouped
+  Triton GEMV launch per weight on CUDA): only the routed experts' compressed bytes are read;
 - `decode_matmul`: the routed experts decoded and handed to **vLLM's own fused-MoE kernel** (the
   one its unquantized method would run, prepacked as that method prepacks, their ids renumbered),
   so that forced (`UNWEIGHT_PIPELINE=decode_matmul`) it gives vLLM's unquantized output bit for bit.
@@ -33,6 +32,10 @@ from vllm.model_executor.utils import set_weight_attrs
 
 from .registry import Registry
 
+# the gated activations UnweightExperts computes: its ACTIVATIONS, not imported, since importing
+# unweight.runtime.experts loads numba, which must wait until a model loads (plugin.py)
+ACTIVATIONS = ("silu", "gelu")
+
 SHARDS = ("w1", "w3", "w2")
 
 
@@ -44,7 +47,7 @@ def unsupported(moe) -> str | None:
         return "its experts have no gated activation"
     if moe.moe_parallel_config.use_ep:
         return "expert parallelism is on"
-    if str(getattr(moe.activation, "value", moe.activation)).lower() not in ("silu", "gelu"):
+    if _activation(moe.activation) not in ACTIVATIONS:
         return f"its activation is {moe.activation}"
     return None
 
@@ -268,4 +271,5 @@ def _(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer
 
 
 def _activation(act) -> str:
+    """vLLM's MoEActivation (or a string) as UnweightExperts names it: "silu", "gelu", ..."""
     return str(getattr(act, "value", act)).lower()
