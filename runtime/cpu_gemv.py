@@ -554,10 +554,13 @@ def tiles_gemv_cpu(
     of a stacked MoE weight)."""
     sm, codes, esc, esc_index = weight["sm"], weight["codes"], weight["esc"], weight["esc_index"]
     bpr = -(-in_features // block)
-    r0, r1 = (0, out_features) if rows is None else rows
-    if not 0 <= r0 <= r1 <= out_features:
-        raise ValueError(f"rows [{r0}, {r1}) lie outside the weight's {out_features} rows")
-    n_out = r1 - r0
+    if rows is None:
+        r0, n_out = 0, out_features
+    else:
+        r0, r1 = rows
+        if not 0 <= r0 <= r1 <= out_features:
+            raise ValueError(f"rows [{r0}, {r1}) lie outside the weight's {out_features} rows")
+        n_out = r1 - r0
     # The fused kernels take the streams' addresses, so the streams must be laid out as
     # tile_tensors makes them. (Every line here is written for speed: a small layer's GEMV takes
     # tens of microseconds, and each Python-level step costs a tenth of one.)

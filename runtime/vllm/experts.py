@@ -161,8 +161,9 @@ class _ExpertLoader:
             pending.w2 = torch.empty(pending.experts, h, i, dtype=pending.dtype)
         if shard_id == "w2":
             pending.w2[expert] = part
-        else:
-            pending.w13[expert, (0 if shard_id == "w1" else i) : (i if shard_id == "w1" else 2 * i)] = part
+        else:  # w13 is the gate's I rows, then the up projection's
+            start = 0 if shard_id == "w1" else i
+            pending.w13[expert, start : start + i] = part
         pending.seen.add((expert, shard_id))
         if len(pending.seen) == 3 * pending.experts:
             _finish(self.layer, pending, device)

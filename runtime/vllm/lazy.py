@@ -77,7 +77,7 @@ class LazyWeight(torch.Tensor):
     def materialize(self) -> torch.Tensor:
         """The whole tensor, decoded (CPU, bit-exact), in this LazyWeight's shape."""
         t = self.uw_checkpoint.get_tensor(self.uw_name)
-        return t.reshape((1,) * self.uw_lead + tuple(t.shape)) if self.uw_lead else t
+        return t.reshape(self.shape) if self.uw_lead else t
 
     def __repr__(self, *, tensor_contents=None) -> str:
         return f"LazyWeight({self.uw_name!r}, shape={list(self.shape)}, dtype={self.dtype})"
