@@ -23,8 +23,8 @@ from .errors import FormatError
 from .safetensors_file import MAX_HEADER_BYTES, RESERVED_NAME, SafetensorsFile, encode_header
 
 FORMAT_NAME = "unweight"
-FORMAT_VERSION = "1.1"  # 1.1 added the optional per-stream CRC-32s (SPEC.md §2, §5)
-SUPPORTED_MAJOR = 1
+FORMAT_VERSION = "2.0"  # 1.1 added per-stream CRC-32s; 2.0 the tensors' placeholders (SPEC.md §1, §5)
+SUPPORTED_MAJORS = (1, 2)
 _VERSION_RE = re.compile(r"([0-9]{1,4})\.([0-9]{1,4})")
 
 
@@ -134,10 +134,10 @@ class ContainerReader:
         m = _VERSION_RE.fullmatch(version) if isinstance(version, str) else None
         if not m:
             raise FormatError(self.path, f"format_version {version!r} is not MAJOR.MINOR")
-        if int(m.group(1)) != SUPPORTED_MAJOR:
+        if int(m.group(1)) not in SUPPORTED_MAJORS:
+            known = ", ".join(f"{v}.x" for v in SUPPORTED_MAJORS)
             raise FormatError(
-                self.path,
-                f"format version {version} is not supported (this reader knows {SUPPORTED_MAJOR}.x); upgrade unweight",
+                self.path, f"format version {version} is not supported (this reader knows {known}); upgrade unweight"
             )
         self.format_version = version
         try:
@@ -168,9 +168,17 @@ class ContainerReader:
                 used[stream] = entry.name
                 if info.dtype != "U8" or len(info.shape) != 1:
                     raise FormatError(self.path, f"stream {stream!r} is not a 1-D U8 tensor", entry.name)
-        if len(used) != len(infos):  # every stream used is in the file: the rest belong to no tensor
-            unused = set(infos) - set(used)
-            raise FormatError(self.path, f"stream {sorted(unused)[0]!r} belongs to no tensor")
+        if len(used) != len(
+            infos
+        ):  # every stream used is in the file: the rest are placeholders or belong to no tensor
+            for name in sorted(set(infos) - set(used)):
+                info = infos[name]
+                if name not in self.tensors:
+                    raise FormatError(self.path, f"stream {name!r} belongs to no tensor")
+                if info.dtype != "U8" or info.shape != (0,):
+                    raise FormatError(
+                        self.path, f"the placeholder of tensor {name!r} is {info.dtype}{list(info.shape)}, not U8[0]"
+                    )
 
     def stream(self, name: str) -> np.ndarray:
         return self._file.bytes_of(name)
@@ -256,7 +264,11 @@ class ContainerWriter:
             "unweight": json.dumps(manifest, separators=(",", ":")),
         }
         shift = (0, self._sizes[0])
-        rows = ((n, "U8", [e - b], b + shift[part], e + shift[part]) for n, part, b, e in self._streams)
+        rows = [(n, "U8", [e - b], b + shift[part], e + shift[part]) for n, part, b, e in self._streams]
+        # Each tensor's placeholder (SPEC.md §1): an empty entry under the tensor's own name, so that a
+        # reader that takes the file for a plain checkpoint finds every tensor with the wrong shape
+        # and fails, instead of missing them all and loading a model of random weights.
+        rows += [(e.name, "U8", [0], 0, 0) for e in self._entries if e.name not in self._names]
         head = encode_header(rows, metadata)
         if len(head) > MAX_HEADER_BYTES:  # readers would refuse the file: say so now, not when it is opened
             self.abort()

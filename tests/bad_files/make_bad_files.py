@@ -460,6 +460,22 @@ def stream_not_referenced(b: Bases) -> bytes:
     return _edit(b.a, fn)
 
 
+def placeholder_not_empty(b: Bases) -> bytes:
+    # weight's placeholder (SPEC.md §1) holds a byte: a plain reader would load it as data
+    def fn(p: Parsed) -> None:
+        p.header["weight"] = {"dtype": "U8", "shape": [1], "data_offsets": [len(p.data), len(p.data) + 1]}
+        p.data += b"\x00"
+
+    return _edit(b.a, fn)
+
+
+def placeholder_not_u8(b: Bases) -> bytes:
+    def fn(p: Parsed) -> None:
+        p.header["weight"] = {"dtype": "BF16", "shape": [0], "data_offsets": [0, 0]}
+
+    return _edit(b.a, fn)
+
+
 def trailing_bytes_after_streams(b: Bases) -> bytes:
     return b.a + b"\x00" * 16
 
@@ -475,8 +491,8 @@ def plain_safetensors_file(b: Bases) -> bytes:
     return plain_safetensors(base_tensors())
 
 
-def format_version_2_0(b: Bases) -> bytes:
-    return _edit(b.a, _set_meta("format_version", "2.0"))
+def format_version_3_0(b: Bases) -> bytes:
+    return _edit(b.a, _set_meta("format_version", "3.0"))
 
 
 def format_version_garbage(b: Bases) -> bytes:
@@ -1011,10 +1027,12 @@ CASES: dict[str, tuple[Callable[[Bases], bytes], str | None, tuple[str, ...]]] =
     "stream_dtype_not_u8": (stream_dtype_not_u8, "weight", CONTAINER_OPS),
     "stream_dtype_not_a_string": (stream_dtype_not_a_string, "weight#table", CONTAINER_OPS),
     "stream_not_referenced": (stream_not_referenced, "orphan", CONTAINER_OPS),
+    "placeholder_not_empty": (placeholder_not_empty, "weight", CONTAINER_OPS),
+    "placeholder_not_u8": (placeholder_not_u8, "weight", CONTAINER_OPS),
     "trailing_bytes_after_streams": (trailing_bytes_after_streams, None, CONTAINER_OPS),
     "metadata_format_missing": (metadata_format_missing, None, CONTAINER_OPS),
     "plain_safetensors_file": (plain_safetensors_file, None, CONTAINER_OPS),
-    "format_version_2_0": (format_version_2_0, None, CONTAINER_OPS),
+    "format_version_3_0": (format_version_3_0, None, CONTAINER_OPS),
     "format_version_garbage": (format_version_garbage, None, CONTAINER_OPS),
     "format_version_missing": (format_version_missing, None, CONTAINER_OPS),
     "metadata_value_not_a_string": (metadata_value_not_a_string, None, CONTAINER_OPS),
