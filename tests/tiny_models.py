@@ -76,3 +76,103 @@ def tiny_qwen3_moe(dst: Path, tokenizer_from: Path, dtype: torch.dtype = torch.b
         }
     )
     return _save(Qwen3MoeForCausalLM(cfg), dst, tokenizer_from, dtype)
+
+
+# Tiny random models of the architectures the transformers quantizer is tested on (tests/test_hf.py):
+# model_type -> (config class, causal LM class, config overrides). Each has a vocabulary of 512, no
+# tokenizer, two or three layers, and the family's own parts (MoE experts, MLA, qk-norm, sliding and
+# chunked attention, a tied or untied head).
+_SMALL = dict(
+    vocab_size=512,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(intermediate_size=128, tie_word_embeddings=True)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(intermediate_size=128, tie_word_embeddings=False)),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            num_experts=4,
+            num_experts_per_tok=2,
+            decoder_sparse_step=1,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        dict(intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False),
+    ),
+    "gemma3_text": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(intermediate_size=128, sliding_window=16, query_pre_attn_scalar=16, tie_word_embeddings=True),
+    ),
+    "llama4_text": (
+        "Llama4TextConfig",
+        "Llama4ForCausalLM",
+        dict(
+            intermediate_size=32,
+            intermediate_size_mlp=128,
+            num_local_experts=4,
+            num_experts_per_tok=1,
+            interleave_moe_layer_step=1,
+            attention_chunk_size=128,
+            no_rope_layers=[1, 0],
+            tie_word_embeddings=False,
+        ),
+    ),
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        dict(
+            num_hidden_layers=3,
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+            q_lora_rank=32,
+            kv_lora_rank=32,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            head_dim=8,
+            num_key_value_heads=4,
+            tie_word_embeddings=False,
+        ),
+    ),
+}
+
+
+def tiny_family(model_type: str, dst: Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """A tiny random `model_type` (a key of FAMILIES) saved by transformers, in BF16."""
+    import transformers
+
+    if dst.exists():
+        return dst
+    config_cls, model_cls, overrides = FAMILIES[model_type]
+    torch.manual_seed(0)
+    cfg = getattr(transformers, config_cls)(**{**_SMALL, **overrides})
+    model = getattr(transformers, model_cls)(cfg)
+    with torch.no_grad():  # random norms (ones and zeros would hide a mix-up), experts' init is often empty
+        for p in model.parameters():
+            p.normal_(0, 0.05)
+    tmp = dst.with_name(dst.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.to(dtype).save_pretrained(tmp)
+    tmp.rename(dst)
+    return dst

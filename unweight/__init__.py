@@ -58,6 +58,17 @@ def compress(
     return _compress(src, dst, options, progress, max_memory)
 
 
+def _register_with_transformers() -> None:
+    """transformers' `from_pretrained` loads compressed folders once unweight is imported
+    (unweight.runtime.transformers); transformers itself is not imported here."""
+    from unweight.runtime.transformers import install_hook
+
+    install_hook()
+
+
+_register_with_transformers()
+
+
 def _looks_like_repo_id(s: str) -> bool:
     parts = s.split("/")
     return len(parts) == 2 and all(parts) and not s.startswith((".", "/", "~"))
