@@ -31,6 +31,7 @@ demo: install
 test: install
 	$(BIN)/python -m unweight.testing
 	$(BIN)/python -m unweight.testing vllm
+	$(BIN)/python -m unweight.testing transformers
 	$(BIN)/python -m pytest -q
 
 bench: install

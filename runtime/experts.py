@@ -162,6 +162,10 @@ class UnweightExperts(nn.Module):
         device = self.w13.sm.device
         if x.device != device:
             raise ValueError(f"input is on {x.device}, the experts on {device}")
+        if torch.is_grad_enabled() and (x.requires_grad or topk_weights.requires_grad):
+            # training adapters on the frozen base: torch's ops give x and the routing weights their
+            # gradients (the routed experts' decoded weights are kept for the backward pass)
+            return self._run("decode_matmul", x, topk_weights, topk_ids, activation, weights_on_input)
         pairs = topk_ids.numel()
         bucket = batch_bucket(pairs)
         memo = (x.device, bucket, x.dtype, os.environ.get(FORCE_ENV))

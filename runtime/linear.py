@@ -119,6 +119,21 @@ def _check_row_ids(ids: torch.Tensor | None, rows: int) -> None:
         raise ValueError(f"row ids must lie in [0, {rows})")
 
 
+class _CompressedMatmul(torch.autograd.Function):
+    """x @ W^T through a layer's pipeline, with a backward for x alone (W is frozen): W is decoded
+    again for it, so nothing of W is kept between the two passes (LoRA training on the compressed
+    base holds the compressed weights, not dense copies)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, layer: UnweightLinear, pipeline: str) -> torch.Tensor:
+        ctx.layer = layer
+        return layer._run(pipeline, x)
+
+    @staticmethod
+    def backward(ctx, grad_y: torch.Tensor):
+        return grad_y @ ctx.layer.decoded_weight(grad_y.dtype), None, None
+
+
 class UnweightLinear(nn.Module):
     """y = x @ W^T + b with W (out_features, in_features) BF16 stored as `tiles` streams."""
 
@@ -335,7 +350,9 @@ class UnweightLinear(nn.Module):
                 key, {p: (lambda p=p: self._run(p, x)) for p in self._pipelines(bucket, x.device)}, x.device
             )
             self._chosen[memo] = name
-        if y is None:
+        if torch.is_grad_enabled() and x.requires_grad:
+            y = _CompressedMatmul.apply(x, self, name)
+        elif y is None:
             y = self._run(name, x)
         return y + self.bias if self.bias is not None else y
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -46,3 +48,28 @@ def run_cli(
         env=env,
         timeout=timeout,
     )
+
+
+def container_header(path: Path) -> tuple[int, dict]:
+    """(header length, header JSON) of a safetensors file."""
+    blob = path.read_bytes()
+    (n,) = struct.unpack("<Q", blob[:8])
+    return n, json.loads(blob[8 : 8 + n])
+
+
+def container_manifest(path: Path) -> dict:
+    """The manifest's tensors of a container."""
+    return json.loads(container_header(path)[1]["__metadata__"]["unweight"])["tensors"]
+
+
+def flip_stream_byte(folder: Path, tensor: str, role: str, at: int = 0, mask: int = 0x01) -> Path:
+    """XOR byte `at` of the stream (tensor, role) of the folder's model.safetensors with `mask`."""
+    path = folder / "model.safetensors"
+    n, header = container_header(path)
+    stream = container_manifest(path)[tensor]["streams"][role]
+    b, e = header[stream]["data_offsets"]
+    assert 0 <= at < e - b
+    blob = bytearray(path.read_bytes())
+    blob[8 + n + b + at] ^= mask
+    path.write_bytes(bytes(blob))
+    return path

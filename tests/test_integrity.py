@@ -20,6 +20,9 @@ import pytest
 import torch
 
 import unweight
+from helpers import container_header as _header
+from helpers import container_manifest as _manifest
+from helpers import flip_stream_byte as _flip
 from helpers import run_cli
 from unweight.errors import CorruptDataError
 from unweight.reader import CompressedCheckpoint
@@ -58,32 +61,9 @@ def folders(tmp_path_factory) -> dict[str, Path]:
     return {"bf16": root / "bf16", "serving": root / "serving", "archive": root / "archive"}
 
 
-def _header(path: Path) -> tuple[int, dict]:
-    blob = path.read_bytes()
-    (n,) = struct.unpack("<Q", blob[:8])
-    return n, json.loads(blob[8 : 8 + n])
-
-
-def _manifest(path: Path) -> dict:
-    return json.loads(_header(path)[1]["__metadata__"]["unweight"])["tensors"]
-
-
 def _copy(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst)
     return dst
-
-
-def _flip(folder: Path, tensor: str, role: str, at: int = 0, mask: int = 0x01) -> Path:
-    """XOR byte `at` of the stream (tensor, role) of the folder's container with `mask`."""
-    path = folder / "model.safetensors"
-    n, header = _header(path)
-    stream = _manifest(path)[tensor]["streams"][role]
-    b, e = header[stream]["data_offsets"]
-    assert 0 <= at < e - b
-    blob = bytearray(path.read_bytes())
-    blob[8 + n + b + at] ^= mask
-    path.write_bytes(bytes(blob))
-    return path
 
 
 def _rewrite_manifest(folder: Path, edit, version: str | None = None) -> None:

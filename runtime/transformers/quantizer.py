@@ -117,6 +117,11 @@ class UnweightHfQuantizer(HfQuantizer):
         return model
 
     def is_serializable(self, safe_serialization=None):
+        log.warning(
+            "unweight: save_pretrained cannot write a model loaded from a compressed folder (its weights are "
+            "compressed modules, not tensors); the folder itself is the checkpoint: copy it, or run `unweight "
+            "compress` on the original. PEFT adapters save as usual (peft_model.save_pretrained)."
+        )
         return False
 
     @property
