@@ -20,6 +20,8 @@ import torch
 import unweight
 from test_serve import KEY, Server
 
+pytestmark = pytest.mark.slow  # engines and servers: pytest -m 'not slow' leaves them out
+
 CHOICES = [
     ("The capital of France is", [" Paris", " Berlin", " Madrid"], 0),
     ("Two plus two equals", [" seven", " four", " ten"], 1),

@@ -22,6 +22,8 @@ import pytest
 
 import unweight
 
+pytestmark = pytest.mark.slow  # engines and servers: pytest -m 'not slow' leaves them out
+
 KEY = "test-key"
 MESSAGES = [
     [{"role": "user", "content": "What is the capital of France?"}],

@@ -29,6 +29,8 @@ from test_serve import KEY, MESSAGES, Server, alive, free_port
 from unweight.runtime.generate import encode_prompt
 from unweight.runtime.serve.protocol import curve_keys, read_secret_file
 
+pytestmark = pytest.mark.slow  # engines and servers: pytest -m 'not slow' leaves them out
+
 PROMPTS = [
     "The history of Rome",
     "Once upon a time, in a small village",

@@ -18,6 +18,8 @@ import pytest
 
 from test_serve import KEY, MESSAGES, Server
 
+pytestmark = pytest.mark.slow  # engines and servers: pytest -m 'not slow' leaves them out
+
 LIMIT_BODY = 4_000_000
 LIMIT_CONNECTIONS = 64
 MAX_LEN = 8192

@@ -39,6 +39,8 @@ from tiny_models import tiny_llama, tiny_qwen3_moe
 from helpers import run_cli
 from unweight.testing import vllm_env
 
+pytestmark = pytest.mark.slow  # engines and servers: pytest -m 'not slow' leaves them out
+
 DRIVER = Path(__file__).with_name("vllm_driver.py")
 # |logprob difference| the fused CPU kernel may show against vLLM's own GEMM: both sum the same fp32
 # products in different orders (measured: 1.1e-5 to 1.2e-5 over SmolLM2's 96 tokens)
