@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -73,3 +74,12 @@ def flip_stream_byte(folder: Path, tensor: str, role: str, at: int = 0, mask: in
     blob[8 + n + b + at] ^= mask
     path.write_bytes(bytes(blob))
     return path
+
+
+def fake_hub_cache(root: Path, repo_id: str, files_from: Path) -> None:
+    """The layout huggingface_hub uses: models--org--name/{refs/main, snapshots/<commit>/...}."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = root / ("models--" + repo_id.replace("/", "--"))
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    shutil.copytree(files_from, repo / "snapshots" / commit)

@@ -23,7 +23,7 @@ import torch
 from tiny_models import FAMILIES, tiny_family
 
 import unweight
-from helpers import flip_stream_byte
+from helpers import fake_hub_cache, flip_stream_byte
 from unweight.errors import CorruptDataError, FormatError, SourceError
 
 transformers = pytest.importorskip("transformers")
@@ -134,6 +134,17 @@ def test_pipeline_and_auto_model(smollm2_uw, tiny):
     _, dst = tiny("llama")
     base = AutoModel.from_pretrained(dst, dtype=torch.float32)  # no lm_head: the checkpoint's is left unused
     assert type(base.layers[0].self_attn.q_proj).__name__ == "CompressedLinear"
+
+
+def test_hub_repo_id_offline(tiny, tmp_path, monkeypatch):
+    """A compressed model on the Hub (here huggingface_hub's cache, offline) loads by its repo id."""
+    src, dst = tiny("qwen3")
+    fake_hub_cache(tmp_path / "hub", "acme/tiny-uw", dst)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv(FORCE, "decode_matmul")
+    with torch.no_grad():
+        assert same_bits(load("acme/tiny-uw")(IDS).logits, load(src)(IDS).logits)
 
 
 @pytest.mark.parametrize("device_map", ["auto", {"": "cpu"}])

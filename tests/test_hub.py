@@ -2,18 +2,7 @@
 
 from __future__ import annotations
 
-import shutil
-
-from helpers import random_bf16, run_cli, write_checkpoint
-
-
-def fake_hub_cache(root, repo_id: str, files_from) -> None:
-    """The layout huggingface_hub uses: models--org--name/{refs/main, snapshots/<commit>/...}."""
-    commit = "0123456789abcdef0123456789abcdef01234567"
-    repo = root / ("models--" + repo_id.replace("/", "--"))
-    (repo / "refs").mkdir(parents=True)
-    (repo / "refs" / "main").write_text(commit)
-    shutil.copytree(files_from, repo / "snapshots" / commit)
+from helpers import fake_hub_cache, random_bf16, run_cli, write_checkpoint
 
 
 def test_repo_id_from_the_local_cache_offline(tmp_path, monkeypatch):

@@ -25,3 +25,12 @@ def test_readme_runtime_example(smollm2_uw, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     exec(compile("import unweight\n" + code, str(README), "exec"), {})
     assert capsys.readouterr().out.strip()  # it printed a completion
+
+
+def test_readme_transformers_example(smollm2_uw, tmp_path, monkeypatch, capsys):
+    code = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)[2]
+    assert code.startswith("import unweight")
+    (tmp_path / "model-uw").symlink_to(smollm2_uw[0])
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, str(README), "exec"), {})
+    assert "Paris" in capsys.readouterr().out

@@ -1,0 +1,190 @@
+"""transformers on the CPU: `from_pretrained` of a compressed folder (the unweight quantizer) against
+`from_pretrained` of its BF16 source, in the same compute dtype.
+
+Models: SmolLM2-135M-Instruct (real weights), or with --model 8b-layers a random Llama with
+Llama-3.1-8B's layer shapes (hidden 4096, MLP 14336, 32 query and 8 kv heads; --layers of them,
+a 32000-token vocabulary, untied head).
+
+Each side runs in a fresh process, the sides alternated over --rounds, so that a slow spell of the
+machine hits both. In each: the load (`from_pretrained` wall time), the resident weight bytes
+(`get_memory_footprint()`: parameters and buffers; the compressed side's streams are buffers), then
+--reps greedy generations of 1 token (TTFT) and of --tokens tokens of a fixed prompt: decode
+tokens/s = (tokens - 1) / (time - TTFT). Goals (issue #28): resident weights <= 0.72x BF16, decode
+tokens/s >= 1.0x.
+
+    python benchmarks/hf_bench.py [--model smollm2|8b-layers] [--dtype float32|bfloat16] [--rounds 3]
+                                  [--reps 3] [--tokens 32] [--layers 2] [--out benchmarks/results/hf_bench.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+EIGHT_B_LAYER = dict(
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    vocab_size=32000,
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
+)
+
+
+def cpu_flags() -> str:
+    """The CPU's model and its SIMD flags (the tables are not comparable across them)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown CPU"
+    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    simd = [f for f in flags if f.startswith(("avx", "amx", "fma"))]
+    return f"{model}, {os.cpu_count()} CPUs, {' '.join(simd)}"
+
+
+def worker(path: str, dtype: str, reps: int, tokens: int, out: str) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import unweight  # noqa: F401  (registers the quantizer; the BF16 side loads as it would without it)
+
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    load_s = time.perf_counter() - t0
+    ids = torch.randint(3, 500, (1, 64), generator=torch.Generator().manual_seed(0))
+
+    def run(n: int) -> float:
+        t = time.perf_counter()
+        with torch.no_grad():
+            model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        return time.perf_counter() - t
+
+    run(tokens)  # warm-up: the autotuner's first choices, page faults
+    ttft, decode = [], []
+    for _ in range(reps):
+        t1, tn = run(1), run(tokens)
+        ttft.append(t1)
+        decode.append((tokens - 1) / (tn - t1))
+    Path(out).write_text(
+        json.dumps(
+            {"load_s": load_s, "weight_bytes": model.get_memory_footprint(), "ttft_s": ttft, "decode_tok_s": decode}
+        )
+    )
+
+
+def source(args) -> Path:
+    from unweight.defaults import cache_dir
+    from unweight.testing import smollm2_bf16
+
+    if args.model == "smollm2":
+        return smollm2_bf16(cache_dir() / "smollm2-bf16")
+    dst = cache_dir() / f"bench-8b-layers-{args.layers}"
+    if not dst.exists():
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        torch.manual_seed(0)
+        cfg = LlamaConfig(num_hidden_layers=args.layers, **EIGHT_B_LAYER)
+        with torch.device("cpu"):
+            model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+        tmp = dst.with_name(dst.name + ".tmp")
+        model.save_pretrained(tmp)
+        tmp.rename(dst)
+    return dst
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2", choices=["smollm2", "8b-layers"])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--out", default="benchmarks/results/hf_bench.json")
+    ap.add_argument("--worker", nargs=2, metavar=("MODEL", "OUT"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args.worker[0], args.dtype, args.reps, args.tokens, args.worker[1])
+
+    src = source(args)
+    with tempfile.TemporaryDirectory() as td:
+        uw = Path(td) / "model-uw"
+        subprocess.run(
+            [sys.executable, "-m", "unweight.cli.main", "compress", str(src), str(uw)],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
+        sides = {"transformers, BF16 folder": str(src), "transformers + unweight": str(uw)}
+        runs: dict[str, list[dict]] = {s: [] for s in sides}
+        for r in range(args.rounds):
+            for side, model in sides.items():
+                out = Path(td) / f"{r}-{len(runs[side])}-{len(side)}.json"
+                cmd = [
+                    sys.executable,
+                    __file__,
+                    "--worker",
+                    model,
+                    str(out),
+                    "--dtype",
+                    args.dtype,
+                    "--reps",
+                    str(args.reps),
+                    "--tokens",
+                    str(args.tokens),
+                ]
+                done = subprocess.run(cmd, capture_output=True, text=True)
+                if done.returncode != 0:
+                    raise SystemExit(f"{side} failed:\n{(done.stdout + done.stderr)[-3000:]}")
+                runs[side].append(json.loads(out.read_text()))
+                print(f"round {r + 1}: {side} done", file=sys.stderr)
+    base, ours = (runs[s] for s in sides)
+    bf16_bytes = sum(f.stat().st_size for f in src.glob("*.safetensors"))  # the BF16 checkpoint (headers aside)
+
+    def pooled(rs: list[dict], key: str) -> list[float]:
+        return [v for run in rs for v in (run[key] if isinstance(run[key], list) else [run[key]])]
+
+    print(
+        f"\n{args.model}, {args.dtype} compute, {args.tokens} tokens, {args.rounds} rounds x {args.reps} reps; "
+        f"{cpu_flags()}\n"
+    )
+    print("| figure | BF16 folder median (range) | compressed median (range) | compressed / BF16 |")
+    print("| --- | ---: | ---: | ---: |")
+    summary = {}
+    for label, key in (
+        ("load (s)", "load_s"),
+        ("weights resident", "weight_bytes"),
+        ("TTFT (s)", "ttft_s"),
+        ("decode tokens/s", "decode_tok_s"),
+    ):
+        a, b = pooled(base, key), pooled(ours, key)
+        ma, mb = statistics.median(a), statistics.median(b)
+        summary[key] = {"bf16": ma, "unweight": mb, "ratio": mb / ma}
+
+        def fmt(v: float) -> str:
+            return f"{v / 2**20:,.1f} MiB" if "bytes" in key else f"{v:.3f}"
+
+        print(
+            f"| {label} | {fmt(ma)} ({fmt(min(a))}–{fmt(max(a))}) | {fmt(mb)} ({fmt(min(b))}–{fmt(max(b))}) "
+            f"| {mb / ma:.2f}x |"
+        )
+    resident = summary["weight_bytes"]["unweight"] / bf16_bytes
+    summary["resident_vs_bf16_checkpoint"] = resident
+    print(f"\ncompressed weights resident / the BF16 checkpoint's {bf16_bytes / 2**20:,.1f} MiB: {resident:.3f}x")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"args": vars(args), "cpu": cpu_flags(), "summary": summary, "runs": runs}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
