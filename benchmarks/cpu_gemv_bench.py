@@ -45,8 +45,8 @@ import torch
 import torch.nn.functional as F
 
 from unweight.codec import tiles
-from unweight.runtime.cpu_gemv import FAST_PATH, tiles_gemv_cpu
-from unweight.runtime.tile_tensors import tile_tensors
+from unweight.runtime.kernels.cpu_gemv import FAST_PATH, tiles_gemv_cpu
+from unweight.runtime.kernels.tile_tensors import tile_tensors
 
 # label -> (N, K, tensor names stacked in this order, {layer} filled in)
 SHAPES = {

@@ -46,10 +46,10 @@ import torch.nn.functional as F  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kernel_isa  # noqa: E402  (its constants; it runs in a process of its own)
 
-from unweight.runtime import qtiles  # noqa: E402
+from unweight.runtime.kernels import qtiles  # noqa: E402
 from unweight.runtime.kernels.qtiles_decode import qtiles_decode  # noqa: E402
 from unweight.runtime.kernels.qtiles_matmul import MAX_M, qtiles_linear  # noqa: E402
-from unweight.runtime.linear import UnweightLinear  # noqa: E402
+from unweight.runtime.layers.linear import UnweightLinear  # noqa: E402
 
 BATCHES = (1, 2, 4, 8, 12, 16, 32, 64, 256, 1024, 4096)
 DRY_SHAPES = {"q/o 96x64": (96, 64), "down 40x200": (40, 200)}

@@ -58,7 +58,7 @@ MODULES = {
     "qtiles_dot_kernel": "unweight.runtime.kernels.qtiles_matmul",
     "qtiles_decode_kernel": "unweight.runtime.kernels.qtiles_decode",
 }
-# Llama-3.1-8B (out_features, in_features); the runtime stacks q/k/v and gate/up (runtime/model.py)
+# Llama-3.1-8B (out_features, in_features); the runtime stacks q/k/v and gate/up (runtime/model/llama.py)
 SHAPES = {
     "q/o 4096x4096": (4096, 4096),
     "k/v 1024x4096": (1024, 4096),

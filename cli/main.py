@@ -347,7 +347,7 @@ def generate(
     """
 
     def body() -> None:
-        from unweight.runtime.sampling import SamplingParams
+        from unweight.runtime.model.sampling import SamplingParams
 
         sampling = SamplingParams(
             max_new_tokens, temperature, top_p, top_k, seed, stop or []

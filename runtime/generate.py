@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from .model import CausalLM
-from .model_config import ModelConfig
-from .sampling import SamplingParams, Sequence
+from .model.config import ModelConfig
+from .model.llama import CausalLM
+from .model.sampling import SamplingParams, Sequence
 from .threads import governor
 
 

@@ -1,4 +1,4 @@
-"""UnweightExperts (runtime/experts.py): routed MoE experts in the serving layout, against the
+"""UnweightExperts (runtime/layers/experts.py): routed MoE experts in the serving layout, against the
 plain fp32 computation on the dense weights (`reference_experts`), each pipeline forced."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # the CUDA pipeline's kernels, on the CPU; before triton loads
 
-from unweight.runtime.autotune import FORCE_ENV  # noqa: E402
-from unweight.runtime.experts import UnweightExperts, act_and_mul, reference_experts  # noqa: E402
+from unweight.runtime.layers.autotune import FORCE_ENV  # noqa: E402
+from unweight.runtime.layers.experts import UnweightExperts, act_and_mul, reference_experts  # noqa: E402
 
 
 def make_experts(e: int, h: int, i: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

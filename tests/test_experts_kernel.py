@@ -17,8 +17,10 @@ import torch.nn.functional as F
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of triton
 
-from unweight.runtime import qtiles  # noqa: E402
-from unweight.runtime.kernels import qtiles_matmul  # noqa: E402
+from unweight.runtime.kernels import (
+    qtiles,  # noqa: E402
+    qtiles_matmul,  # noqa: E402
+)
 from unweight.runtime.kernels.qtiles_matmul import qtiles_experts_linear  # noqa: E402
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import unweight
-from unweight.runtime.model_config import UnsupportedModelError
+from unweight.runtime.model.config import UnsupportedModelError
 
 ATOL = 2e-4  # fp32 accumulation order on logits of magnitude ~0.1 (random N(0, 0.02) weights)
 COMMON = dict(

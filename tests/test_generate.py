@@ -212,7 +212,7 @@ def test_decode_step_never_waits_for_the_gpu(smollm2_uw):
     """With CUDA's sync debug mode set to error, any operation that waits for the device raises:
     a decode step (embedding, every layer, lm_head) runs through without one; only reading the
     tokens back, after it, waits (once for the batch)."""
-    from unweight.runtime.sampling import SamplingParams, Sequence, choose_rows
+    from unweight.runtime.model.sampling import SamplingParams, Sequence, choose_rows
 
     gpu_model = unweight.load(smollm2_uw[0], device="cuda")
     seqs = [gpu_model.new_sequence(), gpu_model.new_sequence()]
@@ -231,7 +231,7 @@ def test_decode_step_never_waits_for_the_gpu(smollm2_uw):
 def test_choose_rows_is_choose_per_row():
     """The batch form gives each row what `Sequence.choose` gives it: simple greedy rows (argmax
     on the device), seeded rows and rows with penalties or logprobs mixed."""
-    from unweight.runtime.sampling import SamplingParams, Sequence, choose_rows
+    from unweight.runtime.model.sampling import SamplingParams, Sequence, choose_rows
 
     logits = torch.randn(5, 300, generator=torch.Generator().manual_seed(0))
     params = [

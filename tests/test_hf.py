@@ -232,7 +232,7 @@ def test_lora_trains_on_the_compressed_base(tiny, monkeypatch):
         else:
             assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-5 * want[0]
         base = pm.base_model.model.model.layers[0].self_attn.q_proj.base_layer
-        assert isinstance(base.compressed, unweight.runtime.linear.UnweightLinear)
+        assert isinstance(base.compressed, unweight.runtime.layers.linear.UnweightLinear)
 
 
 def test_damaged_foreign_and_mismatched_folders(tiny, tmp_path):

@@ -247,7 +247,7 @@ def _kept_as_stored(kind: str, layout: str) -> list[str]:
 def test_load_report_says_what_was_checked(folders, kind, layout, caplog):
     import logging
 
-    with caplog.at_level(logging.INFO, logger="unweight.runtime.loader"):
+    with caplog.at_level(logging.INFO, logger="unweight.runtime.model.loader"):
         model = unweight.load(folders[kind], layout=layout, threads=1)
     rep = model.load_report
     kept = _kept_as_stored(kind, layout)

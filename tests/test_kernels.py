@@ -1,6 +1,6 @@
 """Triton kernels against the plain numpy decoders: on CPU through TRITON_INTERPRET=1, on a GPU
 when there is one (those tests skip cleanly without CUDA). The kernels read the resident layout
-(runtime/qtiles.py), which is itself checked against the stored `tiles` codec here."""
+(runtime/kernels/qtiles.py), which is itself checked against the stored `tiles` codec here."""
 
 from __future__ import annotations
 
@@ -20,8 +20,10 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from unweight.codec import tiles  # noqa: E402
-from unweight.runtime import qtiles  # noqa: E402
-from unweight.runtime.kernels import qtiles_matmul  # noqa: E402
+from unweight.runtime.kernels import (
+    qtiles,  # noqa: E402
+    qtiles_matmul,  # noqa: E402
+)
 from unweight.runtime.kernels.qtiles_common import bf16_pair  # noqa: E402
 from unweight.runtime.kernels.qtiles_decode import qtiles_decode  # noqa: E402
 from unweight.runtime.kernels.qtiles_matmul import qtiles_linear  # noqa: E402

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from unweight.runtime.kv_cache import CacheFullError, KVCache, SeqCache
+from unweight.runtime.model.kv_cache import CacheFullError, KVCache, SeqCache
 
 
 def cache(**kw) -> KVCache:

@@ -62,7 +62,7 @@ def ours(mods: set[str], *layers: str) -> set[str]:
 def test_the_resolver_sees_relative_and_string_imports():
     mods = imports_of("runtime/serve")["runtime/serve/worker.py"]
     assert (
-        "unweight.runtime.serve.kv_link" in mods and "unweight.runtime.loader" in mods
+        "unweight.runtime.serve.kv_link" in mods and "unweight.runtime.model.loader" in mods
     )  # from .kv_link, from ..loader
     assert (
         "unweight.runtime.serve.worker" in imports_of("runtime/serve")["runtime/serve/router.py"]
@@ -103,6 +103,26 @@ def test_the_facade_reaches_the_runtime_only_lazily():
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
             assert not any("runtime" in n or "cli" in n for n in names), ast.dump(node)
+
+
+ON_TOP = ("generate", "threads", "serve", "vllm", "transformers")  # runtime/ beside its three rooms
+
+
+def test_runtime_rooms_point_down():
+    """Inside runtime/: kernels <- layers <- model, and what is built on them (ON_TOP) above all three."""
+    rt = "unweight.runtime"
+    above = {
+        "kernels": [f"{rt}.layers", f"{rt}.model", *(f"{rt}.{t}" for t in ON_TOP)],
+        "layers": [f"{rt}.model", *(f"{rt}.{t}" for t in ON_TOP)],
+        "model": [f"{rt}.{t}" for t in ON_TOP],
+    }
+    for room, forbidden in above.items():
+        files = imports_of(f"runtime/{room}")
+        assert files, room
+        for f, mods in files.items():
+            assert not ours(mods, *forbidden), f"{f} imports {ours(mods, *forbidden)}"
+    loose = {p.name for p in (REPO / "runtime").glob("*.py")} - {"__init__.py"}
+    assert loose == {f"{t}.py" for t in ON_TOP if (REPO / "runtime" / f"{t}.py").exists()}, loose
 
 
 def test_runtime_does_not_import_cli():

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from helpers import random_bf16
-from unweight.runtime.autotune import Autotuner, batch_bucket, code_version
-from unweight.runtime.linear import UnweightLinear
+from unweight.runtime.layers.autotune import Autotuner, batch_bucket, code_version
+from unweight.runtime.layers.linear import UnweightLinear
 
 
 @pytest.fixture()
@@ -124,7 +124,7 @@ def test_cpu_fast_and_portable_paths_agree(rows, cols, m, monkeypatch):
     import numpy as np
 
     from unweight.codec import tiles
-    from unweight.runtime import cpu_gemv
+    from unweight.runtime.kernels import cpu_gemv
 
     g = torch.Generator().manual_seed(rows * cols)
     w = (torch.randn(rows, cols, generator=g) * 0.02).to(torch.bfloat16)
@@ -165,7 +165,7 @@ def test_cpu_gemv_of_a_row_range_is_those_rows_of_the_whole(fast, monkeypatch):
     """`rows=(r0, r1)` (one expert of a stacked MoE weight) gives exactly columns [r0, r1) of the
     whole GEMV, the last rows of the tensor (the kernels' tail path) included; a range outside
     the weight is refused."""
-    from unweight.runtime import cpu_gemv
+    from unweight.runtime.kernels import cpu_gemv
 
     monkeypatch.setattr(cpu_gemv, "FAST_PATH", fast and cpu_gemv.FAST_PATH)
     rows, cols = 96, 64
@@ -192,7 +192,7 @@ def test_cpu_grouped_gemv_is_each_groups_row_range(fast, monkeypatch):
     weight's end included; bad groups are refused."""
     import numpy as np
 
-    from unweight.runtime import cpu_gemv
+    from unweight.runtime.kernels import cpu_gemv
 
     monkeypatch.setattr(cpu_gemv, "FAST_PATH", fast and cpu_gemv.FAST_PATH)
     rows, cols, r = 96, 64, 24
@@ -218,7 +218,7 @@ def test_archive_linear_stacks_parts_of_any_size_and_codec_bit_exactly():
     """Parts decode into their rows of one buffer; a part that starts off an 8-byte boundary (5 rows
     of 3 BF16 = 30 bytes before it) takes the copying path."""
     from unweight.codec import CodecOptions, encode_tensor
-    from unweight.runtime.linear import ArchiveLinear
+    from unweight.runtime.layers.linear import ArchiveLinear
 
     weights = [random_bf16(5, 3, seed=11), torch.zeros(7, 3, dtype=torch.bfloat16), random_bf16(4000, 3, seed=12)]
     parts = []
@@ -237,7 +237,7 @@ def test_archive_linear_rows_and_fp32_forward_in_row_blocks(monkeypatch):
     """rows(ids) across stacked parts gives the rows bit-exactly; the fp32 forward, W converted a
     few rows at a time (a block size that leaves a short last block), matches F.linear on W."""
     from unweight.codec import CodecOptions, encode_tensor
-    from unweight.runtime import linear as L
+    from unweight.runtime.layers import linear as L
 
     weights = [random_bf16(300, 64, seed=21), random_bf16(37, 64, seed=22)]
     parts = [
@@ -269,7 +269,7 @@ def test_archive_linear_forwards_share_one_workspace_and_return_their_own_tensor
     import threading
 
     from unweight.codec import CodecOptions, encode_tensor
-    from unweight.runtime import linear as L
+    from unweight.runtime.layers import linear as L
 
     def layer(w):
         return L.ArchiveLinear(
@@ -320,7 +320,7 @@ def test_archive_linear_forwards_share_one_workspace_and_return_their_own_tensor
 def test_archive_linear_answers_on_the_inputs_device():
     """The streams stay on the CPU; rows and products come back where the ids and x are."""
     from unweight.codec import CodecOptions, encode_tensor
-    from unweight.runtime.linear import ArchiveLinear
+    from unweight.runtime.layers.linear import ArchiveLinear
 
     w = random_bf16(40, 32, seed=31)
     mod = ArchiveLinear(
@@ -338,10 +338,10 @@ def test_archive_linear_answers_on_the_inputs_device():
 
 
 def test_moving_to_a_gpu_transcodes_the_streams_and_back():
-    """On a GPU the layer holds the resident qtiles layout (runtime/qtiles.py), on the CPU the
+    """On a GPU the layer holds the resident qtiles layout (runtime/kernels/qtiles.py), on the CPU the
     stored tiles layout; the switch is bit-exact both ways. Checked here through the transcode
     that `.to("cuda")` runs, without a GPU."""
-    from unweight.runtime import qtiles
+    from unweight.runtime.kernels import qtiles
 
     w = random_bf16(40, 96, seed=3)
     w.view(torch.int16).view(-1)[::7] = 0x0001
@@ -385,7 +385,7 @@ def test_a_layer_built_for_a_gpu_is_encoded_once_in_its_layout():
     """from_weight / from_entry with a GPU device encode W straight into qtiles (no tiles encode
     and decode first); the streams are what the transcode would give, and .to('cpu') brings the
     layer back to tiles, bit-exact. Runs without a GPU: the layer is built, not moved, there."""
-    from unweight.runtime import qtiles
+    from unweight.runtime.kernels import qtiles
 
     w = random_bf16(24, 160, seed=8)
     values = w.view(torch.int16).numpy().view(np.uint16)

@@ -1,4 +1,4 @@
-"""Sampling settings, processors, penalties, the stop decision and logprobs (runtime/sampling.py),
+"""Sampling settings, processors, penalties, the stop decision and logprobs (runtime/model/sampling.py),
 each against a plain per-element reference written here."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from unweight.runtime.sampling import SamplingParams, Sequence, token_logprobs
+from unweight.runtime.model.sampling import SamplingParams, Sequence, token_logprobs
 
 V = 50
 

@@ -135,7 +135,7 @@ def load(
     layout="serving" (the default) keeps 2-D weights in the fixed-rate tiles the fused kernels read
     (archive-layout checkpoints are transcoded at load); layout="archive" keeps the stored streams
     and decodes each weight at every use (smallest memory, slow). device: "cpu" or "cuda[:n]"."""
-    from unweight.runtime.loader import load as _load
+    from unweight.runtime.model.loader import load as _load
 
     return _load(path, device, layout, threads=threads, max_cache_tokens=max_cache_tokens)
 

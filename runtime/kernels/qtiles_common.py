@@ -1,8 +1,8 @@
-"""SWAR decode of the resident layout (runtime/qtiles.py), shared by the qtiles kernels.
+"""SWAR decode of the resident layout (qtiles.py), shared by the qtiles kernels.
 
 Everything works on uint32 words holding four weights, one byte lane each: a word of four
 sign+mantissa bytes and the word of the four matching 3-bit codes. No per-element branch,
-gather or prefix count (escapes are fixed apart). MODE is the matrix's (runtime/qtiles.py): 0, a
+gather or prefix count (escapes are fixed apart). MODE is the matrix's (qtiles.py): 0, a
 lane with code c gets exponent base + c; 1, base - 1 + c, and a code-0 lane exponent 0.
 """
 
@@ -14,7 +14,7 @@ import triton.language as tl
 
 def kernel_streams(q: dict) -> tuple:
     """The resident streams in the order every kernel takes them: sm, codes, base, esc_row,
-    esc_col, esc_exp (runtime/qtiles.py)."""
+    esc_col, esc_exp (qtiles.py)."""
     return q["sm"], q["codes"], q["base"], q["esc_row"], q["esc_col"], q["esc_exp"]
 
 

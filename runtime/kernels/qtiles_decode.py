@@ -1,4 +1,4 @@
-"""Decode the resident layout (runtime/qtiles.py) to BF16 with a Triton kernel: the first half of
+"""Decode the resident layout (qtiles.py) to BF16 with a Triton kernel: the first half of
 the `decode_matmul` pipeline (prefill, large batches) and the embedding lookup (rows by id).
 
 One program takes BLOCK_N rows (or ids) and walks their groups GROUPS at a time, four weights per
@@ -43,7 +43,7 @@ def qtiles_decode_kernel(
     ESC_BLOCK: tl.constexpr,
     GATHER: tl.constexpr,  # output row i is W row ids[i] (embedding lookups); else all rows
     PRMT: tl.constexpr,  # byte permutes as inline PTX (a GPU); else their integer model (the interpreter)
-    MODE: tl.constexpr,  # the matrix's mode (runtime/qtiles.py): 0, eight-exponent windows; 1, seven and a zero code
+    MODE: tl.constexpr,  # the matrix's mode (qtiles.py): 0, eight-exponent windows; 1, seven and a zero code
     EVEN_K: tl.constexpr,  # K % 32 == 0: whole groups, stored as 32-bit BF16 pairs
 ):
     pid = tl.program_id(0)

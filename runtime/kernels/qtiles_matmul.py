@@ -1,4 +1,4 @@
-"""Fused decode-and-multiply over the resident layout (runtime/qtiles.py): y = x @ W^T, W never
+"""Fused decode-and-multiply over the resident layout (qtiles.py): y = x @ W^T, W never
 materialised, for the decode-time batches (M <= MAX_M rows of x). Two kernels, one launch each:
 
 - `qtiles_gemv_kernel` (M <= GEMV_M), on CUDA cores: one program takes BLOCK_N rows of W and walks
@@ -70,7 +70,7 @@ def qtiles_gemv_kernel(
     GROUPS: tl.constexpr,
     ESC_BLOCK: tl.constexpr,
     PRMT: tl.constexpr,  # byte permutes as inline PTX (a GPU); else their integer model (the interpreter)
-    MODE: tl.constexpr,  # the matrix's mode (runtime/qtiles.py): 0, eight-exponent windows; 1, seven and a zero code
+    MODE: tl.constexpr,  # the matrix's mode (qtiles.py): 0, eight-exponent windows; 1, seven and a zero code
     # W is E stacked (N, K) experts, (E N, K), and program_id(1) is the pair p (BLOCK_M 1, M 1): it
     # multiplies x row p // X_DIV by expert ids[p], rows [ids[p] N, ids[p] N + N) of W, into y row p
     GROUPED: tl.constexpr,
@@ -176,7 +176,7 @@ def qtiles_dot_kernel(
     BLOCK_N: tl.constexpr,
     GROUPS: tl.constexpr,
     PRMT: tl.constexpr,  # byte permutes as inline PTX (a GPU); else their integer model (the interpreter)
-    MODE: tl.constexpr,  # the matrix's mode (runtime/qtiles.py): 0, eight-exponent windows; 1, seven and a zero code
+    MODE: tl.constexpr,  # the matrix's mode (qtiles.py): 0, eight-exponent windows; 1, seven and a zero code
     DOT_F32: tl.constexpr,  # feed tl.dot fp32 operands (the interpreter, whose bf16 dot is wrong) instead of bf16
 ):
     """y tile (BLOCK_M, BLOCK_N) on the tensor cores: each step decodes a (BLOCK_N, 32 GROUPS) W

@@ -17,7 +17,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator, model_validator
 
-from ..sampling import MAX_LOGPROBS, SamplingParams, Sequence
+from ..model.sampling import MAX_LOGPROBS, SamplingParams, Sequence
 
 DEFAULT_MAX_TOKENS = 256
 MAX_N = 64  # choices (n, best_of) per request; each one is a sequence of its own

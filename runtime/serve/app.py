@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from ..generate import TextStream, encode_prompt, eos_ids, load_tokenizer
-from ..loader import model_config
+from ..model.loader import model_config
 from . import api
 from .http import BodyLimit, CountResponses, guarded_protocol, openai_errors, parse_json
 from .logprobs import TokenText

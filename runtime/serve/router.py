@@ -24,7 +24,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from ..sampling import SamplingParams, Sequence
+from ..model.sampling import SamplingParams, Sequence
 from .kv_link import Rendezvous
 from .metrics import Metrics
 from .protocol import (

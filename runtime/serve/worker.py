@@ -12,7 +12,7 @@ socket and runs its loop:
   token (memory-bound: the fused compressed GEMV wins);
 - aggregated (--no-disagg): both in one process; a waiting prompt is prefilled between decode
   steps, stalling every running sequence meanwhile: the baseline disaggregation is measured against.
-Each sequence's settings, tokens and stop decision live in its `Sequence` (runtime/sampling.py),
+Each sequence's settings, tokens and stop decision live in its `Sequence` (runtime/model/sampling.py),
 handed from prefill to decode worker whole. Token ids go back to the router, which detokenises
 and streams.
 """
@@ -30,10 +30,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kv_cache import CacheFullError, SeqCache
-from ..loader import load
-from ..model_config import ModelConfig
-from ..sampling import Pick, Sequence, choose_rows
+from ..model.config import ModelConfig
+from ..model.kv_cache import CacheFullError, SeqCache
+from ..model.loader import load
+from ..model.sampling import Pick, Sequence, choose_rows
 from ..threads import governor, set_threads
 from .kv_link import ControlStore, KVLink, Transfer
 from .protocol import (

@@ -25,8 +25,13 @@ def register() -> None:
 
     if QUANT_METHOD in auto.AUTO_QUANTIZER_MAPPING:
         return
+    being_imported = sys.modules.get(f"{__name__}.quantizer")
+    if being_imported is not None and not hasattr(being_imported, "UnweightHfQuantizer"):
+        return  # its own import loaded transformers' registry: it registers itself once it is done
     from .quantizer import UnweightConfig, UnweightHfQuantizer
 
+    if QUANT_METHOD in auto.AUTO_QUANTIZER_MAPPING:  # the quantizer's own import registered it
+        return
     auto.register_quantization_config(QUANT_METHOD)(UnweightConfig)
     auto.register_quantizer(QUANT_METHOD)(UnweightHfQuantizer)
 

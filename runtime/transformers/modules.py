@@ -27,8 +27,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from ..experts import UnweightExperts
-from ..linear import UnweightLinear
+from ..layers.experts import UnweightExperts
+from ..layers.linear import UnweightLinear
 
 
 class WeightView(torch.Tensor):

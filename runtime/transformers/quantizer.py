@@ -32,9 +32,9 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 from unweight.errors import FormatError, SourceError
 from unweight.reader import CompressedCheckpoint
 
-from ..experts import UnweightExperts
-from ..linear import UnweightLinear
-from . import QUANT_METHOD
+from ..layers.experts import UnweightExperts
+from ..layers.linear import UnweightLinear
+from . import QUANT_METHOD, register
 from . import modules as m
 from .plan import LoadPlan, Target, make_plan
 
@@ -263,3 +263,6 @@ def _fill(model, ckpt: CompressedCheckpoint, plan: LoadPlan, threads) -> dict:
             setattr(owner, attr, getattr(model.get_submodule(src_module), src_attr))
     report["resident_bytes"] = model.get_memory_footprint()
     return report
+
+
+register()  # when this module is imported first, transformers' registry loaded inside its import

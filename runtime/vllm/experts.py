@@ -3,7 +3,7 @@
 `UnweightMoEMethod` registers no dense expert weights. Its weight loader takes each expert's
 gate (w1), up (w3) and down (w2) tensor, keeps the rank's part (w1 and w3 split on the
 intermediate dimension, w2 on its input, as vLLM's own loader splits them), and once every local
-expert of the layer is in, encodes them as an `UnweightExperts` (runtime/experts.py: w13 and w2
+expert of the layer is in, encodes them as an `UnweightExperts` (runtime/layers/experts.py: w13 and w2
 stacked, tiles on the CPU, qtiles on CUDA) and drops the decoded buffer: the largest decoded
 memory at any time is one layer's rank-local experts.
 
@@ -33,7 +33,7 @@ from vllm.model_executor.utils import set_weight_attrs
 from .registry import Registry
 
 # the gated activations UnweightExperts computes: its ACTIVATIONS, not imported, since importing
-# unweight.runtime.experts loads numba, which must wait until a model loads (plugin.py)
+# unweight.runtime.layers.experts loads numba, which must wait until a model loads (plugin.py)
 ACTIVATIONS = ("silu", "gelu")
 
 SHARDS = ("w1", "w3", "w2")
@@ -204,7 +204,7 @@ _EXPERTS = Registry()  # the live built experts layers of this process, by uw_in
 @functools.cache
 def _experts_class() -> type:
     """UnweightExperts whose `decode_matmul` runs vLLM's own fused-MoE kernel on the routed experts."""
-    from unweight.runtime.experts import UnweightExperts
+    from unweight.runtime.layers.experts import UnweightExperts
 
     class VllmUnweightExperts(UnweightExperts):
         AUTOTUNE_TAG = "vllm-experts"

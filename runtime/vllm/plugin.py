@@ -214,7 +214,7 @@ def _finish(layer: nn.Module, pending: _Pending, param: nn.Parameter) -> None:
 def _linear_class() -> type:
     """UnweightLinear whose CPU decode + matmul multiplies with vLLM's CPU GEMM dispatch, the one
     that vLLM's unquantized layers use, rather than F.linear (see the module docstring)."""
-    from unweight.runtime.linear import UnweightLinear
+    from unweight.runtime.layers.linear import UnweightLinear
 
     class VllmUnweightLinear(UnweightLinear):
         AUTOTUNE_TAG = "vllm"

@@ -1,7 +1,7 @@
 """Building blocks for x86 SIMD kernels written as LLVM IR inside numba intrinsics.
 
 numba leaves gathers, lane permutes and shuffles out of the code it generates, so the hot loops
-that need them (the AVX2 rANS coder here, the CPU GEMV of `unweight.runtime.cpu_gemv`) are
+that need them (the AVX2 rANS coder here, the CPU GEMV of `unweight.runtime.kernels.cpu_gemv`) are
 written as LLVM IR with llvmlite's builder and called from ordinary `@njit` functions. This module
 holds what they share: host feature detection, IR types and constants, pointers and loads, and
 x86 intrinsic declarations. Nothing here runs on its own; every kernel built from it keeps a

@@ -2,7 +2,7 @@
 
 Module names mirror Hugging Face's (`model.layers.3.self_attn.o_proj`, `lm_head`, ...), except
 that q/k/v and gate/up are stacked into one matmul each (`qkv_proj`, `gate_up_proj`: fewer,
-larger kernel calls); runtime/loader.py maps checkpoint names with a table. The skeleton is built on the
+larger kernel calls); runtime/model/loader.py maps checkpoint names with a table. The skeleton is built on the
 meta device; the loader swaps every linear and the embedding for an `UnweightLinear` (layout
 "archive": an `ArchiveLinear`) and assigns the decoded norms.
 
@@ -19,11 +19,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..layers.transfer import to_device
+from .config import ModelConfig
 from .kv_cache import KVCache, SeqCache
-from .model_config import ModelConfig
 from .rope import Rope
 from .sampling import token_logprobs
-from .transfer import to_device
 
 
 class RMSNorm(nn.Module):

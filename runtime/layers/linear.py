@@ -4,7 +4,7 @@ Resident memory is the compressed size: the module holds the `tiles` streams as 
 keeps a decoded copy. Each forward picks a pipeline for (device, shape, batch bucket) through the
 autotuner:
 
-| pipeline | CPU (`tiles` streams) | CUDA (`qtiles` streams, runtime/qtiles.py) |
+| pipeline | CPU (`tiles` streams) | CUDA (`qtiles` streams, runtime/kernels/qtiles.py) |
 | --- | --- | --- |
 | `decode_matmul` | numba decode to BF16, then F.linear | Triton decode to BF16, then F.linear (cuBLAS) |
 | `fused` | numba GEMV that rebuilds each row in cache | Triton kernel that decodes W in registers (batches up to 32) |
@@ -33,10 +33,10 @@ from torch import nn
 
 from unweight.codec import tiles
 
-from . import qtiles
+from ..kernels import qtiles
+from ..kernels.cpu_gemv import tiles_gemv_cpu, tiles_rows_cpu
+from ..kernels.tile_tensors import tile_tensors
 from .autotune import DEFAULT, FORCE_ENV, Autotuner, batch_bucket, code_version, device_name
-from .cpu_gemv import tiles_gemv_cpu, tiles_rows_cpu
-from .tile_tensors import tile_tensors
 from .transfer import to_device
 
 log = logging.getLogger(__name__)
@@ -165,7 +165,7 @@ class UnweightLinear(nn.Module):
         qmode: int = 0,
     ) -> None:
         self.in_features, self.out_features = in_features, out_features
-        # of the qtiles layout (runtime/qtiles.py), kept on the host: the launchers take it from here, no device read
+        # of the qtiles layout (kernels/qtiles.py), kept on the host: the launchers take it from here, no device read
         self._qmode = qmode
         self.params = params  # of the tiles layout (its block size is kept when moving back to the CPU)
         self._roles = roles  # the layout the buffers hold: tiles (CPU) or qtiles (CUDA)

@@ -30,9 +30,9 @@ from torch import nn
 from unweight.errors import FormatError, SourceError
 from unweight.reader import CompressedCheckpoint
 
-from .linear import ArchiveLinear, UnweightLinear, compute_dtype
-from .model import CausalLM, RMSNorm
-from .model_config import ModelConfig, UnsupportedModelError
+from ..layers.linear import ArchiveLinear, UnweightLinear, compute_dtype
+from .config import ModelConfig, UnsupportedModelError
+from .llama import CausalLM, RMSNorm
 
 log = logging.getLogger(__name__)
 LAYOUTS = ("serving", "archive")

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .transfer import to_device
+from ..layers.transfer import to_device
 
 DEFAULT_BLOCK_SIZE = 16
 

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from .model_config import ModelConfig
+from .config import ModelConfig
 
 
 def inv_frequencies(cfg: ModelConfig) -> torch.Tensor:

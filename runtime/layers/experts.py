@@ -32,8 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.cpu_gemv import tiles_grouped_gemv_cpu
 from .autotune import DEFAULT, FORCE_ENV, Autotuner, batch_bucket, code_version, device_name
-from .cpu_gemv import tiles_grouped_gemv_cpu
 from .linear import UnweightLinear, compute_dtype
 
 PIPELINES = ("decode_matmul", "fused")
@@ -228,7 +228,7 @@ class UnweightExperts(nn.Module):
 
     def _fused_cuda(self, x, w, topk_ids, activation, weights_on_input) -> torch.Tensor:
         """Two grouped GEMV launches over all (token, slot) pairs, the expert ids read on the device."""
-        from .kernels.qtiles_matmul import qtiles_experts_linear
+        from ..kernels.qtiles_matmul import qtiles_experts_linear
 
         t, k = topk_ids.shape
         ids = topk_ids.reshape(-1)

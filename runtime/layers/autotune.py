@@ -34,11 +34,11 @@ def batch_bucket(m: int) -> int:
 
 @functools.cache
 def code_version() -> str:
-    """A digest of the kernels' source (runtime/kernels/, the CPU kernels): part of every cache key,
+    """A digest of the kernels' source (runtime/kernels/: the GPU and the CPU kernels): part of every cache key,
     so that a choice timed on other kernels is timed again."""
-    here = Path(__file__).parent
+    kernels = Path(__file__).parent.parent / "kernels"
     digest = hashlib.sha1()
-    for f in sorted([*here.glob("kernels/*.py"), here / "cpu_gemv.py"]):
+    for f in sorted(kernels.glob("*.py")):
         digest.update(f.read_bytes())
     return digest.hexdigest()[:12]
 

@@ -1,0 +1,215 @@
+"""CPU path of the serving layout: numba kernels that rebuild `tiles` rows as they use them.
+
+CPU decode is memory-bound too, so for small batches each W row is rebuilt eight weights at a time
+and multiplied with every row of x as it is rebuilt, never materialising W (`tiles_gemv_cpu`). The
+same rebuild serves gathers of whole rows (`tiles_rows_cpu`: embedding lookups, and the
+decode-then-matmul pipeline), producing fp32 directly since the CPU computes in fp32 (exact:
+every BF16 value is an fp32 value).
+
+The launchers: `tiles_gemv_cpu`, `tiles_grouped_gemv_cpu` and `tiles_rows_cpu` check their
+arguments and hand the streams' addresses to the AVX2 kernels (cpu_avx2.py) when the CPU and the
+layout allow, else the arrays to the portable ones (cpu_reference.py).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import torch
+from numba import config
+
+from .cpu_avx2 import FAST_PATH, _gemv_fused_at, _gemv_grouped_at, _rows_fused_at
+from .cpu_reference import LOWBIT, SPREAD, _gemv_portable, _rows_portable
+
+ROWS_PER_PART = 16  # rows a thread takes at least: fewer parts than this many rows each cost more than they save
+# Row ranges the fused kernels split a call into: one per thread numba launches (set_num_threads
+# may run fewer; each thread then takes several ranges). Cheaper than numba.get_num_threads(),
+# whose call in a kernel would also stop numba from caching it.
+_THREADS = max(1, config.NUMBA_NUM_THREADS)
+
+# numba's default threading layer must not be entered from two Python threads at once, and one
+# call already uses every core: parallel kernels are called under this lock.
+_PARALLEL = threading.Lock()
+
+
+def _args(weight: dict[str, torch.Tensor]) -> tuple:
+    return weight["sm"].numpy(), weight["codes"].numpy(), weight["esc"].numpy(), weight["esc_index"].numpy()
+
+
+def _addresses(codes, esc, esc_index) -> tuple:
+    """(address, length) of the codes, escapes and escape index, as the fused kernels take them."""
+    return codes.data_ptr(), codes.numel(), esc.data_ptr(), esc.numel(), esc_index.data_ptr(), esc_index.numel()
+
+
+def _fast_layout(sm, codes, esc, esc_index, in_features: int) -> bool:
+    """Whether the fused (AVX2) kernels take these streams: they read them by address, so the
+    streams must lie on the CPU as tile_tensors makes them, rows a multiple of 8 long."""
+    return (
+        FAST_PATH
+        and in_features
+        and not in_features & 7
+        and sm.is_cpu
+        and sm.is_contiguous()
+        and codes.is_contiguous()
+        and esc.is_contiguous()
+        and esc_index.is_contiguous()
+        and esc_index.dtype is torch.int64
+        and sm.dtype is torch.uint8
+    )
+
+
+def _parts(rows: int) -> int:
+    from numba import get_num_threads
+
+    return max(1, min(get_num_threads(), rows // ROWS_PER_PART))
+
+
+def tiles_gemv_cpu(
+    x: torch.Tensor,
+    weight: dict[str, torch.Tensor],
+    base: int,
+    block: int,
+    out_features: int,
+    in_features: int,
+    rows: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """y = x @ W^T in fp32 for x (..., in_features) on the CPU, W (out_features, in_features) in the
+    serving layout; with `rows` (r0, r1), only W's rows [r0, r1): y is (..., r1 - r0) (one expert
+    of a stacked MoE weight)."""
+    sm, codes, esc, esc_index = weight["sm"], weight["codes"], weight["esc"], weight["esc_index"]
+    bpr = -(-in_features // block)
+    if rows is None:
+        r0, n_out = 0, out_features
+    else:
+        r0, r1 = rows
+        if not 0 <= r0 <= r1 <= out_features:
+            raise ValueError(f"rows [{r0}, {r1}) lie outside the weight's {out_features} rows")
+        n_out = r1 - r0
+    # The fused kernels take the streams' addresses, so the streams must be laid out as
+    # tile_tensors makes them. (Every line here is written for speed: a small layer's GEMV takes
+    # tens of microseconds, and each Python-level step costs a tenth of one.)
+    if x.is_cpu and _fast_layout(sm, codes, esc, esc_index, in_features):
+        if x.dtype is not torch.float32:
+            x = x.float()
+        if not x.is_contiguous():
+            x = x.contiguous()
+        m = x.numel() // in_features
+        y = torch.from_numpy(np.empty((m, n_out), dtype=np.float32))
+        if m and n_out:
+            parts = n_out // ROWS_PER_PART
+            parts = _THREADS if parts > _THREADS else parts or 1
+            with _PARALLEL:
+                _gemv_fused_at(
+                    x.data_ptr(),
+                    m,
+                    sm.data_ptr(),
+                    *_addresses(codes, esc, esc_index),
+                    out_features,
+                    in_features,
+                    bpr,
+                    base,
+                    r0,
+                    n_out,
+                    y.data_ptr(),
+                    parts,
+                )
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], n_out)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, in_features).to(torch.float32).contiguous().numpy()
+    y = np.empty((x2.shape[0], n_out), dtype=np.float32)
+    if x2.shape[0] and n_out:
+        with _PARALLEL:
+            _gemv_portable(x2, *_args(weight), in_features, bpr, base, y, r0, SPREAD, LOWBIT, _parts(n_out))
+    return torch.from_numpy(y).reshape(*lead, n_out)
+
+
+def tiles_grouped_gemv_cpu(
+    x: torch.Tensor,
+    weight: dict[str, torch.Tensor],
+    base: int,
+    block: int,
+    out_features: int,
+    in_features: int,
+    starts: np.ndarray,
+    rows0: np.ndarray,
+    rows: int,
+) -> torch.Tensor:
+    """y (P, rows) in fp32: for each group g, rows [starts[g], starts[g + 1]) of x (P, in_features)
+    times W's rows [rows0[g], rows0[g] + rows) transposed, W (out_features, in_features) in the
+    serving layout: the experts of a MoE layer stacked, each group the pairs routed to one expert,
+    in one call. starts (G + 1,) rises from 0 to P; each rows0[g] + rows lies within W (checked)."""
+    starts, rows0 = np.ascontiguousarray(starts, np.int64), np.ascontiguousarray(rows0, np.int64)
+    p = x.shape[0]
+    if len(starts) != len(rows0) + 1 or starts[0] != 0 or starts[-1] != p or np.any(np.diff(starts) < 0):
+        raise ValueError(f"group starts {starts.tolist()} do not split {p} rows of x into {len(rows0)} groups")
+    if len(rows0) and (rows0.min() < 0 or rows0.max() + rows > out_features):
+        raise ValueError(f"row ranges of {rows} from {rows0.tolist()} lie outside the weight's {out_features} rows")
+    sm, codes, esc, esc_index = weight["sm"], weight["codes"], weight["esc"], weight["esc_index"]
+    if not (x.is_cpu and _fast_layout(sm, codes, esc, esc_index, in_features)):
+        parts = [
+            tiles_gemv_cpu(x[a:b], weight, base, block, out_features, in_features, rows=(r0, r0 + rows))
+            for a, b, r0 in zip(starts[:-1], starts[1:], rows0)
+        ]
+        return torch.cat(parts) if parts else torch.empty(0, rows)
+    x = x.float().contiguous()
+    y = torch.from_numpy(np.empty((p, rows), dtype=np.float32))
+    if p and rows:
+        per = max(1, min(_THREADS, rows // ROWS_PER_PART))  # parts of each group's rows: the groups are few
+        with _PARALLEL:
+            _gemv_grouped_at(
+                x.data_ptr(),
+                p,
+                sm.data_ptr(),
+                *_addresses(codes, esc, esc_index),
+                out_features,
+                in_features,
+                -(-in_features // block),
+                base,
+                starts,
+                rows0,
+                rows,
+                y.data_ptr(),
+                per,
+            )
+    return y
+
+
+def tiles_rows_cpu(
+    weight: dict[str, torch.Tensor],
+    base: int,
+    block: int,
+    out_features: int,
+    in_features: int,
+    ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Rows `ids` of W (all rows if None) as an fp32 tensor (len(ids), in_features); exact, since
+    every BF16 value is an fp32 value. The caller checks that ids lie in [0, out_features)."""
+    sm, codes, esc, esc_index = weight["sm"], weight["codes"], weight["esc"], weight["esc_index"]
+    bpr = -(-in_features // block)
+    if _fast_layout(sm, codes, esc, esc_index, in_features):
+        idx = torch.arange(out_features) if ids is None else ids.reshape(-1).to("cpu", torch.int64).contiguous()
+        r = idx.numel()
+        out = torch.from_numpy(np.empty((r, in_features), dtype=np.float32))
+        if r:
+            parts = max(1, min(_THREADS, r // ROWS_PER_PART))
+            with _PARALLEL:
+                _rows_fused_at(
+                    sm.data_ptr(),
+                    sm.numel(),
+                    *_addresses(codes, esc, esc_index),
+                    in_features,
+                    bpr,
+                    base,
+                    idx.data_ptr(),
+                    r,
+                    out.data_ptr(),
+                    parts,
+                )
+        return out
+    idx = np.arange(out_features, dtype=np.int64) if ids is None else ids.reshape(-1).to(torch.int64).numpy()
+    out = np.empty((len(idx), in_features), dtype=np.uint32)
+    if len(idx) and in_features:
+        with _PARALLEL:
+            _rows_portable(*_args(weight), in_features, bpr, base, idx, out, SPREAD, LOWBIT, _parts(len(idx)))
+    return torch.from_numpy(out.view(np.float32))
