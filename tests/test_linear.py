@@ -131,7 +131,7 @@ def test_cpu_fast_and_portable_paths_agree(rows, cols, m, monkeypatch):
     w.view(torch.int16).view(-1)[::11] = 0x0001  # subnormal escapes
     w.view(torch.int16).view(-1)[3::17] = -15872  # 0xC200 = -32.0, above the window
     lin = UnweightLinear.from_weight(w)
-    s, p = lin._streams(), lin.params
+    s, p = lin.streams(), lin.params
     x = torch.randn(m, cols, generator=g)
     ids = torch.tensor([rows - 1, 0, rows // 2, rows - 1])
     fast = (
@@ -173,7 +173,7 @@ def test_cpu_gemv_of_a_row_range_is_those_rows_of_the_whole(fast, monkeypatch):
     w = (torch.randn(rows, cols, generator=g) * 0.02).to(torch.bfloat16)
     w.view(torch.int16).view(-1)[5::13] = -15872  # escapes
     lin = UnweightLinear.from_weight(w)
-    s, p = lin._streams(), lin.params
+    s, p = lin.streams(), lin.params
     for m in (1, 3, 9):
         x = torch.randn(m, cols, generator=g)
         whole = cpu_gemv.tiles_gemv_cpu(x, s, p.base, p.block, rows, cols)
@@ -200,7 +200,7 @@ def test_cpu_grouped_gemv_is_each_groups_row_range(fast, monkeypatch):
     w = (torch.randn(rows, cols, generator=g) * 0.02).to(torch.bfloat16)
     w.view(torch.int16).view(-1)[5::13] = -15872
     lin = UnweightLinear.from_weight(w)
-    s, p = lin._streams(), lin.params
+    s, p = lin.streams(), lin.params
     x = torch.randn(7, cols, generator=g)
     starts, rows0 = np.array([0, 3, 3, 4, 7]), np.array([72, 0, 24, 48])
     y = cpu_gemv.tiles_grouped_gemv_cpu(x, s, p.base, p.block, rows, cols, starts, rows0, r)
@@ -349,18 +349,18 @@ def test_moving_to_a_gpu_transcodes_the_streams_and_back():
     lin = UnweightLinear.from_weight(w)
     tiles_bytes = lin.stored_bytes
     lin._transcode("cuda")
-    assert set(lin._streams()) == set(qtiles.ROLES) and "qtiles" in repr(lin)
-    q = {k: v.numpy() for k, v in lin._streams().items()}
-    assert lin._qmode == 1  # one weight in seven is a subnormal: the zero code lists none of them
+    assert set(lin.streams()) == set(qtiles.ROLES) and "qtiles" in repr(lin)
+    q = {k: v.numpy() for k, v in lin.streams().items()}
+    assert lin.qmode == 1  # one weight in seven is a subnormal: the zero code lists none of them
     assert np.array_equal(
-        qtiles.decode_reference({**q, "mode": np.array([lin._qmode])}, 40, 96),
+        qtiles.decode_reference({**q, "mode": np.array([lin.qmode])}, 40, 96),
         w.view(torch.int16).numpy().view(np.uint16),
     )
     assert lin.stored_bytes < w.numel() * 2  # (11 % of these weights are listed escapes)
     lin._transcode("cpu")
-    assert set(lin._streams()) == {"sm", "codes", "esc", "esc_index"} and lin.stored_bytes == tiles_bytes
+    assert set(lin.streams()) == {"sm", "codes", "esc", "esc_index"} and lin.stored_bytes == tiles_bytes
     assert torch.equal(lin.decoded_weight().view(torch.int16), w.view(torch.int16))
-    assert lin.to("cpu") is lin and set(lin._streams()) == {
+    assert lin.to("cpu") is lin and set(lin.streams()) == {
         "sm",
         "codes",
         "esc",
@@ -392,7 +392,7 @@ def test_a_layer_built_for_a_gpu_is_encoded_once_in_its_layout():
     lin = UnweightLinear.from_weight(w, device="cuda")
     assert lin._roles == qtiles.ROLES
     want = qtiles.encode(values, 24, 160)
-    assert lin._qmode == int(want.pop("mode")[0])
-    assert all(np.array_equal(lin._streams()[k].numpy(), want[k]) for k in want)
+    assert lin.qmode == int(want.pop("mode")[0])
+    assert all(np.array_equal(lin.streams()[k].numpy(), want[k]) for k in want)
     lin.to("cpu")
     assert lin._roles != qtiles.ROLES and torch.equal(lin.decoded_weight().view(torch.int16), w.view(torch.int16))

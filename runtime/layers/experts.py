@@ -115,7 +115,7 @@ class UnweightExperts(nn.Module):
                 f"w13 has {w13.size} values and w2 {w2.size}; {num_experts} experts of hidden size {hidden} and "
                 f"intermediate size {intermediate} need {rows13 * hidden} and {rows2 * intermediate}"
             )
-        lin = UnweightLinear._from_values
+        lin = UnweightLinear.from_values
         return cls(
             lin(w13.reshape(-1), rows13, hidden, None, device),
             lin(w2.reshape(-1), rows2, intermediate, None, device),
@@ -165,7 +165,7 @@ class UnweightExperts(nn.Module):
         if torch.is_grad_enabled() and (x.requires_grad or topk_weights.requires_grad):
             # training adapters on the frozen base: torch's ops give x and the routing weights their
             # gradients (the routed experts' decoded weights are kept for the backward pass)
-            return self._run("decode_matmul", x, topk_weights, topk_ids, activation, weights_on_input)
+            return self.run("decode_matmul", x, topk_weights, topk_ids, activation, weights_on_input)
         pairs = topk_ids.numel()
         bucket = batch_bucket(pairs)
         memo = (x.device, bucket, x.dtype, os.environ.get(FORCE_ENV))
@@ -176,15 +176,16 @@ class UnweightExperts(nn.Module):
             shape = f"{self.num_experts}x{2 * self.intermediate}x{self.hidden}"
             key = f"{where}|{shape}|p{bucket}|{str(x.dtype).removeprefix('torch.')}|{code_version()}"
             name, y = self.autotuner.choose(
-                key, {p: (lambda p=p: self._run(p, *args)) for p in self._pipelines(bucket, device)}, device
+                key, {p: (lambda p=p: self.run(p, *args)) for p in self._pipelines(bucket, device)}, device
             )
             self._chosen[memo] = name
-        return self._run(name, *args) if y is None else y
+        return self.run(name, *args) if y is None else y
 
     def _pipelines(self, pairs: int, device: torch.device) -> tuple[str, ...]:
         return PIPELINES if pairs <= FUSED_MAX_PAIRS else ("decode_matmul",)
 
-    def _run(self, pipeline: str, x, topk_weights, topk_ids, activation, weights_on_input) -> torch.Tensor:
+    def run(self, pipeline: str, x, topk_weights, topk_ids, activation, weights_on_input) -> torch.Tensor:
+        """The experts through one pipeline, without the autotuner (the vLLM plugin replaces one)."""
         dtype = compute_dtype(x.device)
         xc, w = x.to(dtype), topk_weights.to(dtype)
         if pipeline == "fused" and x.device.type == "cuda":
@@ -223,7 +224,7 @@ class UnweightExperts(nn.Module):
         """For each group g, x[starts[g] : starts[g + 1]] @ W[rows0[g] : rows0[g] + rows]^T (CPU, numba)."""
         p = lin.params
         return tiles_grouped_gemv_cpu(
-            x, lin._streams(), p.base, p.block, lin.out_features, lin.in_features, starts, rows0, rows
+            x, lin.streams(), p.base, p.block, lin.out_features, lin.in_features, starts, rows0, rows
         )
 
     def _fused_cuda(self, x, w, topk_ids, activation, weights_on_input) -> torch.Tensor:
@@ -236,10 +237,10 @@ class UnweightExperts(nn.Module):
             x, x_div = (x[:, None, :] * w[:, :, None]).reshape(t * k, self.hidden), 1
         else:
             x_div = k
-        q13, q2 = self.w13._streams(), self.w2._streams()
-        h = qtiles_experts_linear(x, q13, ids, 2 * self.intermediate, self.hidden, x_div, mode=self.w13._qmode)
+        q13, q2 = self.w13.streams(), self.w2.streams()
+        h = qtiles_experts_linear(x, q13, ids, 2 * self.intermediate, self.hidden, x_div, mode=self.w13.qmode)
         y = qtiles_experts_linear(
-            act_and_mul(h, activation), q2, ids, self.hidden, self.intermediate, 1, mode=self.w2._qmode
+            act_and_mul(h, activation), q2, ids, self.hidden, self.intermediate, 1, mode=self.w2.qmode
         )
         y = y.view(t, k, self.hidden)
         return y.sum(1) if weights_on_input else (y.float() * w[:, :, None].float()).sum(1)

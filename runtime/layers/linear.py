@@ -127,7 +127,7 @@ class _CompressedMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, layer: UnweightLinear, pipeline: str) -> torch.Tensor:
         ctx.layer = layer
-        return layer._run(pipeline, x)
+        return layer.run(pipeline, x)
 
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor):
@@ -166,7 +166,7 @@ class UnweightLinear(nn.Module):
     ) -> None:
         self.in_features, self.out_features = in_features, out_features
         # of the qtiles layout (kernels/qtiles.py), kept on the host: the launchers take it from here, no device read
-        self._qmode = qmode
+        self.qmode = qmode
         self.params = params  # of the tiles layout (its block size is kept when moving back to the CPU)
         self._roles = roles  # the layout the buffers hold: tiles (CPU) or qtiles (CUDA)
         for role in roles:
@@ -177,7 +177,7 @@ class UnweightLinear(nn.Module):
         self._chosen: dict[tuple, str] = {}
 
     @classmethod
-    def _from_values(
+    def from_values(
         cls, values: np.ndarray, out_f: int, in_f: int, bias, device, autotuner: Autotuner | None = None
     ) -> UnweightLinear:
         """A layer from W as uint16 values, encoded once into the layout `device` reads: for a GPU
@@ -205,7 +205,7 @@ class UnweightLinear(nn.Module):
             raise ValueError(f"weight must be a 2-D bfloat16 tensor, not {weight.dtype}{list(weight.shape)}")
         out_f, in_f = weight.shape
         values = weight.detach().cpu().contiguous().view(torch.int16).numpy().view(np.uint16).ravel()
-        return cls._from_values(values, out_f, in_f, bias, device, **kw)
+        return cls.from_values(values, out_f, in_f, bias, device, **kw)
 
     @classmethod
     def from_entry(
@@ -237,7 +237,7 @@ class UnweightLinear(nn.Module):
             raise
         except ValueError as e:
             raise CorruptDataError(None, str(e), entry.name) from None
-        return cls._from_values(values, out_f, in_f, bias, device, **kw)
+        return cls.from_values(values, out_f, in_f, bias, device, **kw)
 
     @classmethod
     def from_entries(
@@ -258,14 +258,16 @@ class UnweightLinear(nn.Module):
         in_f = _check_parts([e for e, _ in parts])
         values = np.concatenate([decode_tensor(e, st, threads).view(np.uint16) for e, st in parts])
         out_f = sum(e.shape[0] for e, _ in parts)
-        return cls._from_values(values, out_f, in_f, bias, device, **kw)
+        return cls.from_values(values, out_f, in_f, bias, device, **kw)
 
     @property
     def stored_bytes(self) -> int:
         """Resident bytes of the weight (the streams), as held on the module's device."""
-        return sum(b.numel() * b.element_size() for b in self._streams().values())
+        return sum(b.numel() * b.element_size() for b in self.streams().values())
 
-    def _streams(self) -> dict[str, torch.Tensor]:
+    def streams(self) -> dict[str, torch.Tensor]:
+        """The resident streams by role, as the launchers take them: `tiles` roles on the CPU
+        (with `params`), `qtiles` roles on CUDA (with `qmode`)."""
         return {role: getattr(self, role) for role in self._roles}
 
     def _apply(self, fn, recurse=True):
@@ -277,15 +279,15 @@ class UnweightLinear(nn.Module):
 
     def _transcode(self, target: str) -> None:
         rows, cols = self.out_features, self.in_features
-        host = {role: t.cpu().numpy() for role, t in self._streams().items()}
+        host = {role: t.cpu().numpy() for role, t in self.streams().items()}
         if target == "cuda":
             host["esc_index"] = host["esc_index"].astype("<u4").view(np.uint8)
             host["esc"] = host["esc"][: int(host["esc_index"].view("<u4")[-1])]
             new = qtiles.from_tiles(host, self.params.to_json(), rows, cols)
-            self._qmode = int(new.pop("mode")[0])
+            self.qmode = int(new.pop("mode")[0])
             tensors, roles = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in new.items()}, qtiles.ROLES
         else:
-            values = qtiles.decode_reference({**host, "mode": np.array([self._qmode], np.uint8)}, rows, cols).ravel()
+            values = qtiles.decode_reference({**host, "mode": np.array([self.qmode], np.uint8)}, rows, cols).ravel()
             p, streams = tiles.encode(values, rows, cols, self.params.block)
             self.params = p
             tensors, roles = tile_tensors(streams), TILES_ROLES
@@ -310,11 +312,11 @@ class UnweightLinear(nn.Module):
             from unweight.runtime.kernels.qtiles_decode import qtiles_decode
 
             ids_dev = None if ids is None else to_device(ids, self.sm.device)
-            return qtiles_decode(self._streams(), self.out_features, self.in_features, ids_dev, mode=self._qmode).to(
+            return qtiles_decode(self.streams(), self.out_features, self.in_features, ids_dev, mode=self.qmode).to(
                 dtype
             )
         return tiles_rows_cpu(
-            self._streams(), self.params.base, self.params.block, self.out_features, self.in_features, ids
+            self.streams(), self.params.base, self.params.block, self.out_features, self.in_features, ids
         ).to(dtype)
 
     def _pipelines(self, m: int, device: torch.device) -> tuple[str, ...]:
@@ -323,15 +325,17 @@ class UnweightLinear(nn.Module):
 
         return PIPELINES if device.type != "cuda" or m <= MAX_M else ("decode_matmul",)
 
-    def _run(self, pipeline: str, x: torch.Tensor) -> torch.Tensor:
+    def run(self, pipeline: str, x: torch.Tensor) -> torch.Tensor:
+        """x @ W^T through one pipeline, without the autotuner or the bias (forward adds both); a
+        subclass may replace one (the vLLM plugin's multiplies through vLLM's own GEMM)."""
         if pipeline == "decode_matmul":
             return F.linear(x, self.decoded_weight(x.dtype))
         if x.device.type == "cuda":
             from unweight.runtime.kernels.qtiles_matmul import qtiles_linear
 
-            return qtiles_linear(x, self._streams(), self.out_features, self.in_features, mode=self._qmode)
+            return qtiles_linear(x, self.streams(), self.out_features, self.in_features, mode=self.qmode)
         return tiles_gemv_cpu(
-            x, self._streams(), self.params.base, self.params.block, self.out_features, self.in_features
+            x, self.streams(), self.params.base, self.params.block, self.out_features, self.in_features
         ).to(x.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -347,13 +351,13 @@ class UnweightLinear(nn.Module):
             where = device_name(x.device) + (f"|{self.AUTOTUNE_TAG}" if self.AUTOTUNE_TAG else "")
             key = f"{where}|{self.out_features}x{self.in_features}|m{bucket}|{dtype}|{code_version()}"
             name, y = self.autotuner.choose(
-                key, {p: (lambda p=p: self._run(p, x)) for p in self._pipelines(bucket, x.device)}, x.device
+                key, {p: (lambda p=p: self.run(p, x)) for p in self._pipelines(bucket, x.device)}, x.device
             )
             self._chosen[memo] = name
         if torch.is_grad_enabled() and x.requires_grad:
             y = _CompressedMatmul.apply(x, self, name)
         elif y is None:
-            y = self._run(name, x)
+            y = self.run(name, x)
         return y + self.bias if self.bias is not None else y
 
     def _note(self, message: str) -> None:

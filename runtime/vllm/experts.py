@@ -212,9 +212,9 @@ def _experts_class() -> type:
         uw_activation = None
         uw_on_input = False
 
-        def _run(self, pipeline, x, topk_weights, topk_ids, activation, weights_on_input):
+        def run(self, pipeline, x, topk_weights, topk_ids, activation, weights_on_input):
             if pipeline != "decode_matmul":
-                return super()._run(pipeline, x, topk_weights, topk_ids, activation, weights_on_input)
+                return super().run(pipeline, x, topk_weights, topk_ids, activation, weights_on_input)
             return _vllm_moe(self, x, topk_weights, topk_ids)
 
     return VllmUnweightExperts

@@ -200,7 +200,7 @@ def _finish(layer: nn.Module, pending: _Pending, param: nn.Parameter) -> None:
     weight, pending.values = pending.values, None
     if weight.dtype == torch.bfloat16:
         values = weight.view(torch.int16).numpy().view(np.uint16).reshape(-1)
-        uw = _linear_class()._from_values(values, pending.rows, pending.cols, None, device)
+        uw = _linear_class().from_values(values, pending.rows, pending.cols, None, device)
         del values, weight
     else:
         uw = _DenseLinear(weight)
@@ -226,11 +226,11 @@ def _linear_class() -> type:
                 else super()._pipelines(m, device)
             )
 
-        def _run(self, pipeline: str, x: torch.Tensor) -> torch.Tensor:
+        def run(self, pipeline: str, x: torch.Tensor) -> torch.Tensor:
             if pipeline == "decode_linear":  # UnweightLinear's CPU decode + F.linear: no repacking per call
-                return super()._run("decode_matmul", x)
+                return super().run("decode_matmul", x)
             if pipeline != "decode_matmul" or x.device.type != "cpu":
-                return super()._run(pipeline, x)
+                return super().run(pipeline, x)
             return _vllm_cpu_gemm(self.decoded_weight(x.dtype))(x)
 
     return VllmUnweightLinear
