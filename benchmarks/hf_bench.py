@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from side_by_side import cpu_flags, table
 
 EIGHT_B_LAYER = dict(
     hidden_size=4096,
@@ -38,18 +38,6 @@ EIGHT_B_LAYER = dict(
     max_position_embeddings=4096,
     tie_word_embeddings=False,
 )
-
-
-def cpu_flags() -> str:
-    """The CPU's model and its SIMD flags (the tables are not comparable across them)."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "unknown CPU"
-    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
-    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
-    simd = [f for f in flags if f.startswith(("avx", "amx", "fma"))]
-    return f"{model}, {os.cpu_count()} CPUs, {' '.join(simd)}"
 
 
 def worker(path: str, dtype: str, reps: int, tokens: int, out: str) -> None:
@@ -151,33 +139,17 @@ def main() -> None:
     base, ours = (runs[s] for s in sides)
     bf16_bytes = sum(f.stat().st_size for f in src.glob("*.safetensors"))  # the BF16 checkpoint (headers aside)
 
-    def pooled(rs: list[dict], key: str) -> list[float]:
-        return [v for run in rs for v in (run[key] if isinstance(run[key], list) else [run[key]])]
-
     print(
         f"\n{args.model}, {args.dtype} compute, {args.tokens} tokens, {args.rounds} rounds x {args.reps} reps; "
         f"{cpu_flags()}\n"
     )
-    print("| figure | BF16 folder median (range) | compressed median (range) | compressed / BF16 |")
-    print("| --- | ---: | ---: | ---: |")
-    summary = {}
-    for label, key in (
+    rows = [
         ("load (s)", "load_s"),
         ("weights resident", "weight_bytes"),
         ("TTFT (s)", "ttft_s"),
         ("decode tokens/s", "decode_tok_s"),
-    ):
-        a, b = pooled(base, key), pooled(ours, key)
-        ma, mb = statistics.median(a), statistics.median(b)
-        summary[key] = {"bf16": ma, "unweight": mb, "ratio": mb / ma}
-
-        def fmt(v: float) -> str:
-            return f"{v / 2**20:,.1f} MiB" if "bytes" in key else f"{v:.3f}"
-
-        print(
-            f"| {label} | {fmt(ma)} ({fmt(min(a))}–{fmt(max(a))}) | {fmt(mb)} ({fmt(min(b))}–{fmt(max(b))}) "
-            f"| {mb / ma:.2f}x |"
-        )
+    ]
+    summary = table(base, ours, rows, ("bf16", "unweight"))
     resident = summary["weight_bytes"]["unweight"] / bf16_bytes
     summary["resident_vs_bf16_checkpoint"] = resident
     print(f"\ncompressed weights resident / the BF16 checkpoint's {bf16_bytes / 2**20:,.1f} MiB: {resident:.3f}x")

@@ -20,12 +20,13 @@ import argparse
 import json
 import os
 import re
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from side_by_side import cpu_flags, table
 
 PROMPT = "Write a short story about a lighthouse keeper."
 # Qwen3-MoE-like proportions, random BF16 weights (transformers' init): 4 layers of 32 experts, top 4;
@@ -128,30 +129,13 @@ def main() -> None:
                 print(f"round {r + 1}: {side} done", file=sys.stderr)
     base, ours = (results[s] for s in sides)
 
-    def pooled(runs: list[dict], key: str) -> list[float]:
-        return [v for run in runs for v in (run[key] if isinstance(run[key], list) else [run[key]])]
-
     rows = [("TTFT (s)", "ttft_s"), ("decode tokens/s", "decode_tok_s"), ("weight bytes", "weight_bytes")]
     rows += [("non-KV memory vLLM reports (bytes)", "non_kv_bytes")]
     print(
         f"\nvLLM-CPU 0.32, {name}, one stream, {args.tokens} tokens, {args.rounds} rounds x {args.reps} reps, "
-        f"pipeline {args.pipeline}, {os.cpu_count()} CPUs\n"
+        f"pipeline {args.pipeline}; {cpu_flags()}\n"
     )
-    print("| figure | vLLM BF16 median (range) | plugin median (range) | plugin / BF16 |")
-    print("| --- | ---: | ---: | ---: |")
-    summary = {}
-    for label, key in rows:
-        a, b = pooled(base, key), pooled(ours, key)
-        ma, mb = statistics.median(a), statistics.median(b)
-        summary[key] = {"bf16": ma, "plugin": mb, "ratio": mb / ma}
-
-        def fmt(v: float) -> str:
-            return f"{v / 2**20:,.1f} MiB" if "bytes" in key else f"{v:.3f}"
-
-        print(
-            f"| {label} | {fmt(ma)} ({fmt(min(a))}–{fmt(max(a))}) | {fmt(mb)} ({fmt(min(b))}–{fmt(max(b))}) "
-            f"| {mb / ma:.2f}x |"
-        )
+    summary = table(base, ours, rows, ("bf16", "plugin"))
     out = Path(args.out or f"benchmarks/results/vllm_bench{'_moe' if args.model == 'moe' else ''}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": vars(args), "summary": summary, "runs": results}, indent=1))

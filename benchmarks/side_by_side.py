@@ -1,0 +1,47 @@
+"""What the side-by-side benchmarks (hf_bench.py, vllm_bench.py) share: the CPU they ran on, and the
+table of medians and ranges of a baseline's runs against ours, pooled over rounds and repetitions."""
+
+from __future__ import annotations
+
+import os
+import statistics
+from pathlib import Path
+
+
+def cpu_flags() -> str:
+    """The CPU's model, its core count and its SIMD flags (tables are not comparable across them)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return f"unknown CPU, {os.cpu_count()} CPUs"
+    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    simd = [f for f in flags if f.startswith(("avx", "amx", "fma"))]
+    return f"{model}, {os.cpu_count()} CPUs, {' '.join(simd)}"
+
+
+def pooled(runs: list[dict], key: str) -> list[float]:
+    """Every value of `key` over the runs (a run holds one value or a list of repetitions)."""
+    return [v for run in runs for v in (run[key] if isinstance(run[key], list) else [run[key]])]
+
+
+def table(base: list[dict], ours: list[dict], rows: list[tuple[str, str]], names: tuple[str, str]) -> dict:
+    """Print a markdown table, one row per (label, key): the medians (ranges) of both sides and the
+    ratio ours / base; returns {key: {names[0]: median, names[1]: median, "ratio": ...}}. Keys
+    holding "bytes" print in MiB."""
+    print(f"| figure | {names[0]} median (range) | {names[1]} median (range) | {names[1]} / {names[0]} |")
+    print("| --- | ---: | ---: | ---: |")
+    summary = {}
+    for label, key in rows:
+        a, b = pooled(base, key), pooled(ours, key)
+        ma, mb = statistics.median(a), statistics.median(b)
+        summary[key] = {names[0]: ma, names[1]: mb, "ratio": mb / ma}
+
+        def fmt(v: float) -> str:
+            return f"{v / 2**20:,.1f} MiB" if "bytes" in key else f"{v:.3f}"
+
+        print(
+            f"| {label} | {fmt(ma)} ({fmt(min(a))}–{fmt(max(a))}) | {fmt(mb)} ({fmt(min(b))}–{fmt(max(b))}) "
+            f"| {mb / ma:.2f}x |"
+        )
+    return summary
