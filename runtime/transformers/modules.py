@@ -18,7 +18,8 @@ DeepSeek-V3, ...), and Llama 4's, `gate_up_proj` (E, H, 2I) and `down_proj` (E, 
 
 Between the swap and the fill (the quantizer's two hooks), a swapped module holds no tensor: its
 weight is a meta tensor kept as a plain attribute, outside the state dict, so transformers' own
-loader neither loads nor initialises it (`detach_tensor`).
+loader neither loads nor initialises it (`detach_tensor`). Once filled, `weight` is a `WeightView`
+made at each read, on the device the compressed matrix is on then (it moves with `.to()`).
 """
 
 from __future__ import annotations
@@ -59,11 +60,11 @@ def _view_of(compressed: UnweightLinear, dtype: torch.dtype) -> WeightView:
     return WeightView(lambda: compressed.decoded_weight(dtype), shape, dtype, compressed.sm.device)
 
 
-def _derived(cls: type, compressed: type) -> type:
-    """`compressed` itself for the exact base class; else a subclass of `cls` that reaches
-    `compressed`'s forward where `cls` calls its base's (Gemma's scaled embedding calls
-    nn.Embedding.forward, then scales)."""
-    if cls is compressed.__mro__[1]:
+def _derived(cls: type, base: type, compressed: type) -> type:
+    """`compressed` itself for `base` (nn.Linear, nn.Embedding); for a subclass of it, a subclass of
+    `cls` that reaches `compressed`'s forward where `cls` calls its base's (Gemma's scaled embedding
+    calls nn.Embedding.forward, then scales)."""
+    if cls is base:
         return compressed
     return type(f"Compressed{cls.__name__}", (cls, compressed), {"__module__": __name__})
 
@@ -76,7 +77,7 @@ def detach_tensor(module: nn.Module, name: str) -> torch.Tensor:
         t = module._buffers.pop(name)
         module._non_persistent_buffers_set.discard(name)
     t._is_hf_initialized = True
-    object.__setattr__(module, name, t)
+    module.__dict__[name] = t  # past any descriptor: a swapped class's `weight` property reads it from here
     return t
 
 
@@ -90,32 +91,39 @@ def attach_tensor(module: nn.Module, name: str, value: torch.Tensor, buffer: boo
         module.register_parameter(name, nn.Parameter(value, requires_grad=False))
 
 
-class CompressedLinear(nn.Linear):
+class _CompressedMatrix:
+    """`weight` of a module whose matrix is `self.compressed` (an UnweightLinear)."""
+
+    @property
+    def weight(self) -> torch.Tensor:
+        compressed = self._modules.get("compressed")
+        if compressed is None:  # between the quantizer's hooks: the meta tensor detach_tensor left
+            return self.__dict__["weight"]
+        return _view_of(compressed, self.weight_dtype)
+
+    @property
+    def stored_bytes(self) -> int:
+        return self.compressed.stored_bytes
+
+
+class CompressedLinear(_CompressedMatrix, nn.Linear):
     """An nn.Linear whose weight is `self.compressed`, an UnweightLinear; the bias stays dense."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.compressed(x)
         return y if self.bias is None else y + self.bias
 
-    @property
-    def stored_bytes(self) -> int:
-        return self.compressed.stored_bytes
-
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-class CompressedEmbedding(nn.Embedding):
+class CompressedEmbedding(_CompressedMatrix, nn.Embedding):
     """An nn.Embedding whose table is `self.compressed` (an UnweightLinear read by rows): a lookup
     decodes only the rows of the ids asked for, in the dtype the model's table had."""
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = self.compressed.rows(ids.reshape(-1), self.table_dtype)
+        rows = self.compressed.rows(ids.reshape(-1), self.weight_dtype)
         return rows.reshape(*ids.shape, self.embedding_dim)
-
-    @property
-    def stored_bytes(self) -> int:
-        return self.compressed.stored_bytes
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}"
@@ -142,11 +150,11 @@ class CompressedExperts(nn.Module):
 
 
 def linear_class(cls: type) -> type:
-    return _derived(cls, CompressedLinear)
+    return _derived(cls, nn.Linear, CompressedLinear)
 
 
 def embedding_class(cls: type) -> type:
-    return _derived(cls, CompressedEmbedding)
+    return _derived(cls, nn.Embedding, CompressedEmbedding)
 
 
 def experts_class(cls: type) -> type:
@@ -155,15 +163,11 @@ def experts_class(cls: type) -> type:
     return type(f"Compressed{cls.__name__}", (CompressedExperts, cls), {"__module__": __name__})
 
 
-def fill_linear(module: nn.Module, compressed: UnweightLinear, dtype: torch.dtype) -> None:
+def fill_matrix(module: nn.Module, compressed: UnweightLinear, dtype: torch.dtype) -> None:
+    """Give a CompressedLinear or CompressedEmbedding its matrix, read in `dtype` (the model's for it)."""
+    module.__dict__.pop("weight", None)
     module.compressed = compressed
-    module.__dict__["weight"] = _view_of(compressed, dtype)
-
-
-def fill_embedding(module: nn.Module, compressed: UnweightLinear, dtype: torch.dtype) -> None:
-    module.compressed = compressed
-    module.table_dtype = dtype
-    module.__dict__["weight"] = _view_of(compressed, dtype)
+    module.weight_dtype = dtype
 
 
 def fill_experts(module: nn.Module, compressed: UnweightExperts, kind: str, activation: str) -> None:

@@ -42,13 +42,10 @@ log = logging.getLogger(__name__)
 
 
 class UnweightConfig(QuantizationConfigMixin):
-    """The `quantization_config` that `unweight compress` writes: {"quant_method": "unweight"}.
+    """The `quantization_config` that `unweight compress` writes: {"quant_method": "unweight"}."""
 
-    threads: CPU threads for decoding at load (default: all)."""
-
-    def __init__(self, threads: int | None = None, **kwargs):
+    def __init__(self, **kwargs):
         self.quant_method = QUANT_METHOD
-        self.threads = threads
 
     def to_dict(self) -> dict:
         return {"quant_method": QUANT_METHOD}
@@ -78,7 +75,7 @@ class UnweightHfQuantizer(HfQuantizer):
         files = [os.fspath(f) for f in checkpoint_files]
         path = files[0] if len(files) == 1 else os.path.dirname(files[0])
         self._t0 = time.perf_counter()
-        self.ckpt = CompressedCheckpoint(path, getattr(self.quantization_config, "threads", None))
+        self.ckpt = CompressedCheckpoint(path)
         try:
             dtype_plan = model._get_dtype_plan(dtype) if dtype is not None and hasattr(model, "_get_dtype_plan") else {}
             self.plan = make_plan(model, self.ckpt, dtype_plan)
@@ -93,7 +90,7 @@ class UnweightHfQuantizer(HfQuantizer):
 
     def _process_model_after_weight_loading(self, model, **kwargs):
         try:
-            report = _fill(model, self.ckpt, self.plan, getattr(self.quantization_config, "threads", None))
+            report = _fill(model, self.ckpt, self.plan)
         finally:
             self.ckpt.close()
         del model._keys_to_ignore_on_load_unexpected  # the class's own again
@@ -185,11 +182,11 @@ def _named(ckpt: CompressedCheckpoint, name: str, fn):
         raise type(e)(ckpt.file_of(e.tensor), e.reason, e.tensor) from None
 
 
-def _compressed_linear(ckpt, name: str, dev: torch.device, threads) -> UnweightLinear:
+def _compressed_linear(ckpt, name: str, dev: torch.device) -> UnweightLinear:
     entry = ckpt.entry(name)
     decoded = entry.codec != "tiles"  # transcoded: its decode checks the CRC-32 of the original bytes
     streams = ckpt.streams(name, check=not decoded)
-    return _named(ckpt, name, lambda: UnweightLinear.from_entry(entry, streams, None, threads, dev).to(dev))
+    return _named(ckpt, name, lambda: UnweightLinear.from_entry(entry, streams, None, None, dev).to(dev))
 
 
 def _values(ckpt, t: Target) -> np.ndarray:
@@ -212,7 +209,7 @@ def _dense(ckpt, t: Target) -> torch.Tensor:
     return value.to(t.dtype)
 
 
-def _fill(model, ckpt: CompressedCheckpoint, plan: LoadPlan, threads) -> dict:
+def _fill(model, ckpt: CompressedCheckpoint, plan: LoadPlan) -> dict:
     dm = _device_map(model)
     report = dict(linears=0, embeddings=0, experts=0, decoded=0, resident_bytes=0, original_bytes=0)
     kept: dict[str, UnweightLinear] = {}
@@ -220,12 +217,12 @@ def _fill(model, ckpt: CompressedCheckpoint, plan: LoadPlan, threads) -> dict:
         module, dev = model.get_submodule(t.module), _device_of(dm, t.module)
         report["original_bytes"] += sum(ckpt.entry(n).nbytes for n in t.names)
         if t.kind == "linear":
-            kept[key] = lin = _compressed_linear(ckpt, t.names[0], dev, threads)
-            m.fill_linear(module, lin, t.dtype)
+            kept[key] = lin = _compressed_linear(ckpt, t.names[0], dev)
+            m.fill_matrix(module, lin, t.dtype)
             report["linears"] += 1
         elif t.kind == "embedding":
-            kept[key] = lin = _compressed_linear(ckpt, t.names[0], dev, threads)
-            m.fill_embedding(module, lin, t.dtype)
+            kept[key] = lin = _compressed_linear(ckpt, t.names[0], dev)
+            m.fill_matrix(module, lin, t.dtype)
             report["embeddings"] += 1
         elif t.kind == "dense":
             value = _named(ckpt, t.names[0], lambda t=t: _dense(ckpt, t))
@@ -254,10 +251,8 @@ def _fill(model, ckpt: CompressedCheckpoint, plan: LoadPlan, threads) -> dict:
         module, _, attr = key.rpartition(".")
         owner = model.get_submodule(module)
         src_module, _, src_attr = source.rpartition(".")
-        if source in kept and isinstance(owner, torch.nn.Embedding):
-            m.fill_embedding(owner, kept[source], plan.targets[source].dtype)
-        elif source in kept:
-            m.fill_linear(owner, kept[source], plan.targets[source].dtype)
+        if source in kept:
+            m.fill_matrix(owner, kept[source], plan.targets[source].dtype)
         else:
             owner.__dict__.pop(attr, None)
             setattr(owner, attr, getattr(model.get_submodule(src_module), src_attr))
