@@ -273,6 +273,27 @@ def test_damaged_foreign_and_mismatched_folders(tiny, tmp_path):
         load(partial)
 
 
+def test_moe_folder_missing_an_expert(tiny, tmp_path):
+    """Per-expert tensors that transformers merges into 3-D ones must be experts 0 .. E-1, each once."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src, _ = tiny("qwen3_moe")
+    tensors = load_file(src / "model.safetensors")
+    gone = [k for k in tensors if ".layers.0.mlp.experts.1." in k]
+    assert len(gone) == 3
+    part = tmp_path / "src"
+    part.mkdir()
+    save_file(
+        {k: v for k, v in tensors.items() if k not in gone}, part / "model.safetensors", metadata={"format": "pt"}
+    )
+    shutil.copy2(src / "config.json", part / "config.json")
+    unweight.compress(part, tmp_path / "uw")
+    with pytest.raises(SourceError, match=r"model.layers.0.mlp.experts.*numbered \[0, 2, 3\]"):
+        load(tmp_path / "uw")
+
+
 @pytest.mark.slow
 def test_oldest_transformers(tmp_path):
     """This module again under transformers 5.17 (the GPU machine's), from a folder put first on

@@ -148,10 +148,19 @@ def make_plan(model: nn.Module, ckpt, dtype_plan: dict | None = None) -> LoadPla
         dtype = next((d for rx, d in dtype_rx if rx.search(key)), t.dtype)
         target = Target(module, attr, tuple(t.shape), dtype, key in buffers, [])
         patterns = [p for p in by_src if p is not None]
+        if patterns and None in by_src:
+            names = ", ".join(n for group in by_src.values() for _, n in group)
+            raise SourceError(f"{ckpt.path}: {names} all load into {key}, as it is and merged")
         if patterns:
             conv = by_pattern[patterns[0]]
             target.concat_dim = _converter_layout(conv, key)
             order = [p for p in conv.source_patterns if p in by_src]
+            for p in order:  # each pattern's tensors are experts 0 .. n-1, each once
+                if [i for i, _ in sorted(by_src[p])] != list(range(len(by_src[p]))):
+                    numbers = sorted(i for i, _ in by_src[p])
+                    raise SourceError(
+                        f"{ckpt.path}: {key} merges tensors numbered {numbers}, not 0 to {len(numbers) - 1}"
+                    )
             target.sources = [[n for _, n in sorted(by_src[p])] for p in order]
         else:
             if len(by_src[None]) > 1:
