@@ -10,10 +10,13 @@ machine hits both. In each: the load (`from_pretrained` wall time), the resident
 (`get_memory_footprint()`: parameters and buffers; the compressed side's streams are buffers), then
 --reps greedy generations of 1 token (TTFT) and of --tokens tokens of a fixed prompt: decode
 tokens/s = (tokens - 1) / (time - TTFT). Goals (issue #28): resident weights <= 0.72x BF16, decode
-tokens/s >= 1.0x.
+tokens/s >= 1.0x. With --task lora, instead: LoRA (PEFT, rank 8 on every linear of the decoder
+layers) trained for --reps steps on a batch of 4 x 64 tokens after one warm-up step: the median
+step time. Every run reports the process's peak RSS.
 
-    python benchmarks/hf_bench.py [--model smollm2|8b-layers] [--dtype float32|bfloat16] [--rounds 3]
-                                  [--reps 3] [--tokens 32] [--layers 2] [--out benchmarks/results/hf_bench.json]
+    python benchmarks/hf_bench.py [--task generate|lora] [--model smollm2|8b-layers] [--dtype float32|bfloat16]
+                                  [--rounds 3] [--reps 3] [--tokens 32] [--layers 2]
+                                  [--out benchmarks/results/hf_bench.json]
 """
 
 from __future__ import annotations
@@ -40,7 +43,16 @@ EIGHT_B_LAYER = dict(
 )
 
 
-def worker(path: str, dtype: str, reps: int, tokens: int, out: str) -> None:
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def peak_rss() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def worker(path: str, task: str, dtype: str, reps: int, tokens: int, out: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -49,6 +61,9 @@ def worker(path: str, dtype: str, reps: int, tokens: int, out: str) -> None:
     t0 = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
     load_s = time.perf_counter() - t0
+    weights = model.get_memory_footprint()
+    if task == "lora":
+        return lora_worker(model, reps, out, {"load_s": load_s, "weight_bytes": weights})
     ids = torch.randint(3, 500, (1, 64), generator=torch.Generator().manual_seed(0))
 
     def run(n: int) -> float:
@@ -63,11 +78,33 @@ def worker(path: str, dtype: str, reps: int, tokens: int, out: str) -> None:
         t1, tn = run(1), run(tokens)
         ttft.append(t1)
         decode.append((tokens - 1) / (tn - t1))
-    Path(out).write_text(
-        json.dumps(
-            {"load_s": load_s, "weight_bytes": model.get_memory_footprint(), "ttft_s": ttft, "decode_tok_s": decode}
-        )
-    )
+    got = {
+        "load_s": load_s,
+        "weight_bytes": weights,
+        "ttft_s": ttft,
+        "decode_tok_s": decode,
+        "peak_rss_bytes": peak_rss(),
+    }
+    Path(out).write_text(json.dumps(got))
+
+
+def lora_worker(model, steps: int, out: str, got: dict) -> None:
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=LORA_TARGETS))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    ids = torch.randint(3, 500, (4, 64), generator=torch.Generator().manual_seed(0))
+    times = []
+    for step in range(steps + 1):  # the first is a warm-up
+        t = time.perf_counter()
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if step:
+            times.append(time.perf_counter() - t)
+    Path(out).write_text(json.dumps({**got, "step_s": times, "peak_rss_bytes": peak_rss()}))
 
 
 def source(args) -> Path:
@@ -93,6 +130,7 @@ def source(args) -> Path:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--task", default="generate", choices=["generate", "lora"])
     ap.add_argument("--model", default="smollm2", choices=["smollm2", "8b-layers"])
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--rounds", type=int, default=3)
@@ -103,7 +141,7 @@ def main() -> None:
     ap.add_argument("--worker", nargs=2, metavar=("MODEL", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        return worker(args.worker[0], args.dtype, args.reps, args.tokens, args.worker[1])
+        return worker(args.worker[0], args.task, args.dtype, args.reps, args.tokens, args.worker[1])
 
     src = source(args)
     with tempfile.TemporaryDirectory() as td:
@@ -118,19 +156,17 @@ def main() -> None:
         for r in range(args.rounds):
             for side, model in sides.items():
                 out = Path(td) / f"{r}-{len(runs[side])}-{len(side)}.json"
-                cmd = [
-                    sys.executable,
-                    __file__,
-                    "--worker",
-                    model,
-                    str(out),
+                opts = [
                     "--dtype",
                     args.dtype,
+                    "--task",
+                    args.task,
                     "--reps",
                     str(args.reps),
                     "--tokens",
                     str(args.tokens),
                 ]
+                cmd = [sys.executable, __file__, "--worker", model, str(out), *opts]
                 done = subprocess.run(cmd, capture_output=True, text=True)
                 if done.returncode != 0:
                     raise SystemExit(f"{side} failed:\n{(done.stdout + done.stderr)[-3000:]}")
@@ -140,8 +176,8 @@ def main() -> None:
     bf16_bytes = sum(f.stat().st_size for f in src.glob("*.safetensors"))  # the BF16 checkpoint (headers aside)
 
     print(
-        f"\n{args.model}, {args.dtype} compute, {args.tokens} tokens, {args.rounds} rounds x {args.reps} reps; "
-        f"{cpu_flags()}\n"
+        f"\n{args.model}, {args.task}, {args.dtype} compute, {args.tokens} tokens, {args.rounds} rounds x "
+        f"{args.reps} reps; {cpu_flags()}\n"
     )
     rows = [
         ("load (s)", "load_s"),

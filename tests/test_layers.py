@@ -138,6 +138,18 @@ def test_import_is_light():
     assert r.stdout.strip() == "[]"
 
 
+def test_the_transformers_registration_loads_no_numba():
+    """`import unweight` where transformers' quantizer registry is loaded (as in vLLM's processes)
+    registers the quantizer without loading numba or llvmlite: vLLM's CPU worker scans every
+    module's globals at start and fails on llvmlite's (runtime/vllm/plugin.py)."""
+    code = (
+        "import sys, transformers.quantizers.auto as auto, unweight; "
+        "print('unweight' in auto.AUTO_QUANTIZER_MAPPING, sorted(m for m in ('numba', 'llvmlite') if m in sys.modules))"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert r.stdout.strip() == "True []", r.stdout + r.stderr
+
+
 def test_reading_does_not_import_writing():
     """The reader (unweight.open, get_tensor) and inspect load neither the compress / decompress /
     verify module nor the container writer's encoder."""

@@ -24,12 +24,15 @@ made at each read, on the device the compressed matrix is on then (it moves with
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from ..layers.experts import UnweightExperts
-from ..layers.linear import UnweightLinear
+if TYPE_CHECKING:  # the layers load numba, which vLLM's CPU worker must not see at start (runtime/vllm/plugin.py)
+    from ..layers.experts import UnweightExperts
+    from ..layers.linear import UnweightLinear
 
 
 class WeightView(torch.Tensor):

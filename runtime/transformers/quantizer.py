@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -30,13 +31,18 @@ from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from unweight.errors import FormatError, SourceError
-from unweight.reader import CompressedCheckpoint
 
-from ..layers.experts import UnweightExperts
-from ..layers.linear import UnweightLinear
 from . import QUANT_METHOD, register
 from . import modules as m
 from .plan import LoadPlan, Target, make_plan
+
+# The reader and the layers load numba, imported here only when a folder loads: `import unweight` in a
+# process where transformers is loaded imports this module, and vLLM's CPU worker, which scans every
+# module's globals at start, fails on llvmlite's (runtime/vllm/plugin.py).
+if TYPE_CHECKING:
+    from unweight.reader import CompressedCheckpoint
+
+    from ..layers.linear import UnweightLinear
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +80,8 @@ class UnweightHfQuantizer(HfQuantizer):
             raise SourceError("unweight: transformers gave the quantizer no checkpoint files to read")
         files = [os.fspath(f) for f in checkpoint_files]
         path = files[0] if len(files) == 1 else os.path.dirname(files[0])
+        from unweight.reader import CompressedCheckpoint
+
         self._t0 = time.perf_counter()
         self.ckpt = CompressedCheckpoint(path)
         try:
@@ -183,6 +191,8 @@ def _named(ckpt: CompressedCheckpoint, name: str, fn):
 
 
 def _compressed_linear(ckpt, name: str, dev: torch.device) -> UnweightLinear:
+    from ..layers.linear import UnweightLinear
+
     entry = ckpt.entry(name)
     decoded = entry.codec != "tiles"  # transcoded: its decode checks the CRC-32 of the original bytes
     streams = ckpt.streams(name, check=not decoded)
@@ -210,6 +220,8 @@ def _dense(ckpt, t: Target) -> torch.Tensor:
 
 
 def _fill(model, ckpt: CompressedCheckpoint, plan: LoadPlan) -> dict:
+    from ..layers.experts import UnweightExperts
+
     dm = _device_map(model)
     report = dict(linears=0, embeddings=0, experts=0, decoded=0, resident_bytes=0, original_bytes=0)
     kept: dict[str, UnweightLinear] = {}
