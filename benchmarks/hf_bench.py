@@ -179,12 +179,11 @@ def main() -> None:
         f"\n{args.model}, {args.task}, {args.dtype} compute, {args.tokens} tokens, {args.rounds} rounds x "
         f"{args.reps} reps; {cpu_flags()}\n"
     )
-    rows = [
-        ("load (s)", "load_s"),
-        ("weights resident", "weight_bytes"),
-        ("TTFT (s)", "ttft_s"),
-        ("decode tokens/s", "decode_tok_s"),
-    ]
+    rows = [("load (s)", "load_s"), ("weights resident", "weight_bytes"), ("peak RSS", "peak_rss_bytes")]
+    if args.task == "generate":
+        rows += [("TTFT (s)", "ttft_s"), ("decode tokens/s", "decode_tok_s")]
+    else:
+        rows += [("LoRA step (s)", "step_s")]
     summary = table(base, ours, rows, ("bf16", "unweight"))
     resident = summary["weight_bytes"]["unweight"] / bf16_bytes
     summary["resident_vs_bf16_checkpoint"] = resident
