@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import struct
 from dataclasses import dataclass, field
 from typing import Any
@@ -208,27 +207,43 @@ class ContainerReader:
 class ContainerWriter:
     """Builds a container at `path`; nothing appears at `path` until `finish()` succeeds.
 
-    Streams are appended to side files as they are added (so a shard never sits in memory whole);
-    `finish()` writes the header, copies the data after it, fsyncs and renames into place.
+    Each stream is written once, to `PATH.partial`, as it is added (so a shard never sits in
+    memory whole, and the disk never holds its data twice): from the file's start, since the
+    header's length is known only at the end. `finish()` moves the data up by the header's size,
+    writes the header before it, fsyncs and renames the file into place: the disk needs room for
+    the finished file and nothing more.
+
+    Every even-length stream starts at an even offset of the data section (and the data section
+    at a multiple of 8), so readers can view uint16 streams without a copy. Odd-length streams
+    are held back, by reference, and written together once an even number of them holds at least
+    _HOLD_BYTES or _HOLD_STREAMS (an even number of odd lengths adds up to an even length), the
+    rest at the end: memory holds at most _HOLD_BYTES and one stream more than the caller's, and a
+    small container comes out as it always has, its even-length streams first, then the odd-length
+    ones.
     """
 
     path: str
     _entries: list[TensorEntry] = field(default_factory=list)
-    _streams: list[tuple[str, int, int, int]] = field(default_factory=list)  # name, part, begin, end
+    # [name, begin, end] in the data section, in the order added (the header's); a held stream's
+    # begin and end are set when it is written
+    _streams: list[list] = field(default_factory=list)
     _names: set[str] = field(default_factory=set)
     _tensor_names: set[str] = field(default_factory=set)
+    _HOLD_BYTES = 16 << 20  # (class constants, not fields)
+    _HOLD_STREAMS = 1024
+    _MOVE_BYTES = 16 << 20  # bytes moved at a time by finish()
 
     def __post_init__(self) -> None:
         self.path = os.fspath(self.path)
         self._partial = f"{self.path}.partial"
-        # Even-length streams go first in the file, odd-length ones after: every even-length
-        # stream then starts at an even offset, so readers can view uint16 streams without a copy.
-        self._data_paths = (f"{self.path}.even.partial", f"{self.path}.odd.partial")
-        self._data = [open(p, "wb") for p in self._data_paths]
-        self._sizes = [0, 0]
+        self._file = open(self._partial, "w+b")  # w+: finish() reads the data back to move it
+        self._size = 0  # bytes of the data section written so far
+        self._held: list[tuple[list, memoryview]] = []  # odd-length streams not yet written
+        self._held_bytes = 0
 
     def add(self, entry: TensorEntry, streams: dict[str, bytes | np.ndarray]) -> None:
-        """Record one tensor: its manifest entry and the bytes of each of its streams by role."""
+        """Record one tensor: its manifest entry and the bytes of each of its streams by role.
+        The bytes must not change until `finish()`: an odd-length stream may be written only then."""
         if entry.name in self._tensor_names:
             raise ValueError(f"tensor {entry.name!r} added twice")
         if entry.name == RESERVED_NAME:
@@ -245,15 +260,34 @@ class ContainerWriter:
             view = memoryview(
                 np.ascontiguousarray(blob).reshape(-1).view(np.uint8) if isinstance(blob, np.ndarray) else blob
             ).cast("B")
-            part = view.nbytes % 2
-            self._data[part].write(view)
-            self._streams.append((name, part, self._sizes[part], self._sizes[part] + view.nbytes))
-            self._sizes[part] += view.nbytes
+            row = [name, 0, 0]
+            self._streams.append(row)
+            if view.nbytes % 2 == 0:
+                self._write(row, view)
+            else:
+                self._hold(row, view)
         self._tensor_names.add(entry.name)
         self._entries.append(entry)
 
+    def _hold(self, row: list, view: memoryview) -> None:
+        self._held.append((row, view))
+        self._held_bytes += view.nbytes
+        if len(self._held) % 2 == 0 and (self._held_bytes >= self._HOLD_BYTES or len(self._held) >= self._HOLD_STREAMS):
+            self._write_held()
+
+    def _write_held(self) -> None:
+        for row, view in self._held:
+            self._write(row, view)
+        self._held, self._held_bytes = [], 0
+
+    def _write(self, row: list, view: memoryview) -> None:
+        self._file.write(view)
+        row[1:] = self._size, self._size + view.nbytes
+        self._size += view.nbytes
+
     def finish(self, source_header: str | None = None) -> int:
         """Assemble the file; returns its size in bytes."""
+        self._write_held()  # (nothing even-length follows them)
         manifest = {
             "tensors": {e.name: e.to_json() for e in self._entries},
             "source_header": source_header,
@@ -263,13 +297,12 @@ class ContainerWriter:
             "format_version": FORMAT_VERSION,
             "unweight": json.dumps(manifest, separators=(",", ":")),
         }
-        shift = (0, self._sizes[0])
-        rows = [(n, "U8", [e - b], b + shift[part], e + shift[part]) for n, part, b, e in self._streams]
+        rows = [(n, "U8", [e - b], b, e) for n, b, e in self._streams]
         # Each tensor's placeholder (SPEC.md §1): an empty entry under the tensor's own name, so that a
         # reader that takes the file for a plain checkpoint finds every tensor with the wrong shape
         # and fails, instead of missing them all and loading a model of random weights.
         rows += [(e.name, "U8", [0], 0, 0) for e in self._entries if e.name not in self._names]
-        head = encode_header(rows, metadata)
+        head = encode_header(rows, metadata)  # padded to 8 bytes: the data section starts 8-aligned
         if len(head) > MAX_HEADER_BYTES:  # readers would refuse the file: say so now, not when it is opened
             self.abort()
             raise FormatError(
@@ -277,30 +310,46 @@ class ContainerWriter:
                 f"its header would be {len(head):,} bytes for {len(self._entries):,} tensors, over the "
                 f"{MAX_HEADER_BYTES:,}-byte cap that readers apply: split the tensors over several files (shards)",
             )
-        for f in self._data:
-            f.close()
-        with open(self._partial, "wb") as out:
-            out.write(struct.pack("<Q", len(head)))
-            out.write(head)
-            for path in self._data_paths:
-                with open(path, "rb") as data:
-                    shutil.copyfileobj(data, out, 16 << 20)
-            out.flush()
-            os.fsync(out.fileno())
-        for path in self._data_paths:
-            os.remove(path)
+        self._file.flush()
+        fd = self._file.fileno()
+        self._move_data_up(fd, 8 + len(head))
+        self._pwrite_all(fd, struct.pack("<Q", len(head)) + head, 0)
+        os.fsync(fd)
+        self._file.close()
         os.replace(self._partial, self.path)
-        return 8 + len(head) + sum(self._sizes)
+        return 8 + len(head) + self._size
+
+    def _move_data_up(self, fd: int, by: int) -> None:
+        """Move the data section from offset 0 to offset `by`, last piece first (the two ranges
+        overlap): the file grows by `by` bytes, never by a second copy of the data."""
+        end = self._size
+        while end > 0:
+            begin = max(0, end - self._MOVE_BYTES)
+            piece = os.pread(fd, end - begin, begin)
+            if len(piece) != end - begin:
+                raise OSError(f"{self._partial}: read {len(piece)} bytes at {begin}, expected {end - begin}")
+            self._pwrite_all(fd, piece, begin + by)
+            end = begin
+
+    @staticmethod
+    def _pwrite_all(fd: int, data: bytes, at: int) -> None:
+        """`data` written at offset `at`, all of it (one pwrite may write less)."""
+        view = memoryview(data)
+        while view:
+            n = os.pwrite(fd, view, at)
+            view, at = view[n:], at + n
 
     def abort(self) -> None:
         """Remove everything this writer created."""
-        for f in self._data:
-            f.close()
-        for p in (*self._data_paths, self._partial):
-            try:
-                os.remove(p)
-            except FileNotFoundError:
-                pass
+        self._held, self._held_bytes = [], 0
+        try:
+            self._file.close()
+        except OSError:  # what it buffered did not fit (a full disk): the file goes anyway
+            pass
+        try:
+            os.remove(self._partial)
+        except FileNotFoundError:
+            pass
 
     def __enter__(self) -> ContainerWriter:
         return self

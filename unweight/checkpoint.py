@@ -11,6 +11,7 @@ complete.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import time
@@ -33,7 +34,7 @@ from unweight.codec.parallel import map_in_order
 from unweight.codec.pieces import check_streams
 from unweight.errors import DestinationError, FormatError, SourceError
 from unweight.formats import ContainerReader, ContainerWriter, SafetensorsFile, write_safetensors
-from unweight.formats.safetensors_file import parse_header
+from unweight.formats.safetensors_file import encode_header, parse_header
 
 from . import hf_config
 from .decoding import INLINE_TENSOR_BYTES, PARALLEL_TENSOR_BYTES, decode_in_order
@@ -71,7 +72,8 @@ def _staging(dst: Path, verb: str = "writing") -> Iterator[Path]:
     The folder is removed when the block raises (KeyboardInterrupt included; the CLI turns SIGTERM
     and SIGHUP into one). A process killed outright (SIGKILL, power loss) cannot clean up: the next
     run to the same destination removes such a folder once its process is gone (_remove_stale).
-    While a run lives it holds an flock on its folder, so no other run removes it.
+    While a run lives it holds an flock on its folder, so no other run removes it. A write that
+    finds the device full (or the quota spent) is a DestinationError naming `dst`.
     """
     if dst.exists():
         raise DestinationError(f"{dst}: already exists; choose a new destination or remove it first")
@@ -84,7 +86,13 @@ def _staging(dst: Path, verb: str = "writing") -> Iterator[Path]:
     tmp.mkdir()
     lock = _lock(tmp)
     try:
-        yield tmp
+        try:
+            yield tmp
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)  # first: the free space reported is then the destination's
+            raise _no_space(dst, parent, verb, e) from None
         if dst.exists():
             raise DestinationError(
                 f"{dst}: appeared while {verb} (another run, or someone else, wrote it); this run's output was removed"
@@ -104,6 +112,18 @@ def _staging(dst: Path, verb: str = "writing") -> Iterator[Path]:
     finally:
         if lock is not None:
             os.close(lock)
+
+
+def _no_space(dst: Path, parent: Path, verb: str, e: OSError) -> DestinationError:
+    """The error for a write that found the destination's device full or the user's quota spent: it
+    names `dst`, not the file inside the staging folder (or the source file being copied) that
+    the OSError names."""
+    why = "no space left on the device" if e.errno == errno.ENOSPC else "no space left: disk quota exceeded"
+    try:
+        free = f"; {parent} has {_size_text(shutil.disk_usage(parent).free)} free without this run's output"
+    except OSError:
+        free = ""
+    return DestinationError(f"{dst}: {why} while {verb}{free}")
 
 
 def _lock(folder: Path) -> int | None:
@@ -279,7 +299,9 @@ def _check_disk(dst: Path, nbytes: int, readers: list[ContainerReader]) -> None:
     """Refuse before writing anything what the destination's file system cannot hold (a container
     may declare far more than it stores: a valid one of 1 KB can decode to terabytes). Streams
     that cannot produce what they declare are refused as corrupt first, whatever the disk; they
-    are checked here only when the space is short (each tensor's decode checks them anyway)."""
+    are checked here only when the space is short (each tensor's decode checks them anyway).
+    `nbytes` is the tensors' data and the copied files; each safetensors file's header is added here."""
+    nbytes += sum(8 + _header_bytes(r) for r in readers)
     parent = dst.parent if str(dst.parent) else Path(".")
     if parent.is_dir():
         _remove_stale(parent, dst.name)  # what interrupted runs left there is not taken space
@@ -295,8 +317,27 @@ def _check_disk(dst: Path, nbytes: int, readers: list[ContainerReader]) -> None:
                 except FormatError as e:
                     raise type(e)(reader.path, e.reason, name) from None
         raise DestinationError(
-            f"{dst}: the decompressed files need {nbytes / 1e9:,.2f} GB, and {parent} has {free / 1e9:,.2f} GB free"
+            f"{dst}: the decompressed files need {_size_text(nbytes)}, and {parent} has {_size_text(free)} free"
         )
+
+
+def _size_text(nbytes: int) -> str:
+    """A disk size for a message: in GB from 1 GB, else in MB (a small disk is not "0.00 GB")."""
+    return f"{nbytes / 1e9:,.2f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:,.2f} MB"
+
+
+def _header_bytes(reader: ContainerReader) -> int:
+    """The length of the header `_decompress_file` writes for `reader`, without its 8-byte length:
+    the stored source header, else the one write_safetensors builds (the tensors by name, their
+    data back to back, no metadata)."""
+    if reader.source_header is not None:
+        return len(reader.source_header.encode("utf-8"))
+    rows, cursor = [], 0
+    for name in sorted(reader.tensors):
+        e = reader.tensors[name]
+        rows.append((name, e.dtype, list(e.shape), cursor, cursor + e.nbytes))
+        cursor += e.nbytes
+    return len(encode_header(rows, None))
 
 
 def _source_layout(reader: ContainerReader) -> list[str]:
