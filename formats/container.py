@@ -2,8 +2,8 @@
 
 `ContainerReader` validates the container-level rules (format name and version, manifest shape,
 stream references) and hands out streams as uint8 views; what a codec's streams mean is checked by
-the codec layer. `ContainerWriter` streams data to a side file and assembles the final file on
-`finish()`, renaming it into place only when complete.
+the codec layer. `ContainerWriter` writes each stream once into `PATH.partial`, puts the header
+before the data on `finish()` and renames the file into place only when complete.
 """
 
 from __future__ import annotations
