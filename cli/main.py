@@ -235,7 +235,8 @@ def verify(
 
     Each tensor's decoded bytes are checked against their stored CRC-32, and its stored streams
     against theirs (format 1.1); with --against, against the original bytes, dtypes and shapes.
-    The first difference is reported.
+    A sharded folder is checked against its index: a missing shard or tensor fails. The first
+    difference is reported. Run it after every download.
 
     Examples:
 
@@ -259,6 +260,12 @@ def verify(
             err.print(f"[bold red]MISMATCH:[/] {safe(report.mismatches[0])}", highlight=False, soft_wrap=True)
             if len(report.mismatches) > 1:
                 err.print(f"... and {len(report.mismatches) - 1} more")
+            if report.missing:
+                err.print(
+                    f"{len(report.missing)} tensors that the shard index lists were not found "
+                    f"(--json lists them); the other {report.checked_tensors} were checked",
+                    highlight=False,
+                )
         return 0 if report.ok else EXIT_FAILED
 
     _run(body)

@@ -83,3 +83,101 @@ def fake_hub_cache(root: Path, repo_id: str, files_from: Path) -> None:
     (repo / "refs").mkdir(parents=True)
     (repo / "refs" / "main").write_text(commit)
     shutil.copytree(files_from, repo / "snapshots" / commit)
+
+
+def shard_of(folder: Path, tensor: str) -> Path:
+    """The container file of `folder` that holds `tensor` (by its index, else model.safetensors)."""
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        return folder / json.loads(index.read_text())["weight_map"][tensor]
+    return folder / "model.safetensors"
+
+
+def rewrite_container(path: Path, edit) -> None:
+    """Write the container at `path` again, its tensors passed through `edit`: a function of
+    {name: (TensorEntry, {role: stream bytes})} that returns such a dict (a crafted file: the
+    CRCs are whatever the edit leaves them)."""
+    from unweight.formats import ContainerReader, ContainerWriter
+
+    with ContainerReader(path) as r:
+        tensors = {n: (e, {role: bytes(v) for role, v in r.streams_of(e).items()}) for n, e in r.tensors.items()}
+        source_header = r.source_header
+    tensors = edit(tensors)
+    tmp = path.with_name(path.name + ".new")
+    with ContainerWriter(str(tmp)) as w:
+        for entry, streams in tensors.values():
+            w.add(entry, streams)
+        w.finish(source_header=None if source_header is None else _drop_header(source_header, tensors))
+    tmp.replace(path)
+
+
+def _drop_header(source_header: str, tensors: dict) -> str | None:
+    """The stored source header, or None once a tensor's dtype or shape no longer matches it."""
+    infos = json.loads(source_header)
+    for name, (entry, _) in tensors.items():
+        info = infos.get(name)
+        if info is None or (info["dtype"], tuple(info["shape"])) != (entry.dtype, tuple(entry.shape)):
+            return None
+    return source_header
+
+
+def zstd_bomb(folder: Path, tensor: str, shape: tuple[int, ...]) -> int:
+    """Make `tensor` a valid zstd-coded tensor of zeros declared as `shape` (BF16): a few hundred KB
+    on disk that decode to the full size (all CRCs honest). Returns the stored stream's size."""
+    import dataclasses
+
+    import zstandard
+
+    from unweight.codec.checksum import crc32
+
+    numel = 1
+    for d in shape:
+        numel *= d
+    nbytes, piece = 2 * numel, bytes(64 << 20)
+    z = zstandard.ZstdCompressor(level=3).compressobj(size=nbytes)
+    blob, crc, left = [], 0, nbytes
+    while left:
+        part = piece[: min(left, len(piece))]
+        blob.append(z.compress(part))
+        crc = crc32(part, crc)
+        left -= len(part)
+    blob.append(z.flush())
+    data = b"".join(blob)
+
+    def edit(tensors):
+        entry, _ = tensors[tensor]
+        bomb = dataclasses.replace(
+            entry,
+            dtype="BF16",
+            shape=tuple(shape),
+            codec="zstd",
+            params={},
+            streams={"data": f"{tensor}#data"},
+            crc32=crc,
+            stream_crc32={"data": crc32(data)},
+        )
+        return {**tensors, tensor: (bomb, {"data": data})}
+
+    rewrite_container(shard_of(folder, tensor), edit)
+    return len(data)
+
+
+def swap_streams(folder: Path, a: str, b: str) -> None:
+    """Give tensors `a` and `b` (same shape, same file) each other's streams, stream CRCs, codec
+    and parameters: every stream CRC matches, only the whole-tensor CRC-32s do not."""
+    import dataclasses
+
+    def edit(tensors):
+        (ea, sa), (eb, sb) = tensors[a], tensors[b]
+
+        def take(mine, theirs, streams):
+            names = {role: f"{mine.name}#{role}" for role in theirs.streams}
+            entry = dataclasses.replace(
+                mine, codec=theirs.codec, params=theirs.params, streams=names, stream_crc32=theirs.stream_crc32
+            )
+            return entry, streams
+
+        return {**tensors, a: take(ea, eb, sb), b: take(eb, ea, sa)}
+
+    assert shard_of(folder, a) == shard_of(folder, b)
+    rewrite_container(shard_of(folder, a), edit)

@@ -149,7 +149,9 @@ def test_refusals(tmp_path, sharded):
     with pytest.raises(unweight.DestinationError, match="already exists"):
         unweight.compress(sharded, tmp_path / "exists")
     os.remove(sharded / "model-00002-of-00002.safetensors")
-    with pytest.raises(unweight.SourceError, match="missing"):
+    with pytest.raises(
+        unweight.SourceError, match="model-00002-of-00002.safetensors: no such file; .* lists 2 tensors"
+    ):
         unweight.compress(sharded, tmp_path / "o3")
     index = sharded / "model.safetensors.index.json"
     for shard in ("a\u0000b", "../x.safetensors", "/etc/hostname"):  # NUL once raised an untyped ValueError

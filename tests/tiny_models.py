@@ -4,10 +4,13 @@ Qwen3-MoE. Both take SmolLM2's tokenizer and chat template, so vLLM's chat entry
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
 import torch
+
+from helpers import write_checkpoint
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
@@ -175,4 +178,44 @@ def tiny_family(model_type: str, dst: Path, dtype: torch.dtype = torch.bfloat16)
     shutil.rmtree(tmp, ignore_errors=True)
     model.to(dtype).save_pretrained(tmp)
     tmp.rename(dst)
+    return dst
+
+
+# A tiny Llama cut into four shards of our own (four_shards): one holds only the RMSNorm weights, one a
+# whole decoder layer's linears, so that losing either is a partial download that leaves a model to build.
+INDEX = "model.safetensors.index.json"
+NORMS = "model-00004-of-00004.safetensors"  # every RMSNorm weight, and nothing else
+LAYER_1 = "model-00003-of-00004.safetensors"  # layer 1's linears
+
+
+def shard_for(name: str) -> str:
+    """The shard four_shards puts tensor `name` in."""
+    if "norm" in name:
+        return NORMS
+    if name.startswith("model.layers.1."):
+        return LAYER_1
+    if name.startswith("model.layers."):
+        return "model-00002-of-00004.safetensors"
+    return "model-00001-of-00004.safetensors"  # the embedding and the lm_head
+
+
+def four_shards(src: Path, dst: Path, edit=None) -> Path:
+    """`src` (a one-file BF16 folder) as four shards cut by shard_for, with its index; `edit` may
+    change the tensors first (a dict of name -> tensor)."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(src / "model.safetensors")
+    if edit is not None:
+        tensors = edit(tensors)
+    dst.mkdir(parents=True)
+    groups: dict[str, dict] = {}
+    for name, t in tensors.items():
+        groups.setdefault(shard_for(name), {})[name] = t
+    for shard, group in groups.items():
+        write_checkpoint(dst / shard, group, {"format": "pt"})
+    weight_map = {name: shard_for(name) for name in tensors}
+    (dst / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy2(f, dst / f.name)
     return dst

@@ -38,7 +38,7 @@ from unweight.formats.safetensors_file import encode_header, parse_header
 
 from . import hf_config
 from .decoding import INLINE_TENSOR_BYTES, PARALLEL_TENSOR_BYTES, decode_in_order
-from .folder import check_source, containers_of, walk
+from .folder import check_source, containers_of, read_index, walk
 from .report import CompressReport, TensorReport, VerifyReport
 
 # Memory a tensor takes while it is encoded, its mapped source pages included, as a multiple of
@@ -205,8 +205,11 @@ def compress(
     report = CompressReport(str(src), str(dst), skipped_files=[str(p) for p in pickles])
     if src.is_file() and dst.suffix == ".safetensors":
         raise DestinationError(f"{dst}: the destination is a folder; drop the .safetensors suffix")
+    index = read_index(root) if src.is_dir() else None
     sources = [SafetensorsFile(root / f) for f in tensor_files]
     try:
+        if index is not None:  # the index is copied as it is: the shards must hold what it lists
+            index.check({f: sf.tensors for f, sf in zip(tensor_files, sources)})
         if max_memory is not None:
             for sf in sources:
                 for t in sf.tensors.values():
@@ -274,9 +277,12 @@ def decompress(
     piece = memory.piece_bytes(memory.check_budget(max_memory))
     root, containers, others = containers_of(src)
     dst = Path(dst)
+    index = read_index(root) if Path(src).is_dir() else None
     readers = [ContainerReader(root / c) for c in containers]
     count = 0
     try:
+        if index is not None:  # the folder written must be the whole checkpoint, not what is left of it
+            index.check({c: r.tensors for c, r in zip(containers, readers)})
         total = sum(e.nbytes for r in readers for e in r.tensors.values())
         _check_disk(dst, total + sum((root / rel).stat().st_size for rel in others), readers)
         progress.start(total)
@@ -420,8 +426,11 @@ def verify(
         orig_root = against if against.is_dir() else against.parent
         if against.is_file():
             containers = [c for c in containers if c.name == against.name] or containers
+    index = read_index(root) if Path(path).is_dir() else None
     readers = [ContainerReader(root / c) for c in containers]
     try:
+        if index is not None:  # a partial download: its missing shards and tensors are mismatches
+            report.mismatches, report.missing = index.problems({c: r.tensors for c, r in zip(containers, readers)})
         progress.start(sum(e.nbytes for r in readers for e in r.tensors.values()))
         for rel, reader in zip(containers, readers):
             original = None

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import stat
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 from unweight.errors import SourceError
@@ -96,9 +98,6 @@ def check_source(src: Path) -> tuple[list[Path], list[Path], list[Path]]:
             raise SourceError(_pickle_message(src / pickles[0]))
         raise SourceError(f"{src}: no *.safetensors files in this folder")
     others = [f for f in files if f.suffix != ".safetensors" and f not in pickles]
-    index = src / INDEX_NAME
-    if index.exists():
-        _check_index(index, src)
     return tensors, others, pickles
 
 
@@ -131,9 +130,83 @@ def _check_index(index: Path, root: Path) -> dict:
     for shard in sorted(set(weight_map.values())):
         if "\x00" in shard or ".." in Path(shard).parts or Path(shard).is_absolute():  # NUL: no path at all
             raise SourceError(f"{index}: shard path {shard!r} leaves the folder or is not a path")
-        if not (index.parent / shard).is_file():
-            raise SourceError(f"{index}: shard {shard!r} is listed but missing")
     return data
+
+
+@dataclass(frozen=True)
+class Index:
+    """A folder's shard index (model.safetensors.index.json): which shard holds each tensor. In a
+    sharded folder it is the truth: a reader trusts the shards only once they hold exactly what it
+    lists (`problems`), since a partial download otherwise loads as a model with tensors missing."""
+
+    path: Path
+    shard_of: dict[str, Path]  # tensor name -> shard file, relative to the folder
+
+    @property
+    def shards(self) -> list[Path]:
+        return sorted(set(self.shard_of.values()))
+
+    def tensors_in(self, shard: Path) -> set[str]:
+        return {name for name, s in self.shard_of.items() if s == shard}
+
+    def missing_shards(self) -> list[Path]:
+        return [s for s in self.shards if not (self.path.parent / s).is_file()]
+
+    def problems(self, held: dict[Path, Iterable[str]]) -> tuple[list[str], list[str]]:
+        """(one line per way the shards differ from the index, the tensors it lists that are not
+        where it says), given the tensors each shard file that exists holds (`held`, by relative
+        path; files the index does not list are not its business). A missing shard is named as a
+        missing file, with how many of the listed tensors it took along."""
+        root, lines, missing = self.path.parent, [], []
+        for shard in self.shards:  # missing files first: they say most about what went wrong
+            if shard not in held:
+                names = sorted(self.tensors_in(shard))
+                missing += names
+                lines.append(
+                    f"{root / shard}: no such file; {self.path.name} lists {len(names)} tensors in it "
+                    f"({_some(names)}): the download is incomplete"
+                )
+        for shard in self.shards:
+            if shard not in held:
+                continue
+            wanted, have = self.tensors_in(shard), set(held[shard])
+            for name in sorted(wanted - have):
+                missing.append(name)
+                lines.append(f"{root / shard}: tensor {name!r} is missing; {self.path.name} lists it in this file")
+            for name in sorted(have - wanted):
+                where = self.shard_of.get(name)
+                lines.append(
+                    f"{root / shard}: tensor {name!r} is not in {self.path.name}"
+                    if where is None
+                    else f"{root / shard}: tensor {name!r} is here, but {self.path.name} lists it in {where}"
+                )
+        return lines, missing
+
+    def check_files(self) -> None:
+        """Raise SourceError naming the first shard the index lists that is not there, if any."""
+        present = [s for s in self.shards if s not in self.missing_shards()]
+        self.check({s: self.tensors_in(s) for s in present})
+
+    def check(self, held: dict[Path, Iterable[str]]) -> None:
+        """Raise SourceError with the first problem (and how many more there are), if any."""
+        lines, _ = self.problems(held)
+        if lines:
+            more = f" (and {len(lines) - 1} more problems with the shards)" if len(lines) > 1 else ""
+            raise SourceError(lines[0] + more)
+
+
+def _some(names: list[str], n: int = 3) -> str:
+    return ", ".join(names[:n]) + (f", ... {len(names) - n} more" if len(names) > n else "")
+
+
+def read_index(root: Path) -> Index | None:
+    """The index of folder `root`, validated (valid JSON, a weight_map of names to shard paths that
+    stay inside the folder), or None where the folder has none."""
+    path = root / INDEX_NAME
+    if not root.is_dir() or not path.exists():
+        return None
+    data = _check_index(path, root)
+    return Index(path, {name: Path(shard) for name, shard in data["weight_map"].items()})
 
 
 def containers_of(path: str | os.PathLike) -> tuple[Path, list[Path], list[Path]]:

@@ -24,7 +24,7 @@ from . import memory
 from .codec.parallel import default_threads
 from .decoding import decode_in_order
 from .errors import UnweightError
-from .folder import containers_of
+from .folder import containers_of, read_index
 from .report import CLASS_ORDER, TensorReport
 
 # dtype -> (word dtype, exponent shift, exponent mask)
@@ -180,7 +180,21 @@ def inspect(
     `if __name__ == "__main__":` guard would then run again."""
     budget = memory.check_budget(max_memory)
     root, files, _ = containers_of(path)
-    threads = threads or default_threads()
+    index = read_index(root) if Path(path).is_dir() else None
+    if index is not None:  # a missing shard is named before anything is decoded
+        index.check_files()
+    stats = _inspect_files(root, files, threads or default_threads(), budget, processes)
+    if index is not None:  # the shards hold what the index lists, no more and no less
+        held: dict[Path, list[str]] = {Path(rel): [] for rel in files}
+        for s in stats:
+            held[Path(s.file)].append(s.name)
+        index.check(held)
+    return stats
+
+
+def _inspect_files(
+    root: Path, files: list[Path], threads: int, budget: int | None, processes: int
+) -> list[TensorStats]:
     workers = min(processes, threads, len(files))
     if budget is not None:
         workers = min(workers, budget // memory.MIN_PIECE_BYTES)

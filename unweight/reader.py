@@ -16,8 +16,8 @@ from unweight.formats import ContainerReader, TensorEntry
 from unweight.formats.dtypes import TORCH_DTYPES
 
 from .decoding import decode_one
-from .folder import INDEX_NAME, containers_of, read_json
-from .memory import PIECE_BYTES, check_budget
+from .folder import containers_of, read_index
+from .memory import PIECE_BYTES, check_budget, require
 
 # safetensors dtype -> torch dtype name (resolved lazily: torch loads only when a tensor is asked for)
 
@@ -49,10 +49,17 @@ class CompressedCheckpoint:
         self.threads = threads
         self.max_memory = check_budget(max_memory)  # a tensor asked for whole must fit (else MemoryLimitError)
         root, files, _ = containers_of(self.path)
+        # A sharded folder is read as its index lists it (as transformers and vLLM read one): only
+        # the shards it names, and only once they hold exactly the tensors it says.
+        self.index = read_index(root) if self.path.is_dir() else None
+        if self.index is not None:
+            self.index.check_files()
+            files = self.index.shards
         self._readers: dict[str, ContainerReader] = {}
         self._where: dict[str, str] = {}
         self.integrity = IntegrityStats()
         self._checked: set[str] = set()  # tensors whose streams passed their check (the mapping is read-only)
+        self._decoded: set[str] = set()  # tensors decoded whole, which checks the CRC-32 of their bytes
         try:
             for rel in files:
                 reader = ContainerReader(root / rel)
@@ -61,11 +68,11 @@ class CompressedCheckpoint:
                     if name in self._where:
                         raise SourceError(f"{self.path}: tensor {name!r} is in both {self._where[name]} and {rel}")
                     self._where[name] = str(rel)
+            if self.index is not None:
+                self.index.check({Path(rel): reader.tensors for rel, reader in self._readers.items()})
         except BaseException:
             self.close()
             raise
-        index = root / INDEX_NAME
-        self.index = read_json(index) if self.path.is_dir() and index.exists() else None
 
     def keys(self) -> list[str]:
         return list(self._where)
@@ -120,7 +127,14 @@ class CompressedCheckpoint:
     def get_bytes(self, name: str) -> np.ndarray:
         """The tensor's original bytes (uint8, C order), CRC-checked."""
         self.integrity.decoded += 1
-        return decode_one(self._reader(name), name, self.threads, self.max_memory)
+        data = decode_one(self._reader(name), name, self.threads, self.max_memory)
+        self._decoded.add(name)
+        return data
+
+    def checked_tensors(self) -> int:
+        """How many distinct tensors have been checked so far: by their streams' CRC-32s, or by the
+        CRC-32 of their bytes decoded whole."""
+        return len(self._checked | self._decoded)
 
     def get_tensor(self, name: str):
         """The tensor as a torch.Tensor with its original dtype and shape (CPU, bit-exact)."""
@@ -155,6 +169,7 @@ class CompressedCheckpoint:
             raise ValueError(f"rows [{start}, {stop}) lie outside tensor {name!r}'s {rows}")
         if start == stop or e.numel == 0:
             return torch.empty((stop - start, *e.shape[1:]), dtype=dtype)
+        require(self.rows_memory(name, stop - start), self.max_memory, "decoding these rows", self.file_of(name), name)
         streams = self.streams(name)
         try:
             data = decode_rows(e, streams, np.arange(start, stop), self.threads)
@@ -162,6 +177,14 @@ class CompressedCheckpoint:
             raise type(err)(self.file_of(name), err.reason, name) from None
         self.integrity.decoded += 1
         return torch.from_numpy(np.ascontiguousarray(data)).view(dtype).reshape(stop - start, *e.shape[1:])
+
+    def rows_memory(self, name: str, rows: int) -> int:
+        """The bytes get_rows allocates for `rows` rows of tensor `name`: the rows, or the whole
+        tensor where its codec decodes no part of one alone (raw, zstd)."""
+        e = self.entry(name)
+        if e.codec not in ("rans", "tiles") or not e.shape:
+            return e.nbytes
+        return e.nbytes // max(1, e.shape[0]) * rows
 
     def torch_dtype(self, name: str):
         import torch

@@ -142,6 +142,7 @@ class VerifyReport:
     checked_bytes: int = 0
     checked_files: int = 0
     mismatches: list[str] = field(default_factory=list)  # one line each, first found first
+    missing: list[str] = field(default_factory=list)  # tensors the shard index lists that are not where it says
 
     @property
     def ok(self) -> bool:

@@ -213,13 +213,12 @@ def _dense(
 ) -> torch.Tensor:
     if name not in ckpt:
         raise SourceError(f"{ckpt.path}: the checkpoint lacks {name}")
-    t = ckpt.get_tensor(name)
-    if tuple(t.shape) != shape or not t.is_floating_point():
+    e = ckpt.entry(name)  # compared before anything is decoded: a tensor may declare gigabytes
+    if tuple(e.shape) != shape or e.dtype not in ("BF16", "F16", "F32", "F64"):
         raise SourceError(
-            f"{ckpt.path}: {name} is {str(t.dtype).removeprefix('torch.')}{list(t.shape)}, expected a float tensor of "
-            f"shape {list(shape)}"
+            f"{ckpt.file_of(name)}: {name} is {e.dtype}{list(e.shape)}, expected a float tensor of shape {list(shape)}"
         )
-    return t.to(device=dev, dtype=dtype)
+    return ckpt.get_tensor(name).to(device=dev, dtype=dtype)
 
 
 def _set(model: nn.Module, dotted: str, module: nn.Module) -> None:
