@@ -17,7 +17,9 @@ greedy text here, a vLLM defect).
   the serving layout under vLLM's torch.compile.
 - At pipeline_parallel_size=2, each stage decodes only its own layers (the engines are started,
   not asked: vLLM-CPU cannot run a request at PP=2).
-- A damaged checkpoint stops vLLM's start with the tensor named.
+- A damaged checkpoint stops vLLM's start with the tensor named; so do a missing shard (named as a
+  file), a tensor wider than its layer, a zstd bomb and streams swapped with their CRCs, all in one
+  process (vllm_refusals.py), which then starts the intact folder.
 
 Each vLLM start takes 30-60 s here; the engines are shared where one can serve several checks.
 """
@@ -27,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import time
@@ -117,8 +120,6 @@ def test_tensor_parallel_2_matches_unquantized_vllm_at_tp_2(vllm_python, smollm2
 def test_an_expert_tensor_that_does_not_fit_its_layer_is_named(vllm_python, tiny_moe, tmp_path):
     """A config whose experts are narrower than the checkpoint's: vLLM's start fails, naming the
     expert tensor, its shape and the shape the layer needs (no wrong answer)."""
-    import shutil
-
     uw = shutil.copytree(tiny_moe[1], tmp_path / "narrow-uw")
     text = (uw / "config.json").read_text()
     assert '"moe_intermediate_size": 128' in text
@@ -138,7 +139,7 @@ def test_an_expert_tensor_that_does_not_fit_its_layer_is_named(vllm_python, tiny
     assert named[2] == ("[256, 128]" if named[1] == "w2" else "[128, 256]") and "the layer needs" in out
 
 
-CHECKED = re.compile(r"\((\w+) pid=\d+\).*unweight: .*: (\d+) tensors' streams checked against their CRC-32s")
+CHECKED = re.compile(r"\((\w+) pid=\d+\).*unweight: .*: (\d+) tensors checked \(by the CRC-32")
 
 
 def test_pipeline_parallel_stages_load_only_their_own_layers(vllm_python, smollm2_dir, tmp_path):
@@ -277,3 +278,68 @@ def test_a_damaged_checkpoint_stops_vllm_naming_the_tensor(vllm_python, smollm2_
     )
     assert r.returncode != 0
     assert f"tensor {name!r}" in r.stdout + r.stderr and "CRC-32" in r.stdout + r.stderr, (r.stdout + r.stderr)[-3000:]
+
+
+REFUSALS = Path(__file__).with_name("vllm_refusals.py")
+
+
+def test_broken_folders_are_refused_by_vllm_naming_file_and_tensor(vllm_python, smollm2_dir, tmp_path):
+    """The folders tests/test_broken_folders.py breaks, through vllm.LLM, one process for all:
+    - a shard of RMSNorm weights missing (vLLM used to serve garbage from the rest);
+    - a norm missing from its shard and the index alike (vLLM's check that every parameter got its
+      tensor, which it skips for quantized models);
+    - a shard of whole layers missing (named as a file, not as a layer's q/k/v);
+    - a q_proj twice as wide as its layer (used to be cropped);
+    - an embedding's zstd bomb (used to decode 6.4 GB first; refused before a byte is decoded);
+    - k/v streams swapped with their stream CRCs (used to serve other text).
+    The intact folder then starts in the same process (a notebook starting again after a refusal)."""
+    from tiny_models import INDEX, LAYER_1, NORMS, four_shards
+
+    import unweight
+    from helpers import rewrite_container, swap_streams, zstd_bomb
+
+    tiny = tiny_llama(tmp_path / "tiny", smollm2_dir)
+    uw = compress(four_shards(tiny, tmp_path / "src"), tmp_path / "uw")
+
+    def broken(name: str) -> Path:
+        return Path(shutil.copytree(uw, tmp_path / name))
+
+    q = "model.layers.0.self_attn.q_proj.weight"
+
+    def widen(tensors):
+        tensors[q] = torch.cat([tensors[q], tensors[q]], dim=1)
+        return tensors
+
+    wide = tmp_path / "wide-uw"
+    unweight.compress(four_shards(tiny, tmp_path / "wide", widen), wide)
+    (broken("no-norms") / NORMS).unlink()
+    unlisted = broken("norm-unlisted")  # the final norm gone from its shard and from the index alike
+    rewrite_container(unlisted / NORMS, lambda tensors: {n: t for n, t in tensors.items() if n != "model.norm.weight"})
+    index = json.loads((unlisted / INDEX).read_text())
+    del index["weight_map"]["model.norm.weight"]
+    (unlisted / INDEX).write_text(json.dumps(index))
+    (broken("no-layer") / LAYER_1).unlink()
+    zstd_bomb(broken("bomb"), "model.embed_tokens.weight", (49152, 8192))
+    swap_streams(broken("swapped"), "model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.v_proj.weight")
+    cases = {
+        "no-norms": f"SourceError: {tmp_path / 'no-norms' / NORMS}: no such file; {INDEX} lists 5 tensors",
+        "norm-unlisted": "the checkpoint has no tensor for 1 of the model's parameters (model.norm.weight)",
+        "no-layer": f"SourceError: {tmp_path / 'no-layer' / LAYER_1}: no such file; {INDEX} lists 7 tensors",
+        "wide-uw": f"ValueError: tensor {q!r} has shape [256, 512], but layer 'model.layers.0.self_attn.qkv_proj' "
+        "needs [256, 256] there",
+        "bomb": "tensor 'model.embed_tokens.weight' of shape [49152, 8192] cannot load into a parameter of shape "
+        "[49152, 256]",
+        "swapped": "tensor 'model.layers.0.self_attn.k_proj.weight': decoded bytes fail the CRC-32 check",
+    }
+    out = tmp_path / "refusals.json"
+    r = subprocess.run(
+        [str(vllm_python), str(REFUSALS), str(out), *(str(tmp_path / c) for c in cases), str(uw)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    results = json.loads(out.read_text())
+    for (case, message), result in zip(cases.items(), results):
+        assert not result["started"] and message in result["error"], (case, result)
+    assert results[-1]["started"], results[-1]

@@ -62,27 +62,37 @@ def layer(tp_rank=0, tp_size=2, **kw):
 def test_blocks_of_each_kind_of_layer():
     # q/k/v of 4 heads, 2 kv heads of 64 at TP=2: rank 1 takes the second half of each
     qkv = layer(1, 2, num_heads=2, num_kv_heads=1, head_size=64, v_head_size=64, num_kv_head_replicas=1)
+    qkv.total_num_heads, qkv.total_num_kv_heads = 4, 2
     qkv.input_size_per_partition = qkv.input_size = 256
     assert shards.plan("qkv", qkv, "q", (256, 256), "q") == shards.Block(0, 128, 128, 0, 256)
     assert shards.plan("qkv", qkv, "k", (128, 256), "k") == shards.Block(128, 64, 64, 0, 256)
     assert shards.plan("qkv", qkv, "v", (128, 256), "v") == shards.Block(192, 64, 64, 0, 256)
     # 1 kv head at TP=2: replicated, both ranks take kv head 0
     rep = layer(1, 2, num_heads=2, num_kv_heads=1, head_size=64, v_head_size=64, num_kv_head_replicas=2)
+    rep.total_num_heads, rep.total_num_kv_heads = 4, 1
     rep.input_size_per_partition = rep.input_size = 256
     assert shards.plan("qkv", rep, "k", (64, 256), "k") == shards.Block(128, 0, 64, 0, 256)
     merged = layer(1, 2, output_sizes=[640, 640], input_size_per_partition=256, input_size=256)
     assert shards.plan("merged", merged, 1, (640, 256), "up") == shards.Block(320, 320, 320, 0, 256)
-    row = layer(1, 2, input_size_per_partition=320, input_size=640)
+    row = layer(1, 2, input_size_per_partition=320, input_size=640, output_size=256)
     assert shards.plan("row", row, None, (256, 640), "down") == shards.Block(0, 0, 256, 320, 320)
-    col = layer(0, 2, output_size_per_partition=24576, input_size_per_partition=256, input_size=256)
+    col = layer(0, 2, output_size_per_partition=24576, input_size_per_partition=256, input_size=256, output_size=49152)
     assert shards.plan("column", col, None, (49152, 256), "lm_head") == shards.Block(0, 0, 24576, 0, 256)
     assert shards.shard_ids("qkv", qkv) == frozenset("qkv") and shards.shard_ids("merged", merged) == {0, 1}
 
 
 def test_a_tensor_that_does_not_fit_its_layer_is_named():
-    row = layer(1, 2, input_size_per_partition=320, input_size=640)
-    with pytest.raises(ValueError, match="tensor 'x.down' of shape \\[256, 600\\] does not hold"):
+    row = layer(1, 2, input_size_per_partition=320, input_size=640, output_size=256)
+    with pytest.raises(
+        ValueError, match="tensor 'x.down' has shape \\[256, 600\\], but layer '\\?' needs \\[256, 640\\]"
+    ):
         shards.plan("row", row, None, (256, 600), "x.down")
+    with pytest.raises(ValueError, match="has shape \\[200, 640\\]"):  # rows the rank's weight would lack
+        shards.plan("row", row, None, (200, 640), "x.down")
+    # wider than the layer: vLLM refuses it in BF16, so it must not be cropped to fit
+    q = layer(0, 1, output_size=576, input_size=576, input_size_per_partition=576, prefix="m.q_proj")
+    with pytest.raises(ValueError, match="'m.q_proj' needs \\[576, 576\\]"):
+        shards.plan("replicated", q, None, (576, 1152), "m.q_proj.weight")
     merged = layer(0, 2, output_sizes=[640, 640], input_size_per_partition=256, input_size=256)
     with pytest.raises(ValueError, match="shard id 2 of a merged layer"):
         shards.plan("merged", merged, 2, (640, 256), "x.gate")

@@ -62,6 +62,10 @@ class _Pending:
         self.seen: set[tuple[int, str]] = set()
         self.dtype: torch.dtype | None = None
 
+    @property
+    def numel(self) -> int:  # w13 and w2 together
+        return 3 * self.experts * self.hidden * self.intermediate
+
 
 class UnweightMoEMethod(FusedMoEMethodBase):
     """vLLM's FusedMoEMethodBase over compressed experts (see the module docstring)."""

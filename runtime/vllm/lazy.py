@@ -7,9 +7,12 @@ dtype, holding only (checkpoint, name). Then
 
 - the plugin's own loaders (runtime/vllm/plugin.py) read `.uw_checkpoint` and `.uw_name` and decode only
   the rank's slice;
-- any other loader gets real data on first use: `narrow` on dim 0 decodes only those rows (rans
-  chunks, tiles rows: an embedding's vocabulary shard), `narrow` on dim 1 decodes the tensor a few
-  MiB of rows at a time, keeping those columns; every other operation decodes the tensor whole.
+- any other loader gets real data on first use. `narrow` on dims 0 and 1 gives a narrower
+  LazyWeight, still undecoded; its data is then decoded for that window only (rows: only what
+  holds them, rans chunks or tiles rows, an embedding's vocabulary shard; columns: a few MiB of
+  rows at a time). `copy_` into a parameter compares the shapes first, so a tensor that does not
+  fit is refused before anything is decoded, and no decode may produce more than `limit` bytes.
+  The whole tensor is decoded with the CRC-32 of its original bytes checked.
 - `unsqueeze(0)` and then `unbind()` (dim 0), which vLLM's MoE expert loader applies to every
   expert tensor, decode nothing: they give a LazyWeight with a leading unit dimension, and back.
 
@@ -22,7 +25,7 @@ import torch
 
 from unweight.reader import CompressedCheckpoint
 
-ROW_BATCH_BYTES = 8 << 20  # rows decoded at a time by a narrow on dim 1
+ROW_BATCH_BYTES = 8 << 20  # rows decoded at a time by a block of some columns
 
 # What a weight loader may ask of a tensor without touching its data.
 _METADATA = {
@@ -39,44 +42,124 @@ _METADATA = {
 
 
 class LazyWeight(torch.Tensor):
-    """Tensor `name` of `checkpoint`, decoded only when its data is used (see the module docstring)."""
+    """Tensor `name` of `checkpoint` (or a window of its first two dimensions), decoded only when
+    its data is used (see the module docstring). A decode of more than `limit` bytes is refused
+    before it starts, naming the file and tensor: the loader sets it to what the model's largest
+    parameter holds, so a tensor that declares more than any layer can take costs nothing."""
 
     uw_checkpoint: CompressedCheckpoint
     uw_name: str
     uw_lead: int  # leading unit dimensions before the tensor's own (unsqueeze(0)); 0 but in vLLM's MoE loader
+    uw_rows: tuple[int, int]  # the window of dim 0 (the whole dimension unless narrowed)
+    uw_cols: tuple[int, int] | None  # the window of dim 1 of a 2-D tensor (None: all of it)
+    uw_limit: int | None  # the most bytes one decode may produce (None: no limit but the reader's)
 
     @staticmethod
-    def __new__(cls, checkpoint: CompressedCheckpoint, name: str, lead: int = 0) -> LazyWeight:
-        entry = checkpoint.entry(name)
-        meta = torch.empty((1,) * lead + tuple(entry.shape), dtype=checkpoint.torch_dtype(name), device="meta")
+    def __new__(
+        cls,
+        checkpoint: CompressedCheckpoint,
+        name: str,
+        lead: int = 0,
+        *,
+        rows: tuple[int, int] | None = None,
+        cols: tuple[int, int] | None = None,
+        limit: int | None = None,
+    ) -> LazyWeight:
+        shape = list(checkpoint.entry(name).shape)
+        rows = rows or (0, shape[0] if shape else 0)
+        if shape:
+            shape[0] = rows[1] - rows[0]
+        if cols is not None:
+            shape[1] = cols[1] - cols[0]
+        meta = torch.empty((1,) * lead + tuple(shape), dtype=checkpoint.torch_dtype(name), device="meta")
         t = torch.Tensor._make_subclass(cls, meta)
-        t.uw_checkpoint, t.uw_name, t.uw_lead = checkpoint, name, lead
+        t.uw_checkpoint, t.uw_name, t.uw_lead, t.uw_rows, t.uw_cols, t.uw_limit = (
+            checkpoint,
+            name,
+            lead,
+            rows,
+            cols,
+            limit,
+        )
         return t
 
+    def _like(self, lead: int | None = None, rows=None, cols=None) -> LazyWeight:
+        return LazyWeight(
+            self.uw_checkpoint,
+            self.uw_name,
+            self.uw_lead if lead is None else lead,
+            rows=rows or self.uw_rows,
+            cols=cols or self.uw_cols,
+            limit=self.uw_limit,
+        )
+
+    @property
+    def _own_shape(self) -> tuple[int, ...]:
+        return tuple(self.shape[self.uw_lead :])
+
+    @property
+    def _whole(self) -> bool:
+        return self._own_shape == tuple(self.uw_checkpoint.entry(self.uw_name).shape)
+
+    def _allow(self, rows: int, cols_bytes: int | None = None) -> None:
+        """Refuse, before decoding, a decode of `rows` rows (kept whole, or `cols_bytes` of each)
+        that allocates more than uw_limit bytes."""
+        own, ckpt = self._own_shape, self.uw_checkpoint
+        nbytes = ckpt.rows_memory(self.uw_name, rows)  # what the reader allocates (whole rows, or more)
+        if cols_bytes is not None:  # and what is kept of them
+            nbytes = max(nbytes, rows * cols_bytes)
+        if self.uw_limit is not None and nbytes > self.uw_limit:
+            raise ValueError(
+                f"{self.uw_checkpoint.file_of(self.uw_name)}: tensor {self.uw_name!r} declares shape "
+                f"{list(self.uw_checkpoint.entry(self.uw_name).shape)}: decoding {list(own)} of it would take "
+                f"{nbytes:,} bytes, more than the model's largest parameter holds ({self.uw_limit:,}); refused "
+                f"before decoding (a wrong or hostile checkpoint)"
+            )
+
     def rows(self, start: int, stop: int) -> torch.Tensor:
-        """Rows [start, stop) of dim 0, decoded (only what holds them, where the codec allows)."""
-        return self.uw_checkpoint.get_rows(self.uw_name, start, stop)
+        """Rows [start, stop) of this window's dim 0, all columns of the tensor, decoded (only what
+        holds them, where the codec allows; the whole tensor with its CRC-32 checked, when that is
+        what is asked for)."""
+        r0 = self.uw_rows[0]
+        self._allow(stop - start)
+        if (start + r0, stop + r0) == (0, self.uw_checkpoint.entry(self.uw_name).shape[0]):
+            self.uw_checkpoint.streams(
+                self.uw_name
+            )  # their CRC-32s first: damage named as damage, not as a decode error
+            return self.uw_checkpoint.get_tensor(self.uw_name)
+        return self.uw_checkpoint.get_rows(self.uw_name, r0 + start, r0 + stop)
 
     def block(self, r0: int, r1: int, c0: int, c1: int) -> torch.Tensor:
-        """Rows [r0, r1) and columns [c0, c1) of a 2-D tensor, decoded a few MiB of rows at a time."""
-        cols = self.shape[1]
-        if not (0 <= r0 <= r1 <= self.shape[0] and 0 <= c0 <= c1 <= cols):
+        """Rows [r0, r1) and columns [c0, c1) of this 2-D window, decoded a few MiB of rows at a time."""
+        rows, cols = self._own_shape
+        if not (0 <= r0 <= r1 <= rows and 0 <= c0 <= c1 <= cols):
             raise ValueError(
-                f"block [{r0}:{r1}, {c0}:{c1}] lies outside tensor {self.uw_name!r} of shape {list(self.shape)}"
+                f"block [{r0}:{r1}, {c0}:{c1}] lies outside tensor {self.uw_name!r} of shape {[rows, cols]}"
             )
-        if (c0, c1) == (0, cols):
+        full = self.uw_checkpoint.entry(self.uw_name).shape[1]
+        c0, c1 = (c0, c1) if self.uw_cols is None else (c0 + self.uw_cols[0], c1 + self.uw_cols[0])
+        if (c0, c1) == (0, full):
             return self.rows(r0, r1)
+        self._allow(r1 - r0, (c1 - c0) * self.element_size())
         with torch._C.DisableTorchFunctionSubclass():
             out = torch.empty(r1 - r0, c1 - c0, dtype=self.dtype)
-        step = max(1, ROW_BATCH_BYTES // max(1, cols * self.element_size()))
+        step = max(1, ROW_BATCH_BYTES // max(1, full * self.element_size()))
         for a in range(r0, r1, step):
             b = min(r1, a + step)
             out[a - r0 : b - r0] = self.rows(a, b)[:, c0:c1]
         return out
 
     def materialize(self) -> torch.Tensor:
-        """The whole tensor, decoded (CPU, bit-exact), in this LazyWeight's shape."""
-        t = self.uw_checkpoint.get_tensor(self.uw_name)
+        """This window of the tensor, decoded (CPU, bit-exact), in this LazyWeight's shape; the
+        whole tensor is decoded with its CRC-32 checked."""
+        own = self._own_shape
+        if self.uw_cols is not None:
+            t = self.block(0, own[0], 0, own[1])
+        elif not own:  # a scalar
+            self._allow(1)
+            t = self.uw_checkpoint.get_tensor(self.uw_name)
+        else:
+            t = self.rows(0, own[0])
         return t.reshape(self.shape) if self.uw_lead else t
 
     def __repr__(self, *, tensor_contents=None) -> str:
@@ -93,20 +176,35 @@ class LazyWeight(torch.Tensor):
             if func is torch.Tensor.narrow and not lazy.uw_lead:
                 return lazy._narrow(*args[1:])
             if func is torch.Tensor.unsqueeze and args[1:] == (0,):
-                return LazyWeight(lazy.uw_checkpoint, lazy.uw_name, lazy.uw_lead + 1)
+                return lazy._like(lead=lazy.uw_lead + 1)
             if func is torch.Tensor.unbind and args[1:] in ((), (0,)) and lazy.uw_lead:
-                return (LazyWeight(lazy.uw_checkpoint, lazy.uw_name, lazy.uw_lead - 1),)
+                return (lazy._like(lead=lazy.uw_lead - 1),)
+        if func is torch.Tensor.copy_ and len(args) == 2 and isinstance(args[1], LazyWeight):
+            dst, src = args
+            if tuple(dst.shape) != tuple(src.shape):  # checked before a byte is decoded
+                raise ValueError(
+                    f"{src.uw_checkpoint.file_of(src.uw_name)}: tensor {src.uw_name!r} of shape {list(src.shape)} "
+                    f"cannot load into a parameter of shape {list(dst.shape)}"
+                )
         args, kwargs = torch.utils._pytree.tree_map(_dense, (args, kwargs))
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
-    def _narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+    def _narrow(self, dim: int, start: int, length: int) -> LazyWeight:
+        """A narrower window, still undecoded: dims 0 and 1 of a 2-D tensor, dim 0 of any other."""
         dim = dim + self.dim() if dim < 0 else dim
         start, length = int(start), int(length)
+        size = self.shape[dim]
+        if not 0 <= start <= start + length <= size:
+            raise IndexError(
+                f"narrow({dim}, {start}, {length}) lies outside tensor {self.uw_name!r} of {list(self.shape)}"
+            )
         if dim == 0:
-            return self.rows(start, start + length)
+            r0 = self.uw_rows[0]
+            return self._like(rows=(r0 + start, r0 + start + length))
         if dim == 1 and self.dim() == 2:
-            return self.block(0, self.shape[0], start, start + length)
+            c0 = 0 if self.uw_cols is None else self.uw_cols[0]
+            return self._like(cols=(c0 + start, c0 + start + length))
         with torch._C.DisableTorchFunctionSubclass():
             return self.materialize().narrow(dim, start, length)
 

@@ -124,6 +124,10 @@ class _Pending:
         self.dtype: torch.dtype | None = None
         self.seen: set = set()
 
+    @property
+    def numel(self) -> int:
+        return self.rows * self.cols
+
 
 class UnweightLinearMethod(LinearMethodBase):
     """A vLLM linear layer whose rank-local weight is an UnweightLinear (see the module docstring)."""
@@ -295,13 +299,25 @@ class UnweightModelLoader(default_loader.DefaultModelLoader):
 
         from .lazy import LazyWeight
 
+        _keep_llvmlite_out_of_vllms_kernel_scan()
+        expected = {name for name, p in model.named_parameters() if p.numel()}  # (the plugin's layers' are empty)
+        limit = _largest_weight(model) * 4 * _tp_size()  # fp32 parameters' bytes; a TP rank reads whole tensors
         with CompressedCheckpoint(self._folder(model_config)) as ckpt:
-            model.load_weights((name, LazyWeight(ckpt, name)) for name in ckpt.keys())
-            stats = ckpt.integrity
+            loaded = model.load_weights((name, LazyWeight(ckpt, name, limit=limit)) for name in ckpt.keys())
+            stats, checked = ckpt.integrity, ckpt.checked_tensors()
+        if loaded is not None:  # vLLM's own check, which it runs for unquantized models only
+            missing = sorted(expected - set(loaded))
+            if missing:
+                raise ValueError(
+                    f"{model_config.model}: the checkpoint has no tensor for {len(missing)} of the model's parameters "
+                    f"({', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}); refusing to serve a model with "
+                    f"weights left unset"
+                )
         log.info(
-            "unweight: %s: %d tensors' streams checked against their CRC-32s (%.2f s)",
+            "unweight: %s: %d tensors checked (by the CRC-32 of their bytes where decoded whole, else by their "
+            "streams' CRC-32s; %.2f s in stream checks)",
             model_config.model,
-            stats.by_stream_crc,
+            checked,
             stats.seconds,
         )
 
@@ -314,6 +330,37 @@ class UnweightModelLoader(default_loader.DefaultModelLoader):
         return download_weights_from_hf(
             model_config.model, self.load_config.download_dir, ["*.safetensors", "*.json"], model_config.revision
         )
+
+
+def _keep_llvmlite_out_of_vllms_kernel_scan() -> None:
+    """vLLM's CPU worker, as it starts, reads `vars(value).get(...)` of every global of every loaded
+    module. llvmlite's library object (loaded with unweight's codec) answers `__dict__`, as any
+    name, with a function wrapper, so once a model has loaded here the next vllm.LLM in this process
+    fails (AttributeError: '_lib_fn_wrapper' object has no attribute 'get'): a notebook that starts
+    again after a refused folder. An empty __dict__ in its function table answers that scan."""
+    try:
+        from llvmlite.binding import ffi
+
+        ffi.lib._fntab.setdefault("__dict__", {})
+    except (ImportError, AttributeError):  # another llvmlite: nothing to mend, or nothing we know how to
+        pass
+
+
+def _largest_weight(model: nn.Module) -> int:
+    """Elements of the largest weight this rank holds: its parameters, and what the plugin's layers
+    build at load (their parameters are empty until then)."""
+    n = max((p.numel() for p in model.parameters()), default=0)
+    for module in model.modules():
+        pending = getattr(module, "uw_pending", None)
+        if pending is not None:
+            n = max(n, pending.numel)
+    return n
+
+
+def _tp_size() -> int:
+    from vllm.distributed import get_tensor_model_parallel_world_size
+
+    return get_tensor_model_parallel_world_size()
 
 
 _WARNED: set[str] = set()

@@ -34,6 +34,12 @@ def plan(kind: str, layer, shard_id, shape: tuple[int, ...], name: str) -> Block
     the tensor when the tensor does not fit the layer."""
     if len(shape) != 2:
         raise ValueError(f"tensor {name!r} of shape {list(shape)} is not a 2-D linear weight")
+    want = full_shape(kind, layer, shard_id, name)
+    if tuple(shape) != want:  # as vLLM refuses a BF16 tensor that does not fit: nothing is cropped or left unset
+        raise ValueError(
+            f"tensor {name!r} has shape {list(shape)}, but layer {getattr(layer, 'prefix', '') or '?'!r} needs "
+            f"{list(want)} there"
+        )
     rank = layer.tp_rank
     in_part = getattr(layer, "input_size_per_partition", layer.input_size)
     if kind == "row":
@@ -69,6 +75,29 @@ def plan(kind: str, layer, shard_id, shape: tuple[int, ...], name: str) -> Block
             f"needs"
         )
     return block
+
+
+def full_shape(kind: str, layer, shard_id, name: str) -> tuple[int, int]:
+    """The shape the whole checkpoint tensor loaded with `shard_id` into `layer` must have (before
+    any tensor-parallel split): what the layer was built for, from its own attributes."""
+    if kind == "qkv":
+        rows = {
+            "q": layer.total_num_heads * layer.head_size,
+            "k": layer.total_num_kv_heads * layer.head_size,
+            "v": layer.total_num_kv_heads * layer.v_head_size,
+        }
+        if shard_id not in rows:
+            raise ValueError(f"tensor {name!r}: shard id {shard_id!r} of a qkv layer is not q, k or v")
+        return rows[shard_id], layer.input_size
+    if kind == "merged":
+        if not isinstance(shard_id, int) or not 0 <= shard_id < len(layer.output_sizes):
+            raise ValueError(
+                f"tensor {name!r}: shard id {shard_id!r} of a merged layer is not in 0..{len(layer.output_sizes) - 1}"
+            )
+        return layer.output_sizes[shard_id], layer.input_size
+    if kind in KINDS:
+        return layer.output_size, layer.input_size
+    raise ValueError(f"unknown linear kind {kind!r}")
 
 
 def shard_ids(kind: str, layer) -> frozenset:
