@@ -12,7 +12,8 @@ import operator
 import os
 import stat
 import struct
-from collections.abc import Iterable
+import weakref
+from collections.abc import Callable, Iterable
 from typing import BinaryIO, NamedTuple
 
 import numpy as np
@@ -25,6 +26,13 @@ HEADER_ALIGN = 8
 RESERVED_NAME = "__metadata__"  # the header key of the metadata: no tensor may have this name
 _ENTRY_KEYS = {"dtype", "shape", "data_offsets"}
 _SPAN = operator.itemgetter(3, 4)  # a TensorInfo's (begin, end)
+
+# Observers of the files SafetensorsFile maps (unweight/mapguard.py, which names a file that
+# shrinks while mapped instead of dying of SIGBUS): each is called as observer(path, address,
+# length) in the thread that maps, right after the mapping is made and before any of it is read,
+# and may return a callable that is then called once when the mapping goes (closed, or freed with
+# the last view of it). An observer must not raise.
+MAP_OBSERVERS: list[Callable[[str, int, int], Callable[[], None] | None]] = []
 
 
 class TensorInfo(NamedTuple):
@@ -165,6 +173,7 @@ class SafetensorsFile:
         self.tensors, self.metadata = parse_header(self.path, raw, size - self.data_start)
         self._mmap = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
         self._buf = np.frombuffer(self._mmap, dtype=np.uint8)
+        self._unmapped = _announce_mapping(self.path, self._mmap, self._buf) if MAP_OBSERVERS else None
 
     def bytes_of(self, name: str) -> np.ndarray:
         """The raw bytes of tensor `name`, a read-only uint8 view into the mapping (no copy)."""
@@ -180,6 +189,9 @@ class SafetensorsFile:
                 self._mmap.close()
             except BufferError:
                 pass  # a caller still holds a view; the mapping goes when it does
+            else:
+                if self._unmapped is not None:
+                    self._unmapped()  # (a finalizer runs once: not again when the mmap object is freed)
         self._file.close()
 
     def __enter__(self) -> SafetensorsFile:
@@ -187,6 +199,22 @@ class SafetensorsFile:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _announce_mapping(path: str, mapping: mmap.mmap, buf: np.ndarray) -> weakref.finalize | None:
+    """Tell MAP_OBSERVERS that `path` is mapped at buf's address; the finalizer returned (None if
+    no observer asked) tells them it went: called by close(), else run when the mmap is freed."""
+    goodbyes = [g for observe in MAP_OBSERVERS if (g := observe(path, buf.ctypes.data, len(mapping))) is not None]
+    if not goodbyes:
+        return None
+    done = weakref.finalize(mapping, _call_each, goodbyes)
+    done.atexit = False  # at exit the mappings stay registered until they are really gone
+    return done
+
+
+def _call_each(fns: list[Callable[[], None]]) -> None:
+    for fn in fns:
+        fn()
 
 
 def encode_header(entries: Iterable[tuple[str, str, list[int], int, int]], metadata: dict[str, str] | None) -> bytes:

@@ -69,6 +69,22 @@ def _register_with_transformers() -> None:
 _register_with_transformers()
 
 
+def _guard_mappings() -> None:
+    """A checkpoint file that shrinks while mapped ends the process with a line naming it instead
+    of a silent SIGBUS (unweight/mapguard.py, loaded and compiled at the first mapping, not here)."""
+    from .formats.safetensors_file import MAP_OBSERVERS
+
+    def observe(path: str, address: int, length: int):
+        from .mapguard import observe
+
+        return observe(path, address, length)
+
+    MAP_OBSERVERS.append(observe)
+
+
+_guard_mappings()
+
+
 def _looks_like_repo_id(s: str) -> bool:
     parts = s.split("/")
     return len(parts) == 2 and all(parts) and not s.startswith((".", "/", "~"))
