@@ -122,6 +122,17 @@ def test_lazy_slices_are_the_original_bytes(tmp_path, layout):
         assert same(dense, w) and same(lazy.to(torch.float32).to(torch.bfloat16), w)
         with pytest.raises(ValueError, match="lies outside"):
             lazy.block(0, 301, 0, 1)
+        # copy_ compares shapes before it decodes: a tensor that does not fit its parameter costs nothing
+        before = ckpt.integrity.decoded
+        with pytest.raises(
+            ValueError, match=r"tensor 'w' of shape \[300, 200\] cannot load into a parameter of shape \[300, 100\]"
+        ):
+            torch.empty(300, 100, dtype=torch.bfloat16).copy_(lazy)
+        assert ckpt.integrity.decoded == before
+        norms = torch.empty(2, 5, dtype=torch.bfloat16).copy_(LazyWeight(ckpt, "n"))  # broadcasting still works
+        assert torch.equal(norms, torch.ones(2, 5, dtype=torch.bfloat16))
+        with pytest.raises(ValueError, match="more than the model's largest parameter holds"):
+            LazyWeight(ckpt, "w", limit=300 * 200).narrow(0, 0, 200).materialize()  # 200 rows: 80,000 bytes
         # vLLM's MoE loader: unsqueeze(0), then unbind(), before the expert's own loader slices it
         before = ckpt.integrity.decoded
         (back,) = lazy.unsqueeze(0).unbind()

@@ -181,7 +181,7 @@ class LazyWeight(torch.Tensor):
                 return (lazy._like(lead=lazy.uw_lead - 1),)
         if func is torch.Tensor.copy_ and len(args) == 2 and isinstance(args[1], LazyWeight):
             dst, src = args
-            if tuple(dst.shape) != tuple(src.shape):  # checked before a byte is decoded
+            if not _fits(src.shape, dst.shape):  # checked before a byte is decoded
                 raise ValueError(
                     f"{src.uw_checkpoint.file_of(src.uw_name)}: tensor {src.uw_name!r} of shape {list(src.shape)} "
                     f"cannot load into a parameter of shape {list(dst.shape)}"
@@ -207,6 +207,17 @@ class LazyWeight(torch.Tensor):
             return self._like(cols=(c0 + start, c0 + start + length))
         with torch._C.DisableTorchFunctionSubclass():
             return self.materialize().narrow(dim, start, length)
+
+
+def _fits(src: torch.Size, dst: torch.Size) -> bool:
+    """Whether copy_ takes a `src` into a `dst` of these shapes: equal, or `src` broadcast to it (a
+    scalar into a one-element parameter, as vLLM's scale loaders do)."""
+    if src == dst:
+        return True
+    try:
+        return torch.broadcast_shapes(src, dst) == dst
+    except RuntimeError:
+        return False
 
 
 def _dense(x):
