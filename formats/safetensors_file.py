@@ -232,6 +232,21 @@ def encode_header(entries: Iterable[tuple[str, str, list[int], int, int]], metad
     return raw + b" " * (-len(raw) % HEADER_ALIGN)
 
 
+def safetensors_header(
+    entries: list[tuple[str, str, list[int]]], metadata: dict[str, str] | None = None, header_text: str | None = None
+) -> bytes:
+    """The header bytes (without the 8-byte length) write_safetensors writes for these arguments:
+    `header_text` as it is, else the (name, dtype, shape) entries' data back to back, in order."""
+    if header_text is not None:
+        return header_text.encode("utf-8")
+    rows, cursor = [], 0
+    for name, dtype, shape in entries:
+        n = tensor_nbytes(dtype, shape)
+        rows.append((name, dtype, shape, cursor, cursor + n))
+        cursor += n
+    return encode_header(rows, metadata)
+
+
 def write_safetensors(
     out: BinaryIO,
     entries: list[tuple[str, str, list[int]]],
@@ -247,15 +262,7 @@ def write_safetensors(
     byte-identical reconstruction): the caller has checked that it lists the same tensors and that
     `entries` follow its offsets.
     """
-    if header_text is None:
-        rows, cursor = [], 0
-        for name, dtype, shape in entries:
-            n = tensor_nbytes(dtype, shape)
-            rows.append((name, dtype, shape, cursor, cursor + n))
-            cursor += n
-        head = encode_header(rows, metadata)
-    else:
-        head = header_text.encode("utf-8")
+    head = safetensors_header(entries, metadata, header_text)
     out.write(struct.pack("<Q", len(head)))
     out.write(head)
     for (name, dtype, shape), blob in zip(entries, data, strict=True):

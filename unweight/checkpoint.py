@@ -34,7 +34,7 @@ from unweight.codec.parallel import map_in_order
 from unweight.codec.pieces import check_streams
 from unweight.errors import DestinationError, FormatError, SourceError
 from unweight.formats import ContainerReader, ContainerWriter, SafetensorsFile, write_safetensors
-from unweight.formats.safetensors_file import encode_header, parse_header
+from unweight.formats.safetensors_file import parse_header, safetensors_header
 
 from . import hf_config
 from .decoding import INLINE_TENSOR_BYTES, PARALLEL_TENSOR_BYTES, decode_in_order
@@ -336,14 +336,8 @@ def _header_bytes(reader: ContainerReader) -> int:
     """The length of the header `_decompress_file` writes for `reader`, without its 8-byte length:
     the stored source header, else the one write_safetensors builds (the tensors by name, their
     data back to back, no metadata)."""
-    if reader.source_header is not None:
-        return len(reader.source_header.encode("utf-8"))
-    rows, cursor = [], 0
-    for name in sorted(reader.tensors):
-        e = reader.tensors[name]
-        rows.append((name, e.dtype, list(e.shape), cursor, cursor + e.nbytes))
-        cursor += e.nbytes
-    return len(encode_header(rows, None))
+    entries = [(name, e.dtype, list(e.shape)) for name, e in sorted(reader.tensors.items())]
+    return len(safetensors_header(entries, None, reader.source_header))
 
 
 def _source_layout(reader: ContainerReader) -> list[str]:

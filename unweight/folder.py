@@ -9,6 +9,7 @@ import os
 import stat
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 from unweight.errors import SourceError
@@ -142,12 +143,20 @@ class Index:
     path: Path
     shard_of: dict[str, Path]  # tensor name -> shard file, relative to the folder
 
+    @cached_property
+    def _by_shard(self) -> dict[Path, set[str]]:
+        """shard -> the tensors it lists there (grouped once: a big index has 100k tensors)."""
+        out: dict[Path, set[str]] = {}
+        for name, shard in self.shard_of.items():
+            out.setdefault(shard, set()).add(name)
+        return out
+
     @property
     def shards(self) -> list[Path]:
-        return sorted(set(self.shard_of.values()))
+        return sorted(self._by_shard)
 
     def tensors_in(self, shard: Path) -> set[str]:
-        return {name for name, s in self.shard_of.items() if s == shard}
+        return self._by_shard.get(shard, set())
 
     def missing_shards(self) -> list[Path]:
         return [s for s in self.shards if not (self.path.parent / s).is_file()]
@@ -184,8 +193,8 @@ class Index:
 
     def check_files(self) -> None:
         """Raise SourceError naming the first shard the index lists that is not there, if any."""
-        present = [s for s in self.shards if s not in self.missing_shards()]
-        self.check({s: self.tensors_in(s) for s in present})
+        missing = set(self.missing_shards())
+        self.check({s: self.tensors_in(s) for s in self.shards if s not in missing})
 
     def check(self, held: dict[Path, Iterable[str]]) -> None:
         """Raise SourceError with the first problem (and how many more there are), if any."""

@@ -97,10 +97,6 @@ class LazyWeight(torch.Tensor):
     def _own_shape(self) -> tuple[int, ...]:
         return tuple(self.shape[self.uw_lead :])
 
-    @property
-    def _whole(self) -> bool:
-        return self._own_shape == tuple(self.uw_checkpoint.entry(self.uw_name).shape)
-
     def _allow(self, rows: int, cols_bytes: int | None = None) -> None:
         """Refuse, before decoding, a decode of `rows` rows (kept whole, or `cols_bytes` of each)
         that allocates more than uw_limit bytes."""
@@ -123,9 +119,8 @@ class LazyWeight(torch.Tensor):
         r0 = self.uw_rows[0]
         self._allow(stop - start)
         if (start + r0, stop + r0) == (0, self.uw_checkpoint.entry(self.uw_name).shape[0]):
-            self.uw_checkpoint.streams(
-                self.uw_name
-            )  # their CRC-32s first: damage named as damage, not as a decode error
+            # the streams' CRC-32s first: damage is named as damage, not as a decode error
+            self.uw_checkpoint.streams(self.uw_name)
             return self.uw_checkpoint.get_tensor(self.uw_name)
         return self.uw_checkpoint.get_rows(self.uw_name, r0 + start, r0 + stop)
 
