@@ -3,6 +3,7 @@ layer, LazyWeight's slices against the original bytes, and row decoding of the s
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from types import SimpleNamespace
 
@@ -11,9 +12,10 @@ import pytest
 import torch
 
 import unweight
-from helpers import random_bf16, run_cli, write_checkpoint
+from helpers import random_bf16, rewrite_container, run_cli, write_checkpoint
 from unweight import hf_config
 from unweight.codec import decode_rows
+from unweight.errors import CorruptDataError
 from unweight.reader import CompressedCheckpoint
 from unweight.runtime.vllm import shards
 from unweight.runtime.vllm.lazy import LazyWeight
@@ -152,3 +154,52 @@ def test_decode_rows_of_the_serving_layout_decodes_only_their_range(tmp_path):
         got = decode_rows(entry, streams, ids)
         want = w.view(torch.int16).numpy().view(np.uint8).reshape(256, -1)[ids]
         assert np.array_equal(got, want)
+
+
+def test_a_fused_experts_tensor_is_taken_expert_by_expert_as_vllms_llama4_loader_views_it(tmp_path):
+    """Llama 4 stores gate_up_proj as (E, H, 2I); vLLM's loader transposes it and chunks gate from
+    up. That view stays undecoded, and `expert` decodes one expert's block from only its rows;
+    experts decoded whole, in order, are checked against the tensor's CRC-32 as a whole decode is."""
+    experts, hidden, inter = 4, 64, 1536  # each expert's rows span several rans chunks
+    w = random_bf16(experts, hidden, 2 * inter, seed=5)
+    src = write_checkpoint(tmp_path / "src" / "model.safetensors", {"gate_up": w})
+    unweight.compress(src.parent, tmp_path / "uw", threads=1)
+
+    def same(a, b):
+        return torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+    with CompressedCheckpoint(tmp_path / "uw") as ckpt:
+        assert ckpt.entry("gate_up").codec == "rans"
+        gate, up = LazyWeight(ckpt, "gate_up").transpose(-1, -2).chunk(2, dim=-2)
+        assert isinstance(gate, LazyWeight) and gate.shape == up.shape == (experts, inter, hidden)
+        assert ckpt.integrity.decoded == 0
+        want = w.transpose(-1, -2).chunk(2, dim=-2)
+        assert same(
+            up.expert(2, [(10, 20), (100, 103)], 5, 40), torch.cat([want[1][2, 10:20], want[1][2, 100:103]])[:, 5:40]
+        )
+        assert same(gate.materialize(), want[0]) and same(up.narrow(0, 1, 2).materialize(), want[1][1:3])
+        assert same(up.unchunked().expert(3, [(0, 2 * inter)], 0, hidden), w[3].t())
+        # (E, I, H) down_proj seen untransposed: a block of an expert's rows decodes only those rows' chunks
+        assert same(LazyWeight(ckpt, "gate_up").expert(1, [(7, 9)], 100, 3000), w[1, 7:9, 100:3000])
+        with pytest.raises(ValueError, match="lie outside"):
+            gate.expert(4, [(0, 1)], 0, 1)
+    with CompressedCheckpoint(tmp_path / "uw") as ckpt:
+        whole = LazyWeight(ckpt, "gate_up").transpose(1, 2)
+        for e in (0, 2, 1, 3):  # out of order: checked by the streams' CRC-32s only
+            whole.expert(e, [(0, 2 * inter)], 0, hidden)
+        assert ckpt.checked_tensors() == 1 and "gate_up" not in ckpt._decoded
+        for e in range(experts):  # every expert whole, in order: the tensor's CRC-32 is checked too
+            whole.expert(e, [(0, 2 * inter)], 0, hidden)
+        assert "gate_up" in ckpt._decoded
+
+    def wrong_crc(tensors):  # streams intact, the original bytes' CRC-32 not theirs
+        (entry, streams) = tensors["gate_up"]
+        return {"gate_up": (dataclasses.replace(entry, crc32=entry.crc32 ^ 1), streams)}
+
+    rewrite_container(tmp_path / "uw" / "model.safetensors", wrong_crc)
+    with CompressedCheckpoint(tmp_path / "uw") as ckpt:
+        whole = LazyWeight(ckpt, "gate_up").transpose(1, 2)
+        for e in range(experts - 1):
+            whole.expert(e, [(0, 2 * inter)], 0, hidden)
+        with pytest.raises(CorruptDataError, match="gate_up.*fail the CRC-32 check"):
+            whole.expert(experts - 1, [(0, 2 * inter)], 0, hidden)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass
@@ -9,9 +10,9 @@ from pathlib import Path
 
 import numpy as np
 
-from unweight.codec import check_stream_crcs
+from unweight.codec import check_stream_crcs, checksum
 from unweight.codec.pieces import decode_pieces
-from unweight.errors import FormatError, SourceError
+from unweight.errors import CorruptDataError, FormatError, SourceError
 from unweight.formats import ContainerReader, TensorEntry
 from unweight.formats.dtypes import TORCH_DTYPES
 
@@ -60,6 +61,7 @@ class CompressedCheckpoint:
         self.integrity = IntegrityStats()
         self._checked: set[str] = set()  # tensors whose streams passed their check (the mapping is read-only)
         self._decoded: set[str] = set()  # tensors decoded whole, which checks the CRC-32 of their bytes
+        self._slab_crcs: dict[str, tuple[int, int]] = {}  # name -> (next whole slab, running CRC-32 of those before)
         try:
             for rel in files:
                 reader = ContainerReader(root / rel)
@@ -136,6 +138,11 @@ class CompressedCheckpoint:
         CRC-32 of their bytes decoded whole."""
         return len(self._checked | self._decoded)
 
+    def decoded_tensors(self) -> int:
+        """How many distinct tensors have been decoded whole so far (at once, or slab by slab in
+        order), which checked the CRC-32 of their original bytes."""
+        return len(self._decoded)
+
     def get_tensor(self, name: str):
         """The tensor as a torch.Tensor with its original dtype and shape (CPU, bit-exact)."""
         import torch
@@ -154,37 +161,85 @@ class CompressedCheckpoint:
             data = data.copy()  # raw-coded tensors are views of the read-only mapping
         return torch.from_numpy(data).view(dtype).reshape(e.shape)
 
-    def get_rows(self, name: str, start: int, stop: int):
+    def get_rows(self, name: str, start: int, stop: int, slab: int | None = None):
         """Rows [start, stop) of the tensor's first dimension as a torch.Tensor (CPU, bit-exact),
         decoding only what holds them where the codec allows (rans chunks, tiles rows): a tensor-
-        parallel rank's rows without the whole tensor. The streams are checked first (streams())."""
+        parallel rank's rows without the whole tensor. With `slab`, rows [start, stop) of its second
+        dimension within index `slab` of the first (`t[slab, start:stop]` of a tensor of three or more
+        dimensions): a rank's rows of one expert of a fused experts tensor. The streams are checked
+        first (streams())."""
         import torch
 
         from unweight.codec import decode_rows
 
-        e = self.entry(name)
+        e, base = self._row_view(name, slab)
         dtype = self.torch_dtype(name)
-        rows = e.shape[0] if e.shape else 0
-        if not 0 <= start <= stop <= rows:
-            raise ValueError(f"rows [{start}, {stop}) lie outside tensor {name!r}'s {rows}")
+        shape = self.entry(name).shape if slab is None else self.entry(name).shape[1:]
+        span, rest = (shape[0], shape[1:]) if shape else (0, ())
+        if not 0 <= start <= stop <= span:
+            raise ValueError(f"rows [{start}, {stop}) lie outside tensor {name!r}'s {span}")
         if start == stop or e.numel == 0:
-            return torch.empty((stop - start, *e.shape[1:]), dtype=dtype)
-        require(self.rows_memory(name, stop - start), self.max_memory, "decoding these rows", self.file_of(name), name)
+            return torch.empty((stop - start, *rest), dtype=dtype)
+        if slab is not None and e.codec != "rans":  # no part decodes alone: the whole, CRC-32 checked
+            return self.get_tensor(name)[slab, start:stop].clone()
+        require(
+            self.rows_memory(name, stop - start, slab is not None),
+            self.max_memory,
+            "decoding these rows",
+            self.file_of(name),
+            name,
+        )
         streams = self.streams(name)
         try:
-            data = decode_rows(e, streams, np.arange(start, stop), self.threads)
+            data = decode_rows(e, streams, np.arange(base + start, base + stop), self.threads)
         except FormatError as err:
             raise type(err)(self.file_of(name), err.reason, name) from None
         self.integrity.decoded += 1
-        return torch.from_numpy(np.ascontiguousarray(data)).view(dtype).reshape(stop - start, *e.shape[1:])
+        data = np.ascontiguousarray(data)
+        if slab is not None and (start, stop) == (0, span):
+            self._slab_crc(name, slab, data)
+        return torch.from_numpy(data).view(dtype).reshape(stop - start, *rest)
 
-    def rows_memory(self, name: str, rows: int) -> int:
-        """The bytes get_rows allocates for `rows` rows of tensor `name`: the rows, or the whole
-        tensor where its codec decodes no part of one alone (raw, zstd)."""
+    def _slab_crc(self, name: str, slab: int, data: np.ndarray) -> None:
+        """Continues the CRC-32 of tensor `name` over its whole slabs decoded in order (`data` is
+        slab `slab`), and checks it once the last one is in: a tensor decoded slab by slab (a fused
+        experts tensor, one expert at a time) is checked as a tensor decoded whole is."""
+        following, crc = self._slab_crcs.pop(name, (0, 0))
+        if slab != following:  # out of order: this tensor is checked by its streams' CRC-32s only
+            return
+        crc = checksum.crc32(data, crc)
+        e = self.entry(name)
+        if slab + 1 < e.shape[0]:
+            self._slab_crcs[name] = (slab + 1, crc)
+        elif crc != e.crc32:
+            raise CorruptDataError(
+                self.file_of(name), "decoded bytes fail the CRC-32 check (the file is damaged)", name
+            )
+        else:
+            self._decoded.add(name)
+
+    def _row_view(self, name: str, slab: int | None) -> tuple[TensorEntry, int]:
+        """The entry whose rows get_rows decodes, and the first row of `slab`: the tensor's own, or
+        for a slab of a rans tensor its first two dimensions as one (the same elements in the same
+        order, so the same chunks hold them)."""
+        e = self.entry(name)
+        if slab is None:
+            return e, 0
+        if len(e.shape) < 3 or not 0 <= slab < e.shape[0]:
+            raise ValueError(f"tensor {name!r} of shape {list(e.shape)} has no slab {slab} with rows")
+        if e.codec != "rans":
+            return e, 0
+        flat = dataclasses.replace(e, shape=(e.shape[0] * e.shape[1], *e.shape[2:]))
+        return flat, slab * e.shape[1]
+
+    def rows_memory(self, name: str, rows: int, in_slab: bool = False) -> int:
+        """The bytes get_rows allocates for `rows` rows of tensor `name` (of dim 1, `in_slab`): the
+        rows, or the whole tensor where its codec decodes no part of one alone (raw, zstd)."""
         e = self.entry(name)
         if e.codec not in ("rans", "tiles") or not e.shape:
             return e.nbytes
-        return e.nbytes // max(1, e.shape[0]) * rows
+        per = e.shape[0] * (e.shape[1] if in_slab and len(e.shape) > 1 else 1)
+        return e.nbytes // max(1, per) * rows
 
     def torch_dtype(self, name: str):
         import torch

@@ -119,29 +119,50 @@ class UnweightMoEMethod(FusedMoEMethodBase):
 
 
 class _ExpertLoader:
-    """The weight_loader of both expert parameters: (param, tensor, weight_name, shard_id, expert_id)."""
+    """The weight_loader of both expert parameters: (param, tensor, weight_name, shard_id, expert_id).
+
+    A 3-D tensor holds every expert (Llama 4's fused `experts.gate_up_proj` and `down_proj`, which
+    vLLM transposes and chunks into gate and up): each expert's block is taken in turn, decoded
+    from only the stored rows of that expert that hold the rank's part. The gate half of a fused
+    gate_up tensor brings its up half along, both from one decode of the expert's rows."""
 
     def __init__(self, layer: nn.Module, prefix: str):
         self.layer, self.prefix = layer, prefix
+        self.taken_with_gate: set[tuple[str, tuple[int, int] | None]] = set()  # up halves already in
 
     def __call__(self, param, loaded_weight, weight_name, shard_id, expert_id, return_success=False):
-        layer = self.layer
-        if shard_id not in SHARDS:
-            raise ValueError(f"tensor {weight_name!r}: expert shard id {shard_id!r} is not w1, w2 or w3")
-        if loaded_weight.dim() == 3:  # all experts in one tensor
-            done = [self(param, loaded_weight[e], weight_name, shard_id, e, True) for e in range(len(loaded_weight))]
-            return any(done) if return_success else None
-        local = layer._map_global_expert_id_to_local_expert_id(expert_id)
-        if local < 0:
-            return False if return_success else None
-        if layer.uw_pending is None:
-            raise ValueError(f"tensor {weight_name!r}: layer {self.prefix!r} already has all its experts")
-        self._take(layer.uw_pending, loaded_weight, weight_name, shard_id, local, param.device)
-        return True if return_success else None
-
-    def _take(self, pending: _Pending, loaded, name: str, shard_id: str, expert: int, device: torch.device) -> None:
         from .lazy import LazyWeight
 
+        if shard_id not in SHARDS:
+            raise ValueError(f"tensor {weight_name!r}: expert shard id {shard_id!r} is not w1, w2 or w3")
+        if loaded_weight.dim() != 3:
+            done = self._one(loaded_weight, None, weight_name, shard_id, expert_id, param.device, False)
+            return done if return_success else None
+        lazy = isinstance(loaded_weight, LazyWeight)
+        if lazy and (loaded_weight.uw_name, loaded_weight.uw_cols) in self.taken_with_gate:
+            return True if return_success else None
+        pair = lazy and shard_id == "w1" and _gate_half(loaded_weight)
+        done = [
+            self._one(loaded_weight, e, weight_name, shard_id, expert_id + e, param.device, pair)
+            for e in range(len(loaded_weight))
+        ]
+        if pair:
+            width = loaded_weight.uw_cols[1]
+            self.taken_with_gate.add((loaded_weight.uw_name, (width, 2 * width)))
+        return any(done) if return_success else None
+
+    def _one(self, loaded, index, name: str, shard_id: str, expert_id: int, device, pair: bool) -> bool:
+        """Takes expert `expert_id`'s tensor (matrix `index` of a 3-D `loaded`, or `loaded` itself):
+        False if another rank holds that expert."""
+        local = self.layer._map_global_expert_id_to_local_expert_id(expert_id)
+        if local < 0:
+            return False
+        if self.layer.uw_pending is None:
+            raise ValueError(f"tensor {name!r}: layer {self.prefix!r} already has all its experts")
+        self._take(self.layer.uw_pending, loaded, index, name, shard_id, local, device, pair)
+        return True
+
+    def _take(self, pending: _Pending, loaded, index, name: str, shard_id: str, expert: int, device, pair) -> None:
         if pending.dtype is None:
             pending.dtype = loaded.dtype
         elif loaded.dtype != pending.dtype:
@@ -150,16 +171,19 @@ class _ExpertLoader:
         par = self.layer.moe_config.moe_parallel_config
         rank, ranks = par.tp_rank, par.tp_size
         want = (i * ranks, h) if shard_id != "w2" else (h, i * ranks)
-        if loaded.dim() != 2 or tuple(loaded.shape) != want:
+        shape = tuple(loaded.shape[1:] if index is not None else loaded.shape)
+        if shape != want:
             raise ValueError(
-                f"layer {self.prefix!r}: expert {expert}'s {shard_id} tensor ({name}) has shape {list(loaded.shape)}, "
+                f"layer {self.prefix!r}: expert {expert}'s {shard_id} tensor ({name}) has shape {list(shape)}, "
                 f"the layer needs {list(want)}"
             )
-        rows, cols = ((rank * i, (rank + 1) * i), (0, h)) if shard_id != "w2" else ((0, h), (rank * i, (rank + 1) * i))
-        if isinstance(loaded, LazyWeight):
-            part = loaded.block(*rows, *cols)
+        if shard_id == "w2":
+            rows, cols = [(0, h)], (rank * i, (rank + 1) * i)
         else:
-            part = loaded[rows[0] : rows[1], cols[0] : cols[1]]
+            rows, cols = [(rank * i, (rank + 1) * i)], (0, h)
+        if pair:  # and the up half's rows, from the whole gate_up tensor: w13's gate rows, then its up rows
+            rows, loaded = [*rows, (i * ranks + rank * i, i * ranks + (rank + 1) * i)], loaded.unchunked()
+        part = _block(loaded, index, rows, cols)
         if pending.w13 is None:
             pending.w13 = torch.empty(pending.experts, 2 * i, h, dtype=pending.dtype)
             pending.w2 = torch.empty(pending.experts, h, i, dtype=pending.dtype)
@@ -167,10 +191,31 @@ class _ExpertLoader:
             pending.w2[expert] = part
         else:  # w13 is the gate's I rows, then the up projection's
             start = 0 if shard_id == "w1" else i
-            pending.w13[expert, start : start + i] = part
-        pending.seen.add((expert, shard_id))
+            pending.w13[expert, start : start + len(part)] = part
+        pending.seen.update((expert, s) for s in (("w1", "w3") if pair else (shard_id,)))
         if len(pending.seen) == 3 * pending.experts:
             _finish(self.layer, pending, device)
+
+
+def _gate_half(lazy) -> bool:
+    """Whether a 3-D LazyWeight is the first half of its stored tensor's last dim, seen transposed:
+    the gate of a fused gate_up experts tensor, as vLLM's Llama 4 loader chunks it."""
+    cols = lazy.uw_cols
+    full = lazy.uw_checkpoint.entry(lazy.uw_name).shape[-1]
+    return lazy.uw_t and cols is not None and cols[0] == 0 and 2 * cols[1] == full
+
+
+def _block(loaded, index, rows: list[tuple[int, int]], cols: tuple[int, int]) -> torch.Tensor:
+    """Row ranges `rows` (stacked) and columns `cols` of `loaded` (2-D), or of its matrix `index`
+    (3-D); decoded only there for a LazyWeight."""
+    from .lazy import LazyWeight
+
+    if isinstance(loaded, LazyWeight):
+        if index is not None:
+            return loaded.expert(index, rows, *cols)
+        return torch.cat([loaded.block(a, b, *cols) for a, b in rows])
+    matrix = loaded if index is None else loaded[index]
+    return torch.cat([matrix[a:b, cols[0] : cols[1]] for a, b in rows])
 
 
 def _finish(layer: nn.Module, pending: _Pending, device: torch.device) -> None:

@@ -15,6 +15,10 @@ dtype, holding only (checkpoint, name). Then
   The whole tensor is decoded with the CRC-32 of its original bytes checked.
 - `unsqueeze(0)` and then `unbind()` (dim 0), which vLLM's MoE expert loader applies to every
   expert tensor, decode nothing: they give a LazyWeight with a leading unit dimension, and back.
+- A fused experts tensor (3-D, (E, H, 2I) or (E, I, H), as Llama 4 stores them) may be transposed
+  in its last two dimensions and chunked or narrowed along its last stored one (gate from up), as
+  vLLM's Llama 4 loader does, still undecoded; `expert` then decodes one expert's block of it,
+  only the rows of the expert that hold the block.
 
 Shape, dtype and size queries never decode. This module needs torch, not vLLM.
 """
@@ -51,7 +55,8 @@ class LazyWeight(torch.Tensor):
     uw_name: str
     uw_lead: int  # leading unit dimensions before the tensor's own (unsqueeze(0)); 0 but in vLLM's MoE loader
     uw_rows: tuple[int, int]  # the window of dim 0 (the whole dimension unless narrowed)
-    uw_cols: tuple[int, int] | None  # the window of dim 1 of a 2-D tensor (None: all of it)
+    uw_cols: tuple[int, int] | None  # the window of the stored tensor's last dim (None: all of it)
+    uw_t: bool  # a 3-D tensor's last two dims swapped (the stored tensor's (E, A, B) seen as (E, B, A))
     uw_limit: int | None  # the most bytes one decode may produce (None: no limit but the reader's)
 
     @staticmethod
@@ -64,26 +69,30 @@ class LazyWeight(torch.Tensor):
         rows: tuple[int, int] | None = None,
         cols: tuple[int, int] | None = None,
         limit: int | None = None,
+        transposed: bool = False,
     ) -> LazyWeight:
         shape = list(checkpoint.entry(name).shape)
         rows = rows or (0, shape[0] if shape else 0)
         if shape:
             shape[0] = rows[1] - rows[0]
         if cols is not None:
-            shape[1] = cols[1] - cols[0]
+            shape[-1] = cols[1] - cols[0]
+        if transposed:
+            shape[-2], shape[-1] = shape[-1], shape[-2]
         meta = torch.empty((1,) * lead + tuple(shape), dtype=checkpoint.torch_dtype(name), device="meta")
         t = torch.Tensor._make_subclass(cls, meta)
-        t.uw_checkpoint, t.uw_name, t.uw_lead, t.uw_rows, t.uw_cols, t.uw_limit = (
+        t.uw_checkpoint, t.uw_name, t.uw_lead, t.uw_rows, t.uw_cols, t.uw_limit, t.uw_t = (
             checkpoint,
             name,
             lead,
             rows,
             cols,
             limit,
+            transposed,
         )
         return t
 
-    def _like(self, lead: int | None = None, rows=None, cols=None) -> LazyWeight:
+    def _like(self, lead: int | None = None, rows=None, cols=None, transposed: bool | None = None) -> LazyWeight:
         return LazyWeight(
             self.uw_checkpoint,
             self.uw_name,
@@ -91,17 +100,18 @@ class LazyWeight(torch.Tensor):
             rows=rows or self.uw_rows,
             cols=cols or self.uw_cols,
             limit=self.uw_limit,
+            transposed=self.uw_t if transposed is None else transposed,
         )
 
     @property
     def _own_shape(self) -> tuple[int, ...]:
         return tuple(self.shape[self.uw_lead :])
 
-    def _allow(self, rows: int, cols_bytes: int | None = None) -> None:
-        """Refuse, before decoding, a decode of `rows` rows (kept whole, or `cols_bytes` of each)
-        that allocates more than uw_limit bytes."""
+    def _allow(self, rows: int, cols_bytes: int | None = None, in_slab: bool = False) -> None:
+        """Refuse, before decoding, a decode of `rows` rows (of one slab's, `in_slab`; kept whole, or
+        `cols_bytes` of each) that allocates more than uw_limit bytes."""
         own, ckpt = self._own_shape, self.uw_checkpoint
-        nbytes = ckpt.rows_memory(self.uw_name, rows)  # what the reader allocates (whole rows, or more)
+        nbytes = ckpt.rows_memory(self.uw_name, rows, in_slab)  # what the reader allocates (whole rows, or more)
         if cols_bytes is not None:  # and what is kept of them
             nbytes = max(nbytes, rows * cols_bytes)
         if self.uw_limit is not None and nbytes > self.uw_limit:
@@ -144,11 +154,49 @@ class LazyWeight(torch.Tensor):
             out[a - r0 : b - r0] = self.rows(a, b)[:, c0:c1]
         return out
 
+    def expert(self, index: int, rows: list[tuple[int, int]], c0: int, c1: int) -> torch.Tensor:
+        """Row ranges `rows` (stacked) and columns [c0, c1) of matrix `index` of this 3-D window
+        (an expert of a fused experts tensor), decoded from only that expert's stored rows that hold
+        them. Decoded whole, expert after expert in order, the tensor's CRC-32 is checked."""
+        if self.uw_lead or self.dim() != 3:
+            raise ValueError(f"tensor {self.uw_name!r} of shape {list(self.shape)} is not a 3-D experts tensor")
+        n, height, width = self.shape
+        if not 0 <= index < n or not 0 <= c0 <= c1 <= width or any(not 0 <= a <= b <= height for a, b in rows):
+            raise ValueError(
+                f"rows {rows} and columns [{c0}:{c1}] of expert {index} lie outside tensor {self.uw_name!r} of shape "
+                f"{list(self.shape)}"
+            )
+        slab, off = self.uw_rows[0] + index, 0 if self.uw_cols is None else self.uw_cols[0]
+        get = self.uw_checkpoint.get_rows
+        if self.uw_t:  # the view's columns are the stored rows; its rows, stored columns
+            self._allow(c1 - c0, in_slab=True)
+            stored = get(self.uw_name, c0, c1, slab=slab)
+            return torch.cat([stored[:, off + a : off + b] for a, b in rows], dim=1).t()
+        self._allow(sum(b - a for a, b in rows), in_slab=True)
+        return torch.cat([get(self.uw_name, a, b, slab=slab)[:, off + c0 : off + c1] for a, b in rows])
+
+    def unchunked(self) -> LazyWeight:
+        """This window with the stored tensor's last dimension whole again (the gate and up halves
+        of a fused gate_up tensor, from either)."""
+        return LazyWeight(
+            self.uw_checkpoint,
+            self.uw_name,
+            self.uw_lead,
+            rows=self.uw_rows,
+            limit=self.uw_limit,
+            transposed=self.uw_t,
+        )
+
     def materialize(self) -> torch.Tensor:
         """This window of the tensor, decoded (CPU, bit-exact), in this LazyWeight's shape; the
         whole tensor is decoded with its CRC-32 checked."""
         own = self._own_shape
-        if self.uw_cols is not None:
+        if len(own) > 2 and (self.uw_cols is not None or self.uw_t):
+            t = self.rows(0, own[0])  # the dim-0 window, whole, then its last dims' window
+            if self.uw_cols is not None:
+                t = t[..., self.uw_cols[0] : self.uw_cols[1]]
+            t = t.transpose(-1, -2) if self.uw_t else t
+        elif self.uw_cols is not None:
             t = self.block(0, own[0], 0, own[1])
         elif not own:  # a scalar
             self._allow(1)
@@ -167,6 +215,11 @@ class LazyWeight(torch.Tensor):
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
         lazy = args[0] if args and isinstance(args[0], LazyWeight) else None
+        if lazy is not None and not lazy.uw_lead and lazy.dim() == 3:  # a fused experts tensor
+            if func is torch.Tensor.transpose and not kwargs and {d % 3 for d in args[1:]} == {1, 2}:
+                return lazy._like(transposed=not lazy.uw_t)
+            if func is torch.Tensor.chunk and len(args) + len(kwargs) <= 3:
+                return lazy._chunk(*args[1:], **kwargs)
         if lazy is not None and not kwargs:
             if func is torch.Tensor.narrow and not lazy.uw_lead:
                 return lazy._narrow(*args[1:])
@@ -185,8 +238,15 @@ class LazyWeight(torch.Tensor):
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
+    def _chunk(self, chunks: int, dim: int = 0) -> tuple[torch.Tensor, ...]:
+        """torch.chunk of this tensor, as narrow windows (undecoded where _narrow keeps them so)."""
+        size = self.shape[dim]
+        step = -(-size // chunks)
+        return tuple(self._narrow(dim, s, min(step, size - s)) for s in range(0, size, step))
+
     def _narrow(self, dim: int, start: int, length: int) -> LazyWeight:
-        """A narrower window, still undecoded: dims 0 and 1 of a 2-D tensor, dim 0 of any other."""
+        """A narrower window, still undecoded: dim 0, and the stored tensor's last dim (dim 1 of a
+        2-D tensor; of a 3-D one, dim 2, or dim 1 when transposed); materialized along any other."""
         dim = dim + self.dim() if dim < 0 else dim
         start, length = int(start), int(length)
         size = self.shape[dim]
@@ -197,7 +257,8 @@ class LazyWeight(torch.Tensor):
         if dim == 0:
             r0 = self.uw_rows[0]
             return self._like(rows=(r0 + start, r0 + start + length))
-        if dim == 1 and self.dim() == 2:
+        stored = 3 - dim if self.uw_t else dim  # (uw_t: a 3-D tensor, dims 1 and 2 swapped)
+        if stored == self.dim() - 1 and self.dim() in (2, 3):
             c0 = 0 if self.uw_cols is None else self.uw_cols[0]
             return self._like(cols=(c0 + start, c0 + start + length))
         with torch._C.DisableTorchFunctionSubclass():

@@ -43,6 +43,7 @@ from vllm.model_executor.layers.linear import (
     QKVParallelLinear,
     ReplicatedLinear,
     RowParallelLinear,
+    UnquantizedLinearMethod,
 )
 from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
@@ -87,6 +88,9 @@ class UnweightConfig(QuantizationConfig):
 
     def get_quant_method(self, layer: nn.Module, prefix: str):
         if isinstance(layer, LinearBase):
+            if prefix.rsplit(".", 1)[-1] in DENSE_LINEARS:
+                _once(f"{DENSE_LINEARS[prefix.rsplit('.', 1)[-1]]}: these layers keep a dense weight")
+                return UnquantizedLinearMethod()
             return UnweightLinearMethod(prefix)
         if isinstance(layer, RoutedExperts):
             why = experts.unsupported(layer.moe_config)
@@ -96,6 +100,15 @@ class UnweightConfig(QuantizationConfig):
             return UnquantizedFusedMoEMethod(layer.moe_config)
         return None  # embeddings, the lm_head, attention: vLLM's own, their weights decoded at load
 
+
+# Linear layers that keep vLLM's own dense weight, by the last part of their name, and why
+DENSE_LINEARS = {
+    "kv_b_proj": (
+        "MLA's kv_b_proj (about 1 GB of Kimi K2.5's 594 GB) is read whole at load by vLLM's MLA attention, which "
+        "absorbs it into dense W_UK and W_UV; kept dense, their layout is the one unquantized vLLM's summation "
+        "order follows"
+    ),
+}
 
 _KINDS = (  # most specific first: QKV and merged layers are column-parallel layers too
     (QKVParallelLinear, "qkv"),
@@ -304,7 +317,7 @@ class UnweightModelLoader(default_loader.DefaultModelLoader):
         limit = _largest_weight(model) * 4 * _tp_size()  # fp32 parameters' bytes; a TP rank reads whole tensors
         with CompressedCheckpoint(self._folder(model_config)) as ckpt:
             loaded = model.load_weights((name, LazyWeight(ckpt, name, limit=limit)) for name in ckpt.keys())
-            stats, checked = ckpt.integrity, ckpt.checked_tensors()
+            stats, checked, whole = ckpt.integrity, ckpt.checked_tensors(), ckpt.decoded_tensors()
         if loaded is not None:  # vLLM's own check, which it runs for unquantized models only
             missing = sorted(expected - set(loaded))
             if missing:
@@ -314,11 +327,24 @@ class UnweightModelLoader(default_loader.DefaultModelLoader):
                     f"weights left unset"
                 )
         log.info(
-            "unweight: %s: %d tensors checked (by the CRC-32 of their bytes where decoded whole, else by their "
-            "streams' CRC-32s; %.2f s in stream checks)",
+            "unweight: %s: %d tensors checked, %d by the CRC-32 of their bytes decoded whole, the others by their "
+            "streams' CRC-32s (%.2f s in stream checks)",
             model_config.model,
             checked,
+            whole,
             stats.seconds,
+        )
+        held = resident(model)
+        log.info(
+            "unweight: tensor-parallel rank %d of %d holds %d compressed linears and %d compressed experts layers: "
+            "%d bytes resident, %d in BF16 (%.1f %%)",
+            _tp_rank(),
+            _tp_size(),
+            held["linears"],
+            held["experts"],
+            held["stored_bytes"],
+            held["bf16_bytes"],
+            100 * held["stored_bytes"] / max(1, held["bf16_bytes"]),
         )
 
     def _folder(self, model_config) -> str:
@@ -355,6 +381,26 @@ def _largest_weight(model: nn.Module) -> int:
         if pending is not None:
             n = max(n, pending.numel)
     return n
+
+
+def resident(model: nn.Module) -> dict:
+    """What the plugin built in `model` (this rank's): its compressed linears and experts layers,
+    their resident bytes and what the same weights take in BF16."""
+    linears = [m.uw for m in model.modules() if isinstance(getattr(m, "uw", None), _linear_class())]
+    layers = [m.uw_experts for m in model.modules() if hasattr(m, "uw_experts")]
+    return {
+        "linears": len(linears),
+        "experts": len(layers),
+        "stored_bytes": sum(m.stored_bytes for m in linears + layers),
+        "bf16_bytes": sum(2 * m.in_features * m.out_features for m in linears)
+        + sum(2 * e.num_experts * 3 * e.hidden * e.intermediate for e in layers),
+    }
+
+
+def _tp_rank() -> int:
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    return get_tensor_model_parallel_rank()
 
 
 def _tp_size() -> int:
