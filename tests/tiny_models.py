@@ -1,6 +1,7 @@
 """Tiny random BF16 checkpoints that transformers writes, for the vLLM plugin's tests: a Llama
-whose head counts divide by two (SmolLM2's nine heads do not, so it cannot run at TP=2) and a
-Qwen3-MoE. Both take SmolLM2's tokenizer and chat template, so vLLM's chat entry points work."""
+whose head counts divide by two (SmolLM2's nine heads do not, so it cannot run at TP=2), a
+Qwen3-MoE, Llama-4-Scout's text model and Kimi K2.5's (DeepSeek-V3's). Each takes SmolLM2's
+tokenizer and chat template, so vLLM's chat entry points work."""
 
 from __future__ import annotations
 
@@ -15,10 +16,11 @@ from helpers import write_checkpoint
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
-def _save(model, dst: Path, tokenizer_from: Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+def _save(model, dst: Path, tokenizer_from: Path, dtype: torch.dtype | None = torch.bfloat16) -> Path:
+    """`model` saved in `dtype` (None: as it is) with SmolLM2's tokenizer files beside it."""
     tmp = dst.with_name(dst.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.to(dtype).save_pretrained(tmp, safe_serialization=True)
+    (model if dtype is None else model.to(dtype)).save_pretrained(tmp, safe_serialization=True)
     for f in TOKENIZER_FILES:
         if (tokenizer_from / f).exists():
             shutil.copy2(tokenizer_from / f, tmp / f)
@@ -79,6 +81,85 @@ def tiny_qwen3_moe(dst: Path, tokenizer_from: Path, dtype: torch.dtype = torch.b
         }
     )
     return _save(Qwen3MoeForCausalLM(cfg), dst, tokenizer_from, dtype)
+
+
+def tiny_llama4(dst: Path, tokenizer_from: Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Llama-4-Scout's text model in miniature, in its text layout (`Llama4ForCausalLM`, keys under
+    `model.`): every layer MoE, 4 experts (top 1) as two fused 3-D tensors per layer (gate_up_proj
+    (E, H, 2I), down_proj (E, I, H)) beside a shared expert, qk-norm, chunked attention (a chunk of
+    128, the smallest vLLM's CPU attention takes) on its RoPE layer, a NoPE layer. The experts'
+    intermediate size (384) differs from the hidden size so a transposition cannot pass unseen."""
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    if dst.exists():
+        return dst
+    torch.manual_seed(0)
+    cfg = Llama4TextConfig(
+        vocab_size=49152,
+        hidden_size=256,
+        intermediate_size=384,
+        intermediate_size_mlp=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        num_local_experts=4,
+        num_experts_per_tok=1,
+        interleave_moe_layer_step=1,
+        no_rope_layers=[1, 0],  # 1: RoPE (and chunked attention), 0: NoPE, as Scout alternates them
+        attention_chunk_size=128,
+        use_qk_norm=True,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    return _save(Llama4ForCausalLM(cfg), dst, tokenizer_from, dtype)
+
+
+def tiny_deepseek_v3(dst: Path, tokenizer_from: Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Kimi K2.5's language model (DeepSeek-V3's architecture) in miniature: MLA with a 512-wide
+    latent and 64 RoPE dims (what vLLM's CPU MLA backend takes), a LoRA'd query, a dense first
+    layer, then a MoE layer of 4 routed experts (top 2, sigmoid scores with a random FP32
+    `e_score_correction_bias`, as the real checkpoints store it) and a shared expert."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    if dst.exists():
+        return dst
+    torch.manual_seed(0)
+    cfg = DeepseekV3Config(
+        vocab_size=49152,
+        hidden_size=256,
+        intermediate_size=512,
+        moe_intermediate_size=128,
+        num_hidden_layers=2,
+        first_k_dense_replace=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=128,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=64,
+        v_head_dim=64,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        routed_scaling_factor=2.5,
+        topk_method="noaux_tc",  # as DeepSeek-V3's and Kimi's configs say (vLLM reads them; transformers does not)
+        scoring_func="sigmoid",
+        rope_scaling=None,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    model = DeepseekV3ForCausalLM(cfg).to(dtype)
+    for layer in model.model.layers[cfg.first_k_dense_replace :]:
+        gate = layer.mlp.gate
+        gate.e_score_correction_bias = torch.randn(cfg.n_routed_experts) * 0.1  # a buffer, kept FP32
+    return _save(model, dst, tokenizer_from, dtype=None)
 
 
 # Tiny random models of the architectures the transformers quantizer is tested on (tests/test_hf.py):
