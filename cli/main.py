@@ -323,6 +323,74 @@ def inspect(
 
 
 @app.command()
+def plan(
+    model: Annotated[str, typer.Argument(help="A model folder, or a Hub id (only its config.json is fetched).")],
+    gpu: Annotated[
+        str, typer.Option("--gpu", help="h100 (80 GB), h200 (141 GB), or a GPU's memory in GiB (e.g. 96).")
+    ] = "h100",
+    tp: Annotated[int, typer.Option("--tp", help="Tensor-parallel size.")] = 1,
+    pp: Annotated[int, typer.Option("--pp", help="Pipeline-parallel size.")] = 1,
+    kv_cache_dtype: Annotated[
+        str, typer.Option("--kv-cache-dtype", help="The KV cache's dtype, as vLLM names it: auto (BF16) or fp8.")
+    ] = "auto",
+    gpu_memory_utilization: Annotated[
+        float, typer.Option("--gpu-memory-utilization", help="The share of each GPU vLLM may take.")
+    ] = 0.9,
+    as_json: AsJson = False,
+) -> None:
+    """What each GPU holds of a model, BF16 against unweight's resident layout, and the KV cache
+    that fits beside it, from the model's config.json alone (no weights are read).
+
+    Weights are counted by tensor class as vLLM builds the layers (INT4 experts of a
+    compressed-tensors checkpoint as 4-bit codes and BF16 scales, kept as they are); unweight's
+    resident layout is estimated at 0.71 of the BF16 bytes it compresses; vLLM's activation
+    reserve is estimated too. KV tokens are counted at the model's own KV layout (MLA's latent
+    cache for DeepSeek-V3 and Kimi).
+
+    Examples:
+
+        unweight plan meta-llama/Llama-4-Scout-17B-16E-Instruct --gpu h200 --tp 2
+
+        unweight plan ./Kimi-K2.5 --gpu h100 --tp 8 --json
+    """
+
+    def body() -> None:
+        from unweight import plan as planning
+
+        gpu_bytes = planning.GPUS.get(gpu.lower())
+        if gpu_bytes is None:
+            try:
+                gpu_bytes = int(float(gpu) * (1 << 30))
+            except ValueError:
+                raise ValueError(f"--gpu {gpu!r}: not h100, h200 or a number of GiB") from None
+        kv_bytes = {"auto": 2, "bfloat16": 2, "fp8": 1}.get(kv_cache_dtype)
+        if kv_bytes is None:
+            raise ValueError(f"--kv-cache-dtype {kv_cache_dtype!r}: not auto, bfloat16 or fp8")
+        folder = Path(model)
+        if not folder.is_dir():
+            if folder.exists() or model.startswith((".", "/", "~")) or model.count("/") != 1:
+                raise ValueError(f"{model}: no such model folder (or Hub id: ORG/NAME)")
+            from unweight.hub import resolve_source
+
+            folder = Path(resolve_source(model, patterns=["config.json"]))
+        config = json.loads((folder / "config.json").read_text())
+        result = planning.plan(
+            config, gpu_bytes, tp, pp, kv_dtype_bytes=kv_bytes, gpu_memory_utilization=gpu_memory_utilization
+        )
+        if as_json:
+            _print_json(result.to_json())
+            return
+        from .render import plan_tables
+
+        for table in plan_tables(result, model, gpu_memory_utilization):
+            out.print(table)
+        for note in result.notes:
+            out.print(f"note: {note}", highlight=False)
+
+    _run(body)
+
+
+@app.command()
 def generate(
     model: Annotated[Path, typer.Argument(help="Compressed model folder (made by `unweight compress`).")],
     prompt: Annotated[str, typer.Option("--prompt", "-p", help="The prompt text.")],

@@ -190,3 +190,41 @@ def generation_stats(r, weight_bytes: int, load=None) -> str:
         extra = f", {load.check_seconds:.3f} s of it for checks alone" if separate else ""
         line += f" · loaded in {load.seconds:.2f} s ({checked} tensors checksummed{extra})"
     return line
+
+
+def plan_tables(p, model: str, utilization: float) -> list[Table]:
+    """`unweight plan`: the model's weights by tensor class, then one GPU's budget."""
+    weights = Table(title=f"{safe(model)} ({safe(p.model_type)}): weights")
+    for col in ("tensors", "params (B)", "dtype", "stored GB", "unweight resident GB"):
+        weights.add_column(col, justify="left" if col in ("tensors", "dtype") else "right")
+    for w in p.weights:
+        if w.params:
+            weights.add_row(
+                w.name,
+                f"{w.params / 1e9:,.3f}",
+                safe(w.dtype),
+                f"{w.stored_bytes / 1e9:,.2f}",
+                f"{w.resident_bytes / 1e9:,.2f}",
+            )
+    total = (sum(w.params for w in p.weights), sum(w.stored_bytes for w in p.weights))
+    resident = sum(w.resident_bytes for w in p.weights)
+    weights.add_row(
+        "total", f"{total[0] / 1e9:,.3f}", "", f"{total[1] / 1e9:,.2f}", f"{resident / 1e9:,.2f}", style="bold"
+    )
+    budget = Table(
+        title=f"one GPU of {p.tp * p.pp} (TP={p.tp}, PP={p.pp}), {p.gpu_bytes / 1e9:,.1f} GB at {utilization:.0%}"
+    )
+    for col in ("", "as stored", "unweight"):
+        budget.add_column(col, justify="left" if not col else "right")
+    usable = int(p.gpu_bytes * utilization)
+    budget.add_row("weights GB", f"{p.gpu_weights_bf16 / 1e9:,.2f}", f"{p.gpu_weights_resident / 1e9:,.2f}")
+    budget.add_row("vLLM's reserve GB (estimate)", *[f"{p.reserve_bytes / 1e9:,.2f}"] * 2)
+    free = [(usable - w - p.reserve_bytes) / 1e9 for w in (p.gpu_weights_bf16, p.gpu_weights_resident)]
+    budget.add_row("left for the KV cache GB", *[f"{f:,.2f}" if f > 0 else "does not fit" for f in free])
+    budget.add_row(
+        f"KV cache tokens ({p.kv_bytes_per_token:,} bytes each)",
+        f"{p.kv_tokens_bf16:,}",
+        f"{p.kv_tokens_resident:,}",
+        style="bold",
+    )
+    return [weights, budget]

@@ -40,6 +40,7 @@ import torch
 from tiny_models import tiny_deepseek_v3, tiny_llama, tiny_llama4, tiny_qwen3_moe
 
 from helpers import run_cli
+from unweight import plan
 from unweight.testing import vllm_env
 
 pytestmark = pytest.mark.slow  # engines and servers: pytest -m 'not slow' leaves them out
@@ -260,6 +261,8 @@ def test_llama4_scouts_layout_keeps_fused_experts_compressed_at_tp_1_and_2(vllm_
     assert whole[:4] == (0, 1, 8, 2)  # q/k/v, o and the shared expert's two linears per layer; the routed experts
     assert [r[:4] for r in ranks] == [(0, 2, 8, 2), (1, 2, 8, 2)]
     assert all(2 * r[5] == whole[5] for r in ranks)  # each rank holds half the model's BF16 bytes, compressed
+    config = json.loads((src / "config.json").read_text())  # which `unweight plan` counts as compressed
+    assert sum(w.stored_bytes for w in plan.weights(config) if w.name in plan.COMPRESSED) == whole[5]
     assert whole[4] < 0.8 * whole[5] and all(r[4] < 0.8 * r[5] for r in ranks)
     print(f"tiny Scout: {whole[4]:,} bytes resident against {whole[5]:,} in BF16 ({whole[4] / whole[5]:.1%}) at TP=1")
 

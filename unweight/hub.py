@@ -10,8 +10,9 @@ from unweight.errors import SourceError
 ALLOW_PATTERNS = ["*.safetensors", "*.json", "*.txt", "*.model", "*.tiktoken", "*.md", "*.py", "*.jinja"]
 
 
-def resolve_source(repo_id: str, revision: str | None = None) -> str:
-    """A local folder holding `repo_id` at `revision`, downloaded or taken from the HF cache.
+def resolve_source(repo_id: str, revision: str | None = None, patterns: list[str] | None = None) -> str:
+    """A local folder holding `repo_id` at `revision` (the files matching `patterns`, by default
+    what a compressed mirror needs), downloaded or taken from the HF cache.
 
     Honours HF_HUB_OFFLINE (then only the local cache is used) and HF_HOME / HF_HUB_CACHE.
     """
@@ -21,7 +22,7 @@ def resolve_source(repo_id: str, revision: str | None = None) -> str:
     except ImportError as e:  # pragma: no cover - huggingface_hub is a dependency
         raise SourceError(f"{repo_id}: huggingface_hub is needed to fetch from the Hub ({e})") from None
     try:
-        return snapshot_download(repo_id, revision=revision, allow_patterns=ALLOW_PATTERNS)
+        return snapshot_download(repo_id, revision=revision, allow_patterns=patterns or ALLOW_PATTERNS)
     except RepositoryNotFoundError:
         raise SourceError(
             f"{repo_id}: no such model on the Hub (or it is private: log in with `hf auth login`)"
