@@ -66,3 +66,28 @@ def test_serving_layout_checkpoint(tmp_path):
     assert unweight.verify(tmp_path / "out", against=src).ok
     unweight.decompress(tmp_path / "out", tmp_path / "back")
     assert (tmp_path / "back" / "model.safetensors").read_bytes() == (src / "model.safetensors").read_bytes()
+
+
+def test_rows_encoded_range_by_range_in_any_order_are_the_whole_matrix_s_tile_set():
+    """RowsEncoder (a layer's experts encoded one at a time, as they come in) gives encode()'s
+    streams for the same window; rows that escape it, and a range given twice, are handled."""
+    rng = np.random.default_rng(7)
+    rows, cols, per = 48, 200, 8  # 1,600 elements a range: code groups of 8 never straddle two
+    w = (rng.standard_normal((rows, cols)) * 0.02).astype(np.float32)
+    w[5, :3] = [1e30, -1e-30, 0.0]  # escapes, in a range that is not the first
+    values = (w.view(np.uint32) >> 16).astype(np.uint16).ravel()
+    enc = tiles.RowsEncoder(rows, cols, block=64)
+    order = [2, 0, 5, 1, 4, 3]
+    for i in order:
+        enc.put(i * per, values[i * per * cols : (i + 1) * per * cols])
+    with pytest.raises(ValueError, match="encoded already"):
+        enc.put(8, values[8 * cols : 9 * cols])
+    p, streams = enc.finish()
+    want_p, want = tiles.encode(values, rows, cols, block=64)
+    assert p.base == want_p.base  # the first range's window is the matrix's here
+    assert all(np.array_equal(streams[k], want[k]) for k in want)
+    assert np.array_equal(tiles.decode(streams, p, rows, cols), values)
+    short = tiles.RowsEncoder(rows, cols)
+    short.put(0, values[: per * cols])
+    with pytest.raises(ValueError, match="8 of 48 rows"):
+        short.finish()

@@ -122,6 +122,17 @@ class UnweightExperts(nn.Module):
             num_experts,
         )
 
+    @classmethod
+    def from_tiles(cls, w13: tuple, w2: tuple, num_experts: int, hidden: int, intermediate: int) -> UnweightExperts:
+        """From tile sets already encoded (`tiles.RowsEncoder.finish()`: (params, streams)) of w13
+        stacked as (E*2I, H) and w2 as (E*H, I), on the CPU."""
+        (p13, s13), (p2, s2) = w13, w2
+        return cls(
+            UnweightLinear(hidden, num_experts * 2 * intermediate, s13, p13.to_json()),
+            UnweightLinear(intermediate, num_experts * hidden, s2, p2.to_json()),
+            num_experts,
+        )
+
     @property
     def stored_bytes(self) -> int:
         return self.w13.stored_bytes + self.w2.stored_bytes

@@ -2,10 +2,10 @@
 
 `UnweightMoEMethod` registers no dense expert weights. Its weight loader takes each expert's
 gate (w1), up (w3) and down (w2) tensor, keeps the rank's part (w1 and w3 split on the
-intermediate dimension, w2 on its input, as vLLM's own loader splits them), and once every local
-expert of the layer is in, encodes them as an `UnweightExperts` (runtime/layers/experts.py: w13 and w2
-stacked, tiles on the CPU, qtiles on CUDA) and drops the decoded buffer: the largest decoded
-memory at any time is one layer's rank-local experts.
+intermediate dimension, w2 on its input, as vLLM's own loader splits them) and encodes each expert
+into the layer's stacked tiles as soon as it is whole; once every local expert of the layer is in,
+they become an `UnweightExperts` (runtime/layers/experts.py: w13 and w2 stacked; tiles, transcoded
+to qtiles on CUDA). The largest decoded memory at any time is one expert's rank-local part.
 
 `apply` gets the router's choice (vLLM routes first) and runs the custom op `unweight::experts`,
 whose pipeline the autotuner picks per batch bucket:
@@ -53,18 +53,56 @@ def unsupported(moe) -> str | None:
 
 
 class _Pending:
-    """A layer's local experts while their tensors come in; dropped once encoded."""
+    """A layer's local experts while their tensors come in. BF16 experts are encoded expert by
+    expert as soon as each is whole (w13's gate and up rows, w2's rows: `tiles.RowsEncoder`), so
+    the most held decoded is an expert whose gate or up half is still missing; other dtypes are
+    gathered dense (vLLM's own MoE then runs them)."""
 
     def __init__(self, experts: int, hidden: int, intermediate: int):
         self.experts, self.hidden, self.intermediate = experts, hidden, intermediate
-        self.w13: torch.Tensor | None = None  # (E, 2I, H) BF16, from the first tensor on
-        self.w2: torch.Tensor | None = None  # (E, H, I)
-        self.seen: set[tuple[int, str]] = set()
         self.dtype: torch.dtype | None = None
+        self.w13 = self.w2 = None  # RowsEncoders of (E*2I, H) and (E*H, I); or dense (E, 2I, H) and (E, H, I)
+        self.halves: dict[int, torch.Tensor] = {}  # expert -> its (2I, H) w13 while one half is in
+        self.seen: set[tuple[int, str]] = set()
 
     @property
     def numel(self) -> int:  # w13 and w2 together
         return 3 * self.experts * self.hidden * self.intermediate
+
+    def start(self, dtype: torch.dtype) -> None:
+        from unweight.codec.tiles import RowsEncoder
+
+        e, h, i = self.experts, self.hidden, self.intermediate
+        self.dtype = dtype
+        if dtype == torch.bfloat16:
+            self.w13, self.w2 = RowsEncoder(e * 2 * i, h), RowsEncoder(e * h, i)
+        else:
+            self.w13, self.w2 = torch.empty(e, 2 * i, h, dtype=dtype), torch.empty(e, h, i, dtype=dtype)
+
+    def put(self, expert: int, shards: tuple[str, ...], part: torch.Tensor) -> None:
+        """Expert `expert`'s rank-local w2 (H, I), or rows of its w13 (gate's I, up's I, or both)."""
+        h, i = self.hidden, self.intermediate
+        if isinstance(self.w2, torch.Tensor):  # dense
+            if shards == ("w2",):
+                self.w2[expert] = part
+            else:
+                start = 0 if shards[0] == "w1" else i
+                self.w13[expert, start : start + len(part)] = part
+        elif shards == ("w2",):
+            self.w2.put(expert * h, _u16(part))
+        elif len(shards) == 2:
+            self.w13.put(expert * 2 * i, _u16(part))
+        else:
+            half = self.halves.setdefault(expert, torch.empty(2 * i, h, dtype=self.dtype))
+            half[0 if shards[0] == "w1" else i :][:i] = part
+            if {(expert, "w1"), (expert, "w3")} - self.seen <= {(expert, shards[0])}:
+                self.w13.put(expert * 2 * i, _u16(self.halves.pop(expert)))
+        self.seen.update((expert, s) for s in shards)
+
+
+def _u16(t: torch.Tensor) -> np.ndarray:
+    """A BF16 tensor's bit patterns, flattened (C order)."""
+    return t.contiguous().view(torch.int16).numpy().view(np.uint16).reshape(-1)
 
 
 class UnweightMoEMethod(FusedMoEMethodBase):
@@ -164,7 +202,7 @@ class _ExpertLoader:
 
     def _take(self, pending: _Pending, loaded, index, name: str, shard_id: str, expert: int, device, pair) -> None:
         if pending.dtype is None:
-            pending.dtype = loaded.dtype
+            pending.start(loaded.dtype)
         elif loaded.dtype != pending.dtype:
             raise ValueError(f"tensor {name!r} is {loaded.dtype}, the layer's other experts {pending.dtype}")
         h, i = pending.hidden, pending.intermediate
@@ -183,16 +221,8 @@ class _ExpertLoader:
             rows, cols = [(rank * i, (rank + 1) * i)], (0, h)
         if pair:  # and the up half's rows, from the whole gate_up tensor: w13's gate rows, then its up rows
             rows, loaded = [*rows, (i * ranks + rank * i, i * ranks + (rank + 1) * i)], loaded.unchunked()
-        part = _block(loaded, index, rows, cols)
-        if pending.w13 is None:
-            pending.w13 = torch.empty(pending.experts, 2 * i, h, dtype=pending.dtype)
-            pending.w2 = torch.empty(pending.experts, h, i, dtype=pending.dtype)
-        if shard_id == "w2":
-            pending.w2[expert] = part
-        else:  # w13 is the gate's I rows, then the up projection's
-            start = 0 if shard_id == "w1" else i
-            pending.w13[expert, start : start + len(part)] = part
-        pending.seen.update((expert, s) for s in (("w1", "w3") if pair else (shard_id,)))
+        # w13 is the gate's I rows, then the up projection's
+        pending.put(expert, ("w1", "w3") if pair else (shard_id,), _block(loaded, index, rows, cols))
         if len(pending.seen) == 3 * pending.experts:
             _finish(self.layer, pending, device)
 
@@ -222,27 +252,22 @@ def _finish(layer: nn.Module, pending: _Pending, device: torch.device) -> None:
     from . import plugin
 
     layer.uw_pending = None
-    w13, w2 = pending.w13, pending.w2
     method = layer.quant_method
-    if w13.dtype != torch.bfloat16:  # vLLM's own unquantized experts on dense weights
-        plugin._once(f"experts of {method.prefix!r} are {w13.dtype}, not BF16: they stay dense (vLLM's own MoE)")
+    if pending.dtype != torch.bfloat16:  # vLLM's own unquantized experts on dense weights
+        plugin._once(f"experts of {method.prefix!r} are {pending.dtype}, not BF16: they stay dense (vLLM's own MoE)")
         layer.uw_dense = True
         dtype = layer.w13_weight.dtype
-        layer.w13_weight = nn.Parameter(w13.to(device=device, dtype=dtype), requires_grad=False)
-        layer.w2_weight = nn.Parameter(w2.to(device=device, dtype=dtype), requires_grad=False)
+        layer.w13_weight = nn.Parameter(pending.w13.to(device=device, dtype=dtype), requires_grad=False)
+        layer.w2_weight = nn.Parameter(pending.w2.to(device=device, dtype=dtype), requires_grad=False)
         return
-
-    def u16(t: torch.Tensor) -> np.ndarray:
-        return t.view(torch.int16).numpy().view(np.uint16)
-
-    experts = _experts_class().from_values(
-        u16(w13), u16(w2), pending.experts, pending.hidden, pending.intermediate, device
+    experts = _experts_class().from_tiles(
+        pending.w13.finish(), pending.w2.finish(), pending.experts, pending.hidden, pending.intermediate
     )
-    del w13, w2, pending.w13, pending.w2
+    pending.w13 = pending.w2 = None
     experts.uw_method, experts.uw_activation = method, layer.activation
     experts.uw_on_input = bool(layer.apply_router_weight_on_input)
     if torch.device(device).type != "cpu":
-        experts = experts.to(device)
+        experts = experts.to(device)  # (transcoded into the layout the GPU reads)
     layer.uw_experts = experts  # a submodule: vLLM moves it, and counts its buffers as the layer's weight
     layer.uw_index = _EXPERTS.add(experts)
 

@@ -103,16 +103,17 @@ def _check_lengths(streams: dict[str, np.ndarray], p: TilesParams, rows: int, co
 
 
 @njit(nogil=True, cache=True)
-def _encode(values, r0, r1, cols, base, block, sm, codes, esc, esc_index, k):
+def _encode(values, r0, r1, cols, base, block, sm, codes, esc, esc_index, k, src0=0):
     """Fill the streams for rows [r0, r1), `k` escapes being written before them; returns the
-    escape count after them (the caller writes the final esc_index entry)."""
+    escape count after them (the caller writes the final esc_index entry). `values` holds the
+    matrix from element `src0` on."""
     nb = -(-cols // block)
     for r in range(r0, r1):
         for j in range(cols):
             if j % block == 0:
                 esc_index[r * nb + j // block] = k
             p = r * cols + j
-            w = np.int64(values[p])
+            w = np.int64(values[p - src0])
             sm[p] = ((w >> 8) & 0x80) | (w & 0x7F)
             c = ((w >> 7) & 0xFF) - base
             if c < 0 or c >= ESCAPE:
@@ -152,6 +153,57 @@ def encode(
     esc_index[rows * _blocks_per_row(cols, p.block)] = k
     assert k == escapes
     return p, {"sm": sm, "codes": codes, "esc": esc, "esc_index": esc_index.view(np.uint8)}
+
+
+class RowsEncoder:
+    """A rows × cols tile set encoded a range of rows at a time, in any order (`put`), the window
+    chosen from the first range: a layer's stacked experts encoded expert by expert as their
+    tensors come in, so that no more than one expert is ever held decoded. `finish` gives what
+    `encode` gives for the whole matrix with the same base."""
+
+    def __init__(self, rows: int, cols: int, block: int = DEFAULT_BLOCK):
+        self.rows, self.cols, self.block = rows, cols, block
+        self.p: TilesParams | None = None
+        lengths = stream_lengths(rows, cols, TilesParams(0, block))
+        self.sm = np.empty(lengths["sm"], dtype=np.uint8)
+        self.codes = np.zeros(lengths["codes"], dtype=np.uint8)
+        self.esc_index = np.empty(lengths["esc_index"] // 4, dtype="<u4")
+        self.escapes: dict[int, np.ndarray] = {}  # first row of a range -> its escapes
+        self.sizes: dict[int, int] = {}  # first row of a range -> its rows
+
+    def put(self, r0: int, values: np.ndarray) -> None:
+        """Rows [r0, r0 + len(values) / cols) from their uint16 values (C order)."""
+        n = len(values) // self.cols
+        if n * self.cols != len(values) or not 0 <= r0 <= r0 + n <= self.rows:
+            raise ValueError(
+                f"{len(values)} values at row {r0} are not whole rows of a {self.rows} x {self.cols} matrix"
+            )
+        if any(r0 < a + m and a < r0 + n for a, m in self.sizes.items()):
+            raise ValueError(f"rows [{r0}, {r0 + n}) were encoded already")
+        if self.p is None:
+            self.p = TilesParams(best_base(values), self.block)
+        hist = exponent_histogram(values)
+        esc = np.empty(int(len(values) - hist[self.p.base : self.p.base + WINDOW].sum()), dtype=np.uint8)
+        k = _encode(
+            values, r0, r0 + n, self.cols, self.p.base, self.block, self.sm, self.codes, esc, self.esc_index, 0,
+            r0 * self.cols,
+        )  # fmt: skip
+        assert k == len(esc)
+        self.escapes[r0], self.sizes[r0] = esc, n
+
+    def finish(self) -> tuple[TilesParams, dict[str, np.ndarray]]:
+        """The tile set, once every row is in: the ranges' escapes in row order, and each range's
+        esc_index entries moved by the escapes of the ranges before it."""
+        ranges = sorted(self.sizes.items())
+        if sum(n for _, n in ranges) != self.rows:
+            raise ValueError(f"{sum(n for _, n in ranges)} of {self.rows} rows were encoded")
+        nb, k = _blocks_per_row(self.cols, self.block), 0
+        for r0, n in ranges:
+            self.esc_index[r0 * nb : (r0 + n) * nb] += k
+            k += len(self.escapes[r0])
+        self.esc_index[self.rows * nb] = k
+        esc = np.concatenate([self.escapes.pop(r0) for r0, _ in ranges])
+        return self.p, {"sm": self.sm, "codes": self.codes, "esc": esc, "esc_index": self.esc_index.view(np.uint8)}
 
 
 @njit(nogil=True, cache=True)
