@@ -217,13 +217,13 @@ def plan_tables(p, model: str, utilization: float) -> list[Table]:
     for col in ("", "as stored", "unweight"):
         budget.add_column(col, justify="left" if not col else "right")
     usable = int(p.gpu_bytes * utilization)
-    budget.add_row("weights GB", f"{p.gpu_weights_bf16 / 1e9:,.2f}", f"{p.gpu_weights_resident / 1e9:,.2f}")
+    budget.add_row("weights GB", f"{p.gpu_weights_stored / 1e9:,.2f}", f"{p.gpu_weights_resident / 1e9:,.2f}")
     budget.add_row("vLLM's reserve GB (estimate)", *[f"{p.reserve_bytes / 1e9:,.2f}"] * 2)
-    free = [(usable - w - p.reserve_bytes) / 1e9 for w in (p.gpu_weights_bf16, p.gpu_weights_resident)]
+    free = [(usable - w - p.reserve_bytes) / 1e9 for w in (p.gpu_weights_stored, p.gpu_weights_resident)]
     budget.add_row("left for the KV cache GB", *[f"{f:,.2f}" if f > 0 else "does not fit" for f in free])
     budget.add_row(
         f"KV cache tokens ({p.kv_bytes_per_token:,} bytes each)",
-        f"{p.kv_tokens_bf16:,}",
+        f"{p.kv_tokens_stored:,}",
         f"{p.kv_tokens_resident:,}",
         style="bold",
     )

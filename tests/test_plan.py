@@ -68,12 +68,12 @@ def test_scout_and_kimi_k2_5_from_their_model_cards():
     assert ws["experts"].dtype == "int4 (group 32)" and ws["experts"].resident_bytes == ws["experts"].stored_bytes
     on_1 = plan.plan(scout, plan.GPUS["h200"], tp=1)
     on_2 = plan.plan(scout, plan.GPUS["h200"], tp=2)
-    assert on_1.kv_tokens_bf16 == on_1.kv_tokens_resident == 0  # 216 GB BF16, ~154 GB resident: not on one H200
-    assert on_2.kv_tokens_resident > 2 * on_2.kv_tokens_bf16 > 0  # on two, compression triples the KV room
+    assert on_1.kv_tokens_stored == on_1.kv_tokens_resident == 0  # 216 GB BF16, ~154 GB resident: not on one H200
+    assert on_2.kv_tokens_resident > 2 * on_2.kv_tokens_stored > 0  # on two, compression triples the KV room
     assert on_2.kv_bytes_per_token == 48 * 2 * 4 * 128 * 2  # 8 kv heads, 4 per rank
     k8 = plan.plan(kimi, plan.GPUS["h100"], tp=8)
     assert k8.kv_bytes_per_token == 61 * (512 + 64) * 2  # MLA's latent, whole at every rank
-    assert k8.gpu_weights_resident < k8.gpu_weights_bf16 and k8.kv_tokens_bf16 == 0  # 74.6 GB a GPU: over 0.9 x 80
+    assert k8.gpu_weights_resident < k8.gpu_weights_stored and k8.kv_tokens_stored == 0  # 74.6 GB a GPU: over 0.9 x 80
     assert plan.plan(kimi, plan.GPUS["h200"], tp=8).kv_tokens_resident > 0
 
 

@@ -60,11 +60,11 @@ class Plan:
     tp: int
     pp: int
     weights: list[Weights]
-    gpu_weights_bf16: int  # the most one GPU holds (the first pipeline stage, or the last)
+    gpu_weights_stored: int  # the most one GPU holds as the checkpoint stores it (the first stage, or the last)
     gpu_weights_resident: int
     reserve_bytes: int
     kv_bytes_per_token: int  # one GPU's, for its layers (and kv heads)
-    kv_tokens_bf16: int  # tokens of KV cache that fit beside the BF16 weights (0 if they do not fit)
+    kv_tokens_stored: int  # tokens of KV cache that fit beside the stored weights (0 if they do not fit)
     kv_tokens_resident: int
     notes: list[str] = field(default_factory=list)
 
@@ -251,7 +251,7 @@ def plan(
     total = int(gpu_bytes * gpu_memory_utilization)
     reserve = reserve_bytes(config, tp)
     per_token = kv_bytes_per_token(config, tp, pp, kv_dtype_bytes)
-    bf16, resident = gpu("stored_bytes"), gpu("resident_bytes")
+    stored, resident = gpu("stored_bytes"), gpu("resident_bytes")
     notes = []
     if "vision_config" in config:
         notes.append("the vision tower is not counted")
@@ -267,11 +267,11 @@ def plan(
         tp=tp,
         pp=pp,
         weights=ws,
-        gpu_weights_bf16=bf16,
+        gpu_weights_stored=stored,
         gpu_weights_resident=resident,
         reserve_bytes=reserve,
         kv_bytes_per_token=per_token,
-        kv_tokens_bf16=max(0, total - bf16 - reserve) // per_token,
+        kv_tokens_stored=max(0, total - stored - reserve) // per_token,
         kv_tokens_resident=max(0, total - resident - reserve) // per_token,
         notes=notes,
     )
