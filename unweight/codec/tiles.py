@@ -68,9 +68,10 @@ def exponent_histogram(values):
     return hist
 
 
-def best_window(values: np.ndarray) -> tuple[int, int]:
-    """(the base whose 7-exponent window covers the most elements, how many it leaves out)."""
-    hist = exponent_histogram(values)
+def best_window(values: np.ndarray, hist: np.ndarray | None = None) -> tuple[int, int]:
+    """(the base whose 7-exponent window covers the most elements, how many it leaves out);
+    `hist`, the values' exponent_histogram, if the caller has it already."""
+    hist = exponent_histogram(values) if hist is None else hist
     cover = np.convolve(hist, np.ones(WINDOW, dtype=np.int64), mode="valid")
     base = int(np.argmax(cover))
     return base, int(len(values) - cover[base])
@@ -180,9 +181,9 @@ class RowsEncoder:
             )
         if any(r0 < a + m and a < r0 + n for a, m in self.sizes.items()):
             raise ValueError(f"rows [{r0}, {r0 + n}) were encoded already")
-        if self.p is None:
-            self.p = TilesParams(best_base(values), self.block)
         hist = exponent_histogram(values)
+        if self.p is None:
+            self.p = TilesParams(best_window(values, hist)[0], self.block)
         esc = np.empty(int(len(values) - hist[self.p.base : self.p.base + WINDOW].sum()), dtype=np.uint8)
         k = _encode(
             values, r0, r0 + n, self.cols, self.p.base, self.block, self.sm, self.codes, esc, self.esc_index, 0,
