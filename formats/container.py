@@ -22,7 +22,7 @@ from .errors import FormatError
 from .safetensors_file import MAX_HEADER_BYTES, RESERVED_NAME, SafetensorsFile, encode_header
 
 FORMAT_NAME = "unweight"
-FORMAT_VERSION = "2.0"  # 1.1 added per-stream CRC-32s; 2.0 the tensors' placeholders (SPEC.md §1, §5)
+FORMAT_VERSION = "2.1"  # 1.1 added per-stream CRC-32s; 2.0 placeholders; 2.1 integers in rans (SPEC.md §5)
 SUPPORTED_MAJORS = (1, 2)
 _VERSION_RE = re.compile(r"([0-9]{1,4})\.([0-9]{1,4})")
 

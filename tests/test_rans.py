@@ -238,3 +238,30 @@ def test_decode_rows_reads_only_the_chunks_of_those_rows():
     scalar, ss = encode_tensor("s", "BF16", (), np.zeros(2, np.uint8), CodecOptions(threads=1))
     with pytest.raises(ValueError, match="no rows"):
         decode_rows(scalar, ss, np.array([0]))
+
+
+@pytest.mark.parametrize("dtype", ["I32", "U32", "I16", "U16", "I64", "U64"])
+def test_integers_wider_than_a_byte_are_coded_byte_by_byte(dtype):
+    """compressed-tensors' INT4 codes, eight to an I32 (Kimi K2.5's experts): `rans` codes them as
+    bytes, two codes a symbol (SPEC.md §3.3, format 2.1), and beats zstd on codes of a peaked
+    distribution; any integer dtype of the same bytes decodes bit for bit, by rows and in pieces."""
+    import zstandard
+
+    from unweight.codec import CodecOptions, decode_rows, encode_tensor
+    from unweight.codec.pieces import decode_pieces
+    from unweight.formats.dtypes import DTYPE_SIZES
+
+    rng = np.random.default_rng(7)
+    codes = np.clip(np.round(rng.standard_normal((512, 2048)) * 2.2), -8, 7).astype(np.int64) + 8
+    words = sum(codes[:, i::8].astype(np.uint32) << (4 * i) for i in range(8))  # (512, 256) packed words
+    data = words.view(np.uint8).reshape(-1)
+    shape = (512, data.size // 512 // DTYPE_SIZES[dtype])
+    entry, streams = encode_tensor("w", dtype, shape, data, CodecOptions(threads=1))
+    p = rans.RansParams.from_json(entry.params)
+    assert entry.codec == "rans" and (p.word_bits, p.rotate) == (8, False)
+    stored = sum(len(s) for s in streams.values())
+    assert stored < len(zstandard.ZstdCompressor(level=10).compress(data.tobytes())) < len(data)
+    assert np.array_equal(decode_reference(entry.params, streams, len(data)), data)
+    assert np.array_equal(np.concatenate([piece.copy() for piece in decode_pieces(entry, streams, 1 << 14)]), data)
+    ids = np.array([511, 0, 200, 200])
+    assert np.array_equal(decode_rows(entry, streams, ids), data.reshape(512, -1)[ids])

@@ -48,6 +48,6 @@ def test_container_is_a_safetensors_file(tmp_path):
     unweight.save_file({"w": torch.randn(64, 64).to(torch.bfloat16)}, path)
     with safe_open(str(path), "pt") as f:
         meta = f.metadata()
-        assert meta["format"] == "unweight" and meta["format_version"] == "2.0"
+        assert meta["format"] == "unweight" and meta["format_version"] == "2.1"
         assert set(f.keys()) == {"w", "w#table", "w#raw", "w#words", "w#index"}
         assert f.get_slice("w").get_shape() == [0]  # the placeholder (SPEC.md §1): no bytes

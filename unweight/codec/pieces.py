@@ -18,7 +18,7 @@ from unweight.formats import TensorEntry
 
 from . import rans, tiles
 from .checksum import crc32
-from .tensor_codec import _rans_word, check_entry
+from .tensor_codec import check_entry, rans_params
 
 
 def decode_pieces(
@@ -56,12 +56,7 @@ def check_streams(entry: TensorEntry, streams: dict[str, np.ndarray]) -> None:
     try:
         check_entry(entry, streams)
         if entry.codec == "rans":
-            p = rans.RansParams.from_json(entry.params)
-            if _rans_word(entry.dtype) != (p.word_bits, p.rotate):
-                raise ValueError(
-                    f"rans params word_bits={p.word_bits} rotate={p.rotate} do not fit dtype {entry.dtype}"
-                )
-            rans.Decoder(streams, p, entry.numel)
+            rans.Decoder(streams, *rans_params(entry))
         elif entry.codec == "tiles":
             tiles.Decoder(streams, tiles.TilesParams.from_json(entry.params), *entry.shape)
         elif entry.codec == "zstd":
@@ -85,10 +80,8 @@ def _pieces(
     elif entry.codec == "zstd":
         yield from _zstd_pieces(streams["data"], nbytes, piece_bytes)
     elif entry.codec == "rans":
-        p = rans.RansParams.from_json(entry.params)
-        if _rans_word(entry.dtype) != (p.word_bits, p.rotate):
-            raise ValueError(f"rans params word_bits={p.word_bits} rotate={p.rotate} do not fit dtype {entry.dtype}")
-        d = rans.Decoder(streams, p, entry.numel)
+        p, n = rans_params(entry)
+        d = rans.Decoder(streams, p, n)
         size = p.word_bits // 8
         # whole groups of chunks per piece, so the vector decoder never runs a chunk alone
         group = rans.rans_avx2.MAX_GROUP
@@ -96,7 +89,7 @@ def _pieces(
         buf = np.empty(min(d.nchunks, per) * p.chunk, dtype=rans.UINT_OF_BITS[p.word_bits])
         for c0 in range(0, d.nchunks, per):
             c1 = min(d.nchunks, c0 + per)
-            out = buf[: min(c1 * p.chunk, entry.numel) - c0 * p.chunk]
+            out = buf[: min(c1 * p.chunk, n) - c0 * p.chunk]
             d.run(c0, c1, out, threads)
             yield out.view(np.uint8)
     else:

@@ -1,7 +1,8 @@
 """One tensor in, a manifest entry and its streams out (and back): codec choice and checks.
 
-Codecs (SPEC.md §3): `rans` for floats of 1, 2 or 4 bytes and for 1-byte integers, `zstd` for the
-rest, `raw` when nothing pays. Every tensor carries the CRC-32 of its original bytes, checked on
+Codecs (SPEC.md §3): `rans` for floats of 1, 2 or 4 bytes, and for integers byte by byte (1-byte
+dtypes, and wider ones such as compressed-tensors' INT4 codes packed eight to an I32), `zstd` for
+the rest, `raw` when nothing pays. Every tensor carries the CRC-32 of its original bytes, checked on
 every decode, and the CRC-32 of each stored stream (`check_stream_crcs`), checked where streams are
 used as stored, without a decode (`unweight.load`) and by `verify`.
 """
@@ -61,16 +62,26 @@ class CodecOptions:
 
 
 def _rans_word(dtype: str) -> tuple[int, bool] | None:
-    """(word bits, rotate) if the rans codec applies to this dtype, else None (the dtypes of
-    STORED_DTYPE_BITS, F4 ... C64, go to zstd or raw)."""
+    """(word bits, rotate) if the rans codec applies to this dtype, else None (F64 and the dtypes
+    of STORED_DTYPE_BITS, F4 ... C64, go to zstd or raw). Integers are coded byte by byte (SPEC.md
+    §3.3, format 2.1): a packed I32 of eight INT4 codes is four symbols of two codes each, a model
+    at least as good as one of single 4-bit codes (two codes' joint entropy is at most the sum of
+    theirs)."""
     size = DTYPE_SIZES.get(dtype)
-    if size is None:
+    if size is None or dtype == "F64":
         return None
-    if dtype in FLOAT_DTYPES and size in (1, 2, 4):
+    if dtype in FLOAT_DTYPES:
         return 8 * size, True
-    if size == 1:  # U8, I8, BOOL: byte-wise entropy coding
-        return 8, False
-    return None
+    return 8, False  # BOOL, U8, I8 ... U64, I64
+
+
+def rans_params(entry: TensorEntry) -> tuple[rans.RansParams, int]:
+    """A rans entry's parameters, checked against its dtype, and how many words it codes (its
+    elements, or its bytes where it is coded byte by byte). Raises ValueError."""
+    p = rans.RansParams.from_json(entry.params)
+    if _rans_word(entry.dtype) != (p.word_bits, p.rotate):
+        raise ValueError(f"rans params word_bits={p.word_bits} rotate={p.rotate} do not fit dtype {entry.dtype}")
+    return p, entry.nbytes * 8 // p.word_bits
 
 
 def _stream_names(name: str, codec: str) -> dict[str, str]:
@@ -147,8 +158,9 @@ def _candidates(dtype: str, shape: tuple[int, ...], data: np.ndarray, opts: Code
             streams = rans.encode(values, p, opts.threads, counts)
             rans_size = min(rans_size, sum(len(s) for s in streams.values()))
             yield "rans", p.to_json(), streams
-    if word is None or small:
-        # On trained weights zstd loses to rans, and its slow levels cost more than the rans candidates
+    if word is None or small or dtype not in FLOAT_DTYPES:
+        # Integers (INT4 codes packed in I32) have no float's fixed split, and zstd's matches may
+        # catch what an order-0 model cannot; the probe below keeps its cost low. On trained weights zstd loses to rans, and its slow levels cost more than the rans candidates
         # together, so a level-1 pass decides whether the configured level could win. On 690 slices
         # (16-250 KiB) of MiniLM and SmolLM2 weights zstd-10 beat rans 3 times, level 1 then within
         # 9.4 % of rans; level 1 is at most 14 % above level 10, so a skipped win is under 4 %.
@@ -287,14 +299,9 @@ def _decode(
     try:
         check_entry(entry, streams)
         if entry.codec == "rans":
-            p = rans.RansParams.from_json(entry.params)
-            word = _rans_word(entry.dtype)
-            if word != (p.word_bits, p.rotate):
-                raise ValueError(
-                    f"rans params word_bits={p.word_bits} rotate={p.rotate} do not fit dtype {entry.dtype}"
-                )
+            p, n = rans_params(entry)
             into = None if out is None else out.view(rans.UINT_OF_BITS[p.word_bits])
-            data = rans.decode(streams, p, entry.numel, threads, into, chunks).view(np.uint8)
+            data = rans.decode(streams, p, n, threads, into, chunks).view(np.uint8)
             in_place = out is not None
         elif entry.codec == "raw":
             data = np.asarray(streams["data"], dtype=np.uint8)
@@ -349,10 +356,10 @@ def decode_rows(
     if entry.codec != "rans" or nbytes > _physical_memory():
         return decode_tensor(entry, streams, threads).reshape(rows, -1)[ids]
     try:
-        chunk = rans.RansParams.from_json(entry.params).chunk
+        p, words = rans_params(entry)
     except (ValueError, TypeError) as e:
         raise CorruptDataError(None, str(e), entry.name) from None
-    per_row = entry.numel // rows
+    chunk, per_row = p.chunk, words // rows
     first, last = ids * per_row // chunk, ((ids + 1) * per_row - 1) // chunk
     span = int((last - first).max()) + 1 if len(ids) else 0
     chunks = np.unique((first[:, None] + np.arange(span)[None, :]).clip(max=last[:, None]))
