@@ -273,6 +273,17 @@ def test_damaged_foreign_and_mismatched_folders(tiny, tmp_path):
         load(partial)
 
 
+def test_a_folder_compressed_from_compressed_tensors_int4_is_refused_by_name(tiny, tmp_path):
+    """Its INT4 layers are vLLM's to run (runtime/vllm): transformers gets a clear refusal, never a
+    model with those layers left random."""
+    from tiny_models import w4a16
+
+    src, _ = tiny("llama")
+    unweight.compress(w4a16(src, tmp_path / "w4a16"), tmp_path / "uw")
+    with pytest.raises(ValueError, match="compressed from a compressed-tensors checkpoint"):
+        load(tmp_path / "uw")
+
+
 def test_moe_folder_missing_an_expert(tiny, tmp_path):
     """Per-expert tensors that transformers merges into 3-D ones must be experts 0 .. E-1, each once."""
     import shutil

@@ -14,7 +14,7 @@ from safetensors import safe_open
 from tiny_models import tiny_deepseek_v3, tiny_family, tiny_llama4
 
 from helpers import run_cli
-from unweight import plan
+from unweight import hf_config, plan
 
 CONFIGS = Path(__file__).with_name("data") / "configs"
 # checkpoint tensor names -> the plan's tensor classes, first match wins
@@ -66,6 +66,8 @@ def test_scout_and_kimi_k2_5_from_their_model_cards():
     assert abs(sum(w.params for w in ws.values()) / 1.04e12 - 1) < 0.02
     assert abs(sum(w.stored_bytes for w in ws.values()) / 594e9 - 1) < 0.01
     assert ws["experts"].dtype == "int4 (group 32)" and ws["experts"].resident_bytes == ws["experts"].stored_bytes
+    tagged, _ = hf_config.tag(json.dumps(kimi).encode())  # the compressed folder's config: the same plan
+    assert plan.weights(json.loads(tagged)) == plan.weights(kimi)
     on_1 = plan.plan(scout, plan.GPUS["h200"], tp=1)
     on_2 = plan.plan(scout, plan.GPUS["h200"], tp=2)
     assert on_1.kv_tokens_stored == on_1.kv_tokens_resident == 0  # 216 GB BF16, ~154 GB resident: not on one H200

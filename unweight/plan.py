@@ -18,6 +18,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
+from . import hf_config
+
 GB = 10**9
 GIB = 1 << 30
 # The vendors' HBM capacities: H100 SXM 80 GB, H200 141 GB.
@@ -168,8 +170,9 @@ def _moe(c: dict, layer: int) -> tuple[int, int, int] | None:
 
 def _int4_group(config: dict) -> int:
     """The group size of compressed-tensors INT4 weights (applied to the routed experts, as Kimi
-    K2.5 quantizes them), or 0."""
+    K2.5 quantizes them), or 0. A folder compressed from such a checkpoint keeps its config."""
     q = config.get("quantization_config") or text_config(config).get("quantization_config") or {}
+    q = hf_config.source_quantization({"quantization_config": q}) or q
     if q.get("quant_method") != "compressed-tensors":
         return 0
     for group in (q.get("config_groups") or {}).values():

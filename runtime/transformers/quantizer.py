@@ -31,6 +31,7 @@ from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from unweight.errors import FormatError, SourceError
+from unweight.hf_config import SOURCE_KEY
 
 from . import QUANT_METHOD, register
 from . import modules as m
@@ -48,13 +49,16 @@ log = logging.getLogger(__name__)
 
 
 class UnweightConfig(QuantizationConfigMixin):
-    """The `quantization_config` that `unweight compress` writes: {"quant_method": "unweight"}."""
+    """The `quantization_config` that `unweight compress` writes: {"quant_method": "unweight"}, and
+    the source's own quantization_config where the source was quantized (compressed-tensors)."""
 
     def __init__(self, **kwargs):
         self.quant_method = QUANT_METHOD
+        self.source_quantization_config = kwargs.get(SOURCE_KEY)
 
     def to_dict(self) -> dict:
-        return {"quant_method": QUANT_METHOD}
+        source = self.source_quantization_config
+        return {"quant_method": QUANT_METHOD} | ({SOURCE_KEY: source} if source is not None else {})
 
 
 class UnweightHfQuantizer(HfQuantizer):
@@ -69,6 +73,14 @@ class UnweightHfQuantizer(HfQuantizer):
         self.plan: LoadPlan | None = None
 
     def validate_environment(self, *args, device_map=None, **kwargs):
+        source = self.quantization_config.source_quantization_config
+        if source is not None:
+            method = source.get("quant_method") if isinstance(source, dict) else source
+            raise ValueError(
+                f"unweight: this folder was compressed from a {method} checkpoint, whose quantized layers the "
+                f"transformers integration does not load; serve it with vLLM, or `unweight decompress` it and load "
+                f"the result with transformers' {method} support"
+            )
         if isinstance(device_map, dict) and "disk" in device_map.values():
             raise ValueError("unweight: a device_map with 'disk' offload is not supported; keep the model on cpu/cuda")
 

@@ -160,8 +160,9 @@ def _candidates(dtype: str, shape: tuple[int, ...], data: np.ndarray, opts: Code
             yield "rans", p.to_json(), streams
     if word is None or small or dtype not in FLOAT_DTYPES:
         # Integers (INT4 codes packed in I32) have no float's fixed split, and zstd's matches may
-        # catch what an order-0 model cannot; the probe below keeps its cost low. On trained weights zstd loses to rans, and its slow levels cost more than the rans candidates
-        # together, so a level-1 pass decides whether the configured level could win. On 690 slices
+        # catch what an order-0 model cannot; the probe below keeps its cost low. On trained weights
+        # zstd loses to rans, and its slow levels cost more than the rans candidates together, so a
+        # level-1 pass decides whether the configured level could win. On 690 slices
         # (16-250 KiB) of MiniLM and SmolLM2 weights zstd-10 beat rans 3 times, level 1 then within
         # 9.4 % of rans; level 1 is at most 14 % above level 10, so a skipped win is under 4 %.
         if (
