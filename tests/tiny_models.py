@@ -162,6 +162,61 @@ def tiny_deepseek_v3(dst: Path, tokenizer_from: Path, dtype: torch.dtype = torch
     return _save(model, dst, tokenizer_from, dtype=None)
 
 
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """compressed-tensors' `pack-quantized` INT4: signed codes in [-8, 7] stored as code + 8, eight
+    to an int32 along the last dimension, the first code in the lowest four bits."""
+    u = (codes.to(torch.int64) + 8).reshape(*codes.shape[:-1], -1, 8)
+    word = sum(u[..., i] << (4 * i) for i in range(8))
+    return (word - ((word >> 31) << 32)).to(torch.int32)  # the same 32 bits, as a signed int32
+
+
+def w4a16(src: Path, dst: Path, quantize=lambda name: ".layers." in name, group: int = 32) -> Path:
+    """`src` (a BF16 folder) with the weights of the linear layers that `quantize(name)` picks made
+    compressed-tensors W4A16, as Kimi K2.5 ships its routed experts: symmetric INT4, groups of
+    `group` along the input, BF16 scales (`weight_packed`, `weight_scale`, `weight_shape`), and
+    the config's `quantization_config` naming the rest of the linears in `ignore`."""
+    from safetensors.torch import load_file, save_file
+
+    if dst.exists():
+        return dst
+    tmp = dst.with_name(dst.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp)
+    config = json.loads((tmp / "config.json").read_text())
+    out, ignore = {}, []
+    for f in sorted(tmp.glob("*.safetensors")):
+        for name, t in load_file(f).items():
+            linear = name.endswith(".weight") and t.dim() == 2 and "embed_tokens" not in name  # routers too
+            if not (linear and quantize(name)):
+                ignore += [name[: -len(".weight")]] if linear else []
+                out[name] = t
+                continue
+            rows, cols = t.shape
+            g = t.float().reshape(rows, cols // group, group)
+            scale = (g.abs().amax(-1, keepdim=True) / 7).clamp(min=1e-8).to(torch.bfloat16)
+            codes = torch.round(g / scale.float()).clamp(-8, 7).reshape(rows, cols)
+            base = name[: -len(".weight")]
+            out[base + ".weight_packed"] = pack_int4(codes)
+            out[base + ".weight_scale"] = scale.reshape(rows, cols // group)
+            out[base + ".weight_shape"] = torch.tensor([rows, cols], dtype=torch.int64)
+        f.unlink()
+    save_file(out, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    (tmp / "model.safetensors.index.json").unlink(missing_ok=True)
+    weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": group}
+    weights.update(dynamic=False, actorder=None, observer="minmax")
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None}},
+        "ignore": sorted(ignore),
+        "kv_cache_scheme": None,
+    }
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    tmp.rename(dst)
+    return dst
+
+
 # Tiny random models of the architectures the transformers quantizer is tested on (tests/test_hf.py):
 # model_type -> (config class, causal LM class, config overrides). Each has a vocabulary of 512, no
 # tokenizer, two or three layers, and the family's own parts (MoE experts, MLA, qk-norm, sliding and

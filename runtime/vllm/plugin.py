@@ -4,8 +4,11 @@ Imported only by vLLM's plugin loader (`register` in runtime/vllm/__init__.py), 
 process; the classes live at module level because vLLM pickles the config into its engine.
 
 - `UnweightConfig` is what `quantization_config: {"quant_method": "unweight"}` in config.json
-  selects. Linear layers get `UnweightLinearMethod` (a weight that is not BF16 stays dense there,
-  logged once); MoE experts get `UnweightMoEMethod` (runtime/vllm/experts.py; vLLM's own
+  selects. A folder compressed from a compressed-tensors checkpoint (Kimi K2.5's INT4 experts)
+  keeps the source's config in it (`source_quantization_config`): the layers that config quantizes
+  get vLLM's compressed-tensors methods, their packed codes and scales decoded at load to the
+  source's bytes; the rest is as below. Linear layers get `UnweightLinearMethod` (a weight that is
+  not BF16 stays dense there, logged once); MoE experts get `UnweightMoEMethod` (runtime/vllm/experts.py; vLLM's own
   unquantized method where it cannot hold them, logged once); embeddings and the lm_head keep
   vLLM's own methods, their weights decoded at load.
 - `UnweightModelLoader` replaces vLLM's default loader for `--load-format auto` (and is also
@@ -51,6 +54,8 @@ from vllm.model_executor.model_loader import default_loader
 from vllm.model_executor.model_loader import register_model_loader as _register_loader
 from vllm.model_executor.utils import set_weight_attrs
 
+from unweight.hf_config import SOURCE_KEY  # (json only: no codec)
+
 from . import experts, shards
 from .registry import Registry
 
@@ -80,13 +85,52 @@ class UnweightConfig(QuantizationConfig):
     def get_config_filenames() -> list[str]:
         return []
 
+    def __init__(self, source: QuantizationConfig | None = None):
+        self.source = source  # the source checkpoint's own method (compressed-tensors), or None
+        super().__init__()
+
+    @property
+    def packed_modules_mapping(self) -> dict[str, list[str]]:
+        return self._packed_modules_mapping
+
+    @packed_modules_mapping.setter
+    def packed_modules_mapping(self, mapping: dict[str, list[str]]) -> None:
+        # vLLM sets the model's (qkv_proj: [q_proj, k_proj, v_proj], ...) once the model class is known;
+        # compressed-tensors matches fused layers' names to its targets through it
+        self._packed_modules_mapping = mapping
+        if self.source is not None:
+            self.source.packed_modules_mapping = mapping
+
     @classmethod
     def from_config(cls, config: dict) -> UnweightConfig:
         if config.get("quant_method", NAME) != NAME:
             raise ValueError(f"quantization_config has quant_method {config.get('quant_method')!r}, not {NAME!r}")
-        return cls()
+        source = config.get(SOURCE_KEY)
+        if source is None:
+            return cls()
+        method = source.get("quant_method") if isinstance(source, dict) else None
+        if method != "compressed-tensors":
+            raise ValueError(
+                f"quantization_config's {SOURCE_KEY} has quant_method {method!r}: the unweight plugin serves "
+                f"compressed-tensors sources only"
+            )
+        from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
+            CompressedTensorsConfig,
+        )
+
+        return cls(CompressedTensorsConfig.from_config(source))
+
+    def apply_vllm_mapper(self, hf_to_vllm_mapper) -> None:
+        if self.source is not None:  # its targets and ignore list, renamed as the model's layers are
+            self.source.apply_vllm_mapper(hf_to_vllm_mapper)
 
     def get_quant_method(self, layer: nn.Module, prefix: str):
+        if self.source is not None:
+            method = self.source.get_quant_method(layer, prefix)
+            if method is not None and not isinstance(method, (UnquantizedLinearMethod, UnquantizedFusedMoEMethod)):
+                # quantized in the source (INT4 codes and scales): its own method, the tensors decoded at load
+                layer.uw_source = isinstance(layer, (LinearBase, RoutedExperts))  # (attention gets its KV-cache scales)
+                return method
         if isinstance(layer, LinearBase):
             if prefix.rsplit(".", 1)[-1] in DENSE_LINEARS:
                 _once(f"{DENSE_LINEARS[prefix.rsplit('.', 1)[-1]]}: these layers keep a dense weight")
@@ -313,7 +357,7 @@ class UnweightModelLoader(default_loader.DefaultModelLoader):
         from .lazy import LazyWeight
 
         _keep_llvmlite_out_of_vllms_kernel_scan()
-        expected = {name for name, p in model.named_parameters() if p.numel()}  # (the plugin's layers' are empty)
+        expected = _expected_parameters(model)
         limit = _largest_weight(model) * 4 * _tp_size()  # fp32 parameters' bytes; a TP rank reads whole tensors
         with CompressedCheckpoint(self._folder(model_config)) as ckpt:
             loaded = model.load_weights((name, LazyWeight(ckpt, name, limit=limit)) for name in ckpt.keys())
@@ -337,7 +381,7 @@ class UnweightModelLoader(default_loader.DefaultModelLoader):
         held = resident(model)
         log.info(
             "unweight: tensor-parallel rank %d of %d holds %d compressed linears and %d compressed experts layers: "
-            "%d bytes resident, %d in BF16 (%.1f %%)",
+            "%d bytes resident, %d in BF16 (%.1f %%); %d layers as the source quantized them",
             _tp_rank(),
             _tp_size(),
             held["linears"],
@@ -345,6 +389,7 @@ class UnweightModelLoader(default_loader.DefaultModelLoader):
             held["stored_bytes"],
             held["bf16_bytes"],
             100 * held["stored_bytes"] / max(1, held["bf16_bytes"]),
+            held["source"],
         )
 
     def _folder(self, model_config) -> str:
@@ -356,6 +401,20 @@ class UnweightModelLoader(default_loader.DefaultModelLoader):
         return download_weights_from_hf(
             model_config.model, self.load_config.download_dir, ["*.safetensors", "*.json"], model_config.revision
         )
+
+
+def _expected_parameters(model: nn.Module) -> set[str]:
+    """The parameters the checkpoint must give: all but the plugin's layers' (empty until built)
+    and the KV-cache scales that a source's quantization method gives attention layers, which vLLM
+    sets itself when the checkpoint has none (compressed-tensors gives them to every layer)."""
+    from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
+
+    scales = tuple(
+        f"{name}."
+        for name, m in model.named_modules()
+        if isinstance(getattr(m, "quant_method", None), BaseKVCacheMethod)
+    )
+    return {name for name, p in model.named_parameters() if p.numel() and not (scales and name.startswith(scales))}
 
 
 def _keep_llvmlite_out_of_vllms_kernel_scan() -> None:
@@ -385,7 +444,8 @@ def _largest_weight(model: nn.Module) -> int:
 
 def resident(model: nn.Module) -> dict:
     """What the plugin built in `model` (this rank's): its compressed linears and experts layers,
-    their resident bytes and what the same weights take in BF16."""
+    their resident bytes and what the same weights take in BF16, and how many layers kept the
+    source's quantization (compressed-tensors' INT4, decoded at load to the source's tensors)."""
     linears = [m.uw for m in model.modules() if isinstance(getattr(m, "uw", None), _linear_class())]
     layers = [m.uw_experts for m in model.modules() if hasattr(m, "uw_experts")]
     return {
@@ -394,6 +454,7 @@ def resident(model: nn.Module) -> dict:
         "stored_bytes": sum(m.stored_bytes for m in linears + layers),
         "bf16_bytes": sum(2 * m.in_features * m.out_features for m in linears)
         + sum(2 * e.num_experts * 3 * e.hidden * e.intermediate for e in layers),
+        "source": sum(1 for m in model.modules() if getattr(m, "uw_source", False)),
     }
 
 
