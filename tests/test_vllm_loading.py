@@ -161,21 +161,51 @@ def test_decode_rows_of_the_serving_layout_decodes_only_their_range(tmp_path):
         assert np.array_equal(got, want)
 
 
-def test_a_fused_experts_tensor_is_taken_expert_by_expert_as_vllms_llama4_loader_views_it(tmp_path):
+@pytest.mark.parametrize("gate_up", ["gate_up", "model.layers.0.feed_forward.experts.gate_up_proj"])
+def test_a_fused_experts_tensor_is_taken_expert_by_expert_as_vllms_llama4_loader_views_it(
+    tmp_path, monkeypatch, gate_up
+):
     """Llama 4 stores gate_up_proj as (E, H, 2I); vLLM's loader transposes it and chunks gate from
     up. That view stays undecoded, and `expert` decodes one expert's block from only its rows;
-    experts decoded whole, in order, are checked against the tensor's CRC-32 as a whole decode is."""
+    experts decoded whole, in order, are checked against the tensor's CRC-32 as a whole decode is.
+    Under Llama 4's own name, `compress` codes the tensor transposed: a rank's rows of gate or up
+    (stored columns) then decode from only the chunks that hold them, not from the whole expert."""
     experts, hidden, inter = 4, 64, 1536  # each expert's rows span several rans chunks
     w = random_bf16(experts, hidden, 2 * inter, seed=5)
-    src = write_checkpoint(tmp_path / "src" / "model.safetensors", {"gate_up": w})
+    src = write_checkpoint(tmp_path / "src" / "model.safetensors", {gate_up: w})
     unweight.compress(src.parent, tmp_path / "uw", threads=1)
+    transposed = gate_up != "gate_up"
 
     def same(a, b):
         return torch.equal(a.view(torch.int16), b.view(torch.int16))
 
+    from unweight.codec import rans, tensor_codec
+
+    decoded, decode = [], rans.decode  # the rans chunks each decode asks for (all of them: None)
+
+    def counted(streams, p, n, threads=None, out=None, chunks=None):
+        decoded.append(None if chunks is None else len(chunks))
+        return decode(streams, p, n, threads, out, chunks)
+
+    monkeypatch.setattr(tensor_codec.rans, "decode", counted)
     with CompressedCheckpoint(tmp_path / "uw") as ckpt:
-        assert ckpt.entry("gate_up").codec == "rans"
-        gate, up = LazyWeight(ckpt, "gate_up").transpose(-1, -2).chunk(2, dim=-2)
+        gate_up_entry = ckpt.entry(gate_up)
+        assert gate_up_entry.codec == "rans" and gate_up_entry.params.get("transpose", False) is transposed
+        gate, up = LazyWeight(ckpt, gate_up).transpose(-1, -2).chunk(2, dim=-2)
+        want = w.transpose(-1, -2).chunk(2, dim=-2)
+        assert same(up.expert(2, [(10, 20)], 0, hidden), want[1][2, 10:20])  # ten of up's rows of expert 2
+        chunks_per_expert = (
+            rans.RansParams.from_json({k: v for k, v in gate_up_entry.params.items() if k != "transpose"}).nchunks(
+                w.numel()
+            )
+            // experts
+        )
+        (asked,) = decoded
+        assert asked <= 2 if transposed else asked >= chunks_per_expert, decoded  # the rows' chunks, or the expert's
+    monkeypatch.undo()
+    with CompressedCheckpoint(tmp_path / "uw") as ckpt:
+        assert ckpt.entry(gate_up).codec == "rans"
+        gate, up = LazyWeight(ckpt, gate_up).transpose(-1, -2).chunk(2, dim=-2)
         assert isinstance(gate, LazyWeight) and gate.shape == up.shape == (experts, inter, hidden)
         assert ckpt.integrity.decoded == 0
         want = w.transpose(-1, -2).chunk(2, dim=-2)
@@ -185,25 +215,25 @@ def test_a_fused_experts_tensor_is_taken_expert_by_expert_as_vllms_llama4_loader
         assert same(gate.materialize(), want[0]) and same(up.narrow(0, 1, 2).materialize(), want[1][1:3])
         assert same(up.unchunked().expert(3, [(0, 2 * inter)], 0, hidden), w[3].t())
         # (E, I, H) down_proj seen untransposed: a block of an expert's rows decodes only those rows' chunks
-        assert same(LazyWeight(ckpt, "gate_up").expert(1, [(7, 9)], 100, 3000), w[1, 7:9, 100:3000])
+        assert same(LazyWeight(ckpt, gate_up).expert(1, [(7, 9)], 100, 3000), w[1, 7:9, 100:3000])
         with pytest.raises(ValueError, match="lie outside"):
             gate.expert(4, [(0, 1)], 0, 1)
     with CompressedCheckpoint(tmp_path / "uw") as ckpt:
-        whole = LazyWeight(ckpt, "gate_up").transpose(1, 2)
+        whole = LazyWeight(ckpt, gate_up).transpose(1, 2)
         for e in (0, 2, 1, 3):  # out of order: checked by the streams' CRC-32s only
             whole.expert(e, [(0, 2 * inter)], 0, hidden)
-        assert ckpt.checked_tensors() == 1 and "gate_up" not in ckpt._decoded
+        assert ckpt.checked_tensors() == 1 and gate_up not in ckpt._decoded
         for e in range(experts):  # every expert whole, in order: the tensor's CRC-32 is checked too
             whole.expert(e, [(0, 2 * inter)], 0, hidden)
-        assert "gate_up" in ckpt._decoded
+        assert gate_up in ckpt._decoded
 
     def wrong_crc(tensors):  # streams intact, the original bytes' CRC-32 not theirs
-        (entry, streams) = tensors["gate_up"]
-        return {"gate_up": (dataclasses.replace(entry, crc32=entry.crc32 ^ 1), streams)}
+        (entry, streams) = tensors[gate_up]
+        return {gate_up: (dataclasses.replace(entry, crc32=entry.crc32 ^ 1), streams)}
 
     rewrite_container(tmp_path / "uw" / "model.safetensors", wrong_crc)
     with CompressedCheckpoint(tmp_path / "uw") as ckpt:
-        whole = LazyWeight(ckpt, "gate_up").transpose(1, 2)
+        whole = LazyWeight(ckpt, gate_up).transpose(1, 2)
         for e in range(experts - 1):
             whole.expert(e, [(0, 2 * inter)], 0, hidden)
         with pytest.raises(CorruptDataError, match="gate_up.*fail the CRC-32 check"):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import shutil
 import time
 from collections.abc import Iterator
@@ -44,6 +45,11 @@ from .report import CompressReport, TensorReport, VerifyReport
 # Memory a tensor takes while it is encoded, its mapped source pages included, as a multiple of
 # its size: benchmarks/memory_bench.py measures what compress really peaks at.
 ENCODE_MEMORY_FACTOR = 1.5
+# Tensors that `rans` codes in the order of their last two dimensions swapped (SPEC.md §3.3), by
+# name: Llama 4's fused gate_up experts (E, H, 2I), which tensor parallelism splits along 2I, so
+# that a rank's rows of gate and of up decode alone (its down_proj (E, I, H) splits along I, the
+# stored rows already).
+TRANSPOSED = re.compile(r"(^|\.)feed_forward\.experts\.gate_up_proj$")
 
 
 class Progress(Protocol):
@@ -192,8 +198,8 @@ def compress(
 
     `dst` must not exist. With options.verify (the default) every tensor is decoded again and
     compared with its original bytes before it is written. With max_memory, a tensor whose
-    encoding would need more (ENCODE_MEMORY_FACTOR × its size) is refused, MemoryLimitError,
-    before anything is written.
+    encoding would need more (ENCODE_MEMORY_FACTOR × its size, once more its size for a tensor
+    coded transposed) is refused, MemoryLimitError, before anything is written.
     """
     memory.check_budget(max_memory)
     options = options or CodecOptions()
@@ -213,7 +219,8 @@ def compress(
         if max_memory is not None:
             for sf in sources:
                 for t in sf.tensors.values():
-                    memory.require(int(ENCODE_MEMORY_FACTOR * t.nbytes), max_memory, "compressing it", sf.path, t.name)
+                    factor = ENCODE_MEMORY_FACTOR + (1 if TRANSPOSED.search(t.name) else 0)  # (a transposed copy)
+                    memory.require(int(factor * t.nbytes), max_memory, "compressing it", sf.path, t.name)
         progress.start(sum(t.nbytes for s in sources for t in s.tensors.values()))
         with _staging(dst, "compressing") as tmp:
             for rel, sf in zip(tensor_files, sources):
@@ -241,7 +248,9 @@ def _compress_file(
     sf: SafetensorsFile, out: Path, rel: str, options: CodecOptions, progress: Progress, report: CompressReport
 ) -> None:
     def encode(info, inner: int):  # big tensors alone on every thread; small ones several at once
-        return encode_tensor(info.name, info.dtype, info.shape, sf.bytes_of(info.name), replace(options, threads=inner))
+        transpose = TRANSPOSED.search(info.name) is not None
+        data = sf.bytes_of(info.name)
+        return encode_tensor(info.name, info.dtype, info.shape, data, replace(options, threads=inner), transpose)
 
     infos = sorted(sf.tensors.values(), key=lambda t: t.begin)
     with ContainerWriter(str(out)) as writer:

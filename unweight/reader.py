@@ -14,7 +14,7 @@ from unweight.codec import check_stream_crcs, checksum
 from unweight.codec.pieces import decode_pieces
 from unweight.errors import CorruptDataError, FormatError, SourceError
 from unweight.formats import ContainerReader, TensorEntry
-from unweight.formats.dtypes import TORCH_DTYPES
+from unweight.formats.dtypes import DTYPE_SIZES, TORCH_DTYPES
 
 from .decoding import decode_one
 from .folder import containers_of, read_index
@@ -161,17 +161,23 @@ class CompressedCheckpoint:
             data = data.copy()  # raw-coded tensors are views of the read-only mapping
         return torch.from_numpy(data).view(dtype).reshape(e.shape)
 
-    def get_rows(self, name: str, start: int, stop: int, slab: int | None = None):
+    def get_rows(self, name: str, start: int, stop: int, slab: int | None = None, transposed: bool = False):
         """Rows [start, stop) of the tensor's first dimension as a torch.Tensor (CPU, bit-exact),
         decoding only what holds them where the codec allows (rans chunks, tiles rows): a tensor-
         parallel rank's rows without the whole tensor. With `slab`, rows [start, stop) of its second
         dimension within index `slab` of the first (`t[slab, start:stop]` of a tensor of three or more
-        dimensions): a rank's rows of one expert of a fused experts tensor. The streams are checked
-        first (streams())."""
+        dimensions): a rank's rows of one expert of a fused experts tensor; with `transposed` too,
+        rows of that expert's matrix transposed (`t[slab].T[start:stop]`, contiguous), which decode
+        alone where the tensor is coded transposed (Llama 4's gate_up), else from the whole matrix.
+        The streams are checked first (streams())."""
         import torch
 
         from unweight.codec import decode_rows
 
+        if transposed:
+            return self._transposed_rows(name, start, stop, slab)
+        if slab is not None and self._coded_transposed(name):
+            return self._transposed_rows(name, 0, self.entry(name).shape[2], slab)[:, start:stop].t().contiguous()
         e, base = self._row_view(name, slab)
         dtype = self.torch_dtype(name)
         shape = self.entry(name).shape if slab is None else self.entry(name).shape[1:]
@@ -199,6 +205,50 @@ class CompressedCheckpoint:
         if slab is not None and (start, stop) == (0, span):
             self._slab_crc(name, slab, data)
         return torch.from_numpy(data).view(dtype).reshape(stop - start, *rest)
+
+    def _coded_transposed(self, name: str) -> bool:
+        from unweight.codec import coded_shape
+
+        e = self.entry(name)
+        return e.codec == "rans" and coded_shape(e) != tuple(e.shape)
+
+    def _transposed_rows(self, name: str, start: int, stop: int, slab: int | None):
+        """get_rows(..., transposed=True): `t[slab].T[start:stop]` as a contiguous tensor."""
+        import torch
+
+        from unweight.codec import decode_rows
+
+        e = self.entry(name)
+        if slab is None or len(e.shape) != 3 or not 0 <= slab < e.shape[0]:
+            raise ValueError(f"tensor {name!r} of shape {list(e.shape)} has no matrix {slab} to transpose")
+        _, height, width = e.shape
+        if not 0 <= start <= stop <= width:
+            raise ValueError(f"rows [{start}, {stop}) lie outside tensor {name!r}'s transposed {width}")
+        if not self._coded_transposed(name):  # the matrix whole (CRC-checked in order), then its columns
+            return self.get_rows(name, 0, height, slab)[:, start:stop].t().contiguous()
+        dtype = self.torch_dtype(name)
+        if start == stop:
+            return torch.empty(0, height, dtype=dtype)
+        require(
+            self.rows_memory(name, stop - start, transposed=True),
+            self.max_memory,
+            "decoding these rows",
+            self.file_of(name),
+            name,
+        )
+        streams = self.streams(name)
+        coded = dataclasses.replace(  # its coded order: (E * width, height), untransposed
+            e, shape=(e.shape[0] * width, height), params={k: v for k, v in e.params.items() if k != "transpose"}
+        )
+        try:
+            data = decode_rows(coded, streams, np.arange(slab * width + start, slab * width + stop), self.threads)
+        except FormatError as err:
+            raise type(err)(self.file_of(name), err.reason, name) from None
+        self.integrity.decoded += 1
+        data = np.ascontiguousarray(data)
+        if (start, stop) == (0, width):  # the whole matrix: the tensor's CRC-32 goes on, over its original bytes
+            self._slab_crc(name, slab, np.ascontiguousarray(data.view(f"u{DTYPE_SIZES[e.dtype]}").T).view(np.uint8))
+        return torch.from_numpy(data).view(dtype).reshape(stop - start, height)
 
     def _slab_crc(self, name: str, slab: int, data: np.ndarray) -> None:
         """Continues the CRC-32 of tensor `name` over its whole slabs decoded in order (`data` is
@@ -232,12 +282,18 @@ class CompressedCheckpoint:
         flat = dataclasses.replace(e, shape=(e.shape[0] * e.shape[1], *e.shape[2:]))
         return flat, slab * e.shape[1]
 
-    def rows_memory(self, name: str, rows: int, in_slab: bool = False) -> int:
-        """The bytes get_rows allocates for `rows` rows of tensor `name` (of dim 1, `in_slab`): the
-        rows, or the whole tensor where its codec decodes no part of one alone (raw, zstd)."""
+    def rows_memory(self, name: str, rows: int, in_slab: bool = False, transposed: bool = False) -> int:
+        """The bytes get_rows allocates for `rows` rows of tensor `name` (of dim 1, `in_slab`; of a
+        matrix transposed, `transposed`): the rows, the whole matrix where the tensor is not coded
+        in the rows' order, or the whole tensor where its codec decodes no part of one alone (raw,
+        zstd)."""
         e = self.entry(name)
         if e.codec not in ("rans", "tiles") or not e.shape:
             return e.nbytes
+        if len(e.shape) == 3 and (in_slab or transposed) and transposed != self._coded_transposed(name):
+            return e.nbytes // max(1, e.shape[0])  # its matrix, whole
+        if transposed:
+            return e.nbytes // max(1, e.shape[0] * e.shape[2]) * rows
         per = e.shape[0] * (e.shape[1] if in_slab and len(e.shape) > 1 else 1)
         return e.nbytes // max(1, per) * rows
 

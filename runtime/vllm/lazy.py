@@ -18,7 +18,8 @@ dtype, holding only (checkpoint, name). Then
 - A fused experts tensor (3-D, (E, H, 2I) or (E, I, H), as Llama 4 stores them) may be transposed
   in its last two dimensions and chunked or narrowed along its last stored one (gate from up), as
   vLLM's Llama 4 loader does, still undecoded; `expert` then decodes one expert's block of it,
-  only the rows of the expert that hold the block.
+  only the rows of the expert that hold the block (of gate_up, which `compress` codes transposed,
+  only the rank's rows of gate and of up).
 
 Shape, dtype and size queries never decode. This module needs torch, not vLLM.
 """
@@ -107,11 +108,12 @@ class LazyWeight(torch.Tensor):
     def _own_shape(self) -> tuple[int, ...]:
         return tuple(self.shape[self.uw_lead :])
 
-    def _allow(self, rows: int, cols_bytes: int | None = None, in_slab: bool = False) -> None:
-        """Refuse, before decoding, a decode of `rows` rows (of one slab's, `in_slab`; kept whole, or
-        `cols_bytes` of each) that allocates more than uw_limit bytes."""
+    def _allow(self, rows: int, cols_bytes: int | None = None, in_slab: bool = False, transposed: bool = False) -> None:
+        """Refuse, before decoding, a decode of `rows` rows (of one slab's, `in_slab`; of a slab's
+        matrix transposed, `transposed`; kept whole, or `cols_bytes` of each) that allocates more
+        than uw_limit bytes."""
         own, ckpt = self._own_shape, self.uw_checkpoint
-        nbytes = ckpt.rows_memory(self.uw_name, rows, in_slab)  # what the reader allocates (whole rows, or more)
+        nbytes = ckpt.rows_memory(self.uw_name, rows, in_slab, transposed)  # what the reader allocates
         if cols_bytes is not None:  # and what is kept of them
             nbytes = max(nbytes, rows * cols_bytes)
         if self.uw_limit is not None and nbytes > self.uw_limit:
@@ -168,10 +170,11 @@ class LazyWeight(torch.Tensor):
             )
         slab, off = self.uw_rows[0] + index, 0 if self.uw_cols is None else self.uw_cols[0]
         get = self.uw_checkpoint.get_rows
-        if self.uw_t:  # the view's columns are the stored rows; its rows, stored columns
-            self._allow(c1 - c0, in_slab=True)
-            stored = get(self.uw_name, c0, c1, slab=slab)
-            return torch.cat([stored[:, off + a : off + b] for a, b in rows], dim=1).t()
+        if self.uw_t:  # the view's rows are the stored matrix's columns: rows of it transposed
+            self._allow(sum(b - a for a, b in rows), transposed=True)
+            return torch.cat(
+                [get(self.uw_name, off + a, off + b, slab=slab, transposed=True)[:, c0:c1] for a, b in rows]
+            )
         self._allow(sum(b - a for a, b in rows), in_slab=True)
         return torch.cat([get(self.uw_name, a, b, slab=slab)[:, off + c0 : off + c1] for a, b in rows])
 

@@ -633,6 +633,14 @@ def rans_word_bits_not_the_dtype(b: Bases) -> bytes:
     return _edit(b.a, _tensor_edit("weight", fn))
 
 
+def rans_transpose_of_a_2d_tensor(b: Bases) -> bytes:  # (format 2.1: only 3-D tensors are coded transposed)
+    return _edit(b.a, _tensor_edit("weight", _set_param("transpose", True)))
+
+
+def rans_transpose_not_a_bool(b: Bases) -> bytes:
+    return _edit(b.a, _tensor_edit("weight", _set_param("transpose", 1)))
+
+
 def rans_rotate_not_a_bool(b: Bases) -> bytes:
     return _edit(b.a, _tensor_edit("weight", _set_param("rotate", 1)))
 
@@ -1061,6 +1069,8 @@ CASES: dict[str, tuple[Callable[[Bases], bytes], str | None, tuple[str, ...]]] =
     "rans_chunk_1000": (rans_chunk_1000, "weight", CONTAINER_OPS),
     "rans_word_bits_12": (rans_word_bits_12, "weight", CONTAINER_OPS),
     "rans_word_bits_not_the_dtype": (rans_word_bits_not_the_dtype, "weight", CONTAINER_OPS),
+    "rans_transpose_of_a_2d_tensor": (rans_transpose_of_a_2d_tensor, "weight", CONTAINER_OPS),
+    "rans_transpose_not_a_bool": (rans_transpose_not_a_bool, "weight", CONTAINER_OPS),
     "rans_rotate_not_a_bool": (rans_rotate_not_a_bool, "weight", CONTAINER_OPS),
     "rans_params_missing": (rans_params_missing, "weight", CONTAINER_OPS),
     "rans_params_extra_key": (rans_params_extra_key, "weight", CONTAINER_OPS),

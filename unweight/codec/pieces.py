@@ -18,7 +18,7 @@ from unweight.formats import TensorEntry
 
 from . import rans, tiles
 from .checksum import crc32
-from .tensor_codec import check_entry, rans_params
+from .tensor_codec import check_entry, coded_shape, rans_params, untranspose
 
 
 def decode_pieces(
@@ -82,6 +82,9 @@ def _pieces(
     elif entry.codec == "rans":
         p, n = rans_params(entry)
         d = rans.Decoder(streams, p, n)
+        if coded_shape(entry) != tuple(entry.shape):
+            yield from _transposed_pieces(entry, d, p, n, piece_bytes, threads)
+            return
         size = p.word_bits // 8
         # whole groups of chunks per piece, so the vector decoder never runs a chunk alone
         group = rans.rans_avx2.MAX_GROUP
@@ -132,3 +135,21 @@ def _zstd_pieces(blob: np.ndarray, nbytes: int, piece_bytes: int) -> Iterator[np
         raise ValueError(f"{len(dobj.unused_data)} stray bytes after the zstd frame")
     if size != nbytes or not dobj.eof:
         raise ValueError(f"zstd frame holds {size} bytes, the tensor has {nbytes}")
+
+
+def _transposed_pieces(
+    entry: TensorEntry, d: rans.Decoder, p: rans.RansParams, n: int, piece_bytes: int, threads: int | None
+) -> Iterator[np.ndarray]:
+    """A transposed entry's bytes, whole matrices at a time (as many as fit in `piece_bytes`, at
+    least one: SPEC.md §3.3 bounds a matrix): each is decoded from the chunks that hold it, then
+    put back in the tensor's order."""
+    per = entry.shape[-1] * entry.shape[-2]  # elements of a matrix
+    matrices = n // per
+    step = max(1, piece_bytes // (per * p.word_bits // 8))
+    for m0 in range(0, matrices, step):
+        m1 = min(matrices, m0 + step)
+        c0, c1 = m0 * per // p.chunk, -(-m1 * per // p.chunk)
+        buf = np.empty(min(c1 * p.chunk, n) - c0 * p.chunk, dtype=rans.UINT_OF_BITS[p.word_bits])
+        d.run(c0, c1, buf, threads)
+        at = m0 * per - c0 * p.chunk
+        yield untranspose(buf[at : at + (m1 - m0) * per].view(np.uint8), entry, m1 - m0)

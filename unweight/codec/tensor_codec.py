@@ -75,13 +75,45 @@ def _rans_word(dtype: str) -> tuple[int, bool] | None:
     return 8, False  # BOOL, U8, I8 ... U64, I64
 
 
+MAX_TRANSPOSED_MATRIX = (
+    1 << 28
+)  # elements of one matrix of a `transpose` entry (SPEC.md §3.3): decoded a matrix at a time
+
+
 def rans_params(entry: TensorEntry) -> tuple[rans.RansParams, int]:
     """A rans entry's parameters, checked against its dtype, and how many words it codes (its
     elements, or its bytes where it is coded byte by byte). Raises ValueError."""
-    p = rans.RansParams.from_json(entry.params)
+    params = dict(entry.params)
+    transpose = params.pop("transpose", False)
+    p = rans.RansParams.from_json(params)
     if _rans_word(entry.dtype) != (p.word_bits, p.rotate):
         raise ValueError(f"rans params word_bits={p.word_bits} rotate={p.rotate} do not fit dtype {entry.dtype}")
+    if transpose is not False:
+        if transpose is not True:
+            raise ValueError(f"rans param transpose {transpose!r} is not a boolean")
+        if len(entry.shape) != 3 or p.word_bits != 8 * DTYPE_SIZES[entry.dtype]:
+            raise ValueError(f"rans param transpose is for 3-D float tensors, not {entry.dtype}{list(entry.shape)}")
+        if entry.shape[-1] * entry.shape[-2] > MAX_TRANSPOSED_MATRIX:
+            raise ValueError(
+                f"rans param transpose: matrices of {list(entry.shape[-2:])} exceed {MAX_TRANSPOSED_MATRIX} elements"
+            )
     return p, entry.nbytes * 8 // p.word_bits
+
+
+def coded_shape(entry: TensorEntry) -> tuple[int, ...]:
+    """The shape in whose C order a rans entry codes its elements: its own, or with the last two
+    dimensions swapped (`transpose`: a fused experts tensor (E, H, 2I) coded as (E, 2I, H), so
+    that a tensor-parallel rank's rows of gate and up are contiguous and decode alone)."""
+    shape = tuple(entry.shape)
+    return (*shape[:-2], shape[-1], shape[-2]) if entry.params.get("transpose") is True else shape
+
+
+def untranspose(coded: np.ndarray, entry: TensorEntry, matrices: int) -> np.ndarray:
+    """`matrices` whole matrices of a transposed entry, given as decoded (in coded order), as the
+    tensor's original bytes (a new uint8 array)."""
+    shape = coded_shape(entry)
+    words = coded.view(rans.UINT_OF_BITS[8 * DTYPE_SIZES[entry.dtype]]).reshape(matrices, *shape[-2:])
+    return np.ascontiguousarray(words.swapaxes(-1, -2)).view(np.uint8).reshape(-1)
 
 
 def _stream_names(name: str, codec: str) -> dict[str, str]:
@@ -125,9 +157,11 @@ def _zstd_decode(blob: np.ndarray, nbytes: int) -> np.ndarray:
     return np.frombuffer(b"".join(pieces), dtype=np.uint8)
 
 
-def _candidates(dtype: str, shape: tuple[int, ...], data: np.ndarray, opts: CodecOptions):
+def _candidates(dtype: str, shape: tuple[int, ...], data: np.ndarray, opts: CodecOptions, transpose: bool = False):
     """Yield (codec, params-json, streams) for each codec worth trying on this tensor. In the
-    serving layout a 2-D BF16 weight gets `tiles` and nothing else: kernels need its fixed rate."""
+    serving layout a 2-D BF16 weight gets `tiles` and nothing else: kernels need its fixed rate.
+    With `transpose` (a 3-D float tensor), rans codes it in the order of its last two dimensions
+    swapped."""
     nbytes = len(data)
     if opts.layout == "serving" and tiles.applies(dtype, shape):
         p, streams = tiles.encode(data.view(np.uint16), shape[0], shape[1])
@@ -139,8 +173,11 @@ def _candidates(dtype: str, shape: tuple[int, ...], data: np.ndarray, opts: Code
     small = nbytes <= SMALL_TENSOR_BYTES
     word = _rans_word(dtype)
     rans_size = nbytes
+    transpose = transpose and _transposable(dtype, shape)
     if word is not None:
         values = data.view(rans.UINT_OF_BITS[word[0]])
+        if transpose:
+            values = np.ascontiguousarray(values.reshape(shape).swapaxes(-1, -2)).reshape(-1)
         if nbytes <= TINY_TENSOR_BYTES:  # the table dominates: the smallest precision wins
             precisions = (rans.PRECISION_RANGE[0],)
         elif small:
@@ -157,7 +194,7 @@ def _candidates(dtype: str, shape: tuple[int, ...], data: np.ndarray, opts: Code
                 memory.release(data)
             streams = rans.encode(values, p, opts.threads, counts)
             rans_size = min(rans_size, sum(len(s) for s in streams.values()))
-            yield "rans", p.to_json(), streams
+            yield "rans", p.to_json() | ({"transpose": True} if transpose else {}), streams
     if word is None or small or dtype not in FLOAT_DTYPES:
         # Integers (INT4 codes packed in I32) have no float's fixed split, and zstd's matches may
         # catch what an order-0 model cannot; the probe below keeps its cost low. On trained weights
@@ -174,12 +211,23 @@ def _candidates(dtype: str, shape: tuple[int, ...], data: np.ndarray, opts: Code
     yield "raw", {}, {"data": data}
 
 
+def _transposable(dtype: str, shape: tuple[int, ...]) -> bool:
+    return (
+        len(shape) == 3
+        and dtype in FLOAT_DTYPES
+        and _rans_word(dtype) is not None
+        and 0 < shape[-1] * shape[-2] <= MAX_TRANSPOSED_MATRIX
+    )
+
+
 def encode_tensor(
-    name: str, dtype: str, shape: tuple[int, ...], data: np.ndarray, opts: CodecOptions
+    name: str, dtype: str, shape: tuple[int, ...], data: np.ndarray, opts: CodecOptions, transpose: bool = False
 ) -> tuple[TensorEntry, dict[str, np.ndarray]]:
     """Compress one tensor given as its original bytes (uint8, C order); picks the smallest codec.
 
-    With opts.verify, the chosen encoding is decoded again and compared byte for byte.
+    With opts.verify, the chosen encoding is decoded again and compared byte for byte. With
+    `transpose`, a rans candidate codes a 3-D float tensor in the order of its last two dimensions
+    swapped (what `compress` asks for Llama 4's fused gate_up experts).
     """
     data = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
     if len(data) != tensor_nbytes(dtype, shape):
@@ -187,7 +235,7 @@ def encode_tensor(
     crc = crc32(data)
     memory.release(data)  # a file mapping's pages (else nothing): each pass below reads its own
     best = None
-    for codec, params, streams in _candidates(dtype, tuple(shape), data, opts):
+    for codec, params, streams in _candidates(dtype, tuple(shape), data, opts, transpose):
         size = sum(len(s) for s in streams.values())
         if best is None or size < best[0]:
             best = (size, codec, params, streams)
@@ -301,9 +349,13 @@ def _decode(
         check_entry(entry, streams)
         if entry.codec == "rans":
             p, n = rans_params(entry)
-            into = None if out is None else out.view(rans.UINT_OF_BITS[p.word_bits])
-            data = rans.decode(streams, p, n, threads, into, chunks).view(np.uint8)
-            in_place = out is not None
+            if chunks is None and coded_shape(entry) != tuple(entry.shape):  # coded transposed
+                coded = rans.decode(streams, p, n, threads).view(np.uint8)
+                data = untranspose(coded, entry, entry.shape[0])
+            else:  # (with chunks, in coded order: decode_rows puts them back)
+                into = None if out is None else out.view(rans.UINT_OF_BITS[p.word_bits])
+                data = rans.decode(streams, p, n, threads, into, chunks).view(np.uint8)
+                in_place = out is not None
         elif entry.codec == "raw":
             data = np.asarray(streams["data"], dtype=np.uint8)
         elif entry.codec == "zstd":
@@ -365,4 +417,6 @@ def decode_rows(
     span = int((last - first).max()) + 1 if len(ids) else 0
     chunks = np.unique((first[:, None] + np.arange(span)[None, :]).clip(max=last[:, None]))
     data, _ = _decode(entry, nbytes, streams, threads, None, chunks)
+    if coded_shape(entry) != tuple(entry.shape):  # each row is a matrix, coded transposed
+        return untranspose(data.reshape(rows, -1)[ids], entry, len(ids)).reshape(len(ids), -1)
     return data.reshape(rows, -1)[ids]
