@@ -516,3 +516,30 @@ def test_a_container_its_readers_would_refuse_is_not_written(tmp_path):
             w.finish()
     assert str(path) in str(e.value)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_llama4_fused_gate_up_is_coded_transposed_and_comes_back_byte_for_byte(tmp_path):
+    """Llama 4's fused experts gate_up (by name) is coded transposed (format 2.1); verify and
+    decompress give its bytes back, and the reader's tensor and rows are the original's."""
+    from unweight.reader import CompressedCheckpoint
+
+    name = "language_model.model.layers.0.feed_forward.experts.gate_up_proj"  # (Scout's own layout)
+    tensors = {
+        name: random_bf16(3, 64, 384, seed=9),
+        "model.layers.0.feed_forward.experts.down_proj": random_bf16(3, 192, 64),
+    }
+    src = write_checkpoint(tmp_path / "src" / "model.safetensors", tensors).parent
+    out, back = tmp_path / "uw", tmp_path / "back"
+    unweight.compress(src, out, threads=1)
+    with CompressedCheckpoint(out) as ckpt:
+        assert ckpt.entry(name).params.get("transpose") is True
+        assert "transpose" not in ckpt.entry("model.layers.0.feed_forward.experts.down_proj").params
+        w = tensors[name]
+        assert torch.equal(ckpt.get_tensor(name).view(torch.int16), w.view(torch.int16))
+        assert torch.equal(ckpt.get_rows(name, 1, 3).view(torch.int16), w[1:3].view(torch.int16))
+        assert torch.equal(ckpt.get_rows(name, 5, 9, slab=2).view(torch.int16), w[2, 5:9].view(torch.int16))
+        t = ckpt.get_rows(name, 100, 110, slab=1, transposed=True)
+        assert torch.equal(t.view(torch.int16), w[1].t()[100:110].view(torch.int16))
+    assert unweight.verify(out, against=src).ok
+    unweight.decompress(out, back)
+    assert (back / "model.safetensors").read_bytes() == (src / "model.safetensors").read_bytes()
