@@ -8,9 +8,9 @@ process; the classes live at module level because vLLM pickles the config into i
   keeps the source's config in it (`source_quantization_config`): the layers that config quantizes
   get vLLM's compressed-tensors methods, their packed codes and scales decoded at load to the
   source's bytes; the rest is as below. Linear layers get `UnweightLinearMethod` (a weight that is
-  not BF16 stays dense there, logged once); MoE experts get `UnweightMoEMethod` (runtime/vllm/experts.py; vLLM's own
-  unquantized method where it cannot hold them, logged once); embeddings and the lm_head keep
-  vLLM's own methods, their weights decoded at load.
+  not BF16 stays dense there, logged once); MoE experts get `UnweightMoEMethod`
+  (runtime/vllm/experts.py; vLLM's own unquantized method where it cannot hold them, logged once);
+  embeddings and the lm_head keep vLLM's own methods, their weights decoded at load.
 - `UnweightModelLoader` replaces vLLM's default loader for `--load-format auto` (and is also
   `--load-format unweight`); for any other checkpoint it is the default loader unchanged. For an
   unweight folder it hands vLLM's model code every tensor as a `LazyWeight`, undecoded.
