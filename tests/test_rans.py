@@ -267,27 +267,29 @@ def test_integers_wider_than_a_byte_are_coded_byte_by_byte(dtype):
     assert np.array_equal(decode_rows(entry, streams, ids), data.reshape(512, -1)[ids])
 
 
-def test_a_3d_tensor_coded_transposed_decodes_whole_by_rows_and_in_pieces():
+@pytest.mark.parametrize("shape", [(3, 50, 700), (4, 64, 64)])  # (square matrices: the shape cannot tell)
+def test_a_3d_tensor_coded_transposed_decodes_whole_by_rows_and_in_pieces(shape):
     """`transpose` (format 2.1): the words are the tensor with its last two dimensions swapped, as
     the reference decoder reads them; decode_tensor, decode_rows (experts, dim 0) and decode_pieces
     (a matrix at a time) give the original bytes. 2-D tensors and other dtypes are not transposed."""
-    from unweight.codec import CodecOptions, coded_shape, decode_rows, decode_tensor, encode_tensor
+    from unweight.codec import CodecOptions, decode_rows, decode_tensor, encode_tensor, transposed
     from unweight.codec.pieces import decode_pieces
 
-    rng = np.random.default_rng(8)
-    shape = (3, 50, 700)  # matrices of 35,000 elements across 4,096-element chunks
+    rng = np.random.default_rng(8)  # (3, 50, 700): matrices of 35,000 elements across 4,096-element chunks
     w = ((rng.standard_normal(shape).astype(np.float32) * 0.02).view(np.uint32) >> 16).astype(np.uint16)
     data = w.view(np.uint8).reshape(-1)
     entry, streams = encode_tensor("w", "BF16", shape, data, CodecOptions(threads=1, chunk=4096), transpose=True)
-    assert entry.params["transpose"] is True and coded_shape(entry) == (3, 700, 50)
+    assert transposed(entry)
     words = {k: v for k, v in entry.params.items() if k != "transpose"}
     assert np.array_equal(decode_reference(words, streams, w.size), w.swapaxes(-1, -2).reshape(-1))
     assert np.array_equal(decode_tensor(entry, streams), data)
     ids = np.array([2, 0, 2])
-    assert np.array_equal(decode_rows(entry, streams, ids), data.reshape(3, -1)[ids])
-    for piece_bytes in (1000, 200_000):  # a matrix a piece; two
+    assert np.array_equal(decode_rows(entry, streams, ids), data.reshape(shape[0], -1)[ids])
+    matrix = 2 * shape[1] * shape[2]
+    for piece_bytes in (1000, 200_000):  # a matrix a piece; as many as fit
         pieces = [p.copy() for p in decode_pieces(entry, streams, piece_bytes)]
-        assert np.array_equal(np.concatenate(pieces), data) and len(pieces) == (3 if piece_bytes == 1000 else 2)
-    flat, _ = encode_tensor("w", "BF16", (150, 700), data, CodecOptions(threads=1), transpose=True)
+        per = max(1, piece_bytes // matrix)
+        assert np.array_equal(np.concatenate(pieces), data) and len(pieces) == -(-shape[0] // per)
+    flat, _ = encode_tensor("w", "BF16", (shape[0] * shape[1], shape[2]), data, CodecOptions(threads=1), transpose=True)
     ints, _ = encode_tensor("w", "I16", shape, data, CodecOptions(threads=1), transpose=True)
     assert "transpose" not in flat.params and "transpose" not in ints.params

@@ -207,10 +207,10 @@ class CompressedCheckpoint:
         return torch.from_numpy(data).view(dtype).reshape(stop - start, *rest)
 
     def _coded_transposed(self, name: str) -> bool:
-        from unweight.codec import coded_shape
+        from unweight.codec import transposed
 
         e = self.entry(name)
-        return e.codec == "rans" and coded_shape(e) != tuple(e.shape)
+        return transposed(e)
 
     def _transposed_rows(self, name: str, start: int, stop: int, slab: int | None):
         """get_rows(..., transposed=True): `t[slab].T[start:stop]` as a contiguous tensor."""

@@ -4,17 +4,17 @@ from .tensor_codec import (
     CODECS,
     CodecOptions,
     check_stream_crcs,
-    coded_shape,
     decode_rows,
     decode_tensor,
     encode_tensor,
+    transposed,
 )
 
 __all__ = [
     "CODECS",
     "CodecOptions",
     "check_stream_crcs",
-    "coded_shape",
+    "transposed",
     "decode_rows",
     "decode_tensor",
     "encode_tensor",

@@ -18,7 +18,7 @@ from unweight.formats import TensorEntry
 
 from . import rans, tiles
 from .checksum import crc32
-from .tensor_codec import check_entry, coded_shape, rans_params, untranspose
+from .tensor_codec import check_entry, rans_params, transposed, untranspose
 
 
 def decode_pieces(
@@ -82,7 +82,7 @@ def _pieces(
     elif entry.codec == "rans":
         p, n = rans_params(entry)
         d = rans.Decoder(streams, p, n)
-        if coded_shape(entry) != tuple(entry.shape):
+        if transposed(entry):
             yield from _transposed_pieces(entry, d, p, n, piece_bytes, threads)
             return
         size = p.word_bits // 8

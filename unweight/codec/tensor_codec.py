@@ -100,19 +100,19 @@ def rans_params(entry: TensorEntry) -> tuple[rans.RansParams, int]:
     return p, entry.nbytes * 8 // p.word_bits
 
 
-def coded_shape(entry: TensorEntry) -> tuple[int, ...]:
-    """The shape in whose C order a rans entry codes its elements: its own, or with the last two
-    dimensions swapped (`transpose`: a fused experts tensor (E, H, 2I) coded as (E, 2I, H), so
-    that a tensor-parallel rank's rows of gate and up are contiguous and decode alone)."""
-    shape = tuple(entry.shape)
-    return (*shape[:-2], shape[-1], shape[-2]) if entry.params.get("transpose") is True else shape
+def transposed(entry: TensorEntry) -> bool:
+    """Whether a rans entry codes its elements in the order of its matrices transposed
+    (`transpose`: a fused experts tensor (E, H, 2I) coded as (E, 2I, H), so that a tensor-parallel
+    rank's rows of gate and up are contiguous and decode alone). Square matrices too: the shape
+    does not tell."""
+    return entry.codec == "rans" and entry.params.get("transpose") is True
 
 
 def untranspose(coded: np.ndarray, entry: TensorEntry, matrices: int) -> np.ndarray:
     """`matrices` whole matrices of a transposed entry, given as decoded (in coded order), as the
     tensor's original bytes (a new uint8 array)."""
-    shape = coded_shape(entry)
-    words = coded.view(rans.UINT_OF_BITS[8 * DTYPE_SIZES[entry.dtype]]).reshape(matrices, *shape[-2:])
+    height, width = entry.shape[-2:]  # each coded matrix is (width, height)
+    words = coded.view(rans.UINT_OF_BITS[8 * DTYPE_SIZES[entry.dtype]]).reshape(matrices, width, height)
     return np.ascontiguousarray(words.swapaxes(-1, -2)).view(np.uint8).reshape(-1)
 
 
@@ -349,7 +349,7 @@ def _decode(
         check_entry(entry, streams)
         if entry.codec == "rans":
             p, n = rans_params(entry)
-            if chunks is None and coded_shape(entry) != tuple(entry.shape):  # coded transposed
+            if chunks is None and transposed(entry):
                 coded = rans.decode(streams, p, n, threads).view(np.uint8)
                 data = untranspose(coded, entry, entry.shape[0])
             else:  # (with chunks, in coded order: decode_rows puts them back)
@@ -417,6 +417,6 @@ def decode_rows(
     span = int((last - first).max()) + 1 if len(ids) else 0
     chunks = np.unique((first[:, None] + np.arange(span)[None, :]).clip(max=last[:, None]))
     data, _ = _decode(entry, nbytes, streams, threads, None, chunks)
-    if coded_shape(entry) != tuple(entry.shape):  # each row is a matrix, coded transposed
+    if transposed(entry):  # each row is a matrix, coded transposed
         return untranspose(data.reshape(rows, -1)[ids], entry, len(ids)).reshape(len(ids), -1)
     return data.reshape(rows, -1)[ids]
