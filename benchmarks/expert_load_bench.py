@@ -19,10 +19,9 @@ import resource
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
-from side_by_side import cpu_flags, table
+from side_by_side import cpu_flags, table, write_record
 
 SIDES = ("dense then encode", "expert by expert")
 
@@ -90,11 +89,7 @@ def main() -> None:
     print(f"CPU: {cpu_flags()}")
     rows = [("load (s)", "seconds"), ("peak RSS", "peak_rss_bytes"), ("resident", "resident_bytes")]
     summary = table(results[SIDES[0]], results[SIDES[1]], rows, SIDES)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    record = {"shape": shape, "cpu": cpu_flags(), "results": results, "summary": summary}
-    out.write_text(json.dumps(record, indent=2))
-    print(f"wrote {out}")
+    write_record(args.out, {"shape": shape, "results": results, "summary": summary})
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ sides alternated over --reps, one thread; the baseline is the stored order.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
@@ -23,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors.torch import save_file
-from side_by_side import cpu_flags
+from side_by_side import cpu_flags, write_record
 
 import unweight
 from unweight.reader import CompressedCheckpoint
@@ -89,10 +88,7 @@ def main() -> None:
             f" | {statistics.median(r) / base:.2f}x |"
         )
     print(f"transposed: {base / ours:.2f}x faster a rank")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "cpu": cpu_flags(), "seconds_per_rank": runs}, indent=2))
-    print(f"wrote {out}")
+    write_record(args.out, {"args": vars(args), "seconds_per_rank": runs})
 
 
 if __name__ == "__main__":

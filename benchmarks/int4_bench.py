@@ -19,14 +19,12 @@ scales take against their own bytes:
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
 import numpy as np
 import zstandard
-from side_by_side import cpu_flags
+from side_by_side import cpu_flags, write_record
 
 from unweight.codec import CodecOptions, encode_tensor, rans
 
@@ -134,10 +132,7 @@ def main() -> None:
             f" | {v['rans encode']:.0f} / {v['rans decode']:.0f}"
             f" | {v['zstd-10 encode']:.0f} / {v['zstd-10 decode']:.0f} |"
         )
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "cpu": cpu_flags(), "results": results}, indent=2))
-    print(f"wrote {out}")
+    write_record(args.out, {"args": vars(args), "results": results})
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ table of medians and ranges of a baseline's runs against ours, pooled over round
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 from pathlib import Path
@@ -18,6 +19,14 @@ def cpu_flags() -> str:
     flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
     simd = [f for f in flags if f.startswith(("avx", "amx", "fma"))]
     return f"{model}, {os.cpu_count()} CPUs, {' '.join(simd)}"
+
+
+def write_record(out: str | Path, record: dict) -> None:
+    """A benchmark's JSON record, with the CPU it ran on, to `out` (its folder made), and say so."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({**record, "cpu": cpu_flags()}, indent=2))
+    print(f"wrote {out}")
 
 
 def pooled(runs: list[dict], key: str) -> list[float]:

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from unweight.codec import check_stream_crcs, checksum
+from unweight.codec import transposed as coded_transposed
 from unweight.codec.pieces import decode_pieces
 from unweight.errors import CorruptDataError, FormatError, SourceError
 from unweight.formats import ContainerReader, TensorEntry
@@ -176,7 +177,7 @@ class CompressedCheckpoint:
 
         if transposed:
             return self._transposed_rows(name, start, stop, slab)
-        if slab is not None and self._coded_transposed(name):
+        if slab is not None and coded_transposed(self.entry(name)):
             return self._transposed_rows(name, 0, self.entry(name).shape[2], slab)[:, start:stop].t().contiguous()
         e, base = self._row_view(name, slab)
         dtype = self.torch_dtype(name)
@@ -206,12 +207,6 @@ class CompressedCheckpoint:
             self._slab_crc(name, slab, data)
         return torch.from_numpy(data).view(dtype).reshape(stop - start, *rest)
 
-    def _coded_transposed(self, name: str) -> bool:
-        from unweight.codec import transposed
-
-        e = self.entry(name)
-        return transposed(e)
-
     def _transposed_rows(self, name: str, start: int, stop: int, slab: int | None):
         """get_rows(..., transposed=True): `t[slab].T[start:stop]` as a contiguous tensor."""
         import torch
@@ -224,7 +219,7 @@ class CompressedCheckpoint:
         _, height, width = e.shape
         if not 0 <= start <= stop <= width:
             raise ValueError(f"rows [{start}, {stop}) lie outside tensor {name!r}'s transposed {width}")
-        if not self._coded_transposed(name):  # the matrix whole (CRC-checked in order), then its columns
+        if not coded_transposed(self.entry(name)):  # the matrix whole (CRC-checked in order), then its columns
             return self.get_rows(name, 0, height, slab)[:, start:stop].t().contiguous()
         dtype = self.torch_dtype(name)
         if start == stop:
@@ -290,7 +285,7 @@ class CompressedCheckpoint:
         e = self.entry(name)
         if e.codec not in ("rans", "tiles") or not e.shape:
             return e.nbytes
-        if len(e.shape) == 3 and (in_slab or transposed) and transposed != self._coded_transposed(name):
+        if len(e.shape) == 3 and (in_slab or transposed) and transposed != coded_transposed(self.entry(name)):
             return e.nbytes // max(1, e.shape[0])  # its matrix, whole
         if transposed:
             return e.nbytes // max(1, e.shape[0] * e.shape[2]) * rows

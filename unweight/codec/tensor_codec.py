@@ -75,9 +75,8 @@ def _rans_word(dtype: str) -> tuple[int, bool] | None:
     return 8, False  # BOOL, U8, I8 ... U64, I64
 
 
-MAX_TRANSPOSED_MATRIX = (
-    1 << 28
-)  # elements of one matrix of a `transpose` entry (SPEC.md §3.3): decoded a matrix at a time
+# elements of one matrix of a `transpose` entry (SPEC.md §3.3): such a tensor is decoded a matrix at a time
+MAX_TRANSPOSED_MATRIX = 1 << 28
 
 
 def rans_params(entry: TensorEntry) -> tuple[rans.RansParams, int]:
@@ -91,11 +90,10 @@ def rans_params(entry: TensorEntry) -> tuple[rans.RansParams, int]:
     if transpose is not False:
         if transpose is not True:
             raise ValueError(f"rans param transpose {transpose!r} is not a boolean")
-        if len(entry.shape) != 3 or p.word_bits != 8 * DTYPE_SIZES[entry.dtype]:
-            raise ValueError(f"rans param transpose is for 3-D float tensors, not {entry.dtype}{list(entry.shape)}")
-        if entry.shape[-1] * entry.shape[-2] > MAX_TRANSPOSED_MATRIX:
+        if not _transposable(entry.dtype, tuple(entry.shape)):
             raise ValueError(
-                f"rans param transpose: matrices of {list(entry.shape[-2:])} exceed {MAX_TRANSPOSED_MATRIX} elements"
+                f"rans param transpose is for 3-D float tensors of at most {MAX_TRANSPOSED_MATRIX} elements a "
+                f"matrix, not {entry.dtype}{list(entry.shape)}"
             )
     return p, entry.nbytes * 8 // p.word_bits
 
@@ -212,6 +210,8 @@ def _candidates(dtype: str, shape: tuple[int, ...], data: np.ndarray, opts: Code
 
 
 def _transposable(dtype: str, shape: tuple[int, ...]) -> bool:
+    """Whether a tensor may be coded transposed (SPEC.md §3.3): 3-D, floats coded element by
+    element, matrices of at most MAX_TRANSPOSED_MATRIX elements."""
     return (
         len(shape) == 3
         and dtype in FLOAT_DTYPES
