@@ -200,7 +200,8 @@ def specialise(name: str, args, kwargs, cc: int):
     kwargs = dict(kwargs)
     kwargs["debug"] = kwargs.get("debug", fn.debug) or triton.knobs.runtime.debug
     kwargs["instrumentation_mode"] = triton.knobs.compilation.instrumentation_mode
-    kwargs["fpsan_homomorphic_casts"] = triton.knobs.compilation.fpsan_homomorphic_casts
+    if hasattr(triton.knobs.compilation, "fpsan_homomorphic_casts"):  # triton 3.9's run passes it; 3.6 has none
+        kwargs["fpsan_homomorphic_casts"] = triton.knobs.compilation.fpsan_homomorphic_casts
     bound, spec, _ = binder(*args, **kwargs)
     options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, spec, None)
     return signature, constexprs, attrs, options.__dict__, dict(bound)
