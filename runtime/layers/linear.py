@@ -303,11 +303,13 @@ class UnweightLinear(nn.Module):
         or fp32)."""
         return self.rows(None, dtype)
 
-    def rows(self, ids: torch.Tensor | None, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    def rows(self, ids: torch.Tensor | None, dtype: torch.dtype = torch.bfloat16, check: bool = True) -> torch.Tensor:
         """Rows `ids` of the weight (all rows if None), shape (len(ids), in_features), decoded on
         the module's device; ids must lie in [0, out_features). Checking them waits for the device
-        when they lie on a GPU: give host ids (the model does) and the lookup never waits."""
-        _check_row_ids(ids, self.out_features)
+        when they lie on a GPU: give host ids (the model does) and the lookup never waits, or ids
+        checked already with check=False (a captured graph may not wait)."""
+        if check:
+            _check_row_ids(ids, self.out_features)
         if self.sm.device.type == "cuda":
             from unweight.runtime.kernels.qtiles_decode import qtiles_decode
 
@@ -430,10 +432,11 @@ class ArchiveLinear(nn.Module):
             at += entry.nbytes
         return torch.from_numpy(buf).view(torch.bfloat16).reshape(self.out_features, self.in_features)
 
-    def rows(self, ids: torch.Tensor | None, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    def rows(self, ids: torch.Tensor | None, dtype: torch.dtype = torch.bfloat16, check: bool = True) -> torch.Tensor:
         """Rows `ids` (all if None, on the CPU), shape (len(ids), in_features), on ids' device:
         each part decodes only what holds the rows asked of it (codec.decode_rows), so an embedding
-        lookup of a few tokens decodes a few chunks instead of the whole matrix."""
+        lookup of a few tokens decodes a few chunks instead of the whole matrix. The ids are always
+        checked (check is accepted as UnweightLinear.rows takes it: this lookup runs on the host)."""
         _check_row_ids(ids, self.out_features)
         if ids is None:
             return self.decoded_weight(dtype)

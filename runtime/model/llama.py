@@ -135,6 +135,7 @@ class CausalLM(nn.Module):
         self.cache: KVCache | None = None
         self.rope: Rope | None = None
         self.compute_dtype = torch.float32
+        self.graph_decoder = None  # set_decode_graph: decode steps as one graph
 
     @property
     def device(self) -> torch.device:
@@ -152,8 +153,23 @@ class CausalLM(nn.Module):
             self.device,
             block_size,
             max_blocks=-(-max_tokens // block_size),
+            # on a GPU the pool is made whole at once: a captured decode graph holds its address
+            initial_blocks=-(-max_tokens // block_size) if self.device.type == "cuda" else 16,
         )
         self.rope = Rope(cfg, self.device)
+        self.graph_decoder = None
+
+    def set_decode_graph(self, mode: str | None) -> None:
+        """How decode steps run: None, sequence by sequence (attention per sequence, the block
+        tables on the host); or as one graph of the whole batch (runtime/model/graph_step.py):
+        "graph" (captured as CUDA graphs and replayed, the default on CUDA), "compile"
+        (torch.compile, fullgraph) or "eager" (that same step, uncompiled: for debugging)."""
+        from .graph_step import GraphDecoder
+
+        new = None if mode is None else GraphDecoder(self, mode)  # a bad mode is refused before anything changes
+        if self.graph_decoder is not None:
+            self.cache.free(self.graph_decoder.scratch)
+        self.graph_decoder = new
 
     @property
     def max_context(self) -> int:
@@ -226,7 +242,15 @@ class CausalLM(nn.Module):
             raise ValueError(
                 f"decode_step needs one token per sequence ({len(seqs)} sequences, {tokens.numel()} tokens)"
             )
-        return self.lm_head(self._forward(tokens, [(s, 1) for s in seqs])).float()
+        if self.graph_decoder is None:
+            return self.lm_head(self._forward(tokens, [(s, 1) for s in seqs])).float()
+        for seq in seqs:
+            if seq.length + 1 > self.max_context:
+                raise ValueError(
+                    f"sequence would reach {seq.length + 1} tokens, over the context length {self.max_context}"
+                )
+        with torch.inference_mode():
+            return self.graph_decoder(seqs, tokens)
 
     def resident_weight_bytes(self) -> int:
         """Bytes of every weight the model holds (compressed streams, decoded norms, biases),

@@ -38,6 +38,9 @@ log = logging.getLogger(__name__)
 LAYOUTS = ("serving", "archive")
 # Our stacked modules -> the checkpoint modules whose rows they hold, in order.
 PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+# how decode steps run (CausalLM.set_decode_graph): graph (CUDA graphs; the default on CUDA), compile,
+# eager, or off (sequence by sequence; the default on the CPU)
+DECODE_GRAPH_ENV = "UNWEIGHT_DECODE_GRAPH"
 DEFAULT_CACHE_TOKENS = 8192  # KV cache room over all sequences, unless the caller says otherwise
 
 
@@ -99,6 +102,8 @@ def load(
     dtype = compute_dtype(dev)
     tokens = max_cache_tokens or min(cfg.max_position_embeddings, DEFAULT_CACHE_TOKENS)
     model.init_cache(tokens, dtype)
+    mode = os.environ.get(DECODE_GRAPH_ENV) or ("graph" if dev.type == "cuda" else "off")
+    model.set_decode_graph(None if mode == "off" else mode)
     model.eval()
     st = ckpt.integrity
     model.load_report = LoadReport(
