@@ -32,6 +32,7 @@ test: install
 	$(BIN)/python -m unweight.testing
 	$(BIN)/python -m unweight.testing vllm
 	$(BIN)/python -m unweight.testing transformers
+	$(BIN)/python -m unweight.testing gpu-stack
 	$(BIN)/python -m pytest -q
 
 bench: install

@@ -10,15 +10,11 @@ One run, in this order, writing JSON and the tables to --out:
      baseline), `fused` (the qtiles kernels, batches <= 32) and `decode_matmul` (decode kernel,
      then cuBLAS); each one's speed-up, the best pipeline's, and beside it the speed-up that the
      compile-only counts predict (benchmarks/kernel_isa.py: instructions per weight against the
-     SMs' issue rate, bytes per weight against the measured copy bandwidth);
-  3. a whole decode step of a random Llama-3.1-8B-shaped model at batch 1 and 8 (32 layers that
-     share one layer's random weights, each streamed from memory all the same; attention over a
-     1024-token cache; lm_head), compressed against BF16, eager and replayed as a CUDA graph:
-     tokens/s.
+     SMs' issue rate, bytes per weight against the measured copy bandwidth).
+The whole decode step is benchmarks/decode_bench.py's; benchmarks/device_run.py runs both on the GPU.
 
 --dry-run runs all of it on the CPU at tiny shapes through Triton's interpreter (no timing worth
-reading, no CUDA graph): it checks the script itself. Meant to finish in under 8 minutes on an
-H200.
+reading): it checks the script itself. About three minutes on an H200.
 
 Run:  python benchmarks/kernel_bench.py --out DIR [--dry-run] [--batches 1,2,4] [--shapes q/o,down]
 """
@@ -49,7 +45,6 @@ import kernel_isa  # noqa: E402  (its constants; it runs in a process of its own
 from unweight.runtime.kernels import qtiles  # noqa: E402
 from unweight.runtime.kernels.qtiles_decode import qtiles_decode  # noqa: E402
 from unweight.runtime.kernels.qtiles_matmul import MAX_M, qtiles_linear  # noqa: E402
-from unweight.runtime.layers.linear import UnweightLinear  # noqa: E402
 
 BATCHES = (1, 2, 4, 8, 12, 16, 32, 64, 256, 1024, 4096)
 DRY_SHAPES = {"q/o 96x64": (96, 64), "down 40x200": (40, 200)}
@@ -195,91 +190,6 @@ def predictions(
     return pred
 
 
-def decode_step_bench(device: str, dry: bool) -> list[dict]:
-    """Tokens/s of a decode step of a Llama-3.1-8B-shaped model (random weights), BF16 against
-    compressed, eager and as a CUDA graph."""
-    from torch import nn
-
-    if dry:
-        hidden, inter, heads, kv, vocab, layers, ctx = 64, 96, 4, 2, 128, 2, 16
-    else:
-        hidden, inter, heads, kv, vocab, layers, ctx = 4096, 14336, 32, 8, 128256, 32, 1024
-    hd = hidden // heads
-    shapes = {
-        "qkv": ((heads + 2 * kv) * hd, hidden),
-        "o": (hidden, hidden),
-        "gate_up": (2 * inter, hidden),
-        "down": (hidden, inter),
-        "lm_head": (vocab, hidden),
-    }
-    dense = {k: make_weight(*s, seed=i, device=device) for i, (k, s) in enumerate(shapes.items())}
-
-    class Dense(nn.Module):
-        def __init__(self, w):
-            super().__init__()
-            self.w = w
-
-        def forward(self, x):
-            return torch.matmul(x, self.w.T)
-
-    def compressed(w):
-        return UnweightLinear.from_weight(w.cpu(), device=device).to(device)
-
-    models = {"bf16": {k: Dense(w) for k, w in dense.items()}, "unweight": {k: compressed(w) for k, w in dense.items()}}
-    norm_w = torch.ones(hidden, dtype=torch.bfloat16, device=device)
-    results = []
-    for batch in (1, 8):
-        kc = torch.randn(layers, batch, kv, ctx, hd, device=device).to(torch.bfloat16)
-        vc = torch.randn_like(kc)
-        pos = torch.tensor([ctx - 1], device=device)
-
-        def step(x, mods, kc=kc, vc=vc, pos=pos, batch=batch):
-            for layer in range(layers):
-                h = F.rms_norm(x, (hidden,), norm_w, 1e-5)
-                qkv = mods["qkv"](h)
-                q, k, v = qkv.split([heads * hd, kv * hd, kv * hd], dim=-1)
-                kc[layer].index_copy_(2, pos, k.view(batch, kv, 1, hd))
-                vc[layer].index_copy_(2, pos, v.view(batch, kv, 1, hd))
-                a = F.scaled_dot_product_attention(q.view(batch, heads, 1, hd), kc[layer], vc[layer], enable_gqa=True)
-                x = x + mods["o"](a.reshape(batch, hidden))
-                gu = mods["gate_up"](F.rms_norm(x, (hidden,), norm_w, 1e-5))
-                g, u = gu.chunk(2, dim=-1)
-                x = x + mods["down"](F.silu(g) * u)
-            return mods["lm_head"](F.rms_norm(x, (hidden,), norm_w, 1e-5))
-
-        x0 = torch.randn(batch, hidden, device=device).to(torch.bfloat16)
-        for name, mods in models.items():
-            step(x0, mods)  # warm-up: compiles kernels, the autotuner chooses
-            eager = time_ms(lambda: step(x0, mods), device)
-            row = {"batch": batch, "model": name, "eager_ms": eager, "eager_tok_s": batch / eager * 1e3}
-            if device == "cuda":
-                graph = torch.cuda.CUDAGraph()
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    step(x0, mods)
-                torch.cuda.current_stream().wait_stream(side)
-                with torch.cuda.graph(graph):
-                    step(x0, mods)
-                replay = time_ms(graph.replay, device)
-                row.update(graph_ms=replay, graph_tok_s=batch / replay * 1e3)
-            results.append(row)
-            print(
-                f"  decode step batch {batch} {name:>8}: eager {row['eager_tok_s']:8.1f} tok/s"
-                + (f", CUDA graph {row['graph_tok_s']:8.1f} tok/s" if "graph_tok_s" in row else ""),
-                flush=True,
-            )
-    by = {(r["batch"], r["model"]): r for r in results}
-    for batch in (1, 8):
-        for mode in ("eager", "graph"):
-            if f"{mode}_ms" in by[(batch, "bf16")]:
-                print(
-                    f"  batch {batch} {mode}: unweight "
-                    f"{by[(batch, 'bf16')][f'{mode}_ms'] / by[(batch, 'unweight')][f'{mode}_ms']:.2f}x BF16 tokens/s"
-                )
-    return results
-
-
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
@@ -361,15 +271,12 @@ def main(argv=None) -> None:
                 flush=True,
             )
 
-    print("\ndecode step, Llama-3.1-8B-shaped, random weights:", flush=True)
-    step = decode_step_bench(device, args.dry_run)
     result = {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "device": name,
         "dry_run": args.dry_run,
         "copy_bandwidth_GBps": bw / 1e9,
         "rows": rows,
-        "decode_step": step,
         "seconds": time.perf_counter() - t_start,
     }
     (args.out / "kernel_bench.json").write_text(json.dumps(result, indent=2))

