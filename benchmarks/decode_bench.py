@@ -2,13 +2,14 @@
 weights, and transformers' own BF16 decode beside them as the outside anchor.
 
 The model is a random Llama-3.1-8B-shaped `CausalLM` (runtime/model/llama.py; --tiny: a small one
-of the same form). Its 32 layers are each their own copy in memory: one layer's random N(0, 0.02)
-BF16 weights are made, and encoded once, then copied, so a step streams 32 layers' bytes as a real
-model's does (encoding 8B weights afresh would take minutes of a borrowed GPU's time for the same
-bytes read). The two variants differ only in the linears: `UnweightLinear` (the resident layout,
-the autotuner's pipeline) against a plain BF16 `F.linear`; the embedding, attention, norms, the KV
-cache and the step itself are the same code. Each batch's sequences start with --context tokens
-already in the cache (their keys and values are zeros: attention costs the same whatever they hold).
+of the same form; --config DIR: a checkpoint folder's shape). Its layers are each their own copy in
+memory: one layer's random N(0, 0.02) BF16 weights are made, and encoded once, then copied, so a
+step streams every layer's bytes as a real model's does (encoding 8B weights afresh would take
+minutes of a borrowed GPU's time for the same bytes read). The two variants differ only in the
+linears: `UnweightLinear` (the resident layout, the autotuner's pipeline) against a plain BF16
+`F.linear`; the embedding, attention, norms, the KV cache and the step itself are the same code.
+Each batch's sequences start with --context tokens already in the cache (their keys and values
+are zeros: attention costs the same whatever they hold).
 
 Each variant runs each decode path (--modes; CausalLM.set_decode_graph): "off", sequence by
 sequence as the CPU runs by default, and "graph" (captured CUDA graphs, the default on CUDA) or
@@ -21,7 +22,7 @@ compressed ones (what a step bound by reading weights gains at best).
 with a static cache (and torch.compile's reduce-overhead mode on CUDA), as (time of N new tokens -
 time of 1) / (N - 1).
 
-Run:  python benchmarks/decode_bench.py [--device cuda] [--tiny] [--batches 1,8,32] [--context 1024]
+Run:  python benchmarks/decode_bench.py [--device cuda] [--tiny | --config DIR] [--batches 1,8,32] [--context 1024]
       [--steps 16] [--modes off,graph] [--hf] [--json PATH]
 """
 
@@ -89,7 +90,10 @@ def _copy(module: nn.Module) -> nn.Module:
     return new
 
 
-def model_config(tiny: bool, context: int) -> ModelConfig:
+def model_config(tiny: bool, context: int, folder: Path | None = None) -> ModelConfig:
+    """Llama-3.1-8B's shape, the tiny one, or a checkpoint folder's own (its config.json)."""
+    if folder is not None:
+        return ModelConfig.from_folder(folder)
     shape = TINY if tiny else LLAMA_8B
     return ModelConfig(model_type="llama", rms_norm_eps=1e-5, max_position_embeddings=max(8192, 2 * context), **shape)
 
@@ -229,6 +233,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tiny", action="store_true", help="a small model of the same form (checks the script)")
+    ap.add_argument("--config", type=Path, default=None, help="a checkpoint folder whose config.json gives the shape")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--context", type=int, default=None, help="tokens already in each sequence's cache")
     ap.add_argument("--steps", type=int, default=16, help="decode steps per timing")
@@ -246,7 +251,7 @@ def main(argv=None) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     modes = (args.modes or ("off,graph" if device.type == "cuda" else "off,compile")).split(",")
     context = args.context or (64 if args.tiny else 1024)
-    cfg = model_config(args.tiny, context)
+    cfg = model_config(args.tiny, context, args.config)
     t_start = time.perf_counter()
     weights = None if args.hf_only else random_weights(cfg, device)
     cache_tokens = cache_tokens_for(max(batches), context, args.steps)
@@ -288,7 +293,7 @@ def main(argv=None) -> int:
             {
                 "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
                 "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                "model": "tiny" if args.tiny else "Llama-3.1-8B-shaped",
+                "model": str(args.config) if args.config else "tiny" if args.tiny else "Llama-3.1-8B-shaped",
                 "context": context,
                 "steps": args.steps,
                 "rows": rows,
