@@ -63,12 +63,13 @@ TINY = dict(
 
 
 class DenseLinear(nn.Module):
-    """The baseline: a BF16 weight multiplied by F.linear (on the CPU in fp32, as the runtime
-    computes there), with the `rows` lookup the model's embedding takes."""
+    """The baseline: the weight held in the compute dtype (BF16 on CUDA; on the CPU fp32, as a dense
+    CPU runtime holds it rather than converting BF16 at every step) and multiplied by F.linear,
+    with the `rows` lookup the model's embedding takes. Its stored bytes are counted as BF16's."""
 
     def __init__(self, weight: torch.Tensor):
         super().__init__()
-        self.register_buffer("weight", weight)
+        self.register_buffer("weight", weight.to(compute_dtype(weight.device)))
         self.out_features, self.in_features = weight.shape
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -80,7 +81,7 @@ class DenseLinear(nn.Module):
 
     @property
     def stored_bytes(self) -> int:
-        return self.weight.numel() * self.weight.element_size()
+        return 2 * self.weight.numel()
 
 
 def _copy(module: nn.Module) -> nn.Module:

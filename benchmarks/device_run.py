@@ -16,8 +16,9 @@ Stages, in this order, each in a process of its own with its own time box (secon
 so one that fails or runs out of time loses only itself; the run as a whole stops at --budget:
   env            versions, the GPU, the carried wheels installed, the project importable
   kernel_tests   the kernel tests on the GPU (tests/test_kernels.py, test_experts_kernel.py,
-                 test_linear.py): every kernel variant at every batch bucket, bit-exact decode,
-                 fused products within the fp32 bound, the GPU-only tests (a dry run: a sample)
+                 test_linear.py, and test_graph_step.py's CUDA graph replay against the eager step):
+                 every kernel variant at every batch bucket, bit-exact decode, fused products
+                 within the fp32 bound, the GPU-only tests (a dry run: a sample)
   kernel_bench   benchmarks/kernel_bench.py: correctness again at the 8B shapes, then each kernel
                  against torch.matmul, with the speed-ups the compile-only counts predict
   decode         benchmarks/decode_bench.py: the runtime's decode step at batch 1, 8 and 32,
@@ -163,7 +164,10 @@ def stage_command(stage: str, dry: bool, out: Path) -> list[str]:
         return [py, str(Path(__file__)), "--env-report"]
     if stage == "kernel_tests":
         tests = ["tests/test_kernels.py", "tests/test_experts_kernel.py", "tests/test_linear.py"]
-        pick = ["-k", "bit_exact and 16 or experts_linear_matches or every_pipeline"] if dry else []
+        tests.append("tests/test_graph_step.py::test_cuda_graph_replay_equals_the_eager_step")
+        pick = (
+            ["-k", "bit_exact and 16-64-0 or every_pipeline or experts_linear_matches and 2- or replay"] if dry else []
+        )
         # -P: not the tree's root first on the path (its unweight/ is not the package as laid out)
         return [py, "-P", "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests, *pick]
     if stage == "kernel_bench":

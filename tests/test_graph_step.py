@@ -102,14 +102,30 @@ def test_a_bad_mode_is_refused(model):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_graph_replay_equals_the_eager_step(smollm2_uw):
+def test_cuda_graph_replay_equals_the_eager_step(tmp_path):
     """On CUDA the model replays captured graphs by default; the logits are the eager graph
-    step's, bit for bit, and the per-sequence path's tokens."""
-    gpu = unweight.load(smollm2_uw[0], device="cuda")
+    step's, bit for bit, and the per-sequence path's tokens. A tiny random Llama made here, so
+    that the GPU machine (no Hub, no PyPI) runs it too (benchmarks/device_run.py)."""
+    from tiny_models import tiny_family
+
+    folder = tmp_path / "uw"
+    unweight.compress(tiny_family("llama", tmp_path / "tiny"), folder, layout="serving")
+    gpu = unweight.load(folder, device="cuda")
     assert gpu.graph_decoder is not None and gpu.graph_decoder.mode == "graph"
-    replayed = greedy(gpu, "graph")
+    replayed = greedy(gpu, "keep")
     eager = greedy(gpu, "eager")
     per_seq = greedy(gpu, None)
     for a, b, c in zip(replayed, eager, per_seq):
         assert torch.equal(a.view(torch.int32), b.view(torch.int32))
         assert torch.equal(a.argmax(-1), c.argmax(-1))
+
+
+def test_the_archive_layout_is_never_captured(smollm2_uw, monkeypatch):
+    """Archive-layout linears decode on the host at every forward: load never picks CUDA graphs
+    for them, and asking for one is refused; an unknown mode in the environment is named."""
+    archive = unweight.load(smollm2_uw[0], layout="archive")
+    with pytest.raises(ValueError, match="archive layout"):
+        GraphDecoder(archive, "graph")
+    monkeypatch.setenv("UNWEIGHT_DECODE_GRAPH", "fastest")
+    with pytest.raises(ValueError, match="UNWEIGHT_DECODE_GRAPH='fastest' is not one of"):
+        unweight.load(smollm2_uw[0])

@@ -9,13 +9,22 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_kernels_compile_within_budget(tmp_path):
+@pytest.fixture(scope="module")
+def triton_cache(tmp_path_factory) -> Path:
+    """One Triton cache for the module: empty for the first run (so ptxas -v runs), then reused."""
+    return tmp_path_factory.mktemp("triton-cache")
+
+
+def test_kernels_compile_within_budget(tmp_path, triton_cache):
     out = tmp_path / "isa.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "kernel_isa.py"), "--quick", "--json", str(out)]
     done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "kernel_isa.py"), "--quick", "--json", str(out)],
+        [*cmd, "--cache-dir", str(triton_cache)],
         capture_output=True,
         text=True,
         timeout=900,
@@ -39,9 +48,9 @@ def test_kernels_compile_within_budget(tmp_path):
     assert all(r["mma"] > 0 for r in rows if " dot " in r["variant"])  # the tensor cores do the products
 
 
-def test_check_fails_on_a_budget_it_misses():
+def test_check_fails_on_a_budget_it_misses(triton_cache):
     """The check is not a formality: with every budget tightened below what the kernels take, it
-    exits 1 and names the variants."""
+    exits 1 and names the variants (the variants come from the cache the first test filled)."""
     done = subprocess.run(
         [
             sys.executable,
@@ -51,6 +60,8 @@ def test_check_fails_on_a_budget_it_misses():
             "90",
             "--max-per-weight",
             "1",
+            "--cache-dir",
+            str(triton_cache),
         ],
         capture_output=True,
         text=True,

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..layers.linear import ArchiveLinear
 from ..layers.transfer import to_device
 from .kv_cache import SeqCache
 from .rope import Rope
@@ -105,6 +106,8 @@ class GraphDecoder:
             mode = "graph" if model.device.type == "cuda" else "eager"
         if mode not in MODES:
             raise ValueError(f"graph mode {mode!r} is not one of {', '.join(MODES)}")
+        if mode == "graph" and any(isinstance(m, ArchiveLinear) for m in model.modules()):
+            raise ValueError("the archive layout decodes on the host at every step: no CUDA graph can hold it")
         if mode == "graph" and model.device.type != "cuda":
             raise ValueError("CUDA graphs need the model on a CUDA device; use mode 'compile' or 'eager'")
         self.model, self.mode = model, mode

@@ -102,7 +102,10 @@ def load(
     dtype = compute_dtype(dev)
     tokens = max_cache_tokens or min(cfg.max_position_embeddings, DEFAULT_CACHE_TOKENS)
     model.init_cache(tokens, dtype)
-    mode = os.environ.get(DECODE_GRAPH_ENV) or ("graph" if dev.type == "cuda" else "off")
+    # the archive layout decodes on the host at every forward: no CUDA graph can hold it
+    mode = os.environ.get(DECODE_GRAPH_ENV) or ("graph" if dev.type == "cuda" and layout == "serving" else "off")
+    if mode not in ("off", "graph", "compile", "eager"):
+        raise ValueError(f"{DECODE_GRAPH_ENV}={mode!r} is not one of off, graph, compile, eager")
     model.set_decode_graph(None if mode == "off" else mode)
     model.eval()
     st = ckpt.integrity
