@@ -39,6 +39,7 @@ import json
 import os
 import platform
 import re
+import selectors
 import shutil
 import signal
 import subprocess
@@ -214,8 +215,6 @@ def run_stage(stage: Stage, cmd: list[str], env: dict, box: float, log) -> dict:
     status = "ok"
     try:
         deadline = t0 + box
-        import selectors
-
         sel = selectors.DefaultSelector()
         sel.register(proc.stdout, selectors.EVENT_READ)
         while True:

@@ -176,18 +176,27 @@ TRANSFORMERS_OLDEST = ("transformers==5.17.0", "huggingface_hub>=1.5,<2")
 def transformers_site(dst: str | os.PathLike | None = None) -> Path:
     """A folder holding TRANSFORMERS_OLDEST (made once, from PyPI): with it first on PYTHONPATH, this
     environment runs that transformers instead of its own. Concurrent callers wait for one to make it."""
+    dst = Path(dst) if dst is not None else cache_dir() / "transformers-5.17-site"
+    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", dst]
+    _made_once(dst, " ".join(TRANSFORMERS_OLDEST), lambda: _run([*pip, *TRANSFORMERS_OLDEST]))
+    return dst
+
+
+def _made_once(dst: Path, stamp: str, build, after=None) -> None:
+    """Under dst's lock file (concurrent callers wait for one): empty dst and build() it unless its
+    .installed marker already holds `stamp`, then run after() (still under the lock)."""
     import fcntl
 
-    dst = Path(dst) if dst is not None else cache_dir() / "transformers-5.17-site"
     dst.parent.mkdir(parents=True, exist_ok=True)
     with open(dst.parent / f"{dst.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         made = dst / ".installed"
-        if not made.exists() or made.read_text() != " ".join(TRANSFORMERS_OLDEST):
+        if not made.exists() or made.read_text() != stamp:
             shutil.rmtree(dst, ignore_errors=True)
-            _run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", dst, *TRANSFORMERS_OLDEST])
-            made.write_text(" ".join(TRANSFORMERS_OLDEST))
-    return dst
+            build()
+            made.write_text(stamp)
+        if after is not None:
+            after()
 
 
 # The GPU machine's software as far as a CPU allows (../shared/tools/README.md: Python 3.12, torch 2.11
@@ -211,21 +220,15 @@ GPU_STACK = (
 def gpu_stack_env(dst: str | os.PathLike | None = None) -> Path:
     """The python of a virtual environment holding GPU_STACK (and torch 2.13 CPU) and nothing of this
     project: made once (a minute or two, ~1.3 GB); concurrent callers wait for one to make it."""
-    import fcntl
-
     dst = Path(dst) if dst is not None else cache_dir() / "gpu-stack-venv"
     python = dst / "bin" / "python"
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    with open(dst.parent / f"{dst.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        made = dst / ".installed"
-        if not made.exists() or made.read_text() != " ".join(GPU_STACK):
-            shutil.rmtree(dst, ignore_errors=True)
-            _run([sys.executable, "-m", "venv", str(dst)])
-            _run([python, "-m", "pip", "install", "-q", "torch==2.13.0"])  # first: the CPU build on this disk
-            _run([python, "-m", "pip", "install", "-q", *GPU_STACK])
-            made.write_text(" ".join(GPU_STACK))
-        _own_numba_cache(dst)
+
+    def build() -> None:
+        _run([sys.executable, "-m", "venv", str(dst)])
+        _run([python, "-m", "pip", "install", "-q", "torch==2.13.0"])  # first: the CPU build on this disk
+        _run([python, "-m", "pip", "install", "-q", *GPU_STACK])
+
+    _made_once(dst, " ".join(GPU_STACK), build, after=lambda: _own_numba_cache(dst))
     return python
 
 

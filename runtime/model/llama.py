@@ -185,11 +185,8 @@ class CausalLM(nn.Module):
     def _forward(self, tokens: torch.Tensor, segments: list[tuple[SeqCache, int]]) -> torch.Tensor:
         """Final-norm hidden states (tokens, hidden) for a flat batch of new tokens."""
         cache = self.cache
+        self._check_context(segments)
         for seq, count in segments:
-            if seq.length + count > self.max_context:
-                raise ValueError(
-                    f"sequence would reach {seq.length + count} tokens, over the context length {self.max_context}"
-                )
             cache.reserve(seq, count)
         # positions and token ids are known on the host: nothing in a step waits for the device
         positions = to_device(torch.cat([torch.arange(s.length, s.length + c) for s, c in segments]), self.device)
@@ -202,6 +199,14 @@ class CausalLM(nn.Module):
         for seq, count in segments:
             seq.length += count
         return self.model.norm(x)
+
+    def _check_context(self, segments: list[tuple[SeqCache, int]]) -> None:
+        """Every sequence has room in the context length for its new tokens (before any is reserved)."""
+        for seq, count in segments:
+            if seq.length + count > self.max_context:
+                raise ValueError(
+                    f"sequence would reach {seq.length + count} tokens, over the context length {self.max_context}"
+                )
 
     def _check_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         tokens = torch.as_tensor(tokens, dtype=torch.int64).reshape(-1)
@@ -244,11 +249,7 @@ class CausalLM(nn.Module):
             )
         if self.graph_decoder is None:
             return self.lm_head(self._forward(tokens, [(s, 1) for s in seqs])).float()
-        for seq in seqs:
-            if seq.length + 1 > self.max_context:
-                raise ValueError(
-                    f"sequence would reach {seq.length + 1} tokens, over the context length {self.max_context}"
-                )
+        self._check_context([(s, 1) for s in seqs])
         with torch.inference_mode():
             return self.graph_decoder(seqs, tokens)
 
