@@ -536,6 +536,29 @@ def serve(
             "newest running one is swapped out.",
         ),
     ] = None,
+    kv_cache_dtype: Annotated[
+        str,
+        typer.Option(
+            "--kv-cache-dtype",
+            help="The KV cache's dtype: auto (the compute dtype: float32 on a CPU), bfloat16 or float32. bfloat16 "
+            "halves the cache and the hand-off; the text may then differ from float32's (docs/serving.md).",
+        ),
+    ] = "auto",
+    kv_compression: Annotated[
+        str,
+        typer.Option(
+            "--kv-compression",
+            help="Code the KV hand-off losslessly: auto (when the link, measured, is slower than the codec), on, off.",
+        ),
+    ] = "auto",
+    kv_encryption: Annotated[
+        str,
+        typer.Option(
+            "--kv-encryption",
+            help="Seal the KV hand-off with ChaCha20-Poly1305 under the control secret: auto (off loopback), on, off. "
+            "A decode worker with it on refuses unsealed KV.",
+        ),
+    ] = "auto",
     control_secret_file: Annotated[
         Path | None,
         typer.Option(
@@ -609,6 +632,9 @@ def serve(
             control_secret_file=str(control_secret_file) if control_secret_file else None,
             worker_timeout=worker_timeout,
             kv_cache_tokens=kv_cache_tokens,
+            kv_cache_dtype=kv_cache_dtype,
+            kv_compression=kv_compression,
+            kv_encryption=kv_encryption,
         )
         if cfg.control_secret_file:
             read_secret_file(cfg.control_secret_file)  # a clear error now, not from inside a process

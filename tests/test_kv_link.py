@@ -8,20 +8,22 @@ with another key gets nothing, and its sends are not taken.
 from __future__ import annotations
 
 import base64
+import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from unweight.runtime.serve import kv_link, kv_wire
 from unweight.runtime.serve.kv_link import KVLink, Rendezvous, Transfer
 from unweight.runtime.serve.protocol import kv_link_key
 
 KEY = kv_link_key("s" * 40)
 
 
-def pair(prefill_key: bytes, decode_key: bytes) -> tuple[KVLink, KVLink]:
+def pair(prefill_key: bytes, decode_key: bytes, sender=KVLink, **kw) -> tuple[KVLink, KVLink]:
     store = dist.HashStore()
-    return KVLink(store, prefill_key, "inc-p", 0), KVLink(store, decode_key, "inc-d", 1)
+    return sender(store, prefill_key, "inc-p", 0, **kw), KVLink(store, decode_key, "inc-d", 1, **kw)
 
 
 def hand_off(p: KVLink, d: KVLink, kv: torch.Tensor, tag: int) -> tuple[Transfer, Transfer]:
@@ -34,15 +36,91 @@ def hand_off(p: KVLink, d: KVLink, kv: torch.Tensor, tag: int) -> tuple[Transfer
     return p.done.get(timeout=60), d.done.get(timeout=60)
 
 
-def test_a_kv_cache_arrives_bit_exact_over_a_proven_group():
-    p, d = pair(KEY, KEY)
+INT = {torch.bfloat16: torch.int16, torch.float32: torch.int32}
+
+
+@pytest.mark.parametrize("compression,encryption", [("off", "off"), ("on", "off"), ("on", "on"), ("auto", "auto")])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_kv_cache_arrives_bit_exact_over_a_proven_group(dtype, compression, encryption):
+    p, d = pair(KEY, KEY, compression=compression, encryption=encryption)
     try:
         for tag in (1, 2):  # the second transfer reuses the group
-            kv = torch.randn(3, 2, 17, 4, 8).to(torch.bfloat16)
+            kv = (torch.randn(3, 2, 17 * tag, 4, 64) * 3).to(dtype)
             sent, got = hand_off(p, d, kv, tag)
             assert sent.error is None and got.error is None, (sent.error, got.error)
-            assert torch.equal(got.tensor.view(torch.int16), kv.view(torch.int16))
+            assert torch.equal(got.tensor.view(INT[dtype]), kv.view(INT[dtype]))
+            assert sent.compressed == got.compressed == (compression == "on")  # auto: loopback outruns the codec
+            assert sent.sealed == got.sealed == (encryption == "on")  # auto: not on loopback
+            assert sent.raw_bytes == got.raw_bytes == kv.numel() * kv.element_size()
+            assert sent.wire_bytes == got.wire_bytes
+            if compression == "on":
+                assert sent.wire_bytes < sent.raw_bytes * (0.8 if dtype == torch.bfloat16 else 0.95)
         assert len(p._groups) == len(d._groups) == 1
+    finally:
+        p.close()
+        d.close()
+
+
+class Hostile(KVLink):
+    """A sender holding the secret that breaks the wire format in one way (`mischief`), once."""
+
+    mischief = None
+
+    def _post(self, pg, data, tag):
+        sent = self._sent = getattr(self, "_sent", -1) + 1  # 0: the header, then frame 0, 1, ...
+        m = self.mischief
+        if m == "flip" and sent == 2:  # a bit of frame 1 altered in flight
+            data = data[:10] + bytes([data[10] ^ 1]) + data[11:]
+        elif m == "replay" and sent == 2:  # frame 0 again in frame 1's place
+            data = self._first
+        elif m == "other request" and sent == 0:
+            data = kv_wire.pack_header("r-other", tag, torch.bfloat16, (3, 2, 5, 4, 64), self.sealed, b"s" * 16)
+        elif m == "oversized" and sent == 1:
+            data = data + bytes(64 << 10)
+        elif m == "truncated" and sent == 1:
+            data = data[: len(data) // 2]
+        if sent == 1:
+            self._first = data
+        return super()._post(pg, data, tag)
+
+
+@pytest.mark.parametrize("mischief", ["flip", "replay", "other request", "oversized", "truncated"])
+def test_a_tampered_or_misplaced_kv_block_is_refused_and_the_pair_serves_on(mischief, monkeypatch):
+    monkeypatch.setattr(kv_link, "KV_TIMEOUT_S", 3.0)  # a sender whose peer gave up stops within this
+    p, d = pair(KEY, KEY, sender=Hostile, compression="on", encryption="on")
+    try:
+        kv = torch.randn(3, 2, 5, 4, 64).to(torch.bfloat16)
+        p.mischief = mischief
+        t0 = time.monotonic()
+        sent, got = hand_off(p, d, kv, 1)
+        assert got.error is not None and got.tensor is None, mischief
+        expect = {
+            "flip": "failed authentication",
+            "replay": "failed authentication",
+            "other request": "is for request r-other",
+            "oversized": "over the",
+            "truncated": "failed authentication",
+        }[mischief]
+        assert expect in got.error, got.error
+        assert time.monotonic() - t0 < 15
+        # the pair serves on: both ends drop the broken group and prove a new one
+        p.mischief, p._sent = None, -1
+        sent, got = hand_off(p, d, kv, 2)
+        assert sent.error is None and got.error is None, (sent.error, got.error)
+        assert torch.equal(got.tensor.view(torch.int16), kv.view(torch.int16))
+    finally:
+        p.close()
+        d.close()
+
+
+def test_a_receiver_off_loopback_refuses_unsealed_frames(monkeypatch):
+    monkeypatch.setattr(kv_link, "KV_TIMEOUT_S", 3.0)
+    store = dist.HashStore()
+    p = KVLink(store, KEY, "inc-p", 0, encryption="off")
+    d = KVLink(store, KEY, "inc-d", 1, encryption="on")
+    try:
+        sent, got = hand_off(p, d, torch.ones(2, 2, 3, 4, 64, dtype=torch.bfloat16), 1)
+        assert got.error is not None and "only sealed" in got.error, got.error
     finally:
         p.close()
         d.close()

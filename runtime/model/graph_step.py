@@ -88,8 +88,8 @@ def paged_attention(
     (the new one included), positions (B,) the new token's. Returns (B, H, hd)."""
     b, w = tables.shape
     bs, kvh, hd = k_cache.shape[1:]
-    k = k_cache[tables].view(b, w * bs, kvh, hd).transpose(1, 2)  # (B, KVH, L, hd)
-    v = v_cache[tables].view(b, w * bs, kvh, hd).transpose(1, 2)
+    k = k_cache[tables].view(b, w * bs, kvh, hd).transpose(1, 2).to(q.dtype)  # (B, KVH, L, hd)
+    v = v_cache[tables].view(b, w * bs, kvh, hd).transpose(1, 2).to(q.dtype)
     kpos = torch.arange(w * bs, device=q.device)[None, :]
     mask = kpos < lengths[:, None]
     if window is not None:

@@ -71,6 +71,8 @@ class Attention(nn.Module):
             start = seq.length
             cache.write(layer, seq, start, k[t0 : t0 + count], v[t0 : t0 + count])
             ks, vs = cache.read(layer, seq, start + count)  # (L, kv_heads, head_dim)
+            # a cache in another dtype than the compute (--kv-cache-dtype) is widened or rounded here
+            ks, vs = ks.to(q.dtype), vs.to(q.dtype)
             out[t0 : t0 + count] = _attend(q[t0 : t0 + count], ks, vs, start, cfg.sliding_window)
             t0 += count
         return self.o_proj(out.view(n, -1))
@@ -141,15 +143,18 @@ class CausalLM(nn.Module):
     def device(self) -> torch.device:
         return self.model.norm.weight.device
 
-    def init_cache(self, max_tokens: int, dtype: torch.dtype, block_size: int = 16) -> None:
-        """Create the KV cache (room for max_tokens tokens over all sequences) and the rotary tables."""
+    def init_cache(
+        self, max_tokens: int, dtype: torch.dtype, block_size: int = 16, kv_dtype: torch.dtype | None = None
+    ) -> None:
+        """Create the KV cache (room for max_tokens tokens over all sequences, in `kv_dtype`, by
+        default the compute dtype `dtype`) and the rotary tables."""
         cfg = self.config
         self.compute_dtype = dtype
         self.cache = KVCache(
             cfg.num_layers,
             cfg.num_kv_heads,
             cfg.head_dim,
-            dtype,
+            kv_dtype or dtype,
             self.device,
             block_size,
             max_blocks=-(-max_tokens // block_size),

@@ -42,6 +42,8 @@ PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_pro
 # eager, or off (sequence by sequence; the default on the CPU)
 DECODE_GRAPH_ENV = "UNWEIGHT_DECODE_GRAPH"
 DEFAULT_CACHE_TOKENS = 8192  # KV cache room over all sequences, unless the caller says otherwise
+# vLLM's --kv-cache-dtype names; "auto" (None) follows the compute dtype
+KV_CACHE_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 @dataclass(frozen=True)
@@ -84,10 +86,13 @@ def load(
     *,
     threads: int | None = None,
     max_cache_tokens: int | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> CausalLM:
     """Load a compressed Llama-family checkpoint (a folder made by `unweight compress`)."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout {layout!r} is not one of {', '.join(LAYOUTS)}")
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
     dev = _device(device)
     t0 = time.perf_counter()
     path = Path(path)
@@ -101,7 +106,7 @@ def load(
         original = sum(ckpt.entry(name).nbytes for name in ckpt.keys())
     dtype = compute_dtype(dev)
     tokens = max_cache_tokens or min(cfg.max_position_embeddings, DEFAULT_CACHE_TOKENS)
-    model.init_cache(tokens, dtype)
+    model.init_cache(tokens, dtype, kv_dtype=KV_CACHE_DTYPES[kv_cache_dtype])
     # the archive layout decodes on the host at every forward: no CUDA graph can hold it
     mode = os.environ.get(DECODE_GRAPH_ENV) or ("graph" if dev.type == "cuda" and layout == "serving" else "off")
     if mode not in ("off", "graph", "compile", "eager"):

@@ -11,8 +11,16 @@ Nothing here trusts the network:
   live pairs, each worker reading and writing only its own groups', within fixed bounds;
 - once a group is connected, each side proves to the other that it holds the control secret
   (an HMAC over both sides' fresh nonces, `KVLink._prove`) before any KV is sent on it: a
-  process that reached a gloo socket first gets no data and can send none that is accepted.
-The KV bytes themselves travel in the clear on the gloo connection.
+  process that reached a gloo socket first gets no data and can send none that is accepted;
+- off loopback (`encryption="auto"`), every frame of KV is sealed with ChaCha20-Poly1305 under a
+  key of its transfer, derived from the secret and the group's nonces (kv_wire.py): nothing of a
+  prompt's KV crosses a network in clear, and an altered, replayed or misplaced frame fails its
+  request, not the worker.
+
+A transfer is a header and one frame per layer (kv_wire.py), each frame coded losslessly when that
+pays: `compression="auto"` codes them when the link, measured on each new group with a probe of
+PROBE_BYTES, is slower than the codec, measured once per dtype; the sender codes layer i + 1 while
+layer i is on the wire.
 
 Transfers run on one background thread per peer (the worker's loop never blocks on the network);
 results come back through a queue that the worker's loop drains between steps. Each transfer's
@@ -38,6 +46,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from . import kv_wire
 from .protocol import KV_TIMEOUT_S, KV_VALUE_BYTES, BadMessage, ToKVClient, pack, unpack
 
 log = logging.getLogger(__name__)
@@ -54,10 +63,30 @@ class Transfer:
     shape: tuple[int, ...] = ()
     dtype: str = "float32"
     error: str | None = None
+    # what it cost, for the metrics: the cache's own bytes, the bytes on the wire (framing
+    # included), the transfer's wall time and the part of it this side spent coding and sealing
+    raw_bytes: int = 0
+    wire_bytes: int = 0
+    seconds: float = 0.0
+    codec_seconds: float = 0.0
+    compressed: bool = False
+    sealed: bool = False
+
+
+@dataclass(slots=True)
+class Group:
+    """A proven two-rank group with one peer: its session key, and whether frames sent on it are coded."""
+
+    pg: dist.ProcessGroup
+    session: bytes
+    link_rate: float  # bytes/s of the probe (measured by the sender; 0 on the receiving side)
 
 
 PROOF_TAG = 0  # the tag of the proof exchange on a new group; transfers use request tags, from 1
 NONCE_BYTES = 32
+PROBE_BYTES = 4 << 20  # sent once on each new group, to measure the link
+CHOICES = ("auto", "on", "off")
+LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
 
 class ControlStore(dist.Store):
@@ -194,9 +223,23 @@ class Rendezvous:
 class KVLink:
     """One worker's end of its hand-offs. `rank` 0 sends (prefill), 1 receives (decode); `store` is
     the rendezvous (a ControlStore; any torch store in tests) and `key` what both sides prove they
-    hold (protocol.kv_link_key)."""
+    hold (protocol.kv_link_key). `compression` and `encryption` are "auto", "on" or "off" (see the
+    module's docstring); a receiver whose encryption is on (or auto off loopback) refuses unsealed
+    frames."""
 
-    def __init__(self, store: dist.Store, key: bytes, incarnation: str, rank: int, bind_host: str = "127.0.0.1"):
+    def __init__(
+        self,
+        store: dist.Store,
+        key: bytes,
+        incarnation: str,
+        rank: int,
+        bind_host: str = "127.0.0.1",
+        compression: str = "auto",
+        encryption: str = "auto",
+    ):
+        for name, value in (("compression", compression), ("encryption", encryption)):
+            if value not in CHOICES:
+                raise ValueError(f"KV {name} {value!r} is not one of {', '.join(CHOICES)}")
         timeout = datetime.timedelta(seconds=KV_TIMEOUT_S)
         self.store, self.key = store, key
         # gloo's own listening socket: on the address this worker reaches the router from, not
@@ -205,8 +248,11 @@ class KVLink:
         self.options._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host)]
         self.options._timeout = timeout
         self.incarnation, self.rank, self.timeout = incarnation, rank, timeout
+        self.compression = compression
+        self.sealed = encryption == "on" or (encryption == "auto" and bind_host not in LOOPBACK)
+        self._codec_rates: dict[torch.dtype, float] = {}
         self.done: queue.Queue[Transfer] = queue.Queue()  # finished transfers, for the worker loop
-        self._groups: dict[tuple[str, str], dist.ProcessGroup] = {}
+        self._groups: dict[tuple[str, str], Group] = {}
         self._queues: dict[tuple[str, str], queue.Queue] = {}
         self._lock = threading.Lock()
 
@@ -220,15 +266,30 @@ class KVLink:
                 threading.Thread(target=self._serve_peer, args=(key, q), name=f"kv-{t.peer}", daemon=True).start()
         q.put(t)
 
-    def _group(self, key: tuple[str, str], tag: int) -> dist.ProcessGroup:
+    def _group(self, key: tuple[str, str], tag: int) -> Group:
         """The group with this peer; a new one (its prefix carries the tag of the transfer that
-        needs it, which both sides agree on) is proven before it is used."""
+        needs it, which both sides agree on) is proven, and its link measured, before it is used."""
         g = self._groups.get(key)
         if g is None:
             pre, dec = (self.incarnation, key[1]) if self.rank == 0 else (key[1], self.incarnation)
-            g = dist.ProcessGroupGloo(dist.PrefixStore(f"kv/{pre}/{dec}/{tag}", self.store), self.rank, 2, self.options)
-            self._prove(g, key[1])
-            self._groups[key] = g
+            pg = dist.ProcessGroupGloo(
+                dist.PrefixStore(f"kv/{pre}/{dec}/{tag}", self.store), self.rank, 2, self.options
+            )
+            mine, theirs = self._prove(pg, key[1])
+            nonces = (mine, theirs) if self.rank == 0 else (theirs, mine)
+            session = kv_wire.session_key(self.key, *nonces, pre, dec)
+            probe = torch.zeros(PROBE_BYTES, dtype=torch.uint8)
+            t0 = time.perf_counter()
+            (pg.send([probe], 1, PROOF_TAG) if self.rank == 0 else pg.recv([probe], 0, PROOF_TAG)).wait()
+            rate = PROBE_BYTES / max(time.perf_counter() - t0, 1e-9) if self.rank == 0 else 0.0
+            g = self._groups[key] = Group(pg, session, rate)
+            if self.rank == 0:
+                log.info(
+                    "KV link to %s: %.0f MB/s measured; frames %s",
+                    key[0],
+                    rate / 1e6,
+                    "sealed (ChaCha20-Poly1305)" if self.sealed else "unsealed (loopback)",
+                )
         return g
 
     def _proof(self, rank: int, incarnation: str, peer_incarnation: str, challenge: bytes, own_nonce: bytes) -> bytes:
@@ -247,9 +308,10 @@ class KVLink:
         received.wait()
         return got.numpy().tobytes()
 
-    def _prove(self, g: dist.ProcessGroup, peer_incarnation: str) -> None:
+    def _prove(self, g: dist.ProcessGroup, peer_incarnation: str) -> tuple[bytes, bytes]:
         """Both sides send a fresh nonce, then the HMAC of the other's nonce (and their own) under
-        the link key; a peer whose answer is wrong holds no secret of this server."""
+        the link key; a peer whose answer is wrong holds no secret of this server. Returns (this
+        side's nonce, the peer's)."""
         nonce = secrets.token_bytes(NONCE_BYTES)
         challenge = self._exchange(g, nonce)
         answer = self._exchange(g, self._proof(self.rank, self.incarnation, peer_incarnation, challenge, nonce))
@@ -257,25 +319,94 @@ class KVLink:
             answer, self._proof(1 - self.rank, peer_incarnation, self.incarnation, nonce, challenge)
         ):
             raise PermissionError("the peer on this KV group did not prove that it holds this server's control secret")
+        return nonce, challenge
+
+    def _compress(self, g: Group, dtype: torch.dtype) -> bool:
+        """Whether to code frames of `dtype` on this group: always, never, or (auto) when the link
+        is slower than the codec."""
+        if self.compression != "auto":
+            return self.compression == "on"
+        if dtype not in self._codec_rates:
+            self._codec_rates[dtype] = kv_wire.codec_rate(dtype)
+            log.info("KV codec (%s): %.0f MB/s on one thread", dtype, self._codec_rates[dtype] / 1e6)
+        return g.link_rate < self._codec_rates[dtype]
+
+    @staticmethod
+    def _post(pg: dist.ProcessGroup, data: bytes, tag: int) -> list:
+        """Send a length, then the bytes (both kept alive with their work until it is waited on)."""
+        length = torch.tensor([len(data)], dtype=torch.int64)
+        body = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        return [(pg.send([length], 1, tag), length), (pg.send([body], 1, tag), body)]
+
+    @staticmethod
+    def _take(pg: dist.ProcessGroup, tag: int, most: int) -> bytes:
+        """Receive a length, refuse it if over `most`, then receive that many bytes."""
+        length = torch.empty(1, dtype=torch.int64)
+        pg.recv([length], 0, tag).wait()
+        n = int(length[0])
+        if not 0 < n <= most:
+            raise kv_wire.WireError(f"the peer announced a KV block of {n} bytes, over the {most} it may send")
+        body = torch.empty(n, dtype=torch.uint8)
+        pg.recv([body], 0, tag).wait()
+        return body.numpy().tobytes()
+
+    def _send(self, g: Group, t: Transfer) -> None:
+        kv = t.tensor
+        header = kv_wire.pack_header(t.rid, t.tag, kv.dtype, tuple(kv.shape), self.sealed, kv_wire.new_salt())
+        sealer = kv_wire.Sealer(g.session, header) if self.sealed else None
+        t.compressed, t.sealed = self._compress(g, kv.dtype), self.sealed
+        inflight = self._post(g.pg, header, t.tag)
+        t.wire_bytes = len(header)
+        for i in range(kv.shape[0]):
+            c0 = time.perf_counter()
+            frame = kv_wire.encode_layer(kv[i], t.compressed)
+            if sealer is not None:
+                frame = sealer.seal(i, frame)
+            t.codec_seconds += time.perf_counter() - c0
+            for work, _ in inflight:  # layer i - 1 leaves while layer i was coded
+                work.wait()
+            inflight = self._post(g.pg, frame, t.tag)
+            t.wire_bytes += len(frame)
+        for work, _ in inflight:
+            work.wait()
+
+    def _receive(self, g: Group, t: Transfer) -> None:
+        shape, dtype = tuple(t.shape), DTYPES[t.dtype]
+        header = self._take(g.pg, t.tag, kv_wire.HEADER.size + kv_wire.RID_MAX)
+        t.sealed = kv_wire.check_header(header, t.rid, t.tag, dtype, shape, self.sealed)
+        sealer = kv_wire.Sealer(g.session, header) if t.sealed else None
+        most = kv_wire.max_frame_bytes(shape, dtype, t.sealed)
+        out = torch.empty(shape, dtype=dtype)
+        t.wire_bytes = len(header)
+        for i in range(shape[0]):
+            frame = self._take(g.pg, t.tag, most)
+            t.wire_bytes += len(frame)
+            c0 = time.perf_counter()
+            if sealer is not None:
+                frame = sealer.open(i, frame)
+            t.compressed |= frame[0] != kv_wire.RAW
+            kv_wire.decode_layer(frame, out[i])
+            t.codec_seconds += time.perf_counter() - c0
+        t.tensor = out
 
     def _serve_peer(self, key: tuple[str, str], q: queue.Queue) -> None:
         while True:
             t = q.get()
             if t is None:
                 return
+            t0 = time.perf_counter()
             try:
                 g = self._group(key, t.tag)
-                if self.rank == 0:
-                    g.send([t.tensor], 1, t.tag).wait()
-                else:
-                    buf = torch.empty(t.shape, dtype=DTYPES[t.dtype])
-                    g.recv([buf], 0, t.tag).wait()
-                    t.tensor = buf
-            except Exception as e:  # noqa: BLE001 - a dead peer surfaces as many error types; the request fails, the worker lives
+                t0 = time.perf_counter()
+                t.raw_bytes = t.tensor.numel() * t.tensor.element_size() if self.rank == 0 else 0
+                self._send(g, t) if self.rank == 0 else self._receive(g, t)
+                if self.rank == 1:
+                    t.raw_bytes = t.tensor.numel() * t.tensor.element_size()
+            except Exception as e:  # noqa: BLE001 - a dead or hostile peer surfaces as many error types; the request fails, the worker lives
                 t.error = f"KV transfer with {t.peer} failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
-                self._groups.pop(key, None)  # the group is broken: rebuild it for the next transfer
-                if self.rank == 0:
-                    t.tensor = None
+                self._groups.pop(key, None)  # the group is broken (or out of step): rebuild it for the next transfer
+                t.tensor = None
+            t.seconds = time.perf_counter() - t0
             self.done.put(t)
 
     def close(self) -> None:

@@ -93,6 +93,7 @@ REQUEST_BUCKETS = (
     1920.0,
     7680.0,
 )
+KV_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0)
 FINISH_REASONS = ("stop", "length", "abort", "error")  # vLLM's FinishReason values
 
 
@@ -178,6 +179,26 @@ class Metrics:
             [*m, "prefill", "decode"],
             registry=r,
         )
+        self.kv_wire_bytes = Counter(
+            "unweight:kv_wire_bytes",
+            "KV hand-off bytes on the wire (coded, sealed and framed), as the prefill workers sent them.",
+            [*m, "prefill", "decode"],
+            registry=r,
+        )
+        self.kv_transfer_seconds = Histogram(
+            "unweight:kv_transfer_seconds",
+            "Wall time of a KV hand-off at each end, from its first byte to its last.",
+            [*m, "side"],
+            buckets=KV_BUCKETS,
+            registry=r,
+        )
+        self.kv_codec_seconds = Histogram(
+            "unweight:kv_codec_seconds",
+            "Time a KV hand-off spent coding and sealing (prefill side) or opening and decoding (decode side).",
+            [*m, "side"],
+            buckets=KV_BUCKETS,
+            registry=r,
+        )
         self.http = Counter(
             "http_requests",
             "Total number of requests by method, status and handler.",
@@ -236,6 +257,14 @@ class Metrics:
 
     def kv_sent(self, prefill: str, decode: str, nbytes: int) -> None:
         self.kv_bytes.labels(self.model_name, prefill, decode).inc(nbytes)
+
+    def kv_transferred(self, role: str, name: str, msg: dict) -> None:
+        """A hand-off done, as one end (`role`, worker `name`) saw it."""
+        side = "send" if role == "prefill" else "receive"
+        self.kv_transfer_seconds.labels(self.model_name, side).observe(msg["seconds"])
+        self.kv_codec_seconds.labels(self.model_name, side).observe(msg["codec_seconds"])
+        if role == "prefill":
+            self.kv_wire_bytes.labels(self.model_name, name, msg["peer"]).inc(msg["wire_bytes"])
 
     # -- called by the HTTP layer -------------------------------------------------------------
     def response(self, handler: str, method: str, status: int) -> None:

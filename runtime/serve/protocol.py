@@ -33,6 +33,8 @@ Worker -> router
     tokens    {items: [[id, token, finish_reason or null, logprobs], ...]}  (one message per step;
               token is null when a stop token ended the sequence)
     failed    {id, error}
+    transferred {peer, raw_bytes, wire_bytes, seconds, codec_seconds, compressed, sealed}  (a KV hand-off
+              done, from each end: for the metrics)
 Worker -> router on NAME#kv, each answered by kv_reply {n, value or null, error or null}
     kv_set    {n, key, value}   (value: base64; key: kv/PREFILL_INCARNATION/DECODE_INCARNATION/...)
     kv_get    {n, key}          (value null: not set yet)
@@ -58,6 +60,7 @@ HEARTBEAT_S = 0.5
 DEAD_AFTER_S = 10.0  # default --worker-timeout: a worker silent this long is unresponsive and its requests fail
 KV_TIMEOUT_S = 20.0  # a KV hand-off that takes longer fails its request instead of hanging
 KV_BLOCK_TOKENS = 16  # tokens per KV cache block (the pool is sized in whole blocks)
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32")
 MAX_MESSAGE_BYTES = 64 << 20  # ZeroMQ drops the connection of a peer that sends a bigger message
 SECRET_ENV = "UNWEIGHT_CONTROL_SECRET"  # how the router hands its secret to the workers it starts
 MIN_SECRET_CHARS = 32
@@ -199,6 +202,20 @@ class Failed(_Msg):
     error: ErrorText
 
 
+Seconds = Annotated[float, Field(ge=0, le=1e6, allow_inf_nan=False)]
+
+
+class Transferred(_Msg):
+    op: Literal["transferred"]
+    peer: Name
+    raw_bytes: Annotated[int, Field(ge=0, le=1 << 50)]
+    wire_bytes: Annotated[int, Field(ge=0, le=1 << 50)]
+    seconds: Seconds
+    codec_seconds: Seconds
+    compressed: bool
+    sealed: bool
+
+
 KVKey = Annotated[str, Field(min_length=1, max_length=256)]
 KV_VALUE_BYTES = 4096  # a gloo device address is about 170 bytes
 KVValue = Annotated[str, Field(max_length=4 * KV_VALUE_BYTES // 3 + 4, pattern=r"^[A-Za-z0-9+/]*={0,2}$")]  # base64
@@ -226,7 +243,10 @@ class KVReply(_Msg):
 
 ToWorker = TypeAdapter(Annotated[Prefill | Generate | Decode | Cancel | Shutdown | Announce, Field(discriminator="op")])
 ToRouter = TypeAdapter(
-    Annotated[Hello | Beat | PromptLogprobs | Prefilled | TokensMsg | Failed | KVSet | KVGet, Field(discriminator="op")]
+    Annotated[
+        Hello | Beat | PromptLogprobs | Prefilled | TokensMsg | Failed | Transferred | KVSet | KVGet,
+        Field(discriminator="op"),
+    ]
 )
 ToKVClient = TypeAdapter(KVReply)
 
@@ -369,8 +389,20 @@ class ServeConfig:
     control_secret_file: str | None = None  # None: the router makes a secret for the workers it starts
     worker_timeout: float = DEAD_AFTER_S  # seconds of silence after which a worker's requests fail
     kv_cache_tokens: int | None = None  # KV pool of a decode/aggregated worker; None: max_batch full contexts
+    kv_cache_dtype: str = "auto"  # the KV cache's dtype (vLLM's name); auto: the compute dtype
+    kv_compression: str = (
+        "auto"  # code the KV hand-off losslessly: auto (when the link is slower than the codec), on, off
+    )
+    kv_encryption: str = "auto"  # seal the KV hand-off: auto (off loopback), on, off
 
     def __post_init__(self) -> None:
+        for name, choices in (
+            ("kv_cache_dtype", KV_CACHE_DTYPES),
+            ("kv_compression", ("auto", "on", "off")),
+            ("kv_encryption", ("auto", "on", "off")),
+        ):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name.replace('_', '-')} {getattr(self, name)!r} is not one of {', '.join(choices)}")
         for name in ("prefill_workers", "decode_workers"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 0:

@@ -375,6 +375,10 @@ class Router:
             r = self.requests.get(msg["id"])
             if r is not None and not r.done and msg["id"] in w.inflight and len(msg["items"]) == len(r.tokens) - 1:
                 r.events.put_nowait(("prompt", msg["items"], None, None))
+        elif op == "transferred":
+            peer = self.workers.get(msg["peer"])
+            if w.role in ("prefill", "decode") and peer is not None and peer.role != w.role:
+                self.metrics.kv_transferred(w.role, name, msg)
         elif op == "failed":
             rid = msg["id"]
             if w.draining.pop(rid, None) is not None:

@@ -110,7 +110,12 @@ class Worker:
         # admitted context, a decode or aggregated worker the pool that its admission and
         # preemption keep within
         self.max_len, pool = context_limits(cfg, ModelConfig.from_folder(cfg.model).max_position_embeddings)
-        self.model = load(cfg.model, cfg.device, max_cache_tokens=self.max_len if role == "prefill" else pool)
+        self.model = load(
+            cfg.model,
+            cfg.device,
+            max_cache_tokens=self.max_len if role == "prefill" else pool,
+            kv_cache_dtype=cfg.kv_cache_dtype,
+        )
         self.ctx = zmq.Context()
         self.keys = curve_keys(secret)
         self.rejected = RateLimitedLog(log)
@@ -133,6 +138,8 @@ class Worker:
                 self.incarnation,
                 0 if role == "prefill" else 1,
                 local_address_towards(router[0]),
+                compression=cfg.kv_compression,
+                encryption=cfg.kv_encryption,
             )
         self.running: dict[str, Slot] = {}
         self.preempted: deque[tuple[Slot, torch.Tensor]] = deque()  # swapped out to host memory while the pool was full
@@ -458,6 +465,19 @@ class Worker:
         while self.link is not None and not self.link.done.empty():
             t = self.link.done.get()
             job = self.pending.pop(t.rid, None)
+            if t.error is None:  # the bytes moved, whether or not the request still wants them
+                self.send(
+                    {
+                        "op": "transferred",
+                        "peer": t.peer,
+                        "raw_bytes": t.raw_bytes,
+                        "wire_bytes": t.wire_bytes,
+                        "seconds": t.seconds,
+                        "codec_seconds": t.codec_seconds,
+                        "compressed": t.compressed,
+                        "sealed": t.sealed,
+                    }
+                )
             if t.rid in self.cancelled:
                 self.cancelled.discard(t.rid)
                 continue
@@ -533,6 +553,11 @@ class DecodeWorker(Worker):
 
     def accept(self, msg: dict) -> None:
         shape, cache = tuple(msg["kv_shape"]), self.model.cache
+        if msg["kv_dtype"] != str(cache.k.dtype).removeprefix("torch.") and not msg.get("discard"):
+            raise ValueError(
+                f"KV cache of {msg['prefill']} is {msg['kv_dtype']}, this decode worker's is "
+                f"{str(cache.k.dtype).removeprefix('torch.')}: give both the same --kv-cache-dtype"
+            )
         if shape[:2] != (cache.layers, 2) or shape[3:] != (cache.kv_heads, cache.head_dim) or shape[2] > self.max_len:
             raise ValueError(
                 f"KV shape {list(shape)} does not fit this model's cache ({cache.layers}, 2, <= {self.max_len}, "
