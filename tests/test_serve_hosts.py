@@ -27,6 +27,7 @@ import time
 import pytest
 
 from test_serve import MESSAGES, expected  # noqa: F401 - expected: the fixture, shared
+from unweight.testing import Hosts
 
 pytestmark = pytest.mark.slow
 
@@ -87,70 +88,10 @@ def listening(pid: int) -> set[str]:
     return ips
 
 
-def sh(*cmd: str) -> None:
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode:
-        raise RuntimeError(f"{' '.join(cmd)}: {r.stderr.strip()}")
-
-
-class Hosts:
-    """The namespaces, their links and addresses (10.231.N.0/24, N from this process's id)."""
-
-    def __init__(self):
-        tag = os.getpid() % 10000
-        self.ns = {role: f"uw{tag}-{role}" for role in (*ROLES, "switch")}
-        self.addr = {role: f"10.231.{tag % 250}.{i + 1}" for i, role in enumerate(ROLES)}
-        self.port = {role: f"uwb{tag}{role[0]}" for role in ROLES}  # the bridge's end of each host's link
-        made = []
-        try:
-            for ns in self.ns.values():
-                sh("ip", "netns", "add", ns)
-                made.append(ns)
-                sh("ip", "-n", ns, "link", "set", "lo", "up")
-            sw = self.ns["switch"]
-            sh("ip", "-n", sw, "link", "add", "br0", "type", "bridge")
-            sh("ip", "-n", sw, "link", "set", "br0", "up")
-            for role in ROLES:
-                ns = self.ns[role]
-                sh(
-                    "ip",
-                    "link",
-                    "add",
-                    "eth0",
-                    "netns",
-                    ns,
-                    "type",
-                    "veth",
-                    "peer",
-                    "name",
-                    self.port[role],
-                    "netns",
-                    sw,
-                )
-                sh("ip", "-n", ns, "addr", "add", f"{self.addr[role]}/24", "dev", "eth0")
-                sh("ip", "-n", ns, "link", "set", "eth0", "up")
-                sh("ip", "-n", sw, "link", "set", self.port[role], "master", "br0")
-                sh("ip", "-n", sw, "link", "set", self.port[role], "up")
-        except Exception:
-            for ns in made:
-                subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-            raise
-
-    def link(self, role: str, up: bool) -> None:
-        sh("ip", "-n", self.ns["switch"], "link", "set", self.port[role], "up" if up else "down")
-
-    def run(self, role: str, *cmd: str, **kw) -> subprocess.Popen:
-        return subprocess.Popen(["ip", "netns", "exec", self.ns[role], *cmd], start_new_session=True, **kw)
-
-    def close(self) -> None:
-        for ns in self.ns.values():
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-
-
 @pytest.fixture
 def hosts():
     try:
-        h = Hosts()
+        h = Hosts(ROLES)
     except (RuntimeError, FileNotFoundError) as e:
         pytest.fail(f"cannot make network namespaces here (needs root and iproute2): {e}")
     yield h
