@@ -61,6 +61,42 @@ def test_a_kv_cache_arrives_bit_exact_over_a_proven_group(dtype, compression, en
         d.close()
 
 
+def test_a_streamed_transfer_takes_each_layer_as_it_is_made_and_an_abort_keeps_the_pair_in_step():
+    import queue
+    import threading
+
+    p, d = pair(KEY, KEY, compression="on", encryption="on")
+    try:
+        kv = torch.randn(4, 2, 9, 4, 64).to(torch.bfloat16)
+        layers = queue.Queue()
+        p.submit(Transfer("r1", 1, "decode-0", "inc-d", shape=tuple(kv.shape), dtype="bfloat16", layers=layers))
+        d.submit(Transfer("r1", 1, "prefill-0", "inc-p", shape=tuple(kv.shape), dtype="bfloat16"))
+        for i in range(4):  # layer i is sent before layer i + 1 exists
+            layers.put(kv[i].clone())
+            time.sleep(0.05)
+        sent, got = p.done.get(timeout=60), d.done.get(timeout=60)
+        assert sent.error is None and got.error is None, (sent.error, got.error)
+        assert torch.equal(got.tensor.view(torch.int16), kv.view(torch.int16))
+        assert sent.raw_bytes == got.raw_bytes == kv.numel() * 2
+        # aborted after two layers (the request ended during its prefill): both ends know, nothing is
+        # blamed on the link, and the same group carries the next transfer at once
+        layers = queue.Queue()
+        p.submit(Transfer("r2", 2, "decode-0", "inc-d", shape=tuple(kv.shape), dtype="bfloat16", layers=layers))
+        d.submit(Transfer("r2", 2, "prefill-0", "inc-p", shape=tuple(kv.shape), dtype="bfloat16"))
+        threading.Timer(0.1, lambda: [layers.put(kv[0]), layers.put(kv[1]), layers.put(None)]).start()
+        sent, got = p.done.get(timeout=60), d.done.get(timeout=60)
+        assert sent.aborted and got.aborted and got.tensor is None
+        assert "ended this request before its KV cache was whole" in got.error
+        group = d._groups[("prefill-0", "inc-p")]
+        t0 = time.monotonic()
+        sent, got = hand_off(p, d, kv, 3)
+        assert sent.error is None and got.error is None and time.monotonic() - t0 < 5
+        assert d._groups[("prefill-0", "inc-p")] is group
+    finally:
+        p.close()
+        d.close()
+
+
 class Hostile(KVLink):
     """A sender holding the secret that breaks the wire format in one way (`mischief`), once."""
 

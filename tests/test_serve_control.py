@@ -267,8 +267,6 @@ def test_a_worker_only_reports_on_requests_it_holds(srv, secret, expected_long):
                     "first_token": 1,
                     "logprobs": None,
                     "seq": seq,
-                    "kv_shape": [30, 2, 1, 3, 64],
-                    "kv_dtype": "float32",
                     "kv_bytes": 0,
                     "decode": "zz-rogue",
                 },

@@ -130,8 +130,12 @@ class KVCache:
     # -- hand-off between processes ---------------------------------------------------------
     def export(self, seq: SeqCache) -> torch.Tensor:
         """The sequence's cache as one contiguous tensor (layers, 2, length, kv_heads, head_dim)."""
-        ks, vs = zip(*(self.read(layer, seq, seq.length) for layer in range(self.layers)))
-        return torch.stack((torch.stack(ks), torch.stack(vs)), dim=1).contiguous()
+        return torch.stack([self.export_layer(seq, layer, seq.length) for layer in range(self.layers)])
+
+    def export_layer(self, seq: SeqCache, layer: int, length: int) -> torch.Tensor:
+        """One layer of the sequence's first `length` positions as a new tensor (2, length, kv_heads,
+        head_dim): what a hand-off sends as soon as a prefill is past that layer."""
+        return torch.stack(self.read(layer, seq, length))
 
     def import_(self, data: torch.Tensor) -> SeqCache:
         """A new sequence holding `data` as export() made it (possibly in another process)."""

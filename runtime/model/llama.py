@@ -15,6 +15,8 @@ run of tokens belongs to; linears see every token at once, attention runs per se
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -187,8 +189,11 @@ class CausalLM(nn.Module):
         self.cache.free(seq)
 
     @torch.inference_mode()
-    def _forward(self, tokens: torch.Tensor, segments: list[tuple[SeqCache, int]]) -> torch.Tensor:
-        """Final-norm hidden states (tokens, hidden) for a flat batch of new tokens."""
+    def _forward(
+        self, tokens: torch.Tensor, segments: list[tuple[SeqCache, int]], on_layer: Callable[[int], None] | None = None
+    ) -> torch.Tensor:
+        """Final-norm hidden states (tokens, hidden) for a flat batch of new tokens; `on_layer(i)`
+        is called once layer i has stored the new tokens' K and V."""
         cache = self.cache
         self._check_context(segments)
         for seq, count in segments:
@@ -201,6 +206,8 @@ class CausalLM(nn.Module):
         )  # ids checked on the host by rows()
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, i, cache, segments)
+            if on_layer is not None:
+                on_layer(i)
         for seq, count in segments:
             seq.length += count
         return self.model.norm(x)
@@ -219,17 +226,20 @@ class CausalLM(nn.Module):
             raise ValueError(f"token ids must lie in [0, {self.config.vocab_size})")
         return tokens
 
-    def prefill(self, seq: SeqCache, tokens, all_logits: bool = False) -> torch.Tensor:
+    def prefill(
+        self, seq: SeqCache, tokens, all_logits: bool = False, on_layer: Callable[[int], None] | None = None
+    ) -> torch.Tensor:
         """Run a prompt (or its next chunk) of one sequence; fp32 logits of its last token
-        (vocab,), or of every token (tokens, vocab) with all_logits."""
+        (vocab,), or of every token (tokens, vocab) with all_logits. `on_layer(i)`: called as soon
+        as layer i's K and V of these tokens are in the cache (a hand-off streams them from there)."""
         tokens = self._check_tokens(tokens)
         if tokens.numel() == 0:
             raise ValueError("prefill needs at least one token")
-        h = self._forward(tokens, [(seq, tokens.numel())])
+        h = self._forward(tokens, [(seq, tokens.numel())], on_layer)
         return self.lm_head(h).float() if all_logits else self.lm_head(h[-1:]).float()[0]
 
     def prefill_logprobs(
-        self, seq: SeqCache, tokens, top: int, chunk: int = 256
+        self, seq: SeqCache, tokens, top: int, chunk: int = 256, on_layer: Callable[[int], None] | None = None
     ) -> tuple[torch.Tensor, list[tuple[float, list[tuple[int, float]]]]]:
         """`prefill` that also scores the prompt: fp32 logits of its last token, and for every
         token after the first its log-probability given the tokens before it and the `top` best
@@ -238,7 +248,7 @@ class CausalLM(nn.Module):
         tokens = self._check_tokens(tokens)
         if tokens.numel() == 0:
             raise ValueError("prefill needs at least one token")
-        h = self._forward(tokens, [(seq, tokens.numel())])
+        h = self._forward(tokens, [(seq, tokens.numel())], on_layer)
         scored = []
         for a in range(0, tokens.numel() - 1, chunk):
             b = min(a + chunk, tokens.numel() - 1)

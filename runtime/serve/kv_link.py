@@ -63,6 +63,10 @@ class Transfer:
     shape: tuple[int, ...] = ()
     dtype: str = "float32"
     error: str | None = None
+    # a streamed send: shape and dtype set, and each layer's (2, tokens, kv_heads, head_dim) host
+    # tensor put here in order as the prefill makes it; None in its place aborts the transfer
+    layers: queue.Queue | None = None
+    aborted: bool = False
     # what it cost, for the metrics: the cache's own bytes, the bytes on the wire (framing
     # included), the transfer's wall time and the part of it this side spent coding and sealing
     raw_bytes: int = 0
@@ -351,15 +355,27 @@ class KVLink:
         return body.numpy().tobytes()
 
     def _send(self, g: Group, t: Transfer) -> None:
-        kv = t.tensor
-        header = kv_wire.pack_header(t.rid, t.tag, kv.dtype, tuple(kv.shape), self.sealed, kv_wire.new_salt())
+        shape, dtype = (
+            (tuple(t.shape), DTYPES[t.dtype]) if t.tensor is None else (tuple(t.tensor.shape), t.tensor.dtype)
+        )
+        header = kv_wire.pack_header(t.rid, t.tag, dtype, shape, self.sealed, kv_wire.new_salt())
         sealer = kv_wire.Sealer(g.session, header) if self.sealed else None
-        t.compressed, t.sealed = self._compress(g, kv.dtype), self.sealed
+        t.compressed, t.sealed = self._compress(g, dtype), self.sealed
         inflight = self._post(g.pg, header, t.tag)
         t.wire_bytes = len(header)
-        for i in range(kv.shape[0]):
+        for i in range(shape[0]):
+            layer = t.tensor[i] if t.layers is None else t.layers.get()
             c0 = time.perf_counter()
-            frame = kv_wire.encode_layer(kv[i], t.compressed)
+            if layer is None:  # the request ended during its prefill: say so, sealed, and stop
+                t.aborted, t.error = True, "the request ended during its prefill"
+                frame = bytes([kv_wire.ABORT])
+            else:
+                if tuple(layer.shape) != shape[1:] or layer.dtype != dtype:
+                    raise ValueError(
+                        f"layer {i} of KV is {layer.dtype} {list(layer.shape)}, not {dtype} {list(shape[1:])}"
+                    )
+                frame = kv_wire.encode_layer(layer, t.compressed)
+                t.raw_bytes += layer.numel() * layer.element_size()
             if sealer is not None:
                 frame = sealer.seal(i, frame)
             t.codec_seconds += time.perf_counter() - c0
@@ -367,6 +383,8 @@ class KVLink:
                 work.wait()
             inflight = self._post(g.pg, frame, t.tag)
             t.wire_bytes += len(frame)
+            if t.aborted:
+                break
         for work, _ in inflight:
             work.wait()
 
@@ -398,10 +416,11 @@ class KVLink:
             try:
                 g = self._group(key, t.tag)
                 t0 = time.perf_counter()
-                t.raw_bytes = t.tensor.numel() * t.tensor.element_size() if self.rank == 0 else 0
                 self._send(g, t) if self.rank == 0 else self._receive(g, t)
                 if self.rank == 1:
                     t.raw_bytes = t.tensor.numel() * t.tensor.element_size()
+            except kv_wire.Aborted as e:  # on purpose, and both sides are in step: the group stays
+                t.aborted, t.error, t.tensor = True, str(e), None
             except Exception as e:  # noqa: BLE001 - a dead or hostile peer surfaces as many error types; the request fails, the worker lives
                 t.error = f"KV transfer with {t.peer} failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
                 self._groups.pop(key, None)  # the group is broken (or out of step): rebuild it for the next transfer

@@ -6,7 +6,9 @@ A transfer on a proven KV group (kv_link.KVLink) is:
                 frames are sealed (HEADER; sent as is: a changed header gives the receiver another
                 key, so the first frame fails to open)
     frame i     layer i's K and V, (2, tokens, kv_heads, head_dim) in the cache's own dtype, for
-                i = 0 .. layers-1: one byte of codec, then the raw bytes or the rans streams
+                i = 0 .. layers-1: one byte of codec, then the raw bytes or the rans streams;
+                sent as soon as the prefill is past layer i, so the transfer overlaps the prefill
+                (or the single byte ABORT: the request ended during its prefill, nothing follows)
 
 Coding (`encode_layer`): the codec's `rans` on the cache's own words (unweight/codec/rans.py):
 each BF16 or FP32 word splits into an entropy-coded symbol (the exponent and the two high
@@ -46,7 +48,7 @@ TAG_BYTES = 16  # Poly1305's
 RID_MAX = 256
 # magic, version, dtype, sealed, 2, layers, tokens, kv_heads, head_dim, salt, tag, length of the request id
 HEADER = struct.Struct("<4sBB?BIIII16sIH")
-RAW, RANS = 0, 1
+RAW, RANS, ABORT = 0, 1, 0xFF  # a frame's first byte; ABORT: the prefill ended before this layer
 FRAME_HEAD = struct.Struct("<BBI4I")  # codec, precision, chunk, table/raw/words/index lengths
 PRECISION = 12  # SmolLM2's 512-token BF16 cache: 0.681x its bytes at 12, 0.684x at 10
 DTYPE_CODES = {torch.bfloat16: 1, torch.float32: 2, torch.float16: 3}
@@ -61,6 +63,11 @@ ROLES = ("table", "raw", "words", "index")
 
 class WireError(ValueError):
     """A header or frame that is not what the receiver expects: the transfer is refused."""
+
+
+class Aborted(Exception):
+    """The sender ended the transfer on purpose (an ABORT frame, sealed like any other): its
+    request failed or finished during the prefill. The group stays in step and in use."""
 
 
 def pack_header(rid: str, tag: int, dtype: torch.dtype, shape: tuple[int, ...], sealed: bool, salt: bytes) -> bytes:
@@ -91,7 +98,7 @@ def check_header(
     if CODE_DTYPES.get(code) != dtype or got != tuple(shape):
         raise WireError(
             f"KV header announces {CODE_DTYPES.get(code, code)} {list(got)}, "
-            f"the decode worker expects {dtype} {list(shape)}"
+            f"the decode worker expects {dtype} {list(shape)} (give every worker the same --kv-cache-dtype)"
         )
     if need_sealed and not sealed:
         raise WireError("KV frames would arrive unsealed; this worker takes only sealed ones off loopback")
@@ -129,6 +136,8 @@ def decode_layer(frame: memoryview | bytes, out: torch.Tensor) -> None:
     words = _words(out)  # a view: decoding writes into out
     if len(frame) < 1:
         raise WireError("empty KV frame")
+    if frame[0] == ABORT and len(frame) == 1:
+        raise Aborted("the prefill worker ended this request before its KV cache was whole")
     if frame[0] == RAW:
         if len(frame) != 1 + words.nbytes:
             raise WireError(f"raw KV frame of {len(frame) - 1} bytes, the layer has {words.nbytes}")

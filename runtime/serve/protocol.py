@@ -19,8 +19,10 @@ A sequence's generation state (`seq`: settings, prompt, tokens made, EOS ids, ra
 Router -> worker
     prefill   {id, tag, seq, prompt_logprobs, decode: name, decode_incarnation}   (disaggregated)
     generate  {id, seq, prompt_logprobs}                                          (aggregated worker)
-    decode    {id, tag, seq, kv_shape, kv_dtype, prefill: name, prefill_incarnation}
-              (with discard: true, receive the KV and drop it: its request was cancelled meanwhile)
+    expect    {id, tag, tokens, prefill: name, prefill_incarnation, discard}   (the prefill worker
+              started the prompt: the decode worker posts its receive, and each layer's KV lands as
+              it is made; discard: the request is gone, receive the KV and drop it)
+    decode    {id, seq}   (after the first token: the sequence joins the batch once its KV is there)
     cancel    {id}
     announce  {}        (a heartbeat came from a worker the router does not know: say hello again)
     shutdown  {}
@@ -29,7 +31,8 @@ Worker -> router
     beat      {running, queued, kv_blocks_used, kv_blocks_total}  (every HEARTBEAT_S)
     prompt_logprobs {id, items: [[logprob, [[id, logprob], ...]], ...]}  (one per prompt token after
               the first; sent before the first token when prompt_logprobs is not null)
-    prefilled {id, tag, first_token, logprobs, seq, kv_shape, kv_dtype, kv_bytes, decode}  (the KV is on its way)
+    prefilling {id, tag, tokens}  (a prompt starts: its KV streams to the decode worker from now)
+    prefilled {id, tag, first_token, logprobs, seq, kv_bytes, decode}  (the KV is on its way, or there)
     tokens    {items: [[id, token, finish_reason or null, logprobs], ...]}  (one message per step;
               token is null when a stop token ended the sequence)
     failed    {id, error}
@@ -81,8 +84,6 @@ Tag = Annotated[int, Field(ge=1, lt=1 << 31)]  # 0 is kv_link.PROOF_TAG
 TokenId = Annotated[int, Field(ge=0, lt=1 << 31)]
 Tokens = Annotated[list[TokenId], Field(min_length=1, max_length=1 << 21)]
 Finish = Literal["stop", "length"] | None
-KVShape = Annotated[list[Annotated[int, Field(ge=0, le=1 << 24)]], Field(min_length=5, max_length=5)]
-KVDtype = Literal["float32", "bfloat16", "float16"]
 ErrorText = Annotated[str, Field(max_length=1 << 13)]
 
 
@@ -126,20 +127,24 @@ class Generate(_Msg):
     prompt_logprobs: PromptLogprobsTop
 
 
+class Expect(_Msg):
+    op: Literal["expect"]
+    id: Rid
+    tag: Tag
+    tokens: Annotated[int, Field(ge=1, le=1 << 21)]
+    prefill: Name
+    prefill_incarnation: Incarnation | None
+    discard: bool
+
+
 class Decode(_Msg):
     op: Literal["decode"]
     id: Rid
-    tag: Tag
-    kv_shape: KVShape
-    kv_dtype: KVDtype
-    prefill: Name
-    prefill_incarnation: Incarnation | None
-    seq: SeqState | None = None
-    discard: bool = False
+    seq: SeqState
 
     @model_validator(mode="after")
     def _complete(self):
-        if not self.discard and (self.seq is None or not self.seq.output):
+        if not self.seq.output:
             raise ValueError("a decode job needs the sequence with its first token")
         return self
 
@@ -172,6 +177,13 @@ class Beat(_Msg):
     kv_blocks_total: Count
 
 
+class Prefilling(_Msg):
+    op: Literal["prefilling"]
+    id: Rid
+    tag: Tag
+    tokens: Annotated[int, Field(ge=1, le=1 << 21)]
+
+
 class Prefilled(_Msg):
     op: Literal["prefilled"]
     id: Rid
@@ -179,8 +191,6 @@ class Prefilled(_Msg):
     first_token: TokenId
     logprobs: TokenLogprobs
     seq: SeqState
-    kv_shape: KVShape
-    kv_dtype: KVDtype
     kv_bytes: Annotated[int, Field(ge=0, le=1 << 50)]
     decode: Name
 
@@ -241,10 +251,12 @@ class KVReply(_Msg):
     error: ErrorText | None = None
 
 
-ToWorker = TypeAdapter(Annotated[Prefill | Generate | Decode | Cancel | Shutdown | Announce, Field(discriminator="op")])
+ToWorker = TypeAdapter(
+    Annotated[Prefill | Generate | Expect | Decode | Cancel | Shutdown | Announce, Field(discriminator="op")]
+)
 ToRouter = TypeAdapter(
     Annotated[
-        Hello | Beat | PromptLogprobs | Prefilled | TokensMsg | Failed | Transferred | KVSet | KVGet,
+        Hello | Beat | PromptLogprobs | Prefilling | Prefilled | TokensMsg | Failed | Transferred | KVSet | KVGet,
         Field(discriminator="op"),
     ]
 )

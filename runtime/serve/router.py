@@ -327,11 +327,22 @@ class Router:
             w.kv_blocks_used, w.kv_blocks_total = msg["kv_blocks_used"], msg["kv_blocks_total"]
             if w.state == "unresponsive":
                 w.state = "ready"
+        elif op == "prefilling":  # its KV starts streaming now: the decode worker posts its receive
+            rid = msg["id"]
+            r = self.requests.get(rid)
+            live = r is not None and not r.done and rid in w.inflight
+            decode = r.decode if live else w.draining.get(rid, (None,))[0]
+            if decode is None or decode not in self.workers:
+                self.rejected.warning("dropped prefilling for %s from %s: not a request it holds", rid, name)
+                return
+            expect = {"op": "expect", "id": rid, "tag": msg["tag"], "tokens": msg["tokens"], "prefill": name}
+            expect |= {"prefill_incarnation": w.incarnation, "discard": not live}  # discard: it was cancelled
+            asyncio.get_running_loop().create_task(self._send(decode, expect))
         elif op == "prefilled":
             rid = msg["id"]
             r = self.requests.get(rid)
-            if rid in w.draining:  # cancelled during its prefill: the KV is sent anyway, so receive and drop it
-                self._discard_kv(w, msg, w.draining.pop(rid)[0])
+            if rid in w.draining:  # cancelled during its prefill: its decode worker was told to drop the KV
+                del w.draining[rid]
                 return
             if r is None or rid not in w.inflight or r.done:
                 self.rejected.warning("dropped prefilled for %s from %s: not a request it holds", rid, name)
@@ -341,29 +352,13 @@ class Router:
             self.metrics.kv_sent(name, r.decode, msg["kv_bytes"])
             self._token(r, msg["first_token"], None, msg["logprobs"])
             d = self.workers.get(r.decode)
-            if d is None or d.state != "ready":
-                if d is not None and d.state == "unresponsive":  # it may wake up: its receive must pair with the send
-                    self._discard_kv(w, msg, d.name)
+            if d is None or d.state != "ready":  # (_release tells it, should it wake up, to drop the KV)
                 self._finish_error(r, f"decode worker {r.decode} is {'gone' if d is None else d.state}")
                 return
             r.holder = d.name
             d.inflight.add(r.rid)
             d.served += 1
-            asyncio.get_running_loop().create_task(
-                self._send(
-                    d.name,
-                    {
-                        "op": "decode",
-                        "id": r.rid,
-                        "tag": r.tag,
-                        "kv_shape": msg["kv_shape"],
-                        "kv_dtype": msg["kv_dtype"],
-                        "prefill": name,
-                        "prefill_incarnation": w.incarnation,
-                        "seq": msg["seq"],
-                    },
-                )
-            )
+            asyncio.get_running_loop().create_task(self._send(d.name, {"op": "decode", "id": r.rid, "seq": msg["seq"]}))
         elif op == "tokens":
             for rid, token, finish, logprobs in msg["items"]:
                 r = self.requests.get(rid)
@@ -386,23 +381,6 @@ class Router:
             r = self.requests.get(rid)
             if r is not None and (rid in w.inflight or rid in w.sending):
                 self._finish_error(r, msg["error"])
-
-    def _discard_kv(self, w: WorkerHandle, msg: dict, decode: str) -> None:
-        asyncio.get_running_loop().create_task(
-            self._send(
-                decode,
-                {
-                    "op": "decode",
-                    "id": msg["id"],
-                    "tag": msg["tag"],
-                    "kv_shape": msg["kv_shape"],
-                    "kv_dtype": msg["kv_dtype"],
-                    "prefill": w.name,
-                    "prefill_incarnation": w.incarnation,
-                    "discard": True,
-                },
-            )
-        )
 
     def _fail_held(self, w: WorkerHandle, error: str, gone: bool = True) -> None:
         """Fail the requests the worker holds. Those whose KV it was sending are held by their decode
@@ -439,6 +417,9 @@ class Router:
             self.metrics.finished(r.rid, reason)
         r.done = True
         self.requests.pop(r.rid, None)
+        if r.decode is not None and r.holder != r.decode and r.decode in self.workers:
+            # its KV was announced to the decode worker, which never got its job: drop it there
+            asyncio.get_running_loop().create_task(self._send(r.decode, {"op": "cancel", "id": r.rid}))
         for w in self.workers.values():
             if not finished and r.rid in w.inflight and w.role == "prefill" and r.decode is not None:
                 w.draining[r.rid] = (r.decode, time.monotonic())  # its `prefilled` may still come
@@ -535,9 +516,9 @@ class Router:
         if r.done and r.holder is None:
             return
         holder = r.holder
-        self._release(r, reason)
-        for name in {holder, r.decode} - {None}:
-            await self._send(name, {"op": "cancel", "id": r.rid})
+        self._release(r, reason)  # which tells a decode worker still waiting for its job
+        if holder is not None:
+            await self._send(holder, {"op": "cancel", "id": r.rid})
 
 
 class _AllowList:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import signal
 import threading
 import time
@@ -28,6 +29,7 @@ import uuid
 from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..model.config import ModelConfig
@@ -38,6 +40,7 @@ from ..threads import governor, set_threads
 from .kv_link import ControlStore, KVLink, Transfer
 from .protocol import (
     HEARTBEAT_S,
+    KV_TIMEOUT_S,
     MAX_MESSAGE_BYTES,
     SECRET_ENV,
     SPEC_ENV,
@@ -52,6 +55,7 @@ from .protocol import (
 )
 
 log = logging.getLogger(__name__)
+STALE_S = 3 * KV_TIMEOUT_S  # a received KV cache (or a failed hand-off) waits this long for its decode job
 RECONNECT_AFTER_REFUSAL_S = 1.0
 
 
@@ -144,7 +148,12 @@ class Worker:
         self.running: dict[str, Slot] = {}
         self.preempted: deque[tuple[Slot, torch.Tensor]] = deque()  # swapped out to host memory while the pool was full
         self.waiting: deque = deque()  # prompts (aggregated) or received caches (decode) not yet running
-        self.pending: dict[str, dict] = {}  # decode: jobs whose KV is on its way
+        # decode: hand-offs announced (`expect`) whose KV is on its way, with their job once it came
+        # (None before); KV that landed before its job; hand-offs that failed before their job came.
+        # An entry left by a request that ended elsewhere goes after STALE_S.
+        self.pending: dict[str, dict | None] = {}
+        self.arrived: dict[str, tuple[torch.Tensor, float]] = {}
+        self.lost: dict[str, tuple[str, float]] = {}
         self.cancelled: set[str] = set()
         self.stopping = False
         self.cores = governor() if self.model.device.type == "cpu" else None
@@ -308,6 +317,8 @@ class Worker:
             self.model.free(slot.cache)
         elif rid in self.pending:
             self.cancelled.add(rid)  # its KV is still arriving: drop it when it lands
+        self.arrived.pop(rid, None)
+        self.lost.pop(rid, None)
         self.waiting = deque(w for w in self.waiting if (w[0] if isinstance(w, tuple) else w)["id"] != rid)
         self.preempted = deque(p for p in self.preempted if p[0].rid != rid)
 
@@ -371,18 +382,20 @@ class Worker:
                 self.fail(rid, str(e))
 
     # -- phases -------------------------------------------------------------------------------
-    def prefill(self, job: dict) -> tuple[SeqCache, Sequence, Pick, str | None]:
+    def prefill(self, job: dict, on_layer=None) -> tuple[SeqCache, Sequence, Pick, str | None]:
         """Run a prompt: its KV cache, its generation state, the first token and a finish reason.
-        With `prompt_logprobs` set, the prompt's own logprobs go to the router first."""
+        With `prompt_logprobs` set, the prompt's own logprobs go to the router first.
+        `on_layer(cache, i)`: called once layer i's K and V of the whole prompt are stored."""
         seq = Sequence.from_state(job["seq"], self.model.config.vocab_size)
         if self.cores is not None:
             self.cores.step()
         cache = self.model.new_sequence()
+        hook = None if on_layer is None else (lambda i: on_layer(cache, i))
         try:
             tokens = torch.tensor(seq.prompt, dtype=torch.int64)
             top = job.get("prompt_logprobs")
             if top is not None:
-                logits, scored = self.model.prefill_logprobs(cache, tokens, top)
+                logits, scored = self.model.prefill_logprobs(cache, tokens, top, on_layer=hook)
                 self.send(
                     {
                         "op": "prompt_logprobs",
@@ -391,7 +404,7 @@ class Worker:
                     }
                 )
             else:
-                logits = self.model.prefill(cache, tokens)
+                logits = self.model.prefill(cache, tokens, on_layer=hook)
             pick = seq.choose(logits)
         except BaseException:
             self.model.free(cache)
@@ -461,10 +474,10 @@ class Worker:
         raise NotImplementedError
 
     def _drain_transfers(self) -> None:
-        """Finished KV transfers: failures are reported; received caches queue for the batch."""
+        """Finished KV transfers: reported for the metrics, failures reported (a prefill's) or kept
+        for their job (a decode's), received caches queued for the batch or kept for their job."""
         while self.link is not None and not self.link.done.empty():
             t = self.link.done.get()
-            job = self.pending.pop(t.rid, None)
             if t.error is None:  # the bytes moved, whether or not the request still wants them
                 self.send(
                     {
@@ -478,18 +491,31 @@ class Worker:
                         "sealed": t.sealed,
                     }
                 )
+            if self.role == "prefill":
+                if t.error is not None and not t.aborted:  # aborted: its request already ended here
+                    self.fail(t.rid, t.error)
+                continue
+            job = self.pending.pop(t.rid, None)
             if t.rid in self.cancelled:
                 self.cancelled.discard(t.rid)
-                continue
-            if t.error is not None:
-                self.fail(t.rid, t.error)
+            elif t.error is not None:
+                if job is not None:
+                    self.fail(t.rid, t.error)
+                elif not t.aborted:  # its job may still come: it fails then
+                    self.lost[t.rid] = (t.error, time.monotonic())
             elif job is not None:
                 self.waiting.append((job, t.tensor))
+            else:
+                self.arrived[t.rid] = (t.tensor, time.monotonic())
+        now = time.monotonic()
+        for held in (self.arrived, self.lost):
+            for rid in [rid for rid, (_, at) in held.items() if now - at > STALE_S]:
+                del held[rid]  # its request ended before its decode job came (the router failed it)
 
-    def _first_token(self, job: dict) -> tuple[SeqCache, Sequence, Pick, str | None] | None:
+    def _first_token(self, job: dict, on_layer=None) -> tuple[SeqCache, Sequence, Pick, str | None] | None:
         """Prefill a job and report a first token that ends it; None if the job failed."""
         try:
-            cache, seq, pick, reason = self.prefill(job)
+            cache, seq, pick, reason = self.prefill(job, on_layer)
         except Exception as e:  # noqa: BLE001 - a job that cannot run fails alone
             self.fail(
                 job["id"], f"{type(e).__name__}: {e}" if not isinstance(e, (ValueError, CacheFullError)) else str(e)
@@ -511,10 +537,28 @@ class Worker:
 
 
 class PrefillWorker(Worker):
-    """One prompt at a time -> first token -> its KV cache exported and sent to the decode worker
-    the router chose (compute-bound: large matmuls)."""
+    """One prompt at a time -> first token; its KV cache streams to the decode worker the router
+    chose, each layer as soon as the prefill is past it (compute-bound: large matmuls)."""
 
     ROLE, JOB = "prefill", "prefill"
+
+    def _stream(self, job: dict) -> Transfer:
+        """The job's hand-off, started as its prefill starts (`prefilling`: the router tells the
+        decode worker to expect it): from here it is sent whole, or aborted."""
+        cache = self.model.cache
+        tokens = len(job["seq"]["prompt"])
+        self.send({"op": "prefilling", "id": job["id"], "tag": job["tag"], "tokens": tokens})
+        t = Transfer(
+            job["id"],
+            job["tag"],
+            job["decode"],
+            job["decode_incarnation"],
+            shape=(cache.layers, 2, tokens, cache.kv_heads, cache.head_dim),
+            dtype=str(cache.k.dtype).removeprefix("torch."),
+            layers=queue.Queue(),
+        )
+        self.link.submit(t)
+        return t
 
     def step(self) -> None:
         self.poll(0 if self.waiting else 50)
@@ -522,12 +566,26 @@ class PrefillWorker(Worker):
         if not self.waiting:
             return
         job = self.waiting.popleft()
-        done = self._first_token(job)
+        cache = self.model.cache
+        t = self._stream(job)
+        shape, tokens = t.shape, t.shape[2]
+        sent = 0
+
+        def stream(seq: SeqCache, i: int) -> None:  # gloo moves host tensors: a GPU layer is staged through one
+            nonlocal sent
+            t.layers.put(cache.export_layer(seq, i, tokens).cpu())
+            sent += 1
+
+        done = None
+        try:
+            done = self._first_token(job, stream)
+        finally:
+            if done is None or done[3] is not None or sent < cache.layers:
+                t.layers.put(None)  # failed or ended during the prefill: the transfer is aborted
         if done is None or done[3] is not None:
             return
-        cache, seq, pick, _ = done
-        kv = self.model.cache.export(cache).cpu()  # gloo moves host tensors; a GPU cache is staged through them
-        self.model.free(cache)
+        seq_cache, seq, pick, _ = done
+        self.model.free(seq_cache)
         self.send(
             {
                 "op": "prefilled",
@@ -536,13 +594,10 @@ class PrefillWorker(Worker):
                 "first_token": pick.token,
                 "logprobs": lp_item(pick),
                 "seq": seq.state(),
-                "kv_shape": list(kv.shape),
-                "kv_dtype": str(kv.dtype).removeprefix("torch."),
-                "kv_bytes": kv.numel() * kv.element_size(),
+                "kv_bytes": int(np.prod(shape)) * cache.k.element_size(),
                 "decode": job["decode"],
             }
         )
-        self.link.submit(Transfer(job["id"], job["tag"], job["decode"], job["decode_incarnation"], tensor=kv))
 
 
 class DecodeWorker(Worker):
@@ -551,26 +606,44 @@ class DecodeWorker(Worker):
 
     ROLE, JOB = "decode", "decode"
 
-    def accept(self, msg: dict) -> None:
-        shape, cache = tuple(msg["kv_shape"]), self.model.cache
-        if msg["kv_dtype"] != str(cache.k.dtype).removeprefix("torch.") and not msg.get("discard"):
-            raise ValueError(
-                f"KV cache of {msg['prefill']} is {msg['kv_dtype']}, this decode worker's is "
-                f"{str(cache.k.dtype).removeprefix('torch.')}: give both the same --kv-cache-dtype"
-            )
-        if shape[:2] != (cache.layers, 2) or shape[3:] != (cache.kv_heads, cache.head_dim) or shape[2] > self.max_len:
-            raise ValueError(
-                f"KV shape {list(shape)} does not fit this model's cache ({cache.layers}, 2, <= {self.max_len}, "
-                f"{cache.kv_heads}, {cache.head_dim})"
-            )
-        self.pending[msg["id"]] = msg
-        if msg.get("discard"):  # sends and receives must pair up on a link: take it, then drop it
+    def handle(self, msg: dict) -> None:
+        if msg["op"] == "expect":
+            self.expect(msg)
+        else:
+            super().handle(msg)
+
+    def expect(self, msg: dict) -> None:
+        """A hand-off announced as its prefill starts: post the receive now, so each layer is taken
+        as the prefill worker sends it."""
+        cache = self.model.cache
+        if msg["tokens"] > self.max_len:
+            raise ValueError(f"a KV cache of {msg['tokens']} tokens is over this worker's context {self.max_len}")
+        shape = (cache.layers, 2, msg["tokens"], cache.kv_heads, cache.head_dim)
+        self.pending[msg["id"]] = None
+        if msg["discard"]:  # sends and receives pair up in order on a link: take it, then drop it
             self.cancelled.add(msg["id"])
         self.link.submit(
             Transfer(
-                msg["id"], msg["tag"], msg["prefill"], msg["prefill_incarnation"], shape=shape, dtype=msg["kv_dtype"]
+                msg["id"],
+                msg["tag"],
+                msg["prefill"],
+                msg["prefill_incarnation"],
+                shape=shape,
+                dtype=str(cache.k.dtype).removeprefix("torch."),
             )
         )
+
+    def accept(self, msg: dict) -> None:
+        """A decode job: its sequence joins the batch once its KV is here (it may be already)."""
+        rid = msg["id"]
+        if rid in self.arrived:
+            self.waiting.append((msg, self.arrived.pop(rid)[0]))
+        elif rid in self.lost:
+            self.fail(rid, self.lost.pop(rid)[0])
+        elif rid in self.pending:
+            self.pending[rid] = msg
+        else:
+            raise ValueError("no KV hand-off was announced to this worker for this request")
 
     def _admit(self) -> None:
         self._resume_preempted()
