@@ -89,6 +89,32 @@ def test_greedy_tokens_identical_to_transformers(model, hf, tok, kind, text):
     assert (our_logits - their_logits).abs().max() < LOGIT_ATOL
 
 
+def test_a_bfloat16_kv_cache_is_the_float32_one_rounded_as_stored(smollm2_uw, model, tok, monkeypatch):
+    """--kv-cache-dtype bfloat16 with FP32 compute: the oracle is the FP32 cache whose K and V are
+    rounded to BF16 where they are written, and nothing else: attention widens them back exactly,
+    so the logits are bit-equal, token after token."""
+    from unweight.runtime.model.kv_cache import KVCache
+
+    bf16 = unweight.load(smollm2_uw[0], kv_cache_dtype="bfloat16")
+    assert bf16.cache.k.dtype == torch.bfloat16 and model.cache.k.dtype == torch.float32
+    assert 2 * bf16.cache.bytes_per_token == model.cache.bytes_per_token
+    ids = prompt_ids(tok, *PROMPTS[1])
+    ours, our_logits = our_greedy(bf16, ids, 24)
+    write = KVCache.write
+    monkeypatch.setattr(
+        KVCache,
+        "write",
+        lambda self, layer, seq, start, k, v: write(
+            self, layer, seq, start, k.to(torch.bfloat16).float(), v.to(torch.bfloat16).float()
+        ),
+    )
+    ref, ref_logits = our_greedy(model, ids, 24)
+    assert ours == ref
+    assert torch.equal(our_logits.view(torch.int32), ref_logits.view(torch.int32))
+    with pytest.raises(ValueError, match="kv_cache_dtype 'float16' is not one of auto, bfloat16, float32"):
+        unweight.load(smollm2_uw[0], kv_cache_dtype="float16")
+
+
 def test_weights_stay_compressed(model, smollm2_dir):
     bf16_bytes = (smollm2_dir / "model.safetensors").stat().st_size
     resident = model.resident_weight_bytes()

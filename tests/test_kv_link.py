@@ -122,7 +122,7 @@ class Hostile(KVLink):
 
 @pytest.mark.parametrize("mischief", ["flip", "replay", "other request", "oversized", "truncated"])
 def test_a_tampered_or_misplaced_kv_block_is_refused_and_the_pair_serves_on(mischief, monkeypatch):
-    monkeypatch.setattr(kv_link, "KV_TIMEOUT_S", 3.0)  # a sender whose peer gave up stops within this
+    monkeypatch.setattr(kv_link, "KV_TIMEOUT_S", 1.0)  # a sender whose peer gave up stops within this
     p, d = pair(KEY, KEY, sender=Hostile, compression="on", encryption="on")
     try:
         kv = torch.randn(3, 2, 5, 4, 64).to(torch.bfloat16)
@@ -138,7 +138,7 @@ def test_a_tampered_or_misplaced_kv_block_is_refused_and_the_pair_serves_on(misc
             "truncated": "failed authentication",
         }[mischief]
         assert expect in got.error, got.error
-        assert time.monotonic() - t0 < 15
+        assert time.monotonic() - t0 < 10
         # the pair serves on: both ends drop the broken group and prove a new one
         p.mischief, p._sent = None, -1
         sent, got = hand_off(p, d, kv, 2)
@@ -150,7 +150,7 @@ def test_a_tampered_or_misplaced_kv_block_is_refused_and_the_pair_serves_on(misc
 
 
 def test_a_receiver_off_loopback_refuses_unsealed_frames(monkeypatch):
-    monkeypatch.setattr(kv_link, "KV_TIMEOUT_S", 3.0)
+    monkeypatch.setattr(kv_link, "KV_TIMEOUT_S", 1.0)
     store = dist.HashStore()
     p = KVLink(store, KEY, "inc-p", 0, encryption="off")
     d = KVLink(store, KEY, "inc-d", 1, encryption="on")
