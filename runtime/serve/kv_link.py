@@ -19,8 +19,9 @@ Nothing here trusts the network:
 
 A transfer is a header and one frame per layer (kv_wire.py), each frame coded losslessly when that
 pays: `compression="auto"` codes them when the link, measured on each new group with a probe of
-PROBE_BYTES, is slower than the codec, measured once per dtype; the sender codes layer i + 1 while
-layer i is on the wire.
+PROBE_BYTES, is slower than the codec, measured once per dtype. A send is a whole cache, or one
+streamed as the prefill makes it (`Transfer.layers`); either way frame i + 1 is coded while frame
+i is on the wire.
 
 Transfers run on one background thread per peer (the worker's loop never blocks on the network);
 results come back through a queue that the worker's loop drains between steps. Each transfer's
@@ -79,7 +80,8 @@ class Transfer:
 
 @dataclass(slots=True)
 class Group:
-    """A proven two-rank group with one peer: its session key, and whether frames sent on it are coded."""
+    """A proven two-rank group with one peer: the process group, the key its transfers are sealed
+    under, and the rate its probe was sent at."""
 
     pg: dist.ProcessGroup
     session: bytes

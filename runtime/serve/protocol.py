@@ -402,9 +402,7 @@ class ServeConfig:
     worker_timeout: float = DEAD_AFTER_S  # seconds of silence after which a worker's requests fail
     kv_cache_tokens: int | None = None  # KV pool of a decode/aggregated worker; None: max_batch full contexts
     kv_cache_dtype: str = "auto"  # the KV cache's dtype (vLLM's name); auto: the compute dtype
-    kv_compression: str = (
-        "auto"  # code the KV hand-off losslessly: auto (when the link is slower than the codec), on, off
-    )
+    kv_compression: str = "auto"  # code the KV hand-off losslessly: auto (link slower than codec), on, off
     kv_encryption: str = "auto"  # seal the KV hand-off: auto (off loopback), on, off
 
     def __post_init__(self) -> None:

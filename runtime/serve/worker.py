@@ -718,6 +718,9 @@ def main(spec: WorkerSpec, secret: str) -> None:
     """Run a worker process: `spec` says what (WorkerSpec), `secret` is the control secret the
     router's and workers' keys are derived from."""
     torch.set_grad_enabled(False)
+    if not logging.getLogger().handlers:  # started by hand (`--role`): nothing set logging up
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("unweight.runtime.serve.kv_link").setLevel(logging.INFO)  # each link's rate, once
     if spec.threads:
         set_threads(spec.threads)
     WORKERS[spec.role](spec, secret=secret).run()
