@@ -13,12 +13,14 @@ export UNWEIGHT_CACHE ?= $(HOME)/.cache/unweight
 install: $(VENV)/.installed
 
 # torch first, pinned to the CPU build on this machine's disk: a bare `torch` requirement would
-# make pip fetch a multi-GB CUDA build. The package itself only asks for torch>=2.5.
+# make pip fetch a multi-GB CUDA build. The package itself only asks for torch>=2.5. The numba
+# kernels are compiled last, for this CPU, so that the first compress or generate runs warm.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m unweight.runtime.warmup
 	touch $@
 
 demo: install

@@ -4,6 +4,8 @@ One run loads the same model (SmolLM2-135M-Instruct, BF16) in each of these form
 all of them on the same prompts:
 
   * unweight, serving layout  (`unweight.load(dir, layout="serving")`: fixed-rate tiles)
+  * unweight, serving layout computing in BF16  (`dtype="bfloat16"`; the serving row computes
+    in the device's default, FP32 on a CPU)
   * unweight, archive layout  (`layout="archive"`: decodes every weight at every step, so it
     decodes --slow-tokens tokens instead of --tokens)
   * transformers BF16         (the speed baseline: "vs bf16" is decode tokens/s over its own)
@@ -58,7 +60,7 @@ from unweight.defaults import cache_dir
 from unweight.runtime.generate import encode_prompt
 from unweight.testing import smollm2_bf16
 
-ROWS = ("uw-serving", "uw-archive", "hf-bf16", "hf-fp32", "bnb-int8", "bnb-nf4")
+ROWS = ("uw-serving", "uw-bf16", "uw-archive", "hf-bf16", "hf-fp32", "bnb-int8", "bnb-nf4")
 MB = 1e6
 T0 = time.perf_counter()
 
@@ -241,6 +243,8 @@ def drift(ref: torch.Tensor, got: torch.Tensor) -> dict:
 # ---------------------------------------------------------------- loaders
 def load_row(name: str, bf16_dir: Path, uw_dir: Path, dev: str, attn: str):
     """(model, kind) where kind is "uw" or "hf"."""
+    if name == "uw-bf16":
+        return unweight.load(uw_dir, device=dev, dtype="bfloat16"), "uw"
     if name.startswith("uw-"):
         return unweight.load(uw_dir, device=dev, layout=name.removeprefix("uw-")), "uw"
     from transformers import AutoModelForCausalLM

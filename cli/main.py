@@ -78,14 +78,17 @@ def _raise_terminated(signum: int, frame) -> None:
     raise Terminated(signum)
 
 
-def _run(fn: Callable[[], int | None], writes: bool = False) -> None:
+def _run(fn: Callable[[], int | None], writes: bool = False, kernels: bool = False) -> None:
     """Run a command body, turning library errors into one line on stderr and an exit code.
     With `writes`, SIGTERM and SIGHUP interrupt it as Ctrl-C does (partial output removed, exit
-    128 + the signal's number)."""
+    128 + the signal's number). With `kernels`, the CPU kernels are compiled first if they are not
+    yet (one line says so)."""
     if writes:
         for s in (signal.SIGTERM, signal.SIGHUP):
             signal.signal(s, _raise_terminated)
     try:
+        if kernels:
+            _compile_kernels()
         code = fn() or 0
     except (UnweightError, ValueError) as e:  # ValueError: FormatError, and bad option values
         err.print(f"[bold red]error:[/] {safe(e)}", highlight=False, soft_wrap=True)
@@ -100,6 +103,15 @@ def _run(fn: Callable[[], int | None], writes: bool = False) -> None:
         err.print(f"{what}: partial output was removed" if writes else what, highlight=False)
         raise typer.Exit(128 + signum) from None
     raise typer.Exit(code)
+
+
+def _compile_kernels() -> None:
+    from unweight.runtime import warmup
+
+    try:
+        warmup.ensure_compiled(lambda line: err.print(line, highlight=False, soft_wrap=True))
+    except Exception as e:  # noqa: BLE001 - the command compiles what it needs as it runs
+        err.print(f"unweight: compiling ahead failed ({safe(e)}); the kernels compile as they run", highlight=False)
 
 
 def _print_json(obj) -> None:
@@ -194,7 +206,7 @@ def compress(
                 soft_wrap=True,
             )
 
-    _run(body, writes=True)
+    _run(body, writes=True, kernels=True)
 
 
 @app.command()
@@ -217,7 +229,7 @@ def decompress(
             n = unweight.decompress(src, dst, threads=threads, progress=bar, max_memory=max_memory)
         out.print(f"wrote {n} tensors to {safe(dst)}", highlight=False, soft_wrap=True)
 
-    _run(body, writes=True)
+    _run(body, writes=True, kernels=True)
 
 
 @app.command()
@@ -268,7 +280,7 @@ def verify(
                 )
         return 0 if report.ok else EXIT_FAILED
 
-    _run(body)
+    _run(body, kernels=True)
 
 
 @app.command()
@@ -407,6 +419,13 @@ def generate(
     layout: Annotated[
         str, typer.Option(help="serving: fused kernels over tiles; archive: smallest, decoded at each use.")
     ] = "serving",
+    dtype: Annotated[
+        str,
+        typer.Option(
+            "--dtype",
+            help="Compute dtype, as vLLM's --dtype: auto (float32 on a CPU, bfloat16 on a GPU), bfloat16 or float32.",
+        ),
+    ] = "auto",
     threads: Threads = None,
 ) -> None:
     """Generate text from a compressed model, streamed to the terminal.
@@ -428,7 +447,7 @@ def generate(
             max_new_tokens, temperature, top_p, top_k, seed, stop or []
         )  # bad values fail before the load
         tok = unweight.load_tokenizer(model)
-        m = unweight.load(model, device=device, layout=layout, threads=threads)
+        m = unweight.load(model, device=device, layout=layout, threads=threads, dtype=dtype)
         g = unweight.stream(m, tok, prompt, chat=chat, **{k: getattr(sampling, k) for k in SamplingParams.__slots__})
         for piece in g:
             sys.stdout.write(piece)
@@ -441,7 +460,7 @@ def generate(
         stats = generation_stats(g.result, m.resident_weight_bytes(), m.load_report)
         err.print(stats, highlight=False, soft_wrap=True)
 
-    _run(body)
+    _run(body, kernels=True)
 
 
 @app.command()
@@ -536,6 +555,14 @@ def serve(
             "newest running one is swapped out.",
         ),
     ] = None,
+    dtype: Annotated[
+        str,
+        typer.Option(
+            "--dtype",
+            help="Compute dtype, as vLLM's --dtype: auto (float32 on a CPU, bfloat16 on a GPU), bfloat16 or float32. "
+            "The weights are exact in either; bfloat16 rounds activations (docs/runtime.md).",
+        ),
+    ] = "auto",
     kv_cache_dtype: Annotated[
         str,
         typer.Option(
@@ -632,6 +659,7 @@ def serve(
             control_secret_file=str(control_secret_file) if control_secret_file else None,
             worker_timeout=worker_timeout,
             kv_cache_tokens=kv_cache_tokens,
+            dtype=dtype,
             kv_cache_dtype=kv_cache_dtype,
             kv_compression=kv_compression,
             kv_encryption=kv_encryption,
@@ -656,7 +684,7 @@ def serve(
 
         run_worker(role, name or f"{role}-{os.getpid()}", cfg, parse_address(router_address, "--router-address"), None)
 
-    _run(body)
+    _run(body, kernels=True)
 
 
 def main() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +12,10 @@ from unweight.defaults import cache_dir
 from unweight.testing import minilm_bf16
 
 REPO = Path(__file__).resolve().parents[1]
+# `make install` compiles the kernels ahead; where sources changed since, the CLI would compile them
+# all again ahead of its command and say so on stderr. The tests' commands compile what they use as
+# they run; tests/test_warmup.py tests the compiling ahead.
+os.environ.setdefault("UNWEIGHT_NO_WARMUP", "1")
 
 
 @pytest.fixture(scope="session")

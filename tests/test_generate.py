@@ -3,8 +3,8 @@ with `unweight.load`, against Hugging Face transformers on the uncompressed BF16
 
 Both sides compute in fp32 from the same BF16 weights (every BF16 value is an fp32 value), so the
 only differences are the order of fp32 accumulations: logits agree to ~1e-4 absolute (measured
-5e-5), and greedy tokens are identical. (BF16 compute would round every activation to 8 bits and
-drift from transformers' own BF16 run after a few tokens; DESIGN.md §6.)
+5e-5), and greedy tokens are identical. With dtype="bfloat16" both round every activation to BF16
+at the same places: through decode-then-GEMM the logits are bit-equal to transformers' BF16 run.
 """
 
 from __future__ import annotations
@@ -115,6 +115,34 @@ def test_a_bfloat16_kv_cache_is_the_float32_one_rounded_as_stored(smollm2_uw, mo
         unweight.load(smollm2_uw[0], kv_cache_dtype="float16")
 
 
+def test_bfloat16_compute_is_transformers_bfloat16_bit_for_bit(smollm2_uw, smollm2_dir, tok, monkeypatch):
+    """dtype="bfloat16" rounds activations where transformers' BF16 run rounds them. Through
+    decode-then-GEMM (the pipeline forced here; the one prefills take) every matmul is the BF16
+    GEMM transformers runs on the same BF16 weights, so the logits are bit-equal, prompt and
+    greedy tokens alike. The fused GEMV that small decode batches take accumulates in FP32 in its
+    own order and rounds once: its text may part from transformers' after a few tokens, as any two
+    BF16 runs do (docs/runtime.md)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.bfloat16).eval()
+    monkeypatch.setenv("UNWEIGHT_PIPELINE", "decode_matmul")
+    bf16 = unweight.load(smollm2_uw[0], dtype="bfloat16")
+    assert bf16.compute_dtype == torch.bfloat16 and bf16.cache.k.dtype == torch.bfloat16
+    for kind, text in PROMPTS[:2]:
+        ids = prompt_ids(tok, kind, text)
+        ours, our_logits = our_greedy(bf16, ids, 32)
+        theirs, their_logits = hf_greedy(hf, ids, 32)
+        assert ours == theirs
+        assert torch.equal(our_logits.view(torch.int32), their_logits.float().view(torch.int32))
+    monkeypatch.delenv("UNWEIGHT_PIPELINE")
+    fused = unweight.load(smollm2_uw[0], dtype="bfloat16")  # the autotuned pipelines: logits rounded as BF16
+    seq = fused.new_sequence()
+    logits = fused.prefill(seq, prompt_ids(tok, *PROMPTS[0]), all_logits=True)
+    assert torch.equal(logits, logits.bfloat16().float())
+    with pytest.raises(ValueError, match="dtype 'float16' is not one of auto, bfloat16, float32"):
+        unweight.load(smollm2_uw[0], dtype="float16")
+
+
 def test_weights_stay_compressed(model, smollm2_dir):
     bf16_bytes = (smollm2_dir / "model.safetensors").stat().st_size
     resident = model.resident_weight_bytes()
@@ -212,6 +240,7 @@ def test_cli_generate_streams_then_prints_stats(smollm2_uw):
         (["--max-new-tokens", "100000"], "exceeds the context length"),
         (["--device", "tpu"], "is not a torch device"),
         (["--device", "meta"], "only cpu and cuda"),
+        (["--dtype", "float16"], "dtype 'float16' is not one of auto, bfloat16, float32"),
     ],
 )
 def test_cli_generate_bad_values(smollm2_uw, args, message):

@@ -146,18 +146,26 @@ def load(
     threads: int | None = None,
     max_cache_tokens: int | None = None,
     kv_cache_dtype: str = "auto",
+    dtype: str = "auto",
 ):
     """A compressed Llama-family checkpoint as an nn.Module whose linears stay compressed.
 
     layout="serving" (the default) keeps 2-D weights in the fixed-rate tiles the fused kernels read
     (archive-layout checkpoints are transcoded at load); layout="archive" keeps the stored streams
     and decodes each weight at every use (smallest memory, slow). device: "cpu" or "cuda[:n]".
-    kv_cache_dtype: "auto" (the compute dtype: FP32 on a CPU, BF16 on a GPU), "bfloat16" or
-    "float32", as vLLM's --kv-cache-dtype."""
+    dtype: the compute dtype, as vLLM's --dtype: "auto" (FP32 on a CPU, BF16 on a GPU), "bfloat16"
+    or "float32"; the weights are exact in either. kv_cache_dtype: "auto" (the compute dtype),
+    "bfloat16" or "float32", as vLLM's --kv-cache-dtype."""
     from unweight.runtime.model.loader import load as _load
 
     return _load(
-        path, device, layout, threads=threads, max_cache_tokens=max_cache_tokens, kv_cache_dtype=kv_cache_dtype
+        path,
+        device,
+        layout,
+        threads=threads,
+        max_cache_tokens=max_cache_tokens,
+        kv_cache_dtype=kv_cache_dtype,
+        dtype=dtype,
     )
 
 

@@ -42,8 +42,10 @@ PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_pro
 # eager, or off (sequence by sequence; the default on the CPU)
 DECODE_GRAPH_ENV = "UNWEIGHT_DECODE_GRAPH"
 DEFAULT_CACHE_TOKENS = 8192  # KV cache room over all sequences, unless the caller says otherwise
+# vLLM's --dtype names for the compute; "auto" (None): compute_dtype(device), FP32 on a CPU, BF16 on CUDA
+DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float32": torch.float32}
 # vLLM's --kv-cache-dtype names; "auto" (None) follows the compute dtype
-KV_CACHE_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float32": torch.float32}
+KV_CACHE_DTYPES = DTYPES
 
 
 @dataclass(frozen=True)
@@ -87,10 +89,14 @@ def load(
     threads: int | None = None,
     max_cache_tokens: int | None = None,
     kv_cache_dtype: str = "auto",
+    dtype: str = "auto",
 ) -> CausalLM:
-    """Load a compressed Llama-family checkpoint (a folder made by `unweight compress`)."""
+    """Load a compressed Llama-family checkpoint (a folder made by `unweight compress`); `dtype`
+    is the compute dtype (activations, norms; the weights are BF16 and exact in either)."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout {layout!r} is not one of {', '.join(LAYOUTS)}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
     dev = _device(device)
@@ -102,11 +108,11 @@ def load(
     with torch.device("meta"):
         model = CausalLM(cfg)
     with CompressedCheckpoint(path, threads) as ckpt:
-        transcoded = _fill(model, ckpt, dev, layout, threads)
+        work = DTYPES[dtype] or compute_dtype(dev)
+        transcoded = _fill(model, ckpt, dev, layout, threads, work)
         original = sum(ckpt.entry(name).nbytes for name in ckpt.keys())
-    dtype = compute_dtype(dev)
     tokens = max_cache_tokens or min(cfg.max_position_embeddings, DEFAULT_CACHE_TOKENS)
-    model.init_cache(tokens, dtype, kv_dtype=KV_CACHE_DTYPES[kv_cache_dtype])
+    model.init_cache(tokens, work, kv_dtype=KV_CACHE_DTYPES[kv_cache_dtype])
     # the archive layout decodes on the host at every forward: no CUDA graph can hold it
     mode = os.environ.get(DECODE_GRAPH_ENV) or ("graph" if dev.type == "cuda" and layout == "serving" else "off")
     if mode not in ("off", "graph", "compile", "eager"):
@@ -148,9 +154,11 @@ def _generation_eos(path: Path) -> tuple[int, ...]:
     return tuple(i for i in ids if isinstance(i, int) and not isinstance(i, bool))
 
 
-def _fill(model: CausalLM, ckpt: CompressedCheckpoint, dev: torch.device, layout: str, threads: int | None) -> int:
-    """Fill the model; returns how many weights were decoded (CRC-32 checked) to be re-encoded."""
-    dtype = compute_dtype(dev)
+def _fill(
+    model: CausalLM, ckpt: CompressedCheckpoint, dev: torch.device, layout: str, threads: int | None, dtype: torch.dtype
+) -> int:
+    """Fill the model (norms and biases in `dtype`); returns how many weights were decoded (CRC-32
+    checked) to be re-encoded."""
     transcoded = 0
     tied = "lm_head.weight" not in ckpt
     if tied and not model.config.tie_word_embeddings:

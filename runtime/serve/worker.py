@@ -119,6 +119,7 @@ class Worker:
             cfg.device,
             max_cache_tokens=self.max_len if role == "prefill" else pool,
             kv_cache_dtype=cfg.kv_cache_dtype,
+            dtype=cfg.dtype,
         )
         self.ctx = zmq.Context()
         self.keys = curve_keys(secret)

@@ -1,0 +1,186 @@
+"""Compiling the CPU kernels once, ahead of the first run.
+
+The codec and the CPU kernels are numba functions, compiled for this machine's CPU the first time
+they run and kept in numba's cache after that. Compiled on first use, they made a fresh install's
+first `unweight compress` take 17.6 s against 2.8 s warm, and its first `unweight generate` wait
+10.4 s for its first token against 0.3 s, saying nothing. `make install` runs `python -m
+unweight.runtime.warmup`, which compiles them all by running each path once on a tiny random
+checkpoint: compress (both layouts), verify, load (both layouts), a prefill, decode steps of one
+and of nine sequences (the fused kernels' several passes), with this machine's CPU. The CLI does the
+same, with one line saying so, when it finds them not compiled yet (an install without `make`).
+
+`compiled()` reads a stamp kept beside numba's own cache of the kernels, named for the kernels'
+sources, numba's version and the CPU: clearing numba's cache clears the stamp with it.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numba
+import torch
+
+_STAMP = "unweight-warm-{}.stamp"
+_busy = False  # compile_kernels runs compress and load, which must not start it again
+
+
+def _sources() -> list[Path]:
+    import unweight.codec
+    import unweight.runtime.kernels
+
+    return sorted(f for pkg in (unweight.codec, unweight.runtime.kernels) for f in Path(pkg.__path__[0]).glob("*.py"))
+
+
+@functools.cache
+def _stamp() -> Path | None:
+    """The stamp's path in numba's cache folder of the CPU kernels (None where numba has none)."""
+    from llvmlite import binding
+
+    from unweight.runtime.kernels.cpu_avx2 import _gemv_fused_at
+
+    digest = hashlib.sha1()
+    for f in _sources():
+        digest.update(f.name.encode() + b"\0" + f.read_bytes())
+    digest.update(
+        f"{numba.__version__}|{binding.get_host_cpu_name()}|{binding.get_host_cpu_features().flatten()}".encode()
+    )
+    try:
+        folder = Path(_gemv_fused_at._cache._cache_path)
+    except AttributeError:  # a numba without a file cache for it
+        return None
+    return folder / _STAMP.format(digest.hexdigest()[:16])
+
+
+def compiled() -> bool:
+    """Whether the kernels were compiled for this CPU, from these sources, into numba's cache."""
+    stamp = _stamp()
+    return stamp is None or stamp.exists()
+
+
+def _tiny_llama(dst: Path) -> Path:
+    """A random two-layer Llama in BF16, its weights spread like trained ones (normal, std 0.02),
+    with shapes whose rows are a multiple of 8 (the fused kernels' fast path)."""
+    from safetensors.torch import save_file
+
+    hidden, inter, layers, vocab, heads, kv_heads, head_dim = 64, 128, 2, 512, 4, 2, 16
+    g = torch.Generator().manual_seed(0)
+
+    def w(*shape):
+        return (torch.randn(*shape, generator=g) * 0.02).to(torch.bfloat16)
+
+    tensors = {"model.embed_tokens.weight": w(vocab, hidden), "lm_head.weight": w(vocab, hidden)}
+    tensors["model.norm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        tensors |= {
+            p + "self_attn.q_proj.weight": w(heads * head_dim, hidden),
+            p + "self_attn.k_proj.weight": w(kv_heads * head_dim, hidden),
+            p + "self_attn.v_proj.weight": w(kv_heads * head_dim, hidden),
+            p + "self_attn.o_proj.weight": w(hidden, heads * head_dim),
+            p + "mlp.gate_proj.weight": w(inter, hidden),
+            p + "mlp.up_proj.weight": w(inter, hidden),
+            p + "mlp.down_proj.weight": w(hidden, inter),
+            p + "input_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+            p + "post_attention_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+        }
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": inter,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    dst.mkdir(parents=True)
+    (dst / "config.json").write_text(json.dumps(config))
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def _run_model(path: Path, layout: str, tmp: Path) -> None:
+    """A prefill, then decode steps of one sequence and of nine, in the model at `path`."""
+    from unweight.runtime.layers.autotune import Autotuner
+    from unweight.runtime.layers.linear import UnweightLinear
+    from unweight.runtime.model.loader import load
+
+    model = load(path, "cpu", layout, max_cache_tokens=1024)
+    tuner = Autotuner(tmp / "autotune.json")  # tiny shapes' choices stay out of the user's cache
+    for module in model.modules():
+        if isinstance(module, UnweightLinear):
+            module.autotuner = tuner
+    seqs = [model.new_sequence() for _ in range(9)]
+    for i, seq in enumerate(seqs):
+        model.prefill(seq, torch.arange(3, 20 + i))
+    for batch in (seqs[:1], seqs):
+        model.decode_step(batch, torch.full((len(batch),), 5))
+    for seq in seqs:
+        model.free(seq)
+
+
+def compile_kernels() -> float:
+    """Compile every kernel of the common paths for this CPU into numba's cache; returns the seconds
+    it took. Safe to run again (then it only loads them)."""
+    global _busy
+    import unweight
+
+    t0 = time.perf_counter()
+    _busy = True
+    try:
+        with tempfile.TemporaryDirectory(prefix="unweight-warmup-") as d:
+            tmp = Path(d)
+            src = _tiny_llama(tmp / "bf16")
+            for layout in ("archive", "serving"):
+                dst = tmp / f"uw-{layout}"
+                unweight.compress(src, dst, layout=layout)
+                unweight.verify(dst, against=src)
+                _run_model(dst, layout, tmp)
+    finally:
+        _busy = False
+    stamp = _stamp()
+    if stamp is not None:
+        try:
+            stamp.parent.mkdir(parents=True, exist_ok=True)
+            stamp.write_text(f"{time.perf_counter() - t0:.1f} s\n")
+        except OSError:
+            pass  # a read-only cache: numba recompiles in each process there anyway
+    return time.perf_counter() - t0
+
+
+def ensure_compiled(say=None) -> None:
+    """Compile the kernels now if they are not yet, after one line through `say` (default: stderr)."""
+    if _busy or os.environ.get("UNWEIGHT_NO_WARMUP") or compiled():
+        return
+    (say or (lambda m: print(m, file=sys.stderr, flush=True)))(
+        "unweight: compiling the CPU kernels for this machine, once (about 30 s; `make install` does it ahead)"
+    )
+    compile_kernels()
+
+
+def main() -> None:
+    """python -m unweight.runtime.warmup: compile the kernels (what `make install` runs)."""
+    if compiled():
+        print("unweight: CPU kernels already compiled for this machine")
+        return
+    print("unweight: compiling the CPU kernels for this machine (numba), once ...", flush=True)
+    print(f"unweight: compiled in {compile_kernels():.0f} s; later runs load them from numba's cache")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""Compiling the CPU kernels ahead (runtime/warmup.py): a command on a machine whose numba cache
+is empty compiles them first, says so in one line, and the next command does not; the stamp lives
+in numba's cache, so clearing that cache clears it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from unweight.runtime.warmup import _tiny_llama
+
+LINE = "compiling the CPU kernels for this machine"
+
+
+def _cold_env(cache: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "UNWEIGHT_NO_WARMUP"}
+    return env | {"NUMBA_CACHE_DIR": str(cache), "COLUMNS": "200"}
+
+
+def _python(env: dict, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=900)
+
+
+def test_stamp_follows_numba_cache(tmp_path):
+    r = _python(_cold_env(tmp_path / "numba"), "-c", "from unweight.runtime import warmup; print(warmup.compiled())")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["False"]
+
+
+@pytest.mark.slow
+def test_first_command_compiles_ahead_once(tmp_path):
+    cache = tmp_path / "numba"
+    env = _cold_env(cache)
+    src = _tiny_llama(tmp_path / "src")
+    first = _python(env, "-m", "unweight.cli.main", "compress", str(src), str(tmp_path / "a"), "--quiet")
+    assert first.returncode == 0, first.stderr
+    assert first.stderr.count(LINE) == 1, first.stderr
+    # numba's cache now holds the codec's kernels and the runtime's, and the stamp beside them
+    cached = {p.parent.name.split("_")[0] for p in cache.rglob("*.nbi")}  # numba names them codec_<hash>, ...
+    assert {"codec", "kernels"} <= cached, sorted(cached)
+    assert list(cache.rglob("unweight-warm-*.stamp"))
+    again = _python(env, "-m", "unweight.cli.main", "compress", str(src), str(tmp_path / "b"), "--quiet")
+    assert again.returncode == 0, again.stderr
+    assert LINE not in again.stderr
+    r = _python(env, "-m", "unweight.runtime.warmup")
+    assert r.returncode == 0 and "already compiled" in r.stdout, r.stdout + r.stderr
