@@ -9,14 +9,16 @@ checkpoint: compress (both layouts), verify, load (both layouts), a prefill, dec
 and of nine sequences (the fused kernels' several passes), with this machine's CPU. The CLI does the
 same, with one line saying so, when it finds them not compiled yet (an install without `make`).
 
-`compiled()` reads a stamp kept beside numba's own cache of the kernels, named for the kernels'
-sources, numba's version and the CPU: clearing numba's cache clears the stamp with it.
+`compiled()` reads a stamp kept beside numba's own cache of the codec, named for the codec's and the
+kernels' sources, numba's version and the CPU: clearing numba's cache clears the stamp with it. It
+imports neither torch nor the runtime's kernels, so a command that needs neither stays as small.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import json
 import os
 import sys
@@ -24,35 +26,32 @@ import tempfile
 import time
 from pathlib import Path
 
-import numba
-import torch
-
 _STAMP = "unweight-warm-{}.stamp"
 _busy = False  # compile_kernels runs compress and load, which must not start it again
 
 
 def _sources() -> list[Path]:
-    import unweight.codec
-    import unweight.runtime.kernels
-
-    return sorted(f for pkg in (unweight.codec, unweight.runtime.kernels) for f in Path(pkg.__path__[0]).glob("*.py"))
+    """The codec's and the CPU kernels' source files (found without importing the kernels)."""
+    codec = importlib.util.find_spec("unweight.codec").submodule_search_locations[0]
+    kernels = Path(importlib.util.find_spec(__package__).submodule_search_locations[0]) / "kernels"
+    return sorted(f for d in (Path(codec), kernels) for f in d.glob("*.py"))
 
 
 @functools.cache
 def _stamp() -> Path | None:
-    """The stamp's path in numba's cache folder of the CPU kernels (None where numba has none)."""
+    """The stamp's path in numba's cache folder of the codec (None where numba keeps none)."""
+    import numba
     from llvmlite import binding
 
-    from unweight.runtime.kernels.cpu_avx2 import _gemv_fused_at
+    from unweight.codec.tiles import _decode
 
     digest = hashlib.sha1()
     for f in _sources():
         digest.update(f.name.encode() + b"\0" + f.read_bytes())
-    digest.update(
-        f"{numba.__version__}|{binding.get_host_cpu_name()}|{binding.get_host_cpu_features().flatten()}".encode()
-    )
+    cpu = f"{binding.get_host_cpu_name()}|{binding.get_host_cpu_features().flatten()}"
+    digest.update(f"{numba.__version__}|{cpu}".encode())
     try:
-        folder = Path(_gemv_fused_at._cache._cache_path)
+        folder = Path(_decode._cache._cache_path)
     except AttributeError:  # a numba without a file cache for it
         return None
     return folder / _STAMP.format(digest.hexdigest()[:16])
@@ -67,6 +66,7 @@ def compiled() -> bool:
 def _tiny_llama(dst: Path) -> Path:
     """A random two-layer Llama in BF16, its weights spread like trained ones (normal, std 0.02),
     with shapes whose rows are a multiple of 8 (the fused kernels' fast path)."""
+    import torch
     from safetensors.torch import save_file
 
     hidden, inter, layers, vocab, heads, kv_heads, head_dim = 64, 128, 2, 512, 4, 2, 16
@@ -115,7 +115,10 @@ def _tiny_llama(dst: Path) -> Path:
 
 
 def _run_model(path: Path, layout: str, tmp: Path) -> None:
-    """A prefill, then decode steps of one sequence and of nine, in the model at `path`."""
+    """A prefill, then decode steps of one sequence, of nine and of sixteen (the fused kernels' passes
+    of up to 8 rows of x, and of 16 with AVX-512), in the model at `path`."""
+    import torch
+
     from unweight.runtime.layers.autotune import Autotuner
     from unweight.runtime.layers.linear import UnweightLinear
     from unweight.runtime.model.loader import load
@@ -125,10 +128,10 @@ def _run_model(path: Path, layout: str, tmp: Path) -> None:
     for module in model.modules():
         if isinstance(module, UnweightLinear):
             module.autotuner = tuner
-    seqs = [model.new_sequence() for _ in range(9)]
+    seqs = [model.new_sequence() for _ in range(16)]
     for i, seq in enumerate(seqs):
         model.prefill(seq, torch.arange(3, 20 + i))
-    for batch in (seqs[:1], seqs):
+    for batch in (seqs[:1], seqs[:9], seqs):
         model.decode_step(batch, torch.full((len(batch),), 5))
     for seq in seqs:
         model.free(seq)

@@ -105,7 +105,7 @@ def test_the_facade_reaches_the_runtime_only_lazily():
             assert not any("runtime" in n or "cli" in n for n in names), ast.dump(node)
 
 
-ON_TOP = ("generate", "threads", "serve", "vllm", "transformers")  # runtime/ beside its three rooms
+ON_TOP = ("generate", "threads", "warmup", "serve", "vllm", "transformers")  # runtime/ beside its three rooms
 
 
 def test_runtime_rooms_point_down():

@@ -229,8 +229,11 @@ def test_overload_gets_429_with_retry_after(server):
         r = cm.__enter__()
         return c, cm, r
 
-    with concurrent.futures.ThreadPoolExecutor(32) as pool:
-        opened = list(pool.map(start, range(32)))
+    # 64 at once: the server holds at most --max-batch (16) decoding, one prefilling and --max-queue
+    # (24) waiting, and none of these 200-token answers ends before the last request arrives (on a
+    # fast CPU, 32 could all be taken in as the first ones left the queue for the decode batch)
+    with concurrent.futures.ThreadPoolExecutor(64) as pool:
+        opened = list(pool.map(start, range(64)))
     codes = [r.status_code for _, _, r in opened]
     busy = [r for _, _, r in opened if r.status_code == 429]
     message = json.loads(busy[0].read())["error"]["message"] if busy else ""
