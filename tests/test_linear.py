@@ -117,10 +117,13 @@ def test_fused_cpu_gemv_on_rows_not_aligned_to_code_groups(shape, monkeypatch, t
     assert torch.allclose(mod(x).float(), F.linear(x.float(), w.float()), rtol=2**-7, atol=1e-3)
 
 
-@pytest.mark.parametrize("rows,cols,m", [(70, 200, 1), (33, 64, 5), (16, 1536, 9), (20, 100, 2)])
+@pytest.mark.parametrize(
+    "rows,cols,m", [(70, 200, 1), (33, 64, 5), (16, 1536, 9), (20, 100, 2), (40, 576, 16), (24, 64, 37)]
+)
 def test_cpu_fast_and_portable_paths_agree(rows, cols, m, monkeypatch):
-    """The AVX2 kernels (where the CPU has them) against the portable numba ones: rows bit-exact,
-    the GEMV within fp32 accumulation-order tolerance; both against the reference decoder."""
+    """The AVX2 kernels (where the CPU has them; with AVX-512, passes of 16 rows of x at m = 16 and
+    37) against the portable numba ones: rows bit-exact, the GEMV within fp32 accumulation-order
+    tolerance; both against the reference decoder."""
     import numpy as np
 
     from unweight.codec import tiles
