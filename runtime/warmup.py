@@ -5,8 +5,8 @@ they run and kept in numba's cache after that. Compiled on first use, they made 
 first `unweight compress` take 17.6 s against 2.8 s warm, and its first `unweight generate` wait
 10.4 s for its first token against 0.3 s, saying nothing. `make install` runs `python -m
 unweight.runtime.warmup`, which compiles them all by running each path once on a tiny random
-checkpoint: compress (both layouts), verify, load (both layouts), a prefill, decode steps of one
-and of nine sequences (the fused kernels' several passes), with this machine's CPU. The CLI does the
+checkpoint: compress (both layouts), verify, load (both layouts), a prefill, decode steps of one,
+nine and sixteen sequences (the fused kernels' passes), with this machine's CPU. The CLI does the
 same, with one line saying so, when it finds them not compiled yet (an install without `make`).
 
 `compiled()` reads a stamp kept beside numba's own cache of the codec, named for the codec's and the
