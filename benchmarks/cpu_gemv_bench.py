@@ -6,8 +6,10 @@ at one thread count (--threads, for torch and numba alike):
   torch bf16   F.linear(x_bf16, W_bf16)      the baseline (oneDNN/MKL)
   torch fp32   F.linear(x_fp32, W_fp32)      twice the weight bytes
   fused        tiles_gemv_cpu(x_fp32, W)     W in the serving layout (`tiles`), fp32 out
+  fused bf16   tiles_gemv_cpu(x_bf16, W)     the same through vdpbf16ps (only on AVX512_BF16 CPUs)
 
-the median wall time of one call, ns per weight element (time / (N*K)), and fused / torch bf16.
+the median wall time of one call, ns per weight element (time / (N*K)), and each fused variant
+over torch bf16.
 
 Weights: the matrices of one layer (--layer) of the SmolLM2-135M-Instruct fixture when it is
 cached (or --safetensors PATH), as the runtime fuses them: q,k,v stacked (960 x 576), o (576 x
@@ -15,7 +17,8 @@ cached (or --safetensors PATH), as the runtime fuses them: q,k,v stacked (960 x 
 576); else trained-like N(0, 0.02) BF16 values of the same shapes.
 
 Correctness first: every shape and batch against F.linear(x, W.float()) within the fp32
-summation bound (K * 2^-23 * |x| @ |W|^T); a failure stops the script.
+summation bound (K * 2^-23 * |x| @ |W|^T), BF16 x too where the vdpbf16ps kernel runs; a failure
+stops the script.
 Timing: the three variants interleave in rounds (the median is taken over every call of every
 round), so load from other processes hits them alike. --sdpa runs a small
 scaled_dot_product_attention before every timed call, as a decode step interleaves torch ops
@@ -33,7 +36,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import platform
 import statistics
 import struct
 import sys
@@ -43,9 +45,10 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from side_by_side import cpu_flags
 
 from unweight.codec import tiles
-from unweight.runtime.kernels.cpu_gemv import FAST_PATH, tiles_gemv_cpu
+from unweight.runtime.kernels.cpu_gemv import BF16_DOT, FAST_PATH, tiles_gemv_cpu
 from unweight.runtime.kernels.tile_tensors import tile_tensors
 
 # label -> (N, K, tensor names stacked in this order, {layer} filled in)
@@ -109,15 +112,16 @@ def check(label: str, w, p, dense: torch.Tensor, batches) -> None:
     rows, cols = dense.shape
     for m in batches:
         x = torch.randn(m, cols, generator=torch.Generator().manual_seed(m))
-        ref = F.linear(x.double(), dense.double())
-        bound = cols * 2.0**-23 * F.linear(x.double().abs(), dense.double().abs()) + 1e-30
-        got = tiles_gemv_cpu(x, w, p.base, p.block, rows, cols)
-        err = (got.double() - ref).abs()
-        if got.shape != (m, rows) or not torch.all(err <= bound):
-            sys.exit(
-                f"FAIL {label} M={m}: max error {err.max().item():.3g}, {(err / bound).max().item():.2f}x the fp32 "
-                f"bound"
-            )
+        for xv in (x, x.bfloat16()) if BF16_DOT else (x,):
+            ref = F.linear(xv.double(), dense.double())
+            bound = cols * 2.0**-23 * F.linear(xv.double().abs(), dense.double().abs()) + 1e-30
+            got = tiles_gemv_cpu(xv, w, p.base, p.block, rows, cols)
+            err = (got.double() - ref).abs()
+            if got.shape != (m, rows) or not torch.all(err <= bound):
+                sys.exit(
+                    f"FAIL {label} M={m} x {xv.dtype}: max error {err.max().item():.3g}, "
+                    f"{(err / bound).max().item():.2f}x the fp32 bound"
+                )
 
 
 def main(argv=None) -> None:
@@ -172,10 +176,9 @@ def main(argv=None) -> None:
     between = (lambda: F.scaled_dot_product_attention(q, k, v)) if args.sdpa else (lambda: None)
 
     print(
-        f"cpu: {platform.processor() or platform.machine()}, {threads} threads (torch {torch.get_num_threads()}, "
-        f"numba layer "
-        f"{numba.config.THREADING_LAYER}); fused path: {'AVX2 kernels' if FAST_PATH else 'portable'}; weights: "
-        f"{path if path.exists() else 'synthetic'}"
+        f"cpu: {cpu_flags()}; {threads} threads (torch {torch.get_num_threads()}, numba layer "
+        f"{numba.config.THREADING_LAYER}); fused path: {'AVX2 kernels' if FAST_PATH else 'portable'}"
+        f"{', vdpbf16ps for BF16 x' if BF16_DOT else ''}; weights: {path if path.exists() else 'synthetic'}"
     )
     print("correctness:")
     prepared = {}
@@ -197,9 +200,15 @@ def main(argv=None) -> None:
         prepared[label] = (ws, p, dense_copies, [d.float() for d in dense_copies], esc, source)
 
     results = []
+    names = ["torch_bf16", "torch_fp32", "fused"] + (["fused_bf16"] if BF16_DOT else [])
+    fused = [n for n in names if n.startswith("fused")]
     print(
-        f"\n{'shape':>16} {'M':>3} | {'torch bf16':>10} {'torch fp32':>10} {'fused':>10}  us | {'bf16':>6} "
-        f"{'fp32':>6} {'fused':>6} ns/elem | fused/bf16"
+        f"\n{'shape':>16} {'M':>3} | "
+        + " ".join(f"{n:>10}" for n in names)
+        + " us | "
+        + " ".join(f"{n:>10}" for n in names)
+        + " ns/elem | "
+        + " ".join(f"{n + '/torch_bf16':>21}" for n in fused)
     )
     for label in labels:
         ws, p, dense, dense32, esc, source = prepared[label]
@@ -218,7 +227,9 @@ def main(argv=None) -> None:
                 "torch_bf16": lambda: F.linear(xb, pick(dense)),
                 "torch_fp32": lambda: F.linear(x, pick(dense32)),
                 "fused": lambda: tiles_gemv_cpu(x, pick(ws), p.base, p.block, rows, cols),
+                "fused_bf16": lambda: tiles_gemv_cpu(xb, pick(ws), p.base, p.block, rows, cols),
             }
+            variants = {n: variants[n] for n in names}
             reps = {}
             for name, fn in variants.items():  # warm up, and size a round
                 fn()
@@ -235,12 +246,14 @@ def main(argv=None) -> None:
                         times[name].append(time.perf_counter() - t0)
             med = {name: statistics.median(t) for name, t in times.items()}
             ns = {name: 1e9 * t / (rows * cols) for name, t in med.items()}
-            ratio = med["fused"] / med["torch_bf16"]
+            ratios = {f"{n}_over_torch_bf16": med[n] / med["torch_bf16"] for n in fused}
             print(
-                f"{label + ' ' + str(rows) + 'x' + str(cols):>16} {m:>3} | {1e6 * med['torch_bf16']:>10.1f} "
-                f"{1e6 * med['torch_fp32']:>10.1f} "
-                f"{1e6 * med['fused']:>10.1f}     | {ns['torch_bf16']:>6.3f} {ns['torch_fp32']:>6.3f} "
-                f"{ns['fused']:>6.3f}         | {ratio:>6.2f}",
+                f"{label + ' ' + str(rows) + 'x' + str(cols):>16} {m:>3} | "
+                + " ".join(f"{1e6 * med[n]:>10.1f}" for n in names)
+                + "    | "
+                + " ".join(f"{ns[n]:>10.3f}" for n in names)
+                + "         | "
+                + " ".join(f"{r:>21.2f}" for r in ratios.values()),
                 flush=True,
             )
             results.append(
@@ -253,7 +266,7 @@ def main(argv=None) -> None:
                     "escape_fraction": esc,
                     "median_us": {k: 1e6 * t for k, t in med.items()},
                     "ns_per_element": ns,
-                    "fused_over_torch_bf16": ratio,
+                    **ratios,
                     "calls_timed": {k: len(t) for k, t in times.items()},
                 }
             )
@@ -262,7 +275,7 @@ def main(argv=None) -> None:
     out = {
         "benchmark": "cpu_gemv_bench",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "cpu": platform.processor() or platform.machine(),
+        "cpu": cpu_flags(),
         "threads": threads,
         "numba_threading_layer": numba.config.THREADING_LAYER,
         "fused_path": "avx2" if FAST_PATH else "portable",

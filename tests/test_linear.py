@@ -163,6 +163,32 @@ def test_cpu_fast_and_portable_paths_agree(rows, cols, m, monkeypatch):
         assert torch.all((y - exact).abs() <= bound)
 
 
+@pytest.mark.parametrize("rows,cols", [(40, 576), (24, 72), (64, 136), (33, 584), (20, 8)])
+def test_cpu_bf16_kernel_sums_bf16_products_in_fp32(rows, cols, monkeypatch):
+    """BF16 x on an AVX512_BF16 CPU: the vdpbf16ps kernel (two groups of W a pair; odd group counts,
+    K not a multiple of 16, passes of 16 and 8 rows of x and the tail rows of W) is within fp32
+    accumulation-order tolerance of the exact product of the BF16 values, like the fp32 kernel."""
+    from unweight.runtime.kernels import cpu_gemv
+
+    if not cpu_gemv.BF16_DOT:
+        pytest.skip("the vdpbf16ps kernel needs AVX512_BF16 and AVX512VL, which this CPU lacks")
+    calls = []
+    kernel = cpu_gemv._gemv_fused_bf16_at
+    monkeypatch.setattr(cpu_gemv, "_gemv_fused_bf16_at", lambda *a: calls.append(a[1]) or kernel(*a))
+    g = torch.Generator().manual_seed(rows + cols)
+    w = (torch.randn(rows, cols, generator=g) * 0.02).to(torch.bfloat16)
+    w.view(torch.int16).view(-1)[3::17] = -15872  # escapes
+    lin = UnweightLinear.from_weight(w)
+    s, p = lin.streams(), lin.params
+    for m in (1, 3, 9, 16, 37):
+        x = torch.randn(m, cols, generator=g).to(torch.bfloat16)
+        y = cpu_gemv.tiles_gemv_cpu(x, s, p.base, p.block, rows, cols)
+        exact = x.double() @ w.double().T
+        bound = cols * 2.0**-23 * (x.double().abs() @ w.double().abs().T)
+        assert y.dtype == torch.float32 and torch.all((y.double() - exact).abs() <= bound)
+    assert calls == [1, 3, 9, 16, 37]
+
+
 @pytest.mark.parametrize("fast", [True, False])
 def test_cpu_gemv_of_a_row_range_is_those_rows_of_the_whole(fast, monkeypatch):
     """`rows=(r0, r1)` (one expert of a stacked MoE weight) gives exactly columns [r0, r1) of the

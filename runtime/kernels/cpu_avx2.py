@@ -20,7 +20,7 @@ import numpy as np
 from llvmlite import ir
 from numba import carray, njit, prange
 from numba.core import cgutils, types
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 from unweight.codec import simd
 
@@ -71,6 +71,7 @@ _LANE_MUL = [(1 << (24 - i)) + (1 << (17 - i)) + (1 << (10 - i)) for i in range(
 
 
 FAST_PATH = simd.has("avx2", "fma")  # the fused kernels need both on the CPU numba compiles for
+BF16_DOT = simd.has("avx512bf16", "avx512vl")  # ... and vdpbf16ps on 256 bits, for BF16 activations
 # With AVX-512 (VL), 32 vector registers: a pass of WIDE_ROWS rows of x keeps its accumulators in
 # registers, so a decode step of 16 sequences rebuilds each W row once instead of twice.
 WIDE_ROWS = 16
@@ -152,6 +153,21 @@ class _RowEmitter:
             g = b.sub(G, _const(1))
             body(g, self.single(g), 0)
 
+    def bf16_loop(self, G, body):
+        """body(g, bf16 pair) for g = 0, 2, 4, ... < G: the BF16 weights of groups g and g + 1 in one
+        <8 x i32>, lane i holding weight i of group g in its low half and of group g + 1 in its high
+        half (zero past the last group), as vdpbf16ps pairs them. A lane's fp32 bits are the BF16
+        value and 16 zero bits, so the pair is (w0 >> 16) | w1."""
+        b = self.b
+        half = _vconst([16] * 8)
+        with cgutils.for_range(b, b.lshr(G, _const(1))) as loop:
+            g = b.shl(loop.index, _const(1))
+            w0, w1 = self.pair(g)
+            body(g, b.or_(b.lshr(w0, half), w1))
+        with b.if_then(b.trunc(G, ir.IntType(1))):
+            g = b.sub(G, _const(1))
+            body(g, b.lshr(self.single(g), half))
+
 
 def _hsum(builder, acc):
     b = builder
@@ -168,7 +184,9 @@ def _hsum(builder, acc):
 
 def _make_dot(M: int):
     """Intrinsic: y[m, n] = x[m] . W[n] for the M rows of x, W[n] rebuilt group by group in
-    registers; returns the esc position after the row."""
+    registers; returns the esc position after the row. x is fp32 (one FMA per group and row), or
+    BF16 bits (uint16) laid out as `_bf16_pairs` lays them (one vdpbf16ps per two groups and row,
+    AVX512_BF16): the kernel follows x's dtype."""
 
     @intrinsic
     def dot(typingctx, sm, sm_off, codes, codes_off, esc, k0, x, G, base, y, n):
@@ -179,12 +197,17 @@ def _make_dot(M: int):
             b = builder
             row = _RowEmitter(context, b, signature.args, sm_a, sm_off, codes_a, codes_off, esc_a, k0, base)
             fma = cgutils.get_or_insert_function(b.module, ir.FunctionType(_V8F32, [_V8F32] * 3), "llvm.fma.v8f32")
+            bf16 = signature.args[6].dtype == types.uint16
             xarr = context.make_array(signature.args[6])(context, b, x_a)
             xp = b.bitcast(xarr.data, _I8.as_pointer())
             xstride = b.extract_value(xarr.strides, 0)
-            xrows = [b.gep(xp, [b.mul(xstride, _const(m))]) for m in range(M)]
+            # fp32 x is (M, K), a pointer per row; BF16 pairs are (pairs, M, 16), x[j, m] at j * stride
+            # + 32 * m, one pointer for every row (16 row pointers do not fit in registers)
+            xrows = [] if bf16 else [b.gep(xp, [b.mul(xstride, _const(m))]) for m in range(M)]
             zero = ir.Constant(_V8F32, [ir.Constant(_F32, 0.0)] * 8)
-            split = 2 if M <= 4 else 1  # accumulators per row of x: even and odd groups, to hide the FMA latency
+            # accumulators per row of x: even and odd groups, to hide the FMA latency (a BF16 pair
+            # of groups rebuilds 16 weights between two vdpbf16ps of a row, which hides it)
+            split = 2 if M <= 4 and not bf16 else 1
             accs = [[cgutils.alloca_once_value(b, zero) for _ in range(split)] for _ in range(M)]
 
             def body(g, w, parity):
@@ -194,7 +217,17 @@ def _make_dot(M: int):
                     acc = accs[m][parity % split]
                     b.store(b.call(fma, [w, xv, b.load(acc)]), acc)
 
-            row.loop(G, body)
+            def body_bf16(g, w):
+                xg = b.gep(xp, [b.mul(b.lshr(g, _const(1)), xstride)])
+                for m in range(M):
+                    xv = _load(b, xg, _const(32 * m), _V8I32, align=2)
+                    acc = accs[m][0]
+                    b.store(simd.dpbf16ps(b, b.load(acc), w, xv), acc)
+
+            if bf16:
+                row.bf16_loop(G, body_bf16)
+            else:
+                row.loop(G, body)
             yarr = context.make_array(signature.args[9])(context, b, y_a)
             yp = b.bitcast(yarr.data, _I8.as_pointer())
             ystride = b.extract_value(yarr.strides, 0)
@@ -254,25 +287,38 @@ def _portable_row_dot(x, sm, codes, esc, esc_index, K, bpr, base, y, n, col):
         y[m, col] = _dot(x[m], w)
 
 
+def _row_slice(x, m0, m1):
+    """Rows m0..m1 of x as the fused kernels take it: x[m0:m1] of (M, K) fp32, x[:, m0:m1] of BF16 pairs."""
+
+
+@overload(_row_slice, inline="always")
+def _row_slice_impl(x, m0, m1):
+    if x.ndim == 3:
+        return lambda x, m0, m1: x[:, m0:m1]
+    return lambda x, m0, m1: x[m0:m1]
+
+
 @njit(nogil=True, cache=True)
-def _fused_rows(x, sm, codes, esc, esc_index, K, bpr, base, y, n0, n1, c0):
+def _fused_rows(x, xt, sm, codes, esc, esc_index, K, bpr, base, y, n0, n1, c0):
     """y[:, n - c0] = x @ W[n] for n in [n0, n1) (K % 8 == 0): rows of x in passes of WIDE_ROWS
     (AVX-512), then of up to MAX_FUSED_ROWS, one inlined loop per pass size (a call per row would
-    cost more than a row)."""
+    cost more than a row). x is (M, K) fp32, or BF16 pairs (pairs of groups, M, 16) from
+    _bf16_pairs; xt is x as (M, K) fp32, which the last rows of W, rebuilt by the portable code,
+    multiply."""
     G = K >> 3
     n_fast = n1
     while n_fast > n0 and not _in_place(codes, esc, esc_index, G, bpr, n_fast - 1):
         n_fast -= 1
-    M = x.shape[0]
+    M = xt.shape[0]
     m_wide = M - M % WIDE_ROWS if WIDE else 0  # rows taken WIDE_ROWS at a time (AVX-512), the rest 8 at a time
     for m0 in range(0, m_wide, WIDE_ROWS):
-        xs = x[m0 : m0 + WIDE_ROWS]
+        xs = _row_slice(x, m0, m0 + WIDE_ROWS)
         ys = y[m0 : m0 + WIDE_ROWS]
         for n in range(n0, n_fast):
             _dot_wide(sm, n * K, codes, 3 * G * n, esc, esc_index[n * bpr], xs, G, base, ys, n - c0)
     for m0 in range(m_wide, M, MAX_FUSED_ROWS):
         m1 = min(M, m0 + MAX_FUSED_ROWS)
-        xs = x[m0:m1]
+        xs = _row_slice(x, m0, m1)
         ys = y[m0:m1]
         mm = m1 - m0
         if mm == 1:
@@ -300,7 +346,7 @@ def _fused_rows(x, sm, codes, esc, esc_index, K, bpr, base, y, n0, n1, c0):
             for n in range(n0, n_fast):
                 _dot8(sm, n * K, codes, 3 * G * n, esc, esc_index[n * bpr], xs, G, base, ys, n - c0)
     for n in range(n_fast, n1):  # the last rows of the tensor, without slack to read past
-        _portable_row_dot(x, sm, codes, esc, esc_index, K, bpr, base, y, n, n - c0)
+        _portable_row_dot(xt, sm, codes, esc, esc_index, K, bpr, base, y, n, n - c0)
 
 
 @njit(nogil=True, cache=True)
@@ -331,24 +377,64 @@ def _make_pointer(nbtype):
     return pointer
 
 
-_u8_at, _i64_at, _f32_at, _u32_at = (_make_pointer(t) for t in (types.uint8, types.int64, types.float32, types.uint32))
+_u8_at, _i64_at, _f32_at, _u32_at, _u16_at = (
+    _make_pointer(t) for t in (types.uint8, types.int64, types.float32, types.uint32, types.uint16)
+)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _streams_at(sm_at, n_sm, codes_at, n_codes, esc_at, n_esc, index_at, n_index):
+    """The tiles streams (sm, codes, esc, esc_index) as arrays over their addresses."""
+    return (
+        carray(_u8_at(sm_at), (n_sm,)),
+        carray(_u8_at(codes_at), (n_codes,)),
+        carray(_u8_at(esc_at), (n_esc,)),
+        carray(_i64_at(index_at), (n_index,)),
+    )
+
+
+@njit(nogil=True, cache=True)
+def _bf16_pairs(x):
+    """x (M, K) BF16 bits as the vdpbf16ps kernel reads them, (K / 16 rounded up, M, 16): for each
+    pair of groups g, g + 1, the M rows side by side, each interleaving value i of group g with
+    value i of group g + 1 (zeros past K), as the kernel pairs the weights; and x in fp32 (M, K)."""
+    M, K = x.shape
+    pairs = np.zeros(((K + 15) >> 4, M, 16), np.uint16)
+    bits = np.empty((M, K), np.uint32)
+    for m in range(M):
+        for k in range(K):
+            v = x[m, k]
+            pairs[k >> 4, m, 2 * (k & 7) + (k >> 3 & 1)] = v
+            bits[m, k] = np.uint32(v) << 16
+    return pairs, bits.view(np.float32)
 
 
 @njit(nogil=True, cache=True, parallel=True)
 def _gemv_fused_at(
     x_at, M, sm_at, codes_at, n_codes, esc_at, n_esc, index_at, n_index, N, K, bpr, base, r0, R, y_at, parts
 ):
-    """y (M, R) = x @ W[r0 : r0 + R]^T for x (M, K) (K % 8 == 0) and W (N, K), its rows split into one
-    range per thread. Takes the tensors' addresses: a call costs microseconds less than one that
-    converts six tensors to arrays, and a small layer's GEMV takes only tens of microseconds."""
+    """y (M, R) = x @ W[r0 : r0 + R]^T for x (M, K) fp32 (K % 8 == 0) and W (N, K), its rows split
+    into one range per thread. Takes the tensors' addresses: a call costs microseconds less than one
+    that converts six tensors to arrays, and a small layer's GEMV takes only tens of microseconds."""
     x = carray(_f32_at(x_at), (M, K))
-    sm = carray(_u8_at(sm_at), (N * K,))
-    codes = carray(_u8_at(codes_at), (n_codes,))
-    esc = carray(_u8_at(esc_at), (n_esc,))
-    esc_index = carray(_i64_at(index_at), (n_index,))
+    sm, codes, esc, esc_index = _streams_at(sm_at, N * K, codes_at, n_codes, esc_at, n_esc, index_at, n_index)
     y = carray(_f32_at(y_at), (M, R))
     for t in prange(parts):
-        _fused_rows(x, sm, codes, esc, esc_index, K, bpr, base, y, r0 + R * t // parts, r0 + R * (t + 1) // parts, r0)
+        n0, n1 = r0 + R * t // parts, r0 + R * (t + 1) // parts
+        _fused_rows(x, x, sm, codes, esc, esc_index, K, bpr, base, y, n0, n1, r0)
+
+
+@njit(nogil=True, cache=True, parallel=True)
+def _gemv_fused_bf16_at(
+    x_at, M, sm_at, codes_at, n_codes, esc_at, n_esc, index_at, n_index, N, K, bpr, base, r0, R, y_at, parts
+):
+    """_gemv_fused_at for x (M, K) in BF16, through vdpbf16ps (AVX512_BF16)."""
+    xb, xt = _bf16_pairs(carray(_u16_at(x_at), (M, K)))
+    sm, codes, esc, esc_index = _streams_at(sm_at, N * K, codes_at, n_codes, esc_at, n_esc, index_at, n_index)
+    y = carray(_f32_at(y_at), (M, R))
+    for t in prange(parts):
+        n0, n1 = r0 + R * t // parts, r0 + R * (t + 1) // parts
+        _fused_rows(xb, xt, sm, codes, esc, esc_index, K, bpr, base, y, n0, n1, r0)
 
 
 @njit(nogil=True, cache=True, parallel=True)
@@ -358,17 +444,13 @@ def _gemv_grouped_at(
     """y (P, R): rows [starts[g], starts[g + 1]) of x (P, K) times W[rows0[g] : rows0[g] + R]^T for
     each group g (the pairs routed to one expert, K % 8 == 0); one task per (group, part of R)."""
     x = carray(_f32_at(x_at), (P, K))
-    sm = carray(_u8_at(sm_at), (N * K,))
-    codes = carray(_u8_at(codes_at), (n_codes,))
-    esc = carray(_u8_at(esc_at), (n_esc,))
-    esc_index = carray(_i64_at(index_at), (n_index,))
+    sm, codes, esc, esc_index = _streams_at(sm_at, N * K, codes_at, n_codes, esc_at, n_esc, index_at, n_index)
     y = carray(_f32_at(y_at), (P, R))
     for task in prange(rows0.shape[0] * parts):
         g, t = task // parts, task % parts
         s, e, r0 = starts[g], starts[g + 1], rows0[g]
-        _fused_rows(
-            x[s:e], sm, codes, esc, esc_index, K, bpr, base, y[s:e], r0 + R * t // parts, r0 + R * (t + 1) // parts, r0
-        )
+        n0, n1 = r0 + R * t // parts, r0 + R * (t + 1) // parts
+        _fused_rows(x[s:e], x[s:e], sm, codes, esc, esc_index, K, bpr, base, y[s:e], n0, n1, r0)
 
 
 @njit(nogil=True, cache=True, parallel=True)
@@ -376,10 +458,7 @@ def _rows_fused_at(
     sm_at, n_sm, codes_at, n_codes, esc_at, n_esc, index_at, n_index, K, bpr, base, ids_at, R, out_at, parts
 ):
     """out[i] = row ids[i] of W as fp32 bit patterns (K % 8 == 0), on the tensors' addresses."""
-    sm = carray(_u8_at(sm_at), (n_sm,))
-    codes = carray(_u8_at(codes_at), (n_codes,))
-    esc = carray(_u8_at(esc_at), (n_esc,))
-    esc_index = carray(_i64_at(index_at), (n_index,))
+    sm, codes, esc, esc_index = _streams_at(sm_at, n_sm, codes_at, n_codes, esc_at, n_esc, index_at, n_index)
     ids = carray(_i64_at(ids_at), (R,))
     out = carray(_u32_at(out_at), (R, K))
     for t in prange(parts):

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from numba import config
 
-from .cpu_avx2 import FAST_PATH, _gemv_fused_at, _gemv_grouped_at, _rows_fused_at
+from .cpu_avx2 import BF16_DOT, FAST_PATH, _gemv_fused_at, _gemv_fused_bf16_at, _gemv_grouped_at, _rows_fused_at
 from .cpu_reference import LOWBIT, SPREAD, _gemv_portable, _rows_portable
 
 ROWS_PER_PART = 16  # rows a thread takes at least: fewer parts than this many rows each cost more than they save
@@ -76,7 +76,8 @@ def tiles_gemv_cpu(
 ) -> torch.Tensor:
     """y = x @ W^T in fp32 for x (..., in_features) on the CPU, W (out_features, in_features) in the
     serving layout; with `rows` (r0, r1), only W's rows [r0, r1): y is (..., r1 - r0) (one expert
-    of a stacked MoE weight)."""
+    of a stacked MoE weight). BF16 x on a CPU with AVX512_BF16 goes through vdpbf16ps: products of
+    BF16 pairs summed in fp32, as a BF16 GEMM sums them; any other x is multiplied in fp32."""
     sm, codes, esc, esc_index = weight["sm"], weight["codes"], weight["esc"], weight["esc_index"]
     bpr = -(-in_features // block)
     if rows is None:
@@ -90,17 +91,19 @@ def tiles_gemv_cpu(
     # tile_tensors makes them. (Every line here is written for speed: a small layer's GEMV takes
     # tens of microseconds, and each Python-level step costs a tenth of one.)
     if x.is_cpu and _fast_layout(sm, codes, esc, esc_index, in_features):
-        if x.dtype is not torch.float32:
+        m = x.numel() // in_features
+        lead = x.shape[:-1]
+        kernel = _gemv_fused_bf16_at if x.dtype is torch.bfloat16 and BF16_DOT else _gemv_fused_at
+        if kernel is _gemv_fused_at and x.dtype is not torch.float32:
             x = x.float()
         if not x.is_contiguous():
             x = x.contiguous()
-        m = x.numel() // in_features
         y = torch.from_numpy(np.empty((m, n_out), dtype=np.float32))
         if m and n_out:
             parts = n_out // ROWS_PER_PART
             parts = _THREADS if parts > _THREADS else parts or 1
             with _PARALLEL:
-                _gemv_fused_at(
+                kernel(
                     x.data_ptr(),
                     m,
                     sm.data_ptr(),
@@ -114,7 +117,7 @@ def tiles_gemv_cpu(
                     y.data_ptr(),
                     parts,
                 )
-        return y if x.dim() == 2 else y.view(*x.shape[:-1], n_out)
+        return y if len(lead) == 1 else y.view(*lead, n_out)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, in_features).to(torch.float32).contiguous().numpy()
     y = np.empty((x2.shape[0], n_out), dtype=np.float32)

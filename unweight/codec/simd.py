@@ -87,6 +87,30 @@ def table(builder, name: str, data: np.ndarray):
     return builder.bitcast(g, I8.as_pointer())
 
 
+class _BFloat(ir.Type):
+    """LLVM's `bfloat` (llvmlite has no class for it; its IR is text, so the name is all it takes)."""
+
+    def _to_string(self):
+        return "bfloat"
+
+    def __eq__(self, other):
+        return isinstance(other, _BFloat)
+
+    def __hash__(self):
+        return hash("bfloat")
+
+
+V16BF16 = ir.VectorType(_BFloat(), 16)
+
+
+def dpbf16ps(builder, acc, a, b):
+    """vdpbf16ps on 256 bits (AVX512_BF16 and VL): lane i of the <8 x float> `acc` plus
+    a[2i] * b[2i] + a[2i + 1] * b[2i + 1], where a and b are <8 x i32> holding 16 BF16 values
+    (the low half of each lane first). Denormal inputs and outputs are taken as zero."""
+    fn = function(builder, "llvm.x86.avx512bf16.dpbf16ps.256", V8F32, [V8F32, V16BF16, V16BF16])
+    return builder.call(fn, [acc, builder.bitcast(a, V16BF16), builder.bitcast(b, V16BF16)])
+
+
 def function(builder, name: str, ret, args):
     """Declare (once per module) and return an LLVM intrinsic or function."""
     return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, args), name)
