@@ -191,6 +191,36 @@ def test_batched_decode_equals_one_at_a_time(model, tok):
         model.free(s)
 
 
+def test_a_prompt_and_a_decode_step_in_one_forward_equal_both_apart(model, tok):
+    """prefill_with_step (what --no-disagg runs when a prompt arrives beside a running batch) gives
+    the prompt's last logits and each running sequence's next ones as prefill and decode_step
+    apart do, and leaves every sequence's cache as they do; a bad call is refused whole."""
+    (kind0, text0), (kind1, text1), (kind2, text2) = PROMPTS[:3]
+    running = [model.new_sequence(), model.new_sequence()]
+    last = [
+        int(model.prefill(s, prompt_ids(tok, k, t)).argmax()) for s, (k, t) in zip(running, [PROMPTS[0], PROMPTS[1]])
+    ]
+    new = model.new_sequence()
+    ids = prompt_ids(tok, kind2, text2)
+    first, rows = model.prefill_with_step(new, ids, running, last)
+    assert [s.length for s in running] == [
+        len(prompt_ids(tok, kind0, text0)) + 1,
+        len(prompt_ids(tok, kind1, text1)) + 1,
+    ]
+    assert new.length == len(ids) and rows.shape == (2, model.config.vocab_size)
+    after = model.decode_step([new, *running], [int(first.argmax()), *[int(r.argmax()) for r in rows]])
+    alone = model.new_sequence()
+    assert (model.prefill(alone, ids) - first).abs().max() < LOGIT_ATOL
+    assert (model.decode_step([alone], [int(first.argmax())])[0] - after[0]).abs().max() < LOGIT_ATOL
+    for s, t, row in zip(running, last, rows):
+        s.length -= 2  # replay the riding step alone
+        assert (model.decode_step([s], [t])[0] - row).abs().max() < LOGIT_ATOL
+    with pytest.raises(ValueError, match="one token per sequence"):
+        model.prefill_with_step(model.new_sequence(), ids, running, last[:1])
+    for s in [*running, new, alone]:
+        model.free(s)
+
+
 def test_kv_cache_moves_between_caches(model, tok):
     """export/import (the hand-off between prefill and decode workers) keeps decoding exact."""
     ids = prompt_ids(tok, *PROMPTS[1])

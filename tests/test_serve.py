@@ -274,13 +274,19 @@ def test_killed_worker_fails_its_requests_then_comes_back(server, expected):
 
 
 def test_aggregated_mode(uw, expected):
+    """--no-disagg answers as `generate` does, also when prompts arrive beside a running batch (they
+    are prefilled in the same forward as its next step)."""
     s = Server(str(uw), "--no-disagg")
     try:
         h = s.health()
         assert h["mode"] == "aggregated" and [w["role"] for w in h["workers"]] == ["worker"]
-        r = s.http.post(
-            "/v1/chat/completions", json={"model": "uw", "messages": MESSAGES[2], "max_tokens": 16, "temperature": 0}
-        )
-        assert r.json()["choices"][0]["message"]["content"] == expected[2].text
+
+        def ask(i: int) -> str:
+            time.sleep(0.3 * i)  # the later prompts arrive while the first ones decode
+            body = {"model": "uw", "messages": MESSAGES[i], "max_tokens": 16, "temperature": 0}
+            return s.http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
+
+        with concurrent.futures.ThreadPoolExecutor(len(MESSAGES)) as pool:
+            assert list(pool.map(ask, range(len(MESSAGES)))) == [e.text for e in expected]
     finally:
         s.stop()

@@ -273,6 +273,25 @@ class CausalLM(nn.Module):
         with torch.inference_mode():
             return self.graph_decoder(seqs, tokens)
 
+    def prefill_with_step(
+        self, seq: SeqCache, prompt, seqs: list[SeqCache], tokens
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`prefill(seq, prompt)` and `decode_step(seqs, tokens)` in one forward: the running
+        batch's rows ride on the prompt's matmuls instead of waiting for them and then taking a
+        step of their own (vLLM's chunked prefill batches them so too). Returns the prompt's last
+        fp32 logits (vocab,) and the batch's (batch, vocab). Always sequence by sequence, even
+        with a decode graph set."""
+        prompt, tokens = self._check_tokens(prompt), self._check_tokens(tokens)
+        n = prompt.numel()
+        if n == 0 or tokens.numel() != len(seqs) or not seqs:
+            raise ValueError(
+                f"prefill_with_step needs a prompt and one token per sequence ({n} prompt tokens, "
+                f"{len(seqs)} sequences, {tokens.numel()} tokens)"
+            )
+        h = self._forward(torch.cat([prompt, tokens]), [(seq, n)] + [(s, 1) for s in seqs])
+        logits = self.lm_head(h[n - 1 :]).float()
+        return logits[0], logits[1:]
+
     def resident_weight_bytes(self) -> int:
         """Bytes of every weight the model holds (compressed streams, decoded norms, biases),
         each storage counted once (tied embeddings share theirs)."""

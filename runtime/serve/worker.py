@@ -431,7 +431,10 @@ class Worker:
         if self.cores is not None:
             self.cores.step()  # fewer threads while another process holds a core
         slots = list(self.running.values())
-        logits = self.model.decode_step([s.cache for s in slots], [s.seq.output[-1] for s in slots])
+        self._stepped(slots, self.model.decode_step([s.cache for s in slots], [s.seq.output[-1] for s in slots]))
+
+    def _stepped(self, slots: list[Slot], logits: torch.Tensor) -> None:
+        """The running batch's next tokens from its step's logits: emitted, finished sequences freed."""
         items = []
         for slot, pick in zip(slots, self._picks(logits, slots)):
             reason = None if pick is None else slot.seq.append(pick.token)
@@ -674,14 +677,17 @@ class DecodeWorker(Worker):
 
 
 class AggregatedWorker(Worker):
-    """Both phases in one process (--no-disagg): a waiting prompt is prefilled between decode steps,
-    stalling every running sequence meanwhile: the baseline disaggregation is measured against."""
+    """Both phases in one process (--no-disagg): a waiting prompt is prefilled in the same forward as
+    the running batch's next step (its rows ride on the prompt's matmuls, as in vLLM's chunked
+    prefill), though every running sequence still waits for the whole prompt: the baseline
+    disaggregation is measured against."""
 
     ROLE, JOB = "worker", "generate"
 
     def step(self) -> None:
         self.poll(0 if (self.running or self.waiting or self.preempted) else 50)
         self._resume_preempted()
+        self._make_room()
         if (
             self.waiting
             and not self.preempted
@@ -689,6 +695,9 @@ class AggregatedWorker(Worker):
             and self._fits(len(self.waiting[0]["seq"]["prompt"]))
         ):
             job = self.waiting.popleft()  # the whole prompt now: every running sequence waits for it
+            if self.running and job.get("prompt_logprobs") is None and self.model.graph_decoder is None:
+                self._prefill_with_step(job)
+                return
             done = self._first_token(job)
             if done is not None and done[3] is None:
                 cache, seq, pick, _ = done
@@ -696,6 +705,40 @@ class AggregatedWorker(Worker):
                 self.running[job["id"]] = Slot(job["id"], cache, seq)
         if self.running:
             self._step()
+
+    def _prefill_with_step(self, job: dict) -> None:
+        """A job's prompt and the running batch's next step in one forward (CausalLM.prefill_with_step):
+        the job's first token, then the batch's tokens. Should the forward fail, the job fails alone
+        and the batch takes its step on its own."""
+        if self.cores is not None:
+            self.cores.step()
+        slots = list(self.running.values())
+        seq = Sequence.from_state(job["seq"], self.model.config.vocab_size)
+        cache = self.model.new_sequence()
+        try:
+            first, logits = self.model.prefill_with_step(
+                cache,
+                torch.tensor(seq.prompt, dtype=torch.int64),
+                [s.cache for s in slots],
+                [s.seq.output[-1] for s in slots],
+            )
+            pick = seq.choose(first)
+        except Exception as e:  # noqa: BLE001 - a job that cannot run fails alone
+            self.model.free(cache)
+            self.fail(
+                job["id"], f"{type(e).__name__}: {e}" if not isinstance(e, (ValueError, CacheFullError)) else str(e)
+            )
+            self._step()
+            return
+        reason = seq.append(pick.token)
+        self.emit(
+            [[job["id"], None if reason == "stop" else pick.token, reason, None if reason == "stop" else lp_item(pick)]]
+        )
+        if reason is None:
+            self.running[job["id"]] = Slot(job["id"], cache, seq)
+        else:
+            self.model.free(cache)
+        self._stepped(slots, logits)
 
 
 WORKERS = {cls.ROLE: cls for cls in (PrefillWorker, DecodeWorker, AggregatedWorker)}
