@@ -74,6 +74,11 @@ def _handshake_events() -> int:
 LOGPROB_FLOOR = -9999.0  # what a logprob of -inf is sent as (as vLLM does): JSON has no infinities
 
 
+def _job_error(e: Exception) -> str:
+    """The error a failed job reports: the message of a refusal, the type too of anything else."""
+    return str(e) if isinstance(e, (ValueError, CacheFullError)) else f"{type(e).__name__}: {e}"
+
+
 def finite(lp: float) -> float:
     return lp if lp > LOGPROB_FLOOR else LOGPROB_FLOOR
 
@@ -521,9 +526,7 @@ class Worker:
         try:
             cache, seq, pick, reason = self.prefill(job, on_layer)
         except Exception as e:  # noqa: BLE001 - a job that cannot run fails alone
-            self.fail(
-                job["id"], f"{type(e).__name__}: {e}" if not isinstance(e, (ValueError, CacheFullError)) else str(e)
-            )
+            self.fail(job["id"], _job_error(e))
             return None
         if reason is not None:
             self.model.free(cache)
@@ -722,22 +725,24 @@ class AggregatedWorker(Worker):
                 [s.cache for s in slots],
                 [s.seq.output[-1] for s in slots],
             )
-            pick = seq.choose(first)
-        except Exception as e:  # noqa: BLE001 - a job that cannot run fails alone
+        except Exception as e:  # noqa: BLE001 - a job that cannot run fails alone; the batch steps alone
             self.model.free(cache)
-            self.fail(
-                job["id"], f"{type(e).__name__}: {e}" if not isinstance(e, (ValueError, CacheFullError)) else str(e)
-            )
+            self.fail(job["id"], _job_error(e))
             self._step()
             return
-        reason = seq.append(pick.token)
-        self.emit(
-            [[job["id"], None if reason == "stop" else pick.token, reason, None if reason == "stop" else lp_item(pick)]]
-        )
-        if reason is None:
-            self.running[job["id"]] = Slot(job["id"], cache, seq)
-        else:
+        try:
+            pick = seq.choose(first)
+        except Exception as e:  # noqa: BLE001 - never expected (sampling is total); the batch has its step
             self.model.free(cache)
+            self.fail(job["id"], _job_error(e))
+        else:
+            reason = seq.append(pick.token)
+            stop = reason == "stop"
+            self.emit([[job["id"], None if stop else pick.token, reason, None if stop else lp_item(pick)]])
+            if reason is None:
+                self.running[job["id"]] = Slot(job["id"], cache, seq)
+            else:
+                self.model.free(cache)
         self._stepped(slots, logits)
 
 
