@@ -11,9 +11,10 @@ linears: `UnweightLinear` (the resident layout, the autotuner's pipeline) agains
 Each batch's sequences start with --context tokens already in the cache (their keys and values
 are zeros: attention costs the same whatever they hold).
 
-Each variant runs each decode path (--modes; CausalLM.set_decode_graph): "off", sequence by
-sequence as the CPU runs by default, and "graph" (captured CUDA graphs, the default on CUDA) or
-"compile" (torch.compile of the same one-graph step, on the CPU).
+Each variant runs each decode path (--modes; CausalLM.set_decode_graph): "off", block tables on the
+host as the CPU runs by default (there the batch's attention is one kernel call per layer), and
+"graph" (captured CUDA graphs, the default on CUDA) or "compile" (torch.compile of the same
+one-graph step, on the CPU).
 
 Beside each measured ratio: the ratio that the bytes predict, BF16's weight bytes over the
 compressed ones (what a step bound by reading weights gains at best).
@@ -41,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from side_by_side import write_record  # noqa: E402
+from side_by_side import cpu_flags, write_record  # noqa: E402
 
 from unweight.runtime.layers.linear import UnweightLinear, compute_dtype  # noqa: E402
 from unweight.runtime.model.config import ModelConfig  # noqa: E402
@@ -288,6 +289,8 @@ def main(argv=None) -> int:
             print(f"  transformers batch {b:>3}: {b / r['step_s']:9.1f} tokens/s", flush=True)
     table = hf_table(batches, hf) if args.hf_only else ratio_table(batches, modes, rows, hf)
     print("\n" + "\n".join(table))
+    if device.type == "cpu":
+        print(f"CPU: {cpu_flags()}")
     if args.json:
         write_record(
             args.json,

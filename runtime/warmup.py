@@ -6,8 +6,9 @@ first `unweight compress` take 17.6 s against 2.8 s warm, and its first `unweigh
 10.4 s for its first token against 0.3 s, saying nothing. `make install` runs `python -m
 unweight.runtime.warmup`, which compiles them all by running each path once on a tiny random
 checkpoint: compress (both layouts), verify, load (both layouts), a prefill, decode steps of one,
-nine and sixteen sequences (the fused kernels' passes), in FP32 and, where the CPU has AVX512_BF16,
-in BF16 too (its vdpbf16ps kernels), with this machine's CPU. The CLI does the
+nine and sixteen sequences (the fused kernels' passes, the decode attention), in FP32 and, where
+the CPU has AVX512_BF16, in BF16 too (its vdpbf16ps kernels), else in FP32 over a BF16 KV cache
+(the decode attention's other cache dtype), with this machine's CPU. The CLI does the
 same, with one line saying so, when it finds them not compiled yet (an install without `make`).
 
 `compiled()` reads a stamp kept beside numba's own cache of the codec, named for the codec's and the
@@ -115,7 +116,7 @@ def _tiny_llama(dst: Path) -> Path:
     return dst
 
 
-def _run_model(path: Path, layout: str, tmp: Path, dtype: str = "float32") -> None:
+def _run_model(path: Path, layout: str, tmp: Path, dtype: str = "float32", kv_cache_dtype: str = "auto") -> None:
     """A prefill, then decode steps of one sequence, of nine and of sixteen (the fused kernels' passes
     of up to 8 rows of x, and of 16 with AVX-512), in the model at `path` computing in `dtype`."""
     import torch
@@ -124,7 +125,7 @@ def _run_model(path: Path, layout: str, tmp: Path, dtype: str = "float32") -> No
     from unweight.runtime.layers.linear import UnweightLinear
     from unweight.runtime.model.loader import load
 
-    model = load(path, "cpu", layout, max_cache_tokens=1024, dtype=dtype)
+    model = load(path, "cpu", layout, max_cache_tokens=1024, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
     tuner = Autotuner(tmp / "autotune.json")  # tiny shapes' choices stay out of the user's cache
     for module in model.modules():
         if isinstance(module, UnweightLinear):
@@ -159,6 +160,8 @@ def compile_kernels() -> float:
 
             if BF16_DOT:  # BF16 activations take the vdpbf16ps kernels there
                 _run_model(dst, "serving", tmp, "bfloat16")
+            else:
+                _run_model(dst, "serving", tmp, kv_cache_dtype="bfloat16")
     finally:
         _busy = False
     stamp = _stamp()

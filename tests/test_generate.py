@@ -100,12 +100,12 @@ def test_a_bfloat16_kv_cache_is_the_float32_one_rounded_as_stored(smollm2_uw, mo
     assert 2 * bf16.cache.bytes_per_token == model.cache.bytes_per_token
     ids = prompt_ids(tok, *PROMPTS[1])
     ours, our_logits = our_greedy(bf16, ids, 24)
-    write = KVCache.write
+    write = KVCache.write_slots  # every store into the cache goes through it
     monkeypatch.setattr(
         KVCache,
-        "write",
-        lambda self, layer, seq, start, k, v: write(
-            self, layer, seq, start, k.to(torch.bfloat16).float(), v.to(torch.bfloat16).float()
+        "write_slots",
+        lambda self, layer, slots, k, v: write(
+            self, layer, slots, k.to(torch.bfloat16).float(), v.to(torch.bfloat16).float()
         ),
     )
     ref, ref_logits = our_greedy(model, ids, 24)

@@ -110,13 +110,31 @@ class KVCache:
             seq._block_ids = to_device(torch.tensor(seq.blocks, dtype=torch.int64), self.k.device)
         return seq._block_ids
 
-    def write(self, layer: int, seq: SeqCache, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store k, v (tokens, kv_heads, head_dim) at positions start.. of seq (room reserved)."""
-        pos = torch.arange(start, start + k.shape[0], device=self.k.device)
-        slots = self._ids(seq)[pos // self.block_size] * self.block_size + pos % self.block_size
+    def slots(self, segments: list[tuple[SeqCache, int]]) -> torch.Tensor:
+        """Where the new tokens go: for each (seq, count), rows seq.length.. of seq (room reserved),
+        as flat slots of a layer (block * block_size + row), made on the host once per step."""
+        bs = self.block_size
+        flat = [
+            seq.blocks[p // bs] * bs + p % bs for seq, count in segments for p in range(seq.length, seq.length + count)
+        ]
+        return to_device(torch.tensor(flat, dtype=torch.int64), self.k.device)
+
+    def tables(self, seqs: list[SeqCache]) -> torch.Tensor:
+        """The sequences' block tables as one (len(seqs), widest) int64 tensor on the host, short
+        rows padded with block 0 (never read: a reader stops at the sequence's length)."""
+        width = max(len(s.blocks) for s in seqs)
+        return torch.tensor([s.blocks + [0] * (width - len(s.blocks)) for s in seqs], dtype=torch.int64)
+
+    def write_slots(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v (tokens, kv_heads, head_dim) at `slots` (from slots()) of one layer."""
         flat = (-1, self.kv_heads, self.head_dim)
         self.k[layer].view(flat).index_copy_(0, slots, k.to(self.k.dtype))
         self.v[layer].view(flat).index_copy_(0, slots, v.to(self.v.dtype))
+
+    def write(self, layer: int, seq: SeqCache, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v (tokens, kv_heads, head_dim) at positions start.. of seq (room reserved)."""
+        pos = torch.arange(start, start + k.shape[0], device=self.k.device)
+        self.write_slots(layer, self._ids(seq)[pos // self.block_size] * self.block_size + pos % self.block_size, k, v)
 
     def read(self, layer: int, seq: SeqCache, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of positions 0..length-1 of seq, each (length, kv_heads, head_dim)."""

@@ -10,17 +10,21 @@ Two explicit entry points, one per phase:
 - `prefill(seq, tokens)`: a whole prompt (or the next chunk of one) of one sequence;
 - `decode_step(seqs, tokens)`: one new token for each of several sequences (a running batch).
 Both run the same `_forward` over a flat batch of tokens, where `segments` say which sequence each
-run of tokens belongs to; linears see every token at once, attention runs per sequence.
+run of tokens belongs to; linears see every token at once, attention runs per sequence, except
+that on the CPU the sequences with one new token each (a decode step's) attend in one kernel call
+per layer straight from the paged cache (runtime/kernels/cpu_attention.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.cpu_attention import paged_decode_attention_cpu
 from ..layers.transfer import to_device
 from .config import ModelConfig
 from .kv_cache import KVCache, SeqCache
@@ -38,6 +42,34 @@ class RMSNorm(nn.Module):
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
+
+
+@dataclass(slots=True)
+class Step:
+    """What every layer of one forward shares: the segments (seq, new tokens) in row order, each
+    new token's cache slot, and the sequences from segment `batched` on (one new token each, a
+    decode step's rows, on the CPU) that attend as one batch through `tables` and `lengths`
+    (positions attended, the new one's included); `batched` is len(segments) when none do."""
+
+    segments: list[tuple[SeqCache, int]]
+    slots: torch.Tensor
+    batched: int
+    tables: torch.Tensor | None = None
+    lengths: torch.Tensor | None = None
+
+    @classmethod
+    def plan(cls, cache: KVCache, segments: list[tuple[SeqCache, int]]) -> Step:
+        """The step of these segments, their room reserved and lengths not yet advanced."""
+        batched = len(segments)
+        if cache.k.device.type == "cpu" and cache.k.dtype in (torch.float32, torch.bfloat16):
+            while batched and segments[batched - 1][1] == 1:
+                batched -= 1
+        step = cls(segments, cache.slots(segments), batched)
+        if batched < len(segments):
+            ones = [seq for seq, _ in segments[batched:]]
+            step.tables = cache.tables(ones)
+            step.lengths = torch.tensor([seq.length + 1 for seq in ones], dtype=torch.int64)
+        return step
 
 
 class Attention(nn.Module):
@@ -58,7 +90,7 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         layer: int,
         cache: KVCache,
-        segments: list[tuple[SeqCache, int]],
+        step: Step,
     ) -> torch.Tensor:
         cfg = self.cfg
         n = x.shape[0]
@@ -67,16 +99,20 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = Rope.apply(q, cos, sin), Rope.apply(k, cos, sin)
+        cache.write_slots(layer, step.slots, k, v)
         out = torch.empty_like(q)
         t0 = 0
-        for seq, count in segments:
+        for seq, count in step.segments[: step.batched]:
             start = seq.length
-            cache.write(layer, seq, start, k[t0 : t0 + count], v[t0 : t0 + count])
             ks, vs = cache.read(layer, seq, start + count)  # (L, kv_heads, head_dim)
             # a cache in another dtype than the compute (--kv-cache-dtype) is widened or rounded here
             ks, vs = ks.to(q.dtype), vs.to(q.dtype)
             out[t0 : t0 + count] = _attend(q[t0 : t0 + count], ks, vs, start, cfg.sliding_window)
             t0 += count
+        if step.tables is not None:
+            out[t0:] = paged_decode_attention_cpu(
+                q[t0:], cache.k[layer], cache.v[layer], step.tables, step.lengths, cfg.sliding_window
+            )
         return self.o_proj(out.view(n, -1))
 
 
@@ -120,8 +156,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, layer, cache, segments):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, cache, segments)
+    def forward(self, x, cos, sin, layer, cache, step):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, cache, step)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -203,6 +239,7 @@ class CausalLM(nn.Module):
         self._check_context(segments)
         for seq, count in segments:
             cache.reserve(seq, count)
+        step = Step.plan(cache, segments)
         # positions and token ids are known on the host: nothing in a step waits for the device
         positions = to_device(torch.cat([torch.arange(s.length, s.length + c) for s, c in segments]), self.device)
         cos, sin = self.rope.cos_sin(positions, self.compute_dtype, end=max(s.length + c for s, c in segments))
@@ -210,7 +247,7 @@ class CausalLM(nn.Module):
             self.device
         )  # ids checked on the host by rows()
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, i, cache, segments)
+            x = layer(x, cos, sin, i, cache, step)
             if on_layer is not None:
                 on_layer(i)
         for seq, count in segments:
