@@ -123,7 +123,8 @@ def test_fused_cpu_gemv_on_rows_not_aligned_to_code_groups(shape, monkeypatch, t
 def test_cpu_fast_and_portable_paths_agree(rows, cols, m, monkeypatch):
     """The AVX2 kernels (where the CPU has them; with AVX-512, passes of 16 rows of x at m = 16 and
     37) against the portable numba ones: rows bit-exact, the GEMV within fp32 accumulation-order
-    tolerance; both against the reference decoder."""
+    tolerance; both against the reference decoder, rows written in fp32 and straight in BF16 (every
+    row of W too, eight at a time, so the tails of each thread's range are met)."""
     import numpy as np
 
     from unweight.codec import tiles
@@ -137,15 +138,25 @@ def test_cpu_fast_and_portable_paths_agree(rows, cols, m, monkeypatch):
     s, p = lin.streams(), lin.params
     x = torch.randn(m, cols, generator=g)
     ids = torch.tensor([rows - 1, 0, rows // 2, rows - 1])
+    whole = torch.empty(rows, cols, dtype=torch.bfloat16)
     fast = (
         cpu_gemv.tiles_gemv_cpu(x, s, p.base, p.block, rows, cols),
         cpu_gemv.tiles_rows_cpu(s, p.base, p.block, rows, cols, ids),
+        cpu_gemv.tiles_rows_cpu(s, p.base, p.block, rows, cols, ids, torch.bfloat16),
+        cpu_gemv.tiles_rows_cpu(s, p.base, p.block, rows, cols, None, torch.bfloat16, out=whole),
     )
+    assert fast[3] is whole
     monkeypatch.setattr(cpu_gemv, "FAST_PATH", False)
     slow = (
         cpu_gemv.tiles_gemv_cpu(x, s, p.base, p.block, rows, cols),
         cpu_gemv.tiles_rows_cpu(s, p.base, p.block, rows, cols, ids),
+        cpu_gemv.tiles_rows_cpu(s, p.base, p.block, rows, cols, ids, torch.bfloat16),
+        cpu_gemv.tiles_rows_cpu(s, p.base, p.block, rows, cols, None, torch.bfloat16, out=torch.empty_like(whole)),
     )
+    for got in (fast[2], fast[3][ids], slow[2], slow[3][ids]):
+        assert got.dtype == torch.bfloat16 and torch.equal(got.view(torch.int16), w[ids].view(torch.int16))
+    with pytest.raises(ValueError, match="out must be a contiguous torch.bfloat16 tensor of shape"):
+        cpu_gemv.tiles_rows_cpu(s, p.base, p.block, rows, cols, ids, torch.bfloat16, out=whole)
     ref = tiles.decode_reference(
         {k: v.numpy() for k, v in s.items() if k != "esc_index"}
         | {"esc_index": s["esc_index"].numpy().astype("<u4").view(np.uint8)},
@@ -343,6 +354,31 @@ def test_archive_linear_forwards_share_one_workspace_and_return_their_own_tensor
         want = x.to(dtype, copy=True).requires_grad_()
         F.linear(want, small.to(dtype)).sum().backward()
         assert torch.equal(xg.grad, want.grad)
+
+
+def test_cpu_decode_matmul_decodes_into_the_workspace_in_xs_dtype(monkeypatch):
+    """UnweightLinear's CPU decode-then-matmul writes W in x's dtype into the thread's workspace and
+    multiplies it as F.linear does, bit for bit; layers take turns there, their results do not alias
+    it; a W over WORKSPACE_MAX_BYTES, or one autograd keeps, gets fresh memory."""
+    from unweight.runtime.layers import linear as L
+
+    monkeypatch.setattr(L, "_WORKSPACE", L._Workspace())
+    small, big = random_bf16(64, 128, seed=51), random_bf16(300, 128, seed=52)
+    a, b = UnweightLinear.from_weight(small), UnweightLinear.from_weight(big)
+    for dtype in (torch.bfloat16, torch.float32):
+        x = random_bf16(7, 128, seed=53).to(dtype)
+        ya, yb, ya2 = a.run("decode_matmul", x), b.run("decode_matmul", x), a.run("decode_matmul", x)
+        assert L._WORKSPACE.buf.nbytes == 300 * 128 * x.element_size()  # the largest W seen, in x's dtype
+        for y, w in ((ya, small), (yb, big), (ya2, small)):
+            assert torch.equal(y.view(torch.int16), F.linear(x, w.to(dtype)).view(torch.int16))
+    monkeypatch.setattr(L, "WORKSPACE_MAX_BYTES", 64 * 128 * 2)
+    monkeypatch.setattr(L, "_WORKSPACE", L._Workspace())
+    x = random_bf16(7, 128, seed=54)
+    b.run("decode_matmul", x)
+    assert L._WORKSPACE.buf is None  # too large for it
+    xg = x.clone().requires_grad_()
+    a.run("decode_matmul", xg).sum().backward()
+    assert L._WORKSPACE.buf is None and xg.grad is not None
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

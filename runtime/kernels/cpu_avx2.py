@@ -463,3 +463,23 @@ def _rows_fused_at(
     out = carray(_u32_at(out_at), (R, K))
     for t in prange(parts):
         _fused_bits(sm, codes, esc, esc_index, K, bpr, base, ids, out, R * t // parts, R * (t + 1) // parts)
+
+
+@njit(nogil=True, cache=True, parallel=True)
+def _rows_fused_bf16_at(
+    sm_at, n_sm, codes_at, n_codes, esc_at, n_esc, index_at, n_index, K, bpr, base, ids_at, R, out_at, parts
+):
+    """_rows_fused_at writing BF16 bits (the top half of each fp32 pattern, exact): eight rows at a
+    time are rebuilt into a small buffer and narrowed, so no fp32 copy of W is written."""
+    sm, codes, esc, esc_index = _streams_at(sm_at, n_sm, codes_at, n_codes, esc_at, n_esc, index_at, n_index)
+    ids = carray(_i64_at(ids_at), (R,))
+    out = carray(_u16_at(out_at), (R, K))
+    for t in prange(parts):
+        wide = np.empty((8, K), np.uint32)
+        i1 = R * (t + 1) // parts
+        for i in range(R * t // parts, i1, 8):
+            c = min(8, i1 - i)
+            _fused_bits(sm, codes, esc, esc_index, K, bpr, base, ids[i : i + c], wide, 0, c)
+            for r in range(c):
+                for k in range(K):
+                    out[i + r, k] = np.uint16(wide[r, k] >> np.uint32(16))

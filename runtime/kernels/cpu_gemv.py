@@ -3,8 +3,8 @@
 CPU decode is memory-bound too, so for small batches each W row is rebuilt eight weights at a time
 and multiplied with every row of x as it is rebuilt, never materialising W (`tiles_gemv_cpu`). The
 same rebuild serves gathers of whole rows (`tiles_rows_cpu`: embedding lookups, and the
-decode-then-matmul pipeline), producing fp32 directly since the CPU computes in fp32 (exact:
-every BF16 value is an fp32 value).
+decode-then-matmul pipeline), producing fp32 or BF16 directly, the dtype the CPU computes in
+(exact either way: every BF16 value is an fp32 value).
 
 The launchers: `tiles_gemv_cpu`, `tiles_grouped_gemv_cpu` and `tiles_rows_cpu` check their
 arguments and hand the streams' addresses to the AVX2 kernels (cpu_avx2.py) when the CPU and the
@@ -19,7 +19,15 @@ import numpy as np
 import torch
 from numba import config
 
-from .cpu_avx2 import BF16_DOT, FAST_PATH, _gemv_fused_at, _gemv_fused_bf16_at, _gemv_grouped_at, _rows_fused_at
+from .cpu_avx2 import (
+    BF16_DOT,
+    FAST_PATH,
+    _gemv_fused_at,
+    _gemv_fused_bf16_at,
+    _gemv_grouped_at,
+    _rows_fused_at,
+    _rows_fused_bf16_at,
+)
 from .cpu_reference import LOWBIT, SPREAD, _gemv_portable, _rows_portable
 
 ROWS_PER_PART = 16  # rows a thread takes at least: fewer parts than this many rows each cost more than they save
@@ -185,19 +193,26 @@ def tiles_rows_cpu(
     out_features: int,
     in_features: int,
     ids: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.float32,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Rows `ids` of W (all rows if None) as an fp32 tensor (len(ids), in_features); exact, since
-    every BF16 value is an fp32 value. The caller checks that ids lie in [0, out_features)."""
+    """Rows `ids` of W (all rows if None) as a (len(ids), in_features) tensor in `dtype`, exact in
+    fp32 and BF16 (every BF16 value is an fp32 value), written into `out` if given (contiguous, of
+    that shape and dtype). The fused kernels write fp32 or BF16 directly; another dtype is converted
+    from fp32. The caller checks that ids lie in [0, out_features)."""
     sm, codes, esc, esc_index = weight["sm"], weight["codes"], weight["esc"], weight["esc_index"]
     bpr = -(-in_features // block)
-    if _fast_layout(sm, codes, esc, esc_index, in_features):
+    r = out_features if ids is None else ids.numel()
+    if out is not None and (out.shape != (r, in_features) or out.dtype != dtype or not out.is_contiguous()):
+        raise ValueError(f"out must be a contiguous {dtype} tensor of shape {(r, in_features)}")
+    if dtype in (torch.float32, torch.bfloat16) and _fast_layout(sm, codes, esc, esc_index, in_features):
         idx = torch.arange(out_features) if ids is None else ids.reshape(-1).to("cpu", torch.int64).contiguous()
-        r = idx.numel()
-        out = torch.from_numpy(np.empty((r, in_features), dtype=np.float32))
+        if out is None:
+            out = torch.empty(r, in_features, dtype=dtype)
         if r:
             parts = max(1, min(_THREADS, r // ROWS_PER_PART))
             with _PARALLEL:
-                _rows_fused_at(
+                (_rows_fused_at if dtype is torch.float32 else _rows_fused_bf16_at)(
                     sm.data_ptr(),
                     sm.numel(),
                     *_addresses(codes, esc, esc_index),
@@ -210,9 +225,11 @@ def tiles_rows_cpu(
                     parts,
                 )
         return out
+    if out is not None:
+        return out.copy_(tiles_rows_cpu(weight, base, block, out_features, in_features, ids))
     idx = np.arange(out_features, dtype=np.int64) if ids is None else ids.reshape(-1).to(torch.int64).numpy()
     out = np.empty((len(idx), in_features), dtype=np.uint32)
     if len(idx) and in_features:
         with _PARALLEL:
             _rows_portable(*_args(weight), in_features, bpr, base, idx, out, SPREAD, LOWBIT, _parts(len(idx)))
-    return torch.from_numpy(out.view(np.float32))
+    return torch.from_numpy(out.view(np.float32)).to(dtype)
