@@ -84,6 +84,14 @@ class UnweightHfQuantizer(HfQuantizer):
         if isinstance(device_map, dict) and "disk" in device_map.values():
             raise ValueError("unweight: a device_map with 'disk' offload is not supported; keep the model on cpu/cuda")
 
+    def update_device_map(self, device_map):
+        """No device_map: everything on the default device (cpu, or a `with torch.device(...)` block's),
+        said as a device map. Between our two hooks the model holds no parameters at all, and transformers
+        (from 5.2x, where hub kernels are on by default) asks `model.device` there unless a map names it."""
+        if device_map is None:
+            return {"": torch.empty(0).device}
+        return device_map
+
     def update_dtype(self, dtype):
         return dtype
 
