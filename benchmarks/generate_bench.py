@@ -5,7 +5,7 @@ all of them on the same prompts:
 
   * unweight, serving layout  (`unweight.load(dir, layout="serving")`: fixed-rate tiles)
   * unweight, serving layout computing in BF16  (`dtype="bfloat16"`; the serving row computes
-    in the device's default, FP32 on a CPU)
+    in dtype="auto": BF16 on CUDA and on AVX512_BF16 CPUs, FP32 on other CPUs)
   * unweight, archive layout  (`layout="archive"`: decodes every weight at every step, so it
     decodes --slow-tokens tokens instead of --tokens)
   * transformers BF16         (the speed baseline: "vs bf16" is decode tokens/s over its own)

@@ -2,8 +2,8 @@
 a CPU): greedy tokens of SmolLM2-135M-Instruct against transformers' FP32 greedy tokens.
 
 For each prompt (--prompts chat questions, fixed), --tokens greedy tokens (no EOS stop) from:
-  ours FP32 KV   unweight.load's default on a CPU (FP32 compute and cache)
-  ours BF16 KV   unweight.load(kv_cache_dtype="bfloat16")
+  ours FP32 KV   unweight.load(dtype="float32"): FP32 compute and cache
+  ours BF16 KV   unweight.load(dtype="float32", kv_cache_dtype="bfloat16")
   HF BF16        transformers with the whole model in BF16 (what a BF16 deployment computes)
 each compared token by token with transformers in FP32: whether the whole run is equal, and where
 the first difference is.
@@ -87,8 +87,8 @@ def main() -> None:
     src = smollm2_bf16(cache_dir() / "smollm2-bf16")
     tok = unweight.load_tokenizer(uw)
     runs = {
-        "ours FP32 KV": (our_greedy, unweight.load(uw)),
-        "ours BF16 KV": (our_greedy, unweight.load(uw, kv_cache_dtype="bfloat16")),
+        "ours FP32 KV": (our_greedy, unweight.load(uw, dtype="float32")),
+        "ours BF16 KV": (our_greedy, unweight.load(uw, dtype="float32", kv_cache_dtype="bfloat16")),
         "HF BF16": (hf_greedy, AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).eval()),
     }
     oracle = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()

@@ -423,7 +423,8 @@ def generate(
         str,
         typer.Option(
             "--dtype",
-            help="Compute dtype, as vLLM's --dtype: auto (float32 on a CPU, bfloat16 on a GPU), bfloat16 or float32.",
+            help="Compute dtype, as vLLM's --dtype: auto (bfloat16 on a GPU and on a CPU with AVX512_BF16, float32 "
+            "on other CPUs), bfloat16 or float32.",
         ),
     ] = "auto",
     threads: Threads = None,
@@ -559,7 +560,8 @@ def serve(
         str,
         typer.Option(
             "--dtype",
-            help="Compute dtype, as vLLM's --dtype: auto (float32 on a CPU, bfloat16 on a GPU), bfloat16 or float32. "
+            help="Compute dtype, as vLLM's --dtype: auto (bfloat16 on a GPU and on a CPU with AVX512_BF16, float32 "
+            "on other CPUs), bfloat16 or float32. "
             "The weights are exact in either; bfloat16 rounds activations (docs/runtime.md).",
         ),
     ] = "auto",
@@ -567,7 +569,7 @@ def serve(
         str,
         typer.Option(
             "--kv-cache-dtype",
-            help="The KV cache's dtype: auto (the compute dtype: float32 on a CPU), bfloat16 or float32. bfloat16 "
+            help="The KV cache's dtype: auto (the compute dtype), bfloat16 or float32. bfloat16 "
             "halves the cache and the hand-off; the text may then differ from float32's (docs/serving.md).",
         ),
     ] = "auto",

@@ -70,7 +70,7 @@ def test_logits_match_transformers(family, configs, tmp_path):
 
     src = make_model(configs[family], tmp_path / "bf16")
     unweight.compress(src, tmp_path / "uw")
-    ours = unweight.load(tmp_path / "uw")
+    ours = unweight.load(tmp_path / "uw", dtype="float32")
     ref = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     if family == "qwen2-qkv-bias":
         assert ours.model.layers[0].self_attn.qkv_proj.bias is not None

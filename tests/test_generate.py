@@ -36,7 +36,7 @@ def hf(smollm2_dir):
 
 @pytest.fixture(scope="module")
 def model(smollm2_uw):
-    return unweight.load(smollm2_uw[0])
+    return unweight.load(smollm2_uw[0], dtype="float32")  # against transformers' FP32 (auto is BF16 on some CPUs)
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +95,7 @@ def test_a_bfloat16_kv_cache_is_the_float32_one_rounded_as_stored(smollm2_uw, mo
     so the logits are bit-equal, token after token."""
     from unweight.runtime.model.kv_cache import KVCache
 
-    bf16 = unweight.load(smollm2_uw[0], kv_cache_dtype="bfloat16")
+    bf16 = unweight.load(smollm2_uw[0], kv_cache_dtype="bfloat16", dtype="float32")
     assert bf16.cache.k.dtype == torch.bfloat16 and model.cache.k.dtype == torch.float32
     assert 2 * bf16.cache.bytes_per_token == model.cache.bytes_per_token
     ids = prompt_ids(tok, *PROMPTS[1])
@@ -168,7 +168,7 @@ def test_weights_stay_compressed(model, smollm2_dir):
 
 
 def test_archive_layout_gives_the_same_logits(smollm2_uw, model, tok):
-    archive = unweight.load(smollm2_uw[0], layout="archive")
+    archive = unweight.load(smollm2_uw[0], layout="archive", dtype="float32")
     assert archive.resident_weight_bytes() < model.resident_weight_bytes()
     ids = prompt_ids(tok, *PROMPTS[0])
     a, b = archive.new_sequence(), model.new_sequence()

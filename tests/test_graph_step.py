@@ -16,7 +16,7 @@ PROMPTS = ([1, 2, 3], list(range(10, 40)), [5] * 17)  # one to three blocks of 1
 
 @pytest.fixture(scope="module")
 def model(smollm2_uw):
-    return unweight.load(smollm2_uw[0])
+    return unweight.load(smollm2_uw[0], dtype="float32")
 
 
 def greedy(model, mode: str | None, steps: int = 6) -> list[torch.Tensor]:

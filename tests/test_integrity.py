@@ -192,11 +192,11 @@ def test_version_1_0_damage_is_refused_by_a_decode(folders, tmp_path, kind, tens
 
 
 def test_version_1_0_folders_still_load_and_say_how_they_were_checked(folders, tmp_path):
-    want = _greedy(unweight.load(folders["serving"], threads=1))
+    want = _greedy(unweight.load(folders["serving"], threads=1, dtype="float32"))
     for kind in ("serving", "archive"):
         folder = _as_version_1_0(_copy(folders[kind], tmp_path / kind))
         for layout in ("serving", "archive"):
-            model = unweight.load(folder, layout=layout, threads=1)
+            model = unweight.load(folder, layout=layout, threads=1, dtype="float32")
             rep = model.load_report
             assert rep.stream_checked == 0 and rep.stream_bytes == 0
             assert rep.decode_checked == 21  # 16 matrices and 5 norms, each once
@@ -215,7 +215,8 @@ def test_undamaged_folders_load_and_generate_the_same_tokens(folders):
         want = ref.generate(torch.tensor([PROMPT]), max_new_tokens=8, do_sample=False)[0, len(PROMPT) :].tolist()
     for kind in ("serving", "archive"):
         for layout in ("serving", "archive"):
-            assert _greedy(unweight.load(folders[kind], layout=layout, threads=1)) == want, (kind, layout)
+            model = unweight.load(folders[kind], layout=layout, threads=1, dtype="float32")
+            assert _greedy(model) == want, (kind, layout)
 
 
 def _kept_as_stored(kind: str, layout: str) -> list[str]:

@@ -109,7 +109,7 @@ def test_loglikelihood_task_through_local_completions(server, uw, tmp_path):
         "uw_choice",
         f"tokenizer={uw},tokenizer_backend=huggingface,tokenized_requests=True",
     )
-    model, tok = unweight.load(uw), unweight.load_tokenizer(uw)
+    model, tok = unweight.load(uw, dtype="float32"), unweight.load_tokenizer(uw)
     correct = 0
     for s in sorted(samples, key=lambda s: s["doc_id"]):
         question, choices, answer = CHOICES[s["doc_id"]]
@@ -133,7 +133,7 @@ def test_generate_until_task_through_local_chat_completions(server, uw, tmp_path
         server, tmp_path, "local-chat-completions", "uw_gen", "tokenizer_backend=none,tokenized_requests=False"
     )
     assert "exact_match,none" in results and 0 <= results["exact_match,none"] <= 1
-    model, tok = unweight.load(uw), unweight.load_tokenizer(uw)
+    model, tok = unweight.load(uw, dtype="float32"), unweight.load_tokenizer(uw)
     for s in samples:
         q = QUESTIONS[s["doc_id"]][0]
         want = unweight.generate(

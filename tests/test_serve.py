@@ -3,7 +3,9 @@ SmolLM2-135M-Instruct in compressed form, on the CPU.
 
 The servers run with UNWEIGHT_PIPELINE=fused: the fused CPU GEMV computes every row of a batch
 exactly as it would alone, so greedy text does not depend on which requests share a batch and
-can be compared token for token with `unweight generate`.
+can be compared token for token with `unweight generate`. They compute in FP32 unless a test names
+a --dtype, as the in-process references do: `auto` is BF16 on some CPUs and FP32 on others, and
+the same tests should test the same thing on both (the BF16 server has its own test).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import time
 
 import httpx
 import pytest
+import torch
 
 import unweight
 
@@ -47,6 +50,8 @@ class Server:
     ):
         self.port = port or free_port()
         env = {**os.environ, "UNWEIGHT_PIPELINE": "fused", **(env or {})}
+        if "--dtype" not in args:
+            args = (*args, "--dtype", "float32")
         cmd = [sys.executable, "-m", "unweight.cli.main", "serve", *args, "--port", str(self.port)]
         self.proc = subprocess.Popen(
             cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=stderr, text=True
@@ -111,7 +116,7 @@ def server(uw):
 @pytest.fixture(scope="module")
 def expected(uw):
     """What `unweight generate` says, greedy, for each of MESSAGES (16 new tokens at most)."""
-    model, tok = unweight.load(uw), unweight.load_tokenizer(uw)
+    model, tok = unweight.load(uw, dtype="float32"), unweight.load_tokenizer(uw)
     return [unweight.generate(model, tok, m, max_new_tokens=16) for m in MESSAGES]
 
 
@@ -288,5 +293,29 @@ def test_aggregated_mode(uw, expected):
 
         with concurrent.futures.ThreadPoolExecutor(len(MESSAGES)) as pool:
             assert list(pool.map(ask, range(len(MESSAGES)))) == [e.text for e in expected]
+    finally:
+        s.stop()
+
+
+def test_auto_dtype_server_answers_as_generate_in_the_same_dtype(uw, monkeypatch):
+    """`--dtype auto` (the default): BF16 where the CPU has AVX512_BF16, FP32 elsewhere, in the workers
+    as in `unweight.load`; the KV handed from prefill to decode is in that dtype. Concurrent greedy
+    chats give `generate`'s text in that dtype, the fused pipeline in both."""
+    from unweight.runtime.kernels.cpu_avx2 import BF16_DOT
+
+    monkeypatch.setenv("UNWEIGHT_PIPELINE", "fused")
+    model, tok = unweight.load(uw), unweight.load_tokenizer(uw)
+    assert model.compute_dtype == (torch.bfloat16 if BF16_DOT else torch.float32)
+    want = [unweight.generate(model, tok, m, max_new_tokens=16).text for m in MESSAGES]
+    s = Server(str(uw), "--dtype", "auto", "--max-model-len", "512")
+    try:
+
+        def ask(i: int) -> str:
+            time.sleep(0.3 * i)
+            body = {"model": "uw", "messages": MESSAGES[i], "max_tokens": 16, "temperature": 0}
+            return s.http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
+
+        with concurrent.futures.ThreadPoolExecutor(len(MESSAGES)) as pool:
+            assert list(pool.map(ask, range(len(MESSAGES)))) == want
     finally:
         s.stop()

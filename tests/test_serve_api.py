@@ -36,7 +36,7 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def local(uw):
-    return unweight.load(uw), unweight.load_tokenizer(uw)
+    return unweight.load(uw, dtype="float32"), unweight.load_tokenizer(uw)
 
 
 def logprobs_of(local, ids: list[int]) -> torch.Tensor:

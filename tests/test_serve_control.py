@@ -169,7 +169,7 @@ def model_and_tokenizer(uw):
     agree token for token."""
     before = os.environ.get("UNWEIGHT_PIPELINE")
     os.environ["UNWEIGHT_PIPELINE"] = "fused"
-    yield unweight.load(uw), unweight.load_tokenizer(uw)
+    yield unweight.load(uw, dtype="float32"), unweight.load_tokenizer(uw)
     if before is None:
         os.environ.pop("UNWEIGHT_PIPELINE")
     else:

@@ -106,7 +106,7 @@ def test_router_prefill_and_decode_on_separate_hosts(uw, expected, hosts, tmp_pa
     url = f"http://{router_addr}:8000"
     env = {**os.environ, "UNWEIGHT_PIPELINE": "fused"}
     serve = [sys.executable, "-m", "unweight.cli.main", "serve", str(uw), "--control-secret-file", str(secret)]
-    serve += ["--max-model-len", "512"]
+    serve += ["--max-model-len", "512", "--dtype", "float32"]
     log = open(tmp_path / "log.txt", "w")  # noqa: SIM115 - every process writes here until the end
 
     def worker(role: str) -> subprocess.Popen:

@@ -153,9 +153,10 @@ def load(
     layout="serving" (the default) keeps 2-D weights in the fixed-rate tiles the fused kernels read
     (archive-layout checkpoints are transcoded at load); layout="archive" keeps the stored streams
     and decodes each weight at every use (smallest memory, slow). device: "cpu" or "cuda[:n]".
-    dtype: the compute dtype, as vLLM's --dtype: "auto" (FP32 on a CPU, BF16 on a GPU), "bfloat16"
-    or "float32"; the weights are exact in either. kv_cache_dtype: "auto" (the compute dtype),
-    "bfloat16" or "float32", as vLLM's --kv-cache-dtype."""
+    dtype: the compute dtype, as vLLM's --dtype: "auto" (BF16 on a GPU and on a CPU with
+    AVX512_BF16, FP32 on other CPUs), "bfloat16" or "float32"; the weights are exact in either, and
+    FP32 gives transformers' FP32 tokens (docs/runtime.md). kv_cache_dtype: "auto" (the compute
+    dtype), "bfloat16" or "float32", as vLLM's --kv-cache-dtype."""
     from unweight.runtime.model.loader import load as _load
 
     return _load(

@@ -42,7 +42,7 @@ PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_pro
 # eager, or off (sequence by sequence; the default on the CPU)
 DECODE_GRAPH_ENV = "UNWEIGHT_DECODE_GRAPH"
 DEFAULT_CACHE_TOKENS = 8192  # KV cache room over all sequences, unless the caller says otherwise
-# vLLM's --dtype names for the compute; "auto" (None): compute_dtype(device), FP32 on a CPU, BF16 on CUDA
+# vLLM's --dtype names for the compute; "auto" (None): auto_dtype(device)
 DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float32": torch.float32}
 # vLLM's --kv-cache-dtype names; "auto" (None) follows the compute dtype
 KV_CACHE_DTYPES = DTYPES
@@ -81,6 +81,17 @@ def _device(device: str | torch.device) -> torch.device:
     return dev
 
 
+def auto_dtype(device: str | torch.device) -> torch.dtype:
+    """What dtype="auto" computes in: the checkpoint's own BF16 where the hardware multiplies BF16 (CUDA,
+    and a CPU with AVX512_BF16's vdpbf16ps, which AMX hosts have too), as vLLM's auto keeps a BF16
+    model's dtype; FP32 on other CPUs, where BF16 activations would only add conversions."""
+    if torch.device(device).type == "cuda":
+        return torch.bfloat16
+    from ..kernels.cpu_avx2 import BF16_DOT
+
+    return torch.bfloat16 if BF16_DOT else compute_dtype(device)
+
+
 def load(
     path: str | os.PathLike,
     device: str | torch.device = "cpu",
@@ -108,7 +119,7 @@ def load(
     with torch.device("meta"):
         model = CausalLM(cfg)
     with CompressedCheckpoint(path, threads) as ckpt:
-        work = DTYPES[dtype] or compute_dtype(dev)
+        work = DTYPES[dtype] or auto_dtype(dev)
         transcoded = _fill(model, ckpt, dev, layout, threads, work)
         original = sum(ckpt.entry(name).nbytes for name in ckpt.keys())
     tokens = max_cache_tokens or min(cfg.max_position_embeddings, DEFAULT_CACHE_TOKENS)
@@ -129,7 +140,7 @@ def load(
         st.by_decode,
         original,
     )
-    log.info("%s: %s", path, model.load_report)
+    log.info("%s: %s; computing in %s", path, model.load_report, str(work).removeprefix("torch."))
     return model
 
 
