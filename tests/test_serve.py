@@ -278,6 +278,19 @@ def test_killed_worker_fails_its_requests_then_comes_back(server, expected):
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == expected[0].text
 
 
+def staggered_chats(s: Server) -> list[str]:
+    """Each of MESSAGES as a greedy chat of 16 tokens at most, sent 0.3 s apart from threads of their
+    own, so that the later prompts arrive while the first ones decode; the answers' texts."""
+
+    def ask(i: int) -> str:
+        time.sleep(0.3 * i)
+        body = {"model": "uw", "messages": MESSAGES[i], "max_tokens": 16, "temperature": 0}
+        return s.http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
+
+    with concurrent.futures.ThreadPoolExecutor(len(MESSAGES)) as pool:
+        return list(pool.map(ask, range(len(MESSAGES))))
+
+
 def test_aggregated_mode(uw, expected):
     """--no-disagg answers as `generate` does, also when prompts arrive beside a running batch (they
     are prefilled in the same forward as its next step)."""
@@ -285,14 +298,7 @@ def test_aggregated_mode(uw, expected):
     try:
         h = s.health()
         assert h["mode"] == "aggregated" and [w["role"] for w in h["workers"]] == ["worker"]
-
-        def ask(i: int) -> str:
-            time.sleep(0.3 * i)  # the later prompts arrive while the first ones decode
-            body = {"model": "uw", "messages": MESSAGES[i], "max_tokens": 16, "temperature": 0}
-            return s.http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
-
-        with concurrent.futures.ThreadPoolExecutor(len(MESSAGES)) as pool:
-            assert list(pool.map(ask, range(len(MESSAGES)))) == [e.text for e in expected]
+        assert staggered_chats(s) == [e.text for e in expected]
     finally:
         s.stop()
 
@@ -309,13 +315,6 @@ def test_auto_dtype_server_answers_as_generate_in_the_same_dtype(uw, monkeypatch
     want = [unweight.generate(model, tok, m, max_new_tokens=16).text for m in MESSAGES]
     s = Server(str(uw), "--dtype", "auto", "--max-model-len", "512")
     try:
-
-        def ask(i: int) -> str:
-            time.sleep(0.3 * i)
-            body = {"model": "uw", "messages": MESSAGES[i], "max_tokens": 16, "temperature": 0}
-            return s.http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
-
-        with concurrent.futures.ThreadPoolExecutor(len(MESSAGES)) as pool:
-            assert list(pool.map(ask, range(len(MESSAGES)))) == want
+        assert staggered_chats(s) == want
     finally:
         s.stop()

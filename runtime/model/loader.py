@@ -85,11 +85,9 @@ def auto_dtype(device: str | torch.device) -> torch.dtype:
     """What dtype="auto" computes in: the checkpoint's own BF16 where the hardware multiplies BF16 (CUDA,
     and a CPU with AVX512_BF16's vdpbf16ps, which AMX hosts have too), as vLLM's auto keeps a BF16
     model's dtype; FP32 on other CPUs, where BF16 activations would only add conversions."""
-    if torch.device(device).type == "cuda":
-        return torch.bfloat16
     from ..kernels.cpu_avx2 import BF16_DOT
 
-    return torch.bfloat16 if BF16_DOT else compute_dtype(device)
+    return torch.bfloat16 if torch.device(device).type == "cpu" and BF16_DOT else compute_dtype(device)
 
 
 def load(
