@@ -246,8 +246,12 @@ def _make_dot(M: int):
 
 @intrinsic
 def _bits_row(typingctx, sm, sm_off, codes, codes_off, esc, k0, G, base, out, i):
-    """out[i, :8G] = the row's fp32 bit patterns (uint32); returns the esc position after it."""
+    """out[i, :8G] = the row's fp32 bit patterns (a uint32 out), or its BF16 bit patterns (a
+    uint16 out: each lane's top half, exact, narrowed in registers, vpsrld and vpmovdw with
+    AVX-512); returns the esc position after the row."""
     sig = types.intp(sm, types.intp, codes, types.intp, esc, types.intp, types.intp, types.intp, out, types.intp)
+    bf16 = out.dtype == types.uint16
+    lane = ir.VectorType(ir.IntType(16), 8) if bf16 else _V8I32
 
     def codegen(context, builder, signature, args):
         sm_a, sm_off, codes_a, codes_off, esc_a, k0, G, base, out_a, i = args
@@ -257,7 +261,10 @@ def _bits_row(typingctx, sm, sm_off, codes, codes_off, esc, k0, G, base, out, i)
         op = b.gep(b.bitcast(oarr.data, _I8.as_pointer()), [b.mul(b.extract_value(oarr.strides, 0), i)])
 
         def body(g, w, parity):
-            b.store(w, b.bitcast(b.gep(op, [b.shl(g, _const(5))]), _V8I32.as_pointer()), align=4)
+            if bf16:
+                w = b.trunc(b.lshr(w, _vconst([16] * 8)), lane)
+            dst = b.gep(op, [b.shl(g, _const(4 if bf16 else 5))])
+            b.store(w, b.bitcast(dst, lane.as_pointer()), align=2 if bf16 else 4)
 
         row.loop(G, body)
         return b.load(row.k)
@@ -351,16 +358,39 @@ def _fused_rows(x, xt, sm, codes, esc, esc_index, K, bpr, base, y, n0, n1, c0):
 
 @njit(nogil=True, cache=True)
 def _fused_bits(sm, codes, esc, esc_index, K, bpr, base, ids, out, i0, i1):
-    """out[i] = row ids[i] of W as fp32 bit patterns for i in [i0, i1) (K % 8 == 0)."""
+    """out[i] = row ids[i] of W for i in [i0, i1) (K % 8 == 0): fp32 bit patterns into a uint32
+    out, BF16 ones into a uint16 out."""
     G = K >> 3
     for i in range(i0, i1):
         n = ids[i]
         if _in_place(codes, esc, esc_index, G, bpr, n):
             _bits_row(sm, n * K, codes, 3 * G * n, esc, esc_index[n * bpr], G, base, out, i)
-        else:
+        else:  # the last rows of the tensor, without slack to read past: the portable decoder
             e64 = np.empty(G + 1, dtype=np.uint64)
             hits = np.empty(G + 1, dtype=np.int64)
-            _row_bits(sm, codes, esc, esc_index, K, bpr, base, n, SPREAD, LOWBIT, e64, hits, out[i])
+            bits = np.empty(K, dtype=np.uint32)
+            _row_bits(sm, codes, esc, esc_index, K, bpr, base, n, SPREAD, LOWBIT, e64, hits, bits)
+            _narrow(bits, out[i])
+
+
+def _narrow(bits, out):
+    """out[:] = fp32 bit patterns `bits`, as out's dtype takes them (uint32 whole, uint16 the top half)."""
+
+
+@overload(_narrow, inline="always")
+def _narrow_impl(bits, out):
+    if out.dtype == types.uint16:
+
+        def narrow(bits, out):
+            for k in range(out.shape[0]):
+                out[k] = np.uint16(bits[k] >> np.uint32(16))
+
+        return narrow
+
+    def copy(bits, out):
+        out[:] = bits
+
+    return copy
 
 
 def _make_pointer(nbtype):
@@ -469,17 +499,10 @@ def _rows_fused_at(
 def _rows_fused_bf16_at(
     sm_at, n_sm, codes_at, n_codes, esc_at, n_esc, index_at, n_index, K, bpr, base, ids_at, R, out_at, parts
 ):
-    """_rows_fused_at writing BF16 bits (the top half of each fp32 pattern, exact): eight rows at a
-    time are rebuilt into a small buffer and narrowed, so no fp32 copy of W is written."""
+    """_rows_fused_at writing BF16 bits (the top half of each fp32 pattern, exact), narrowed in
+    registers: no fp32 copy of W is written."""
     sm, codes, esc, esc_index = _streams_at(sm_at, n_sm, codes_at, n_codes, esc_at, n_esc, index_at, n_index)
     ids = carray(_i64_at(ids_at), (R,))
     out = carray(_u16_at(out_at), (R, K))
     for t in prange(parts):
-        wide = np.empty((8, K), np.uint32)
-        i1 = R * (t + 1) // parts
-        for i in range(R * t // parts, i1, 8):
-            c = min(8, i1 - i)
-            _fused_bits(sm, codes, esc, esc_index, K, bpr, base, ids[i : i + c], wide, 0, c)
-            for r in range(c):
-                for k in range(K):
-                    out[i + r, k] = np.uint16(wide[r, k] >> np.uint32(16))
+        _fused_bits(sm, codes, esc, esc_index, K, bpr, base, ids, out, R * t // parts, R * (t + 1) // parts)
