@@ -174,10 +174,12 @@ def test_cpu_fast_and_portable_paths_agree(rows, cols, m, monkeypatch):
         assert torch.all((y - exact).abs() <= bound)
 
 
-@pytest.mark.parametrize("rows,cols", [(40, 576), (24, 72), (64, 136), (33, 584), (20, 8)])
+@pytest.mark.parametrize(
+    "rows,cols", [(40, 576), (24, 72), (64, 136), (33, 584), (20, 8), (18, 80), (27, 88), (16, 24), (9, 16)]
+)
 def test_cpu_bf16_kernel_sums_bf16_products_in_fp32(rows, cols, monkeypatch):
-    """BF16 x on an AVX512_BF16 CPU: the vdpbf16ps kernel (two groups of W a pair; odd group counts,
-    K not a multiple of 16, passes of 16 and 8 rows of x and the tail rows of W) is within fp32
+    """BF16 x on an AVX512_BF16 CPU: the vdpbf16ps kernel (four groups of W a 512-bit quad; group
+    counts of every remainder mod 4, passes of 16 and 8 rows of x and the tail rows of W) is within fp32
     accumulation-order tolerance of the exact product of the BF16 values, like the fp32 kernel."""
     from unweight.runtime.kernels import cpu_gemv
 

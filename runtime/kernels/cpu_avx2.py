@@ -71,7 +71,7 @@ _LANE_MUL = [(1 << (24 - i)) + (1 << (17 - i)) + (1 << (10 - i)) for i in range(
 
 
 FAST_PATH = simd.has("avx2", "fma")  # the fused kernels need both on the CPU numba compiles for
-BF16_DOT = simd.has("avx512bf16", "avx512vl")  # ... and vdpbf16ps on 256 bits, for BF16 activations
+BF16_DOT = simd.has("avx512bf16", "avx512vl")  # ... and vdpbf16ps (512 bits), for BF16 activations
 # With AVX-512 (VL), 32 vector registers: a pass of WIDE_ROWS rows of x keeps its accumulators in
 # registers, so a decode step of 16 sequences rebuilds each W row once instead of twice.
 WIDE_ROWS = 16
@@ -153,20 +153,40 @@ class _RowEmitter:
             g = b.sub(G, _const(1))
             body(g, self.single(g), 0)
 
-    def bf16_loop(self, G, body):
-        """body(g, bf16 pair) for g = 0, 2, 4, ... < G: the BF16 weights of groups g and g + 1 in one
-        <8 x i32>, lane i holding weight i of group g in its low half and of group g + 1 in its high
-        half (zero past the last group), as vdpbf16ps pairs them. A lane's fp32 bits are the BF16
-        value and 16 zero bits, so the pair is (w0 >> 16) | w1."""
+    def bf16_quad_loop(self, G, body):
+        """body(g, bf16 quad) for g = 0, 4, 8, ... < G: the BF16 weights of groups g..g + 3 in one
+        <16 x i32>, as vdpbf16ps on 512 bits pairs them: lane i < 8 holds weight i of group g in its
+        low half and of group g + 1 in its high half, lane 8 + i those of groups g + 2 and g + 3
+        (zero past the last group). A lane's fp32 bits are the BF16 value and 16 zero bits, so a
+        pair is (w0 >> 16) | w1."""
         b = self.b
         half = _vconst([16] * 8)
-        with cgutils.for_range(b, b.lshr(G, _const(1))) as loop:
-            g = b.shl(loop.index, _const(1))
+        zero = ir.Constant(_V8I32, [ir.Constant(_I32, 0)] * 8)
+        both = ir.Constant(ir.VectorType(_I32, 16), list(range(16)))
+
+        def pair(g):
             w0, w1 = self.pair(g)
-            body(g, b.or_(b.lshr(w0, half), w1))
-        with b.if_then(b.trunc(G, ir.IntType(1))):
-            g = b.sub(G, _const(1))
-            body(g, b.lshr(self.single(g), half))
+            return b.or_(b.lshr(w0, half), w1)
+
+        def quad(g, lo, hi):
+            body(g, b.shuffle_vector(lo, hi, both))
+
+        with cgutils.for_range(b, b.lshr(G, _const(2))) as loop:
+            g = b.shl(loop.index, _const(2))
+            quad(g, pair(g), pair(b.add(g, _const(2))))
+        rest = b.and_(G, _const(3))
+        g = b.sub(G, rest)
+        with b.if_then(b.icmp_unsigned("!=", rest, _const(0))):
+            with b.if_else(b.icmp_unsigned("==", rest, _const(1))) as (one, more):
+                with one:
+                    quad(g, b.lshr(self.single(g), half), zero)
+                with more:
+                    lo = pair(g)
+                    with b.if_else(b.icmp_unsigned("==", rest, _const(2))) as (two, three):
+                        with two:
+                            quad(g, lo, zero)
+                        with three:
+                            quad(g, lo, b.lshr(self.single(b.add(g, _const(2))), half))
 
 
 def _hsum(builder, acc):
@@ -185,8 +205,8 @@ def _hsum(builder, acc):
 def _make_dot(M: int):
     """Intrinsic: y[m, n] = x[m] . W[n] for the M rows of x, W[n] rebuilt group by group in
     registers; returns the esc position after the row. x is fp32 (one FMA per group and row), or
-    BF16 bits (uint16) laid out as `_bf16_pairs` lays them (one vdpbf16ps per two groups and row,
-    AVX512_BF16): the kernel follows x's dtype."""
+    BF16 bits (uint16) laid out as `_bf16_quads` lays them (one 512-bit vdpbf16ps per four groups
+    and row, AVX512_BF16): the kernel follows x's dtype."""
 
     @intrinsic
     def dot(typingctx, sm, sm_off, codes, codes_off, esc, k0, x, G, base, y, n):
@@ -201,12 +221,13 @@ def _make_dot(M: int):
             xarr = context.make_array(signature.args[6])(context, b, x_a)
             xp = b.bitcast(xarr.data, _I8.as_pointer())
             xstride = b.extract_value(xarr.strides, 0)
-            # fp32 x is (M, K), a pointer per row; BF16 pairs are (pairs, M, 16), x[j, m] at j * stride
-            # + 32 * m, one pointer for every row (16 row pointers do not fit in registers)
+            # fp32 x is (M, K), a pointer per row; BF16 quads are (quads, M, 32), x[j, m] at j * stride
+            # + 64 * m, one pointer for every row (16 row pointers do not fit in registers)
             xrows = [] if bf16 else [b.gep(xp, [b.mul(xstride, _const(m))]) for m in range(M)]
-            zero = ir.Constant(_V8F32, [ir.Constant(_F32, 0.0)] * 8)
-            # accumulators per row of x: even and odd groups, to hide the FMA latency (a BF16 pair
-            # of groups rebuilds 16 weights between two vdpbf16ps of a row, which hides it)
+            lanes = 16 if bf16 else 8
+            zero = ir.Constant(ir.VectorType(_F32, lanes), [ir.Constant(_F32, 0.0)] * lanes)
+            # accumulators per row of x: even and odd groups, to hide the FMA latency (a BF16 quad
+            # of groups rebuilds 32 weights between two vdpbf16ps of a row, which hides it)
             split = 2 if M <= 4 and not bf16 else 1
             accs = [[cgutils.alloca_once_value(b, zero) for _ in range(split)] for _ in range(M)]
 
@@ -218,14 +239,14 @@ def _make_dot(M: int):
                     b.store(b.call(fma, [w, xv, b.load(acc)]), acc)
 
             def body_bf16(g, w):
-                xg = b.gep(xp, [b.mul(b.lshr(g, _const(1)), xstride)])
+                xg = b.gep(xp, [b.mul(b.lshr(g, _const(2)), xstride)])
                 for m in range(M):
-                    xv = _load(b, xg, _const(32 * m), _V8I32, align=2)
+                    xv = _load(b, xg, _const(64 * m), simd.V16I32, align=2)
                     acc = accs[m][0]
-                    b.store(simd.dpbf16ps(b, b.load(acc), w, xv), acc)
+                    b.store(simd.dpbf16ps512(b, b.load(acc), w, xv), acc)
 
             if bf16:
-                row.bf16_loop(G, body_bf16)
+                row.bf16_quad_loop(G, body_bf16)
             else:
                 row.loop(G, body)
             yarr = context.make_array(signature.args[9])(context, b, y_a)
@@ -235,6 +256,9 @@ def _make_dot(M: int):
                 acc = b.load(accs[m][0])
                 for extra in accs[m][1:]:
                     acc = b.fadd(acc, b.load(extra), flags=("fast",))
+                if bf16:  # the two halves of the 512-bit accumulator
+                    lo, hi = (ir.Constant(ir.VectorType(_I32, 8), list(range(h, h + 8))) for h in (0, 8))
+                    acc = b.fadd(b.shuffle_vector(acc, acc, lo), b.shuffle_vector(acc, acc, hi), flags=("fast",))
                 dst = b.gep(yp, [b.add(b.mul(ystride, _const(m)), b.shl(n, _const(2)))])
                 b.store(_hsum(b, acc), b.bitcast(dst, _F32.as_pointer()), align=4)
             return b.load(row.k)
@@ -295,7 +319,7 @@ def _portable_row_dot(x, sm, codes, esc, esc_index, K, bpr, base, y, n, col):
 
 
 def _row_slice(x, m0, m1):
-    """Rows m0..m1 of x as the fused kernels take it: x[m0:m1] of (M, K) fp32, x[:, m0:m1] of BF16 pairs."""
+    """Rows m0..m1 of x as the fused kernels take it: x[m0:m1] of (M, K) fp32, x[:, m0:m1] of BF16 quads."""
 
 
 @overload(_row_slice, inline="always")
@@ -309,8 +333,8 @@ def _row_slice_impl(x, m0, m1):
 def _fused_rows(x, xt, sm, codes, esc, esc_index, K, bpr, base, y, n0, n1, c0):
     """y[:, n - c0] = x @ W[n] for n in [n0, n1) (K % 8 == 0): rows of x in passes of WIDE_ROWS
     (AVX-512), then of up to MAX_FUSED_ROWS, one inlined loop per pass size (a call per row would
-    cost more than a row). x is (M, K) fp32, or BF16 pairs (pairs of groups, M, 16) from
-    _bf16_pairs; xt is x as (M, K) fp32, which the last rows of W, rebuilt by the portable code,
+    cost more than a row). x is (M, K) fp32, or BF16 quads (quads of groups, M, 32) from
+    _bf16_quads; xt is x as (M, K) fp32, which the last rows of W, rebuilt by the portable code,
     multiply."""
     G = K >> 3
     n_fast = n1
@@ -424,19 +448,20 @@ def _streams_at(sm_at, n_sm, codes_at, n_codes, esc_at, n_esc, index_at, n_index
 
 
 @njit(nogil=True, cache=True)
-def _bf16_pairs(x):
-    """x (M, K) BF16 bits as the vdpbf16ps kernel reads them, (K / 16 rounded up, M, 16): for each
-    pair of groups g, g + 1, the M rows side by side, each interleaving value i of group g with
-    value i of group g + 1 (zeros past K), as the kernel pairs the weights; and x in fp32 (M, K)."""
+def _bf16_quads(x):
+    """x (M, K) BF16 bits as the vdpbf16ps kernel reads them, (K / 32 rounded up, M, 32): for each
+    four groups g..g + 3, the M rows side by side, each interleaving value i of group g with value
+    i of group g + 1, then of g + 2 with g + 3 (zeros past K), as the kernel pairs the weights; and
+    x in fp32 (M, K)."""
     M, K = x.shape
-    pairs = np.zeros(((K + 15) >> 4, M, 16), np.uint16)
+    quads = np.zeros(((K + 31) >> 5, M, 32), np.uint16)
     bits = np.empty((M, K), np.uint32)
     for m in range(M):
         for k in range(K):
             v = x[m, k]
-            pairs[k >> 4, m, 2 * (k & 7) + (k >> 3 & 1)] = v
+            quads[k >> 5, m, (k & 16) + 2 * (k & 7) + (k >> 3 & 1)] = v
             bits[m, k] = np.uint32(v) << 16
-    return pairs, bits.view(np.float32)
+    return quads, bits.view(np.float32)
 
 
 @njit(nogil=True, cache=True, parallel=True)
@@ -459,7 +484,7 @@ def _gemv_fused_bf16_at(
     x_at, M, sm_at, codes_at, n_codes, esc_at, n_esc, index_at, n_index, N, K, bpr, base, r0, R, y_at, parts
 ):
     """_gemv_fused_at for x (M, K) in BF16, through vdpbf16ps (AVX512_BF16)."""
-    xb, xt = _bf16_pairs(carray(_u16_at(x_at), (M, K)))
+    xb, xt = _bf16_quads(carray(_u16_at(x_at), (M, K)))
     sm, codes, esc, esc_index = _streams_at(sm_at, N * K, codes_at, n_codes, esc_at, n_esc, index_at, n_index)
     y = carray(_f32_at(y_at), (M, R))
     for t in prange(parts):

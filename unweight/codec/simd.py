@@ -111,6 +111,16 @@ def dpbf16ps(builder, acc, a, b):
     return builder.call(fn, [acc, builder.bitcast(a, V16BF16), builder.bitcast(b, V16BF16)])
 
 
+V16F32, V16I32, V32BF16 = ir.VectorType(F32, 16), ir.VectorType(I32, 16), ir.VectorType(_BFloat(), 32)
+
+
+def dpbf16ps512(builder, acc, a, b):
+    """vdpbf16ps on 512 bits (AVX512_BF16): dpbf16ps on <16 x float> `acc` and <16 x i32> a, b
+    holding 32 BF16 values each."""
+    fn = function(builder, "llvm.x86.avx512bf16.dpbf16ps.512", V16F32, [V16F32, V32BF16, V32BF16])
+    return builder.call(fn, [acc, builder.bitcast(a, V32BF16), builder.bitcast(b, V32BF16)])
+
+
 def function(builder, name: str, ret, args):
     """Declare (once per module) and return an LLVM intrinsic or function."""
     return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, args), name)
