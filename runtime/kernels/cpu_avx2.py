@@ -243,7 +243,7 @@ def _make_dot(M: int):
                 for m in range(M):
                     xv = _load(b, xg, _const(64 * m), simd.V16I32, align=2)
                     acc = accs[m][0]
-                    b.store(simd.dpbf16ps512(b, b.load(acc), w, xv), acc)
+                    b.store(simd.dpbf16ps(b, b.load(acc), w, xv), acc)
 
             if bf16:
                 row.bf16_quad_loop(G, body_bf16)

@@ -100,21 +100,10 @@ class _BFloat(ir.Type):
         return hash("bfloat")
 
 
-V16BF16 = ir.VectorType(_BFloat(), 16)
-
-
-def dpbf16ps(builder, acc, a, b):
-    """vdpbf16ps on 256 bits (AVX512_BF16 and VL): lane i of the <8 x float> `acc` plus
-    a[2i] * b[2i] + a[2i + 1] * b[2i + 1], where a and b are <8 x i32> holding 16 BF16 values
-    (the low half of each lane first). Denormal inputs and outputs are taken as zero."""
-    fn = function(builder, "llvm.x86.avx512bf16.dpbf16ps.256", V8F32, [V8F32, V16BF16, V16BF16])
-    return builder.call(fn, [acc, builder.bitcast(a, V16BF16), builder.bitcast(b, V16BF16)])
-
-
 V16F32, V16I32, V32BF16 = ir.VectorType(F32, 16), ir.VectorType(I32, 16), ir.VectorType(_BFloat(), 32)
 
 
-def dpbf16ps512(builder, acc, a, b):
+def dpbf16ps(builder, acc, a, b):
     """vdpbf16ps on 512 bits (AVX512_BF16): dpbf16ps on <16 x float> `acc` and <16 x i32> a, b
     holding 32 BF16 values each."""
     fn = function(builder, "llvm.x86.avx512bf16.dpbf16ps.512", V16F32, [V16F32, V32BF16, V32BF16])
