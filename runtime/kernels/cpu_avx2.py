@@ -252,13 +252,14 @@ def _make_dot(M: int):
             yarr = context.make_array(signature.args[9])(context, b, y_a)
             yp = b.bitcast(yarr.data, _I8.as_pointer())
             ystride = b.extract_value(yarr.strides, 0)
+            halves = [ir.Constant(ir.VectorType(_I32, 8), list(range(h, h + 8))) for h in (0, 8)]
             for m in range(M):
                 acc = b.load(accs[m][0])
                 for extra in accs[m][1:]:
                     acc = b.fadd(acc, b.load(extra), flags=("fast",))
                 if bf16:  # the two halves of the 512-bit accumulator
-                    lo, hi = (ir.Constant(ir.VectorType(_I32, 8), list(range(h, h + 8))) for h in (0, 8))
-                    acc = b.fadd(b.shuffle_vector(acc, acc, lo), b.shuffle_vector(acc, acc, hi), flags=("fast",))
+                    lo, hi = (b.shuffle_vector(acc, acc, h) for h in halves)
+                    acc = b.fadd(lo, hi, flags=("fast",))
                 dst = b.gep(yp, [b.add(b.mul(ystride, _const(m)), b.shl(n, _const(2)))])
                 b.store(_hsum(b, acc), b.bitcast(dst, _F32.as_pointer()), align=4)
             return b.load(row.k)
@@ -390,31 +391,32 @@ def _fused_bits(sm, codes, esc, esc_index, K, bpr, base, ids, out, i0, i1):
         if _in_place(codes, esc, esc_index, G, bpr, n):
             _bits_row(sm, n * K, codes, 3 * G * n, esc, esc_index[n * bpr], G, base, out, i)
         else:  # the last rows of the tensor, without slack to read past: the portable decoder
-            e64 = np.empty(G + 1, dtype=np.uint64)
-            hits = np.empty(G + 1, dtype=np.int64)
-            bits = np.empty(K, dtype=np.uint32)
-            _row_bits(sm, codes, esc, esc_index, K, bpr, base, n, SPREAD, LOWBIT, e64, hits, bits)
-            _narrow(bits, out[i])
+            _portable_row(sm, codes, esc, esc_index, K, bpr, base, n, out[i])
 
 
-def _narrow(bits, out):
-    """out[:] = fp32 bit patterns `bits`, as out's dtype takes them (uint32 whole, uint16 the top half)."""
+def _portable_row(sm, codes, esc, esc_index, K, bpr, base, n, out):
+    """out[:] = row n of W by the portable decoder: fp32 bit patterns into a uint32 out, BF16 ones
+    (the top half of each) into a uint16 out."""
 
 
-@overload(_narrow, inline="always")
-def _narrow_impl(bits, out):
+@overload(_portable_row, inline="always")
+def _portable_row_impl(sm, codes, esc, esc_index, K, bpr, base, n, out):
     if out.dtype == types.uint16:
 
-        def narrow(bits, out):
-            for k in range(out.shape[0]):
+        def narrowed(sm, codes, esc, esc_index, K, bpr, base, n, out):
+            e64, hits = np.empty((K >> 3) + 1, dtype=np.uint64), np.empty((K >> 3) + 1, dtype=np.int64)
+            bits = np.empty(K, dtype=np.uint32)
+            _row_bits(sm, codes, esc, esc_index, K, bpr, base, n, SPREAD, LOWBIT, e64, hits, bits)
+            for k in range(K):
                 out[k] = np.uint16(bits[k] >> np.uint32(16))
 
-        return narrow
+        return narrowed
 
-    def copy(bits, out):
-        out[:] = bits
+    def direct(sm, codes, esc, esc_index, K, bpr, base, n, out):
+        e64, hits = np.empty((K >> 3) + 1, dtype=np.uint64), np.empty((K >> 3) + 1, dtype=np.int64)
+        _row_bits(sm, codes, esc, esc_index, K, bpr, base, n, SPREAD, LOWBIT, e64, hits, out)
 
-    return copy
+    return direct
 
 
 def _make_pointer(nbtype):
