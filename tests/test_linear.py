@@ -117,18 +117,34 @@ def test_fused_cpu_gemv_on_rows_not_aligned_to_code_groups(shape, monkeypatch, t
     assert torch.allclose(mod(x).float(), F.linear(x.float(), w.float()), rtol=2**-7, atol=1e-3)
 
 
+def _x86_kernels(chunks: bool, monkeypatch):
+    """Run the x86 kernels of 64-weight chunks (AVX-512 VBMI2 and GFNI) or, with chunks False, the
+    8-weight groups of cpu_avx2 even where the CPU has the former; skip where it has neither."""
+    from unweight.runtime.kernels import cpu_gemv
+
+    if chunks and not cpu_gemv.CHUNKS:
+        pytest.skip("the 64-weight chunk kernels need AVX-512 BW, VBMI, VBMI2 and GFNI, which this CPU lacks")
+    if not chunks:
+        monkeypatch.setattr(cpu_gemv, "CHUNKS", False)
+        monkeypatch.setattr(cpu_gemv, "CHUNK_DOT", False)
+
+
+@pytest.mark.parametrize("chunks", [True, False], ids=["chunks", "groups"])
 @pytest.mark.parametrize(
-    "rows,cols,m", [(70, 200, 1), (33, 64, 5), (16, 1536, 9), (20, 100, 2), (40, 576, 16), (24, 64, 37)]
+    "rows,cols,m", [(70, 200, 1), (33, 64, 5), (16, 1536, 9), (20, 100, 2), (40, 576, 16), (24, 64, 37), (12, 120, 3)]
 )
-def test_cpu_fast_and_portable_paths_agree(rows, cols, m, monkeypatch):
-    """The AVX2 kernels (where the CPU has them; with AVX-512, passes of 16 rows of x at m = 16 and
-    37) against the portable numba ones: rows bit-exact, the GEMV within fp32 accumulation-order
-    tolerance; both against the reference decoder, rows written in fp32 and straight in BF16 (every
-    row of W too, eight at a time, so the tails of each thread's range are met)."""
+def test_cpu_fast_and_portable_paths_agree(rows, cols, m, chunks, monkeypatch):
+    """The x86 kernels (where the CPU has them; with AVX-512, passes of 16 rows of x at m = 16 and
+    37; BF16 rows in 64-weight chunks or in groups of 8) against the portable numba ones: rows
+    bit-exact, the GEMV within fp32 accumulation-order tolerance; both against the reference
+    decoder, rows written in fp32 and straight in BF16 (every row of W too, eight at a time, so the
+    tails of each thread's range are met)."""
     import numpy as np
 
     from unweight.codec import tiles
     from unweight.runtime.kernels import cpu_gemv
+
+    _x86_kernels(chunks, monkeypatch)
 
     g = torch.Generator().manual_seed(rows * cols)
     w = (torch.randn(rows, cols, generator=g) * 0.02).to(torch.bfloat16)
@@ -174,32 +190,38 @@ def test_cpu_fast_and_portable_paths_agree(rows, cols, m, monkeypatch):
         assert torch.all((y - exact).abs() <= bound)
 
 
+@pytest.mark.parametrize("chunks", [True, False], ids=["chunks", "groups"])
 @pytest.mark.parametrize(
-    "rows,cols", [(40, 576), (24, 72), (64, 136), (33, 584), (20, 8), (18, 80), (27, 88), (16, 24), (9, 16)]
+    "rows,cols",
+    [(40, 576), (24, 72), (64, 136), (33, 584), (20, 8), (18, 80), (27, 88), (16, 24), (9, 16)]
+    + [(12, 40), (33, 48), (21, 104), (10, 120)],
 )
-def test_cpu_bf16_kernel_sums_bf16_products_in_fp32(rows, cols, monkeypatch):
-    """BF16 x on an AVX512_BF16 CPU: the vdpbf16ps kernel (four groups of W a 512-bit quad; group
-    counts of every remainder mod 4, passes of 16 and 8 rows of x and the tail rows of W) is within fp32
+def test_cpu_bf16_kernel_sums_bf16_products_in_fp32(rows, cols, chunks, monkeypatch):
+    """BF16 x on an AVX512_BF16 CPU: the vdpbf16ps kernels (64-weight chunks of W, whose last chunk
+    holds 1 to 8 groups, or four groups a 512-bit quad, with group counts of every remainder mod 4;
+    passes of 16, 8, 4, 2 and 1 rows of x, and the tail rows of W) are within fp32
     accumulation-order tolerance of the exact product of the BF16 values, like the fp32 kernel."""
     from unweight.runtime.kernels import cpu_gemv
 
     if not cpu_gemv.BF16_DOT:
         pytest.skip("the vdpbf16ps kernel needs AVX512_BF16 and AVX512VL, which this CPU lacks")
+    _x86_kernels(chunks, monkeypatch)
     calls = []
-    kernel = cpu_gemv._gemv_fused_bf16_at
-    monkeypatch.setattr(cpu_gemv, "_gemv_fused_bf16_at", lambda *a: calls.append(a[1]) or kernel(*a))
+    name = "_gemv_chunk_bf16_at" if chunks else "_gemv_fused_bf16_at"
+    kernel = getattr(cpu_gemv, name)
+    monkeypatch.setattr(cpu_gemv, name, lambda *a: calls.append(a[1]) or kernel(*a))
     g = torch.Generator().manual_seed(rows + cols)
     w = (torch.randn(rows, cols, generator=g) * 0.02).to(torch.bfloat16)
     w.view(torch.int16).view(-1)[3::17] = -15872  # escapes
     lin = UnweightLinear.from_weight(w)
     s, p = lin.streams(), lin.params
-    for m in (1, 3, 9, 16, 37):
+    for m in (1, 3, 9, 16, 37, 31):
         x = torch.randn(m, cols, generator=g).to(torch.bfloat16)
         y = cpu_gemv.tiles_gemv_cpu(x, s, p.base, p.block, rows, cols)
         exact = x.double() @ w.double().T
         bound = cols * 2.0**-23 * (x.double().abs() @ w.double().abs().T)
         assert y.dtype == torch.float32 and torch.all((y.double() - exact).abs() <= bound)
-    assert calls == [1, 3, 9, 16, 37]
+    assert calls == [1, 3, 9, 16, 37, 31]
 
 
 @pytest.mark.parametrize("fast", [True, False])

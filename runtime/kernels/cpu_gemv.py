@@ -7,8 +7,9 @@ decode-then-matmul pipeline), producing fp32 or BF16 directly, the dtype the CPU
 (exact either way: every BF16 value is an fp32 value).
 
 The launchers: `tiles_gemv_cpu`, `tiles_grouped_gemv_cpu` and `tiles_rows_cpu` check their
-arguments and hand the streams' addresses to the AVX2 kernels (cpu_avx2.py) when the CPU and the
-layout allow, else the arrays to the portable ones (cpu_reference.py).
+arguments and hand the streams' addresses to the x86 kernels when the CPU and the layout allow
+(cpu_avx512.py's 64-weight chunks for BF16 where the CPU has AVX-512 VBMI2 and GFNI, else
+cpu_avx2.py's 8-weight groups), else the arrays to the portable ones (cpu_reference.py).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from .cpu_avx2 import (
     _rows_fused_at,
     _rows_fused_bf16_at,
 )
+from .cpu_avx512 import CHUNK_DOT, CHUNKS, _gemv_chunk_bf16_at, _rows_chunk_bf16_at
 from .cpu_reference import LOWBIT, SPREAD, _gemv_portable, _rows_portable
 
 ROWS_PER_PART = 16  # rows a thread takes at least: fewer parts than this many rows each cost more than they save
@@ -101,7 +103,10 @@ def tiles_gemv_cpu(
     if x.is_cpu and _fast_layout(sm, codes, esc, esc_index, in_features):
         m = x.numel() // in_features
         lead = x.shape[:-1]
-        kernel = _gemv_fused_bf16_at if x.dtype is torch.bfloat16 and BF16_DOT else _gemv_fused_at
+        if x.dtype is torch.bfloat16 and BF16_DOT:
+            kernel = _gemv_chunk_bf16_at if CHUNK_DOT else _gemv_fused_bf16_at
+        else:
+            kernel = _gemv_fused_at
         if kernel is _gemv_fused_at and x.dtype is not torch.float32:
             x = x.float()
         if not x.is_contiguous():
@@ -211,8 +216,12 @@ def tiles_rows_cpu(
             out = torch.empty(r, in_features, dtype=dtype)
         if r:
             parts = max(1, min(_THREADS, r // ROWS_PER_PART))
+            if dtype is torch.float32:
+                kernel = _rows_fused_at
+            else:
+                kernel = _rows_chunk_bf16_at if CHUNKS else _rows_fused_bf16_at
             with _PARALLEL:
-                (_rows_fused_at if dtype is torch.float32 else _rows_fused_bf16_at)(
+                kernel(
                     sm.data_ptr(),
                     sm.numel(),
                     *_addresses(codes, esc, esc_index),

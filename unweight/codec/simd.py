@@ -110,6 +110,55 @@ def dpbf16ps(builder, acc, a, b):
     return builder.call(fn, [acc, builder.bitcast(a, V32BF16), builder.bitcast(b, V32BF16)])
 
 
+def _pointer_mangling(vec) -> str:
+    """The pointer part of a masked memory intrinsic's name: `p0` where LLVM's pointers are opaque
+    (LLVM 17 and later), `p0<vector>` where they are typed."""
+    from llvmlite import binding
+
+    return "p0" if binding.llvm_version_info[0] >= 17 else f"p0{_mangle(vec)}"
+
+
+def _mangle(vec) -> str:
+    return f"v{vec.count}{vec.element}"
+
+
+def mask_of(builder, bits, lanes: int):
+    """The low `lanes` bits of the integer `bits` as an <lanes x i1> (an AVX-512 mask register)."""
+    return builder.bitcast(builder.trunc(bits, ir.IntType(lanes)), ir.VectorType(I1, lanes))
+
+
+def masked_load(builder, ptr, mask, vec):
+    """A `vec` read at i8* `ptr`, only the lanes of `mask` (<n x i1>) touched in memory, the others
+    zero (AVX-512 masked vmovdqu: no byte past the mask is read, so no slack is needed)."""
+    fn = function(
+        builder,
+        f"llvm.masked.load.{_mangle(vec)}.{_pointer_mangling(vec)}",
+        vec,
+        [vec.as_pointer(), I32, mask.type, vec],
+    )
+    return builder.call(fn, [builder.bitcast(ptr, vec.as_pointer()), const(1, I32), mask, ir.Constant(vec, None)])
+
+
+def masked_store(builder, value, ptr, mask):
+    """Store the lanes of `mask` of `value` at i8* `ptr`; memory under the other lanes is untouched."""
+    vec = value.type
+    fn = function(
+        builder,
+        f"llvm.masked.store.{_mangle(vec)}.{_pointer_mangling(vec)}",
+        ir.VoidType(),
+        [vec, vec.as_pointer(), I32, mask.type],
+    )
+    builder.call(fn, [value, builder.bitcast(ptr, vec.as_pointer()), const(1, I32), mask])
+
+
+def expand_load(builder, ptr, mask, passthru):
+    """vpexpandb: lane i of `mask`'s set lanes (in order) takes the next byte from i8* `ptr` (only
+    as many bytes as the mask has set are read); the other lanes keep `passthru`."""
+    vec = passthru.type
+    fn = function(builder, f"llvm.masked.expandload.{_mangle(vec)}", vec, [I8.as_pointer(), mask.type, vec])
+    return builder.call(fn, [ptr, mask, passthru])
+
+
 def function(builder, name: str, ret, args):
     """Declare (once per module) and return an LLVM intrinsic or function."""
     return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, args), name)

@@ -1,0 +1,306 @@
+"""The serving layout's CPU kernels on AVX-512 with VBMI, VBMI2 and GFNI: 64 weights at a time.
+
+Where the CPU has them (`CHUNKS`: Intel Ice Lake and later, AMD Zen 4 and later), a chunk of eight
+code groups (64 weights) becomes 64 BF16 values in two zmm registers with about a dozen vector
+instructions, against 14 for each group of 8 in cpu_avx2's decoder:
+  codes:   the chunk's 24 code bytes (a masked load: nothing past them is read) are spread by one
+           vpermb so that each qword holds one group's three bit planes in its top bytes; one
+           vgf2p8affineqb transposes each qword's 8x8 bit matrix, which leaves the code of weight
+           i of that group in byte i (the planes are bits 0, 1 and 2 of the codes);
+  escapes: vpcmpeqb against 7 gives the escape mask; vpshufb of a table gives base + code for
+           the others, and vpexpandb, under that mask, reads the next escape bytes straight into
+           the escaped lanes (as many bytes as there are escapes; popcnt of the mask moves on);
+  merge:   with the chunk's 64 sign-and-mantissa bytes, two vpternlog-style selects build each
+           weight's low byte (exponent bit 0 and mantissa) and high byte (sign and exponent bits
+           1-7), and vpunpcklbw / vpunpckhbw interleave them into BF16 words: groups 0, 2, 4, 6 of
+           the chunk in one register, 1, 3, 5, 7 in the other.
+The GEMV multiplies each register with the matching 32 BF16 values of each row of x (laid out in
+that order once per call) by one vdpbf16ps (AVX512_BF16), summing in fp32 as cpu_avx2's BF16
+kernel does. Rows written to memory take one vpermq of the exponent and of the sign-and-mantissa
+bytes first, so that the two registers hold weights in row order. A row's last chunk may hold
+fewer than eight groups: its loads and stores are masked, so no kernel here reads past a stream
+or needs the portable decoder for the last rows of a tensor. Each chunk prefetches its streams
+PREFETCH groups ahead: the decoder outruns the hardware prefetcher.
+
+The portable kernels (cpu_reference.py) are the oracle, in the same tests as cpu_avx2's.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import carray, njit, prange
+from numba.core import cgutils, types
+from numba.extending import intrinsic
+
+from unweight.codec import simd
+
+from .cpu_avx2 import BF16_DOT, _f32_at, _hsum, _i64_at, _streams_at, _u16_at
+
+CHUNKS = simd.has("avx512bw", "avx512vbmi", "avx512vbmi2", "gfni")
+CHUNK_DOT = CHUNKS and BF16_DOT  # ... and vdpbf16ps, for the GEMV of BF16 x
+# Groups ahead that each chunk prefetches its streams. The chunk decoder asks for bytes faster than
+# the hardware prefetcher brings them: SmolLM2's four shapes x 30 (212 MB of BF16, out of cache),
+# Zen 5, against no prefetch: 1.4-1.7x at one row of x, 1.5x at 16 (128 and 256 groups ahead: less).
+PREFETCH = 192
+PASS_ROWS = (16, 8, 4, 2, 1)  # rows of x one pass multiplies (accumulators in registers), largest first
+
+_I1, _I8, _I16, _I32, _I64 = simd.I1, simd.I8, simd.I16, simd.I32, simd.I64
+_V64I8, _V32I16, _V8I64 = ir.VectorType(_I8, 64), ir.VectorType(_I16, 32), ir.VectorType(_I64, 8)
+_const, _vconst, _splat = simd.const, simd.vconst, simd.splat
+# vpermb control: qword g's bytes 5, 6, 7 take group g's code bytes 2, 1, 0 (the bit planes of code
+# bits 2, 1, 0: vgf2p8affineqb's matrix row for result bit i is byte 7 - i); its bytes 0-4 take
+# byte 63, zero after the 24-byte masked load
+_CODE_IDX = [3 * (j // 8) + 7 - j % 8 if j % 8 >= 5 else 63 for j in range(64)]
+_UNPACK = [  # vpunpcklbw / vpunpckhbw of (low bytes, high bytes) as shuffles of the 128 bytes of both
+    [16 * (j // 16) + h * 8 + (j % 16) // 2 + (64 if j % 2 else 0) for j in range(64)] for h in (0, 1)
+]
+# vpunpcklbw takes the low qword of each 128-bit lane, vpunpckhbw the high one: groups 0, 2, 4, 6
+# and 1, 3, 5, 7 of the chunk. For rows in order, one vpermq first puts group L in lane L's low
+# qword and group L + 4 in its high one (the dot product lays x out to match instead).
+_ROW_ORDER = [q // 2 + 4 * (q % 2) for q in range(8)]
+
+
+def _vec(values, ty):
+    return _vconst(values, ty)
+
+
+def _low_bits(builder, n):
+    """(1 << n) - 1 for an i64 n below 64."""
+    return builder.sub(builder.shl(_const(1), n), _const(1))
+
+
+class _ChunkEmitter:
+    """IR for the chunks of one row: `chunk(g, groups)` gives the BF16 words of groups g..g + 7
+    (groups g..g + groups - 1 when `groups`, an i64 below 8, is given; the rest are finite values
+    that zero x multiplies) as two <64 x i8>: with `in_order`, weights 8g..8g + 31 and 8g + 32..8g
+    + 63; else groups g, g + 2, g + 4, g + 6 and g + 1, g + 3, g + 5, g + 7 (two vpermq fewer)."""
+
+    def __init__(self, context, builder, sig_args, sm, sm_off, codes, codes_off, esc, k0, base, in_order):
+        b = self.b = builder
+        self.in_order = in_order
+        self.sm = b.gep(simd.data_ptr(context, b, sig_args[0], sm), [sm_off])
+        self.codes = b.gep(simd.data_ptr(context, b, sig_args[2], codes), [codes_off])
+        self.esc = simd.data_ptr(context, b, sig_args[4], esc)
+        self.pos = cgutils.alloca_once_value(b, k0)
+        # vpshufb table in each 128-bit lane: byte c is base + c (the escape code 7's is overwritten)
+        self.lut = b.add(_splat(b, b.trunc(base, _I8), _V64I8), _vec([j % 16 for j in range(64)], _V64I8))
+        self.idx = _vec(_CODE_IDX, _V64I8)
+        self.unit = _vec([1 << (j % 8) for j in range(64)], _V64I8)  # x of the transpose: byte i = bit i
+        self.seven = _vec([7] * 64, _V64I8)
+        self.permb = simd.function(b, "llvm.x86.avx512.permvar.qi.512", _V64I8, [_V64I8, _V64I8])
+        self.affine = simd.function(b, "llvm.x86.vgf2p8affineqb.512", _V64I8, [_V64I8, _V64I8, _I8])
+        self.pshufb = simd.function(b, "llvm.x86.avx512.pshuf.b.512", _V64I8, [_V64I8, _V64I8])
+        self.prefetch = simd.function(b, "llvm.prefetch", ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32])
+
+    def _row_order(self, v):
+        b = self.b
+        q = b.shuffle_vector(b.bitcast(v, _V8I64), ir.Constant(_V8I64, None), _vec(_ROW_ORDER, ir.VectorType(_I32, 8)))
+        return b.bitcast(q, _V64I8)
+
+    def chunk(self, g, groups=None):
+        b = self.b
+        code_bits = _const(0xFFFFFF) if groups is None else _low_bits(b, b.mul(groups, _const(3)))
+        planes = simd.masked_load(b, b.gep(self.codes, [b.mul(g, _const(3))]), simd.mask_of(b, code_bits, 64), _V64I8)
+        code = b.call(self.affine, [self.unit, b.call(self.permb, [planes, self.idx]), ir.Constant(_I8, 0)])
+        # the exponent byte: base + code, or for the escape code the next byte of esc (in row order)
+        escaped = b.icmp_unsigned("==", code, self.seven)
+        pos = b.load(self.pos)
+        e = simd.expand_load(b, b.gep(self.esc, [pos]), escaped, b.call(self.pshufb, [self.lut, code]))
+        b.store(b.add(pos, simd.ctpop64(b, b.bitcast(escaped, _I64))), self.pos)
+        sm_at = b.gep(self.sm, [b.shl(g, _const(3))])
+        for ahead in (  # the streams' bytes PREFETCH groups on (prefetches do not fault past a stream's end)
+            b.gep(sm_at, [_const(8 * PREFETCH)]),
+            b.gep(self.codes, [b.mul(b.add(g, _const(PREFETCH)), _const(3))]),
+            b.gep(self.esc, [b.add(pos, _const(PREFETCH))]),
+        ):
+            b.call(self.prefetch, [ahead, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+        if groups is None:
+            s = simd.load(b, sm_at, _const(0), _V64I8)
+        else:
+            s = simd.masked_load(b, sm_at, simd.mask_of(b, _low_bits(b, b.shl(groups, _const(3))), 64), _V64I8)
+        if self.in_order:
+            e, s = self._row_order(e), self._row_order(s)
+        e16 = b.bitcast(e, _V32I16)
+        bit0 = b.bitcast(b.shl(e16, _vec([7] * 32, _V32I16)), _V64I8)  # exponent bit 0 to bit 7 of its byte
+        high7 = b.bitcast(b.lshr(e16, _vec([1] * 32, _V32I16)), _V64I8)  # exponent bits 1-7 to bits 0-6
+        top, low = _vec([0x80] * 64, _V64I8), _vec([0x7F] * 64, _V64I8)
+        lo = b.or_(b.and_(bit0, top), b.and_(s, low))  # exponent bit 0, mantissa
+        hi = b.or_(b.and_(s, top), b.and_(high7, low))  # sign, exponent bits 1-7
+        return tuple(b.shuffle_vector(lo, hi, _vec(idx, ir.VectorType(_I32, 64))) for idx in _UNPACK)
+
+    def loop(self, G, body):
+        """body(g, first 32 words, last 32 words) for g = 0, 8, 16, ... < G."""
+        b = self.b
+        with cgutils.for_range(b, b.lshr(G, _const(3))) as loop:
+            g = b.shl(loop.index, _const(3))
+            body(g, *self.chunk(g))
+        rest = b.and_(G, _const(7))
+        with b.if_then(b.icmp_unsigned("!=", rest, _const(0))):
+            g = b.sub(G, rest)
+            body(g, *self.chunk(g, rest))
+
+
+@intrinsic
+def _chunk_bits_row(typingctx, sm, sm_off, codes, codes_off, esc, k0, G, base, out, i):
+    """out[i, :8G] = the row's BF16 bit patterns (out uint16); returns the esc position after it."""
+    sig = types.intp(sm, types.intp, codes, types.intp, esc, types.intp, types.intp, types.intp, out, types.intp)
+
+    def codegen(context, builder, signature, args):
+        sm_a, sm_off, codes_a, codes_off, esc_a, k0, G, base, out_a, i = args
+        b = builder
+        row = _ChunkEmitter(context, b, signature.args, sm_a, sm_off, codes_a, codes_off, esc_a, k0, base, True)
+        oarr = context.make_array(signature.args[8])(context, b, out_a)
+        op = b.gep(b.bitcast(oarr.data, _I8.as_pointer()), [b.mul(b.extract_value(oarr.strides, 0), i)])
+        full = b.shl(b.lshr(G, _const(3)), _const(3))
+
+        def body(g, first, last):
+            at = b.gep(op, [b.shl(g, _const(4))])
+            with b.if_else(b.icmp_unsigned("<", g, full)) as (whole, part):
+                with whole:
+                    simd.store(b, first, at, _const(0))
+                    simd.store(b, last, at, _const(64))
+                with part:  # the row's last groups: words 8 * (G - g) of the chunk
+                    words = b.shl(b.sub(G, g), _const(3))
+                    ones = b.sub(b.shl(_const(1), words), _const(1))
+                    simd.masked_store(b, b.bitcast(first, _V32I16), at, simd.mask_of(b, ones, 32))
+                    simd.masked_store(
+                        b,
+                        b.bitcast(last, _V32I16),
+                        b.gep(at, [_const(64)]),
+                        simd.mask_of(b, b.lshr(ones, _const(32)), 32),
+                    )
+
+        row.loop(G, body)
+        return b.load(row.pos)
+
+    return sig, codegen
+
+
+def _make_dot(M: int):
+    """Intrinsic: y[m, n] = x[m] . W[n] for the M rows of x (BF16 chunks as `_bf16_chunks` lays
+    them out), W[n] rebuilt a chunk at a time; returns the esc position after the row."""
+
+    @intrinsic
+    def dot(typingctx, sm, sm_off, codes, codes_off, esc, k0, x, G, base, y, n):
+        sig = types.intp(sm, types.intp, codes, types.intp, esc, types.intp, x, types.intp, types.intp, y, types.intp)
+
+        def codegen(context, builder, signature, args):
+            sm_a, sm_off, codes_a, codes_off, esc_a, k0, x_a, G, base, y_a, n = args
+            b = builder
+            row = _ChunkEmitter(context, b, signature.args, sm_a, sm_off, codes_a, codes_off, esc_a, k0, base, False)
+            xarr = context.make_array(signature.args[6])(context, b, x_a)
+            xp = b.bitcast(xarr.data, _I8.as_pointer())
+            xstride = b.extract_value(xarr.strides, 0)
+            zero = ir.Constant(simd.V16F32, [ir.Constant(simd.F32, 0.0)] * 16)
+            # two accumulators per row of x while the rows are few: the chain of vdpbf16ps a row
+            # would otherwise wait on is longer than a chunk's decode
+            split = 2 if M <= 4 else 1
+            accs = [[cgutils.alloca_once_value(b, zero) for _ in range(split)] for _ in range(M)]
+
+            def body(g, first, last):
+                xc = b.gep(xp, [b.mul(b.lshr(g, _const(3)), xstride)])
+                for m in range(M):
+                    for h, w in enumerate((first, last)):
+                        xv = simd.load(b, xc, _const(128 * m + 64 * h), simd.V16I32, align=2)
+                        acc = accs[m][h % split]
+                        b.store(simd.dpbf16ps(b, b.load(acc), b.bitcast(w, simd.V16I32), xv), acc)
+
+            row.loop(G, body)
+            yarr = context.make_array(signature.args[9])(context, b, y_a)
+            yp = b.bitcast(yarr.data, _I8.as_pointer())
+            ystride = b.extract_value(yarr.strides, 0)
+            halves = [ir.Constant(ir.VectorType(_I32, 8), list(range(h, h + 8))) for h in (0, 8)]
+            for m in range(M):
+                acc = b.load(accs[m][0])
+                if split == 2:
+                    acc = b.fadd(acc, b.load(accs[m][1]), flags=("fast",))
+                lo, hi = (b.shuffle_vector(acc, acc, h) for h in halves)
+                total = _hsum(b, b.fadd(lo, hi, flags=("fast",)))
+                dst = b.gep(yp, [b.add(b.mul(ystride, _const(m)), b.shl(n, _const(2)))])
+                b.store(total, b.bitcast(dst, simd.F32.as_pointer()), align=4)
+            return b.load(row.pos)
+
+        return sig, codegen
+
+    return dot
+
+
+_dots = {m: _make_dot(m) for m in PASS_ROWS}
+_dot16, _dot8, _dot4, _dot2, _dot1 = (_dots[m] for m in PASS_ROWS)
+
+
+@njit(nogil=True, cache=True)
+def _bf16_chunks(x):
+    """x (M, K) BF16 bits as the chunk kernels read them, (K / 64 rounded up, M, 64): for each 64
+    columns, the M rows side by side (zeros past K), so one pointer serves every row of a pass,
+    each row's 64 in the order the dot product decodes W: groups 0, 2, 4, 6, then 1, 3, 5, 7 of 8."""
+    M, K = x.shape
+    out = np.zeros(((K + 63) >> 6, M, 64), np.uint16)
+    for m in range(M):
+        for k in range(K):
+            g = k >> 3 & 7
+            out[k >> 6, m, (g & 1) << 5 | (g >> 1) << 3 | k & 7] = x[m, k]
+    return out
+
+
+@njit(nogil=True, cache=True)
+def _chunk_rows(x, sm, codes, esc, esc_index, K, bpr, base, y, n0, n1, c0):
+    """y[:, n - c0] = x @ W[n] for n in [n0, n1) (K % 8 == 0), x BF16 chunks (chunks, M, 64): the
+    rows of x in passes of 16, then one each of 8, 4, 2 and 1 as the remainder needs."""
+    G = K >> 3
+    M = x.shape[1]
+    m0 = 0
+    while M - m0 >= 16:
+        xs, ys = x[:, m0 : m0 + 16], y[m0 : m0 + 16]
+        for n in range(n0, n1):
+            _dot16(sm, n * K, codes, 3 * G * n, esc, esc_index[n * bpr], xs, G, base, ys, n - c0)
+        m0 += 16
+    if M - m0 >= 8:
+        xs, ys = x[:, m0 : m0 + 8], y[m0 : m0 + 8]
+        for n in range(n0, n1):
+            _dot8(sm, n * K, codes, 3 * G * n, esc, esc_index[n * bpr], xs, G, base, ys, n - c0)
+        m0 += 8
+    if M - m0 >= 4:
+        xs, ys = x[:, m0 : m0 + 4], y[m0 : m0 + 4]
+        for n in range(n0, n1):
+            _dot4(sm, n * K, codes, 3 * G * n, esc, esc_index[n * bpr], xs, G, base, ys, n - c0)
+        m0 += 4
+    if M - m0 >= 2:
+        xs, ys = x[:, m0 : m0 + 2], y[m0 : m0 + 2]
+        for n in range(n0, n1):
+            _dot2(sm, n * K, codes, 3 * G * n, esc, esc_index[n * bpr], xs, G, base, ys, n - c0)
+        m0 += 2
+    if M - m0 >= 1:
+        xs, ys = x[:, m0 : m0 + 1], y[m0 : m0 + 1]
+        for n in range(n0, n1):
+            _dot1(sm, n * K, codes, 3 * G * n, esc, esc_index[n * bpr], xs, G, base, ys, n - c0)
+
+
+@njit(nogil=True, cache=True, parallel=True)
+def _gemv_chunk_bf16_at(
+    x_at, M, sm_at, codes_at, n_codes, esc_at, n_esc, index_at, n_index, N, K, bpr, base, r0, R, y_at, parts
+):
+    """y (M, R) = x @ W[r0 : r0 + R]^T for x (M, K) BF16 (K % 8 == 0) and W (N, K), through
+    vdpbf16ps, its rows split into one range per thread; takes the tensors' addresses."""
+    x = _bf16_chunks(carray(_u16_at(x_at), (M, K)))
+    sm, codes, esc, esc_index = _streams_at(sm_at, N * K, codes_at, n_codes, esc_at, n_esc, index_at, n_index)
+    y = carray(_f32_at(y_at), (M, R))
+    for t in prange(parts):
+        n0, n1 = r0 + R * t // parts, r0 + R * (t + 1) // parts
+        _chunk_rows(x, sm, codes, esc, esc_index, K, bpr, base, y, n0, n1, r0)
+
+
+@njit(nogil=True, cache=True, parallel=True)
+def _rows_chunk_bf16_at(
+    sm_at, n_sm, codes_at, n_codes, esc_at, n_esc, index_at, n_index, K, bpr, base, ids_at, R, out_at, parts
+):
+    """out[i] = row ids[i] of W as BF16 bit patterns (K % 8 == 0), on the tensors' addresses."""
+    sm, codes, esc, esc_index = _streams_at(sm_at, n_sm, codes_at, n_codes, esc_at, n_esc, index_at, n_index)
+    ids = carray(_i64_at(ids_at), (R,))
+    out = carray(_u16_at(out_at), (R, K))
+    G = K >> 3
+    for t in prange(parts):
+        for i in range(R * t // parts, R * (t + 1) // parts):
+            n = ids[i]
+            _chunk_bits_row(sm, n * K, codes, 3 * G * n, esc, esc_index[n * bpr], G, base, out, i)
