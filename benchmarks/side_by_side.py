@@ -17,7 +17,7 @@ def cpu_flags() -> str:
         return f"unknown CPU, {os.cpu_count()} CPUs"
     model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
     flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
-    simd = [f for f in flags if f.startswith(("avx", "amx", "fma"))]
+    simd = [f for f in flags if f.startswith(("avx", "amx", "fma", "gfni"))]
     return f"{model}, {os.cpu_count()} CPUs, {' '.join(simd)}"
 
 
