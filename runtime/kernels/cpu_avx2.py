@@ -450,13 +450,22 @@ def _streams_at(sm_at, n_sm, codes_at, n_codes, esc_at, n_esc, index_at, n_index
 
 
 @njit(nogil=True, cache=True)
+def aligned_zeros_u16(n):
+    """n zero uint16s starting on a 64-byte boundary (numba's arrays may start 32 bytes off one, and
+    a zmm load across two cache lines costs two)."""
+    buf = np.zeros(n + 32, np.uint16)
+    start = (-(buf.ctypes.data >> 1)) & 31
+    return buf[start : start + n]
+
+
+@njit(nogil=True, cache=True)
 def _bf16_quads(x):
     """x (M, K) BF16 bits as the vdpbf16ps kernel reads them, (K / 32 rounded up, M, 32): for each
     four groups g..g + 3, the M rows side by side, each interleaving value i of group g with value
     i of group g + 1, then of g + 2 with g + 3 (zeros past K), as the kernel pairs the weights; and
     x in fp32 (M, K)."""
     M, K = x.shape
-    quads = np.zeros(((K + 31) >> 5, M, 32), np.uint16)
+    quads = aligned_zeros_u16(((K + 31) >> 5) * M * 32).reshape(((K + 31) >> 5, M, 32))
     bits = np.empty((M, K), np.uint32)
     for m in range(M):
         for k in range(K):

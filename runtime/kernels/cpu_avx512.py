@@ -27,7 +27,6 @@ The portable kernels (cpu_reference.py) are the oracle, in the same tests as cpu
 
 from __future__ import annotations
 
-import numpy as np
 from llvmlite import ir
 from numba import carray, njit, prange
 from numba.core import cgutils, types
@@ -35,7 +34,7 @@ from numba.extending import intrinsic
 
 from unweight.codec import simd
 
-from .cpu_avx2 import BF16_DOT, _f32_at, _i64_at, _streams_at, _u16_at
+from .cpu_avx2 import BF16_DOT, _f32_at, _i64_at, _streams_at, _u16_at, aligned_zeros_u16
 
 CHUNKS = simd.has("avx512bw", "avx512vbmi", "avx512vbmi2", "gfni")
 CHUNK_DOT = CHUNKS and BF16_DOT  # ... and vdpbf16ps, for the GEMV of BF16 x
@@ -257,10 +256,7 @@ def _bf16_chunks(x):
     columns, the M rows side by side (zeros past K), so one pointer serves every row of a pass,
     each row's 64 in the order the dot product decodes W: groups 0, 2, 4, 6, then 1, 3, 5, 7 of 8."""
     M, K = x.shape
-    n = ((K + 63) >> 6) * M * 64
-    buf = np.zeros(n + 32, np.uint16)  # 64-byte aligned below: a zmm load across two cache lines costs two
-    start = (-(buf.ctypes.data >> 1)) & 31
-    out = buf[start : start + n].reshape(((K + 63) >> 6, M, 64))
+    out = aligned_zeros_u16(((K + 63) >> 6) * M * 64).reshape(((K + 63) >> 6, M, 64))
     for m in range(M):
         for k in range(K):
             g = k >> 3 & 7
