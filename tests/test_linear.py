@@ -485,3 +485,26 @@ def test_a_layer_built_for_a_gpu_is_encoded_once_in_its_layout():
     assert all(np.array_equal(lin.streams()[k].numpy(), want[k]) for k in want)
     lin.to("cpu")
     assert lin._roles != qtiles.ROLES and torch.equal(lin.decoded_weight().view(torch.int16), w.view(torch.int16))
+
+
+def test_cpu_gemv_plan_follows_its_streams(tmp_path, monkeypatch):
+    """The fused CPU GEMV's plan reads the streams by address: streams moved in memory (to shared
+    memory here) are planned again; each plan gives the same bits as the launcher without a plan,
+    BF16 y rounded as .to(torch.bfloat16) rounds."""
+    from unweight.runtime.kernels import cpu_gemv
+
+    monkeypatch.setenv("UNWEIGHT_PIPELINE", "fused")
+    w = random_bf16(48, 64, seed=5, std=0.02)
+    mod = UnweightLinear.from_weight(w, autotuner=Autotuner(tmp_path / "t.json"))
+    g = torch.Generator().manual_seed(2)
+    xs = [torch.randn(3, 64, generator=g), torch.randn(5, 64, generator=g).to(torch.bfloat16)]
+    s, p = mod.streams(), mod.params
+    want = [cpu_gemv.tiles_gemv_cpu(x, s, p.base, p.block, 48, 64).to(x.dtype) for x in xs]
+
+    def same(layer):
+        return all(torch.equal(layer(x).view(torch.int16), y.view(torch.int16)) for x, y in zip(xs, want))
+
+    assert same(mod)
+    key = mod._plan_key
+    mod.share_memory()
+    assert same(mod) and mod._plan_key not in (None, key)

@@ -200,11 +200,14 @@ def _fold(builder, sums):
 
 def _make_dot(M: int):
     """Intrinsic: y[m, n] = x[m] . W[n] for the M rows of x (BF16 chunks as `_bf16_chunks` lays
-    them out), W[n] rebuilt a chunk at a time; returns the esc position after the row."""
+    them out), W[n] rebuilt a chunk at a time, into an fp32 y, or a uint16 one as BF16 bits;
+    returns the esc position after the row."""
 
     @intrinsic
     def dot(typingctx, sm, sm_off, codes, codes_off, esc, k0, x, G, base, y, n):
         sig = types.intp(sm, types.intp, codes, types.intp, esc, types.intp, x, types.intp, types.intp, y, types.intp)
+
+        bf16_out = y.dtype == types.uint16
 
         def codegen(context, builder, signature, args):
             sm_a, sm_off, codes_a, codes_off, esc_a, k0, x_a, G, base, y_a, n = args
@@ -236,9 +239,12 @@ def _make_dot(M: int):
                 acc = b.load(accs[m][0])
                 sums.append(b.fadd(acc, b.load(accs[m][1]), flags=("fast",)) if split == 2 else acc)
             total = _fold(b, sums)
+            if bf16_out:  # rounded to nearest even, as torch's .to(torch.bfloat16) rounds (vcvtneps2bf16)
+                total = b.bitcast(b.fptrunc(total, ir.VectorType(simd.BF16, 16)), ir.VectorType(_I16, 16))
+            lane = _I16 if bf16_out else simd.F32
             for m in range(M):
-                dst = b.gep(yp, [b.add(b.mul(ystride, _const(m)), b.shl(n, _const(2)))])
-                b.store(b.extract_element(total, _const(m, _I32)), b.bitcast(dst, simd.F32.as_pointer()), align=4)
+                dst = b.gep(yp, [b.add(b.mul(ystride, _const(m)), b.shl(n, _const(1 if bf16_out else 2)))])
+                b.store(b.extract_element(total, _const(m, _I32)), b.bitcast(dst, lane.as_pointer()), align=2)
             return b.load(row.pos)
 
         return sig, codegen
@@ -306,6 +312,20 @@ def _gemv_chunk_bf16_at(
     x = _bf16_chunks(carray(_u16_at(x_at), (M, K)))
     sm, codes, esc, esc_index = _streams_at(sm_at, N * K, codes_at, n_codes, esc_at, n_esc, index_at, n_index)
     y = carray(_f32_at(y_at), (M, R))
+    for t in prange(parts):
+        n0, n1 = r0 + R * t // parts, r0 + R * (t + 1) // parts
+        _chunk_rows(x, sm, codes, esc, esc_index, K, bpr, base, y, n0, n1, r0)
+
+
+@njit(nogil=True, cache=True, parallel=True)
+def _gemv_chunk_bf16_to_bf16_at(
+    x_at, M, sm_at, codes_at, n_codes, esc_at, n_esc, index_at, n_index, N, K, bpr, base, r0, R, y_at, parts
+):
+    """_gemv_chunk_bf16_at with y in BF16 (each fp32 sum rounded to nearest even): no pass over y
+    to convert it after the call."""
+    x = _bf16_chunks(carray(_u16_at(x_at), (M, K)))
+    sm, codes, esc, esc_index = _streams_at(sm_at, N * K, codes_at, n_codes, esc_at, n_esc, index_at, n_index)
+    y = carray(_u16_at(y_at), (M, R))
     for t in prange(parts):
         n0, n1 = r0 + R * t // parts, r0 + R * (t + 1) // parts
         _chunk_rows(x, sm, codes, esc, esc_index, K, bpr, base, y, n0, n1, r0)

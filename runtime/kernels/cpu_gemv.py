@@ -29,7 +29,7 @@ from .cpu_avx2 import (
     _rows_fused_at,
     _rows_fused_bf16_at,
 )
-from .cpu_avx512 import CHUNK_DOT, CHUNKS, _gemv_chunk_bf16_at, _rows_chunk_bf16_at
+from .cpu_avx512 import CHUNK_DOT, CHUNKS, _gemv_chunk_bf16_at, _gemv_chunk_bf16_to_bf16_at, _rows_chunk_bf16_at
 from .cpu_reference import LOWBIT, SPREAD, _gemv_portable, _rows_portable
 
 ROWS_PER_PART = 16  # rows a thread takes at least: fewer parts than this many rows each cost more than they save
@@ -138,6 +138,42 @@ def tiles_gemv_cpu(
         with _PARALLEL:
             _gemv_portable(x2, *_args(weight), in_features, bpr, base, y, r0, SPREAD, LOWBIT, _parts(n_out))
     return torch.from_numpy(y).reshape(*lead, n_out)
+
+
+def gemv_plan(weight: dict[str, torch.Tensor], base: int, block: int, out_features: int, in_features: int):
+    """tiles_gemv_cpu of all of W for a layer's repeated calls: a function x -> x @ W^T for a CPU x
+    (..., in_features), the layout checked and the streams' addresses read once (a forward of a
+    small layer takes tens of microseconds, and those steps took several), or None where the x86
+    kernels do not take the streams. y is BF16 for BF16 x on the 64-weight chunk kernels (each fp32
+    sum rounded to nearest even, as .to(torch.bfloat16) rounds it), fp32 otherwise. Valid while the
+    streams stay where they are; the caller keys it by their addresses."""
+    sm, codes, esc, esc_index = weight["sm"], weight["codes"], weight["esc"], weight["esc_index"]
+    if not _fast_layout(sm, codes, esc, esc_index, in_features):
+        return None
+    n, k = out_features, in_features
+    streams = (sm.data_ptr(), *_addresses(codes, esc, esc_index), n, k, -(-k // block), base, 0, n)
+    parts = n // ROWS_PER_PART
+    parts = _THREADS if parts > _THREADS else parts or 1
+
+    def gemv(x: torch.Tensor) -> torch.Tensor:
+        if x.dtype is torch.bfloat16 and BF16_DOT:
+            kernel, dtype = (
+                (_gemv_chunk_bf16_to_bf16_at, torch.bfloat16) if CHUNK_DOT else (_gemv_fused_bf16_at, torch.float32)
+            )
+        else:
+            kernel, dtype = _gemv_fused_at, torch.float32
+            if x.dtype is not torch.float32:
+                x = x.float()
+        if not x.is_contiguous():
+            x = x.contiguous()
+        y = torch.empty((*x.shape[:-1], n), dtype=dtype)
+        m = x.numel() // k
+        if m and n:
+            with _PARALLEL:
+                kernel(x.data_ptr(), m, *streams, y.data_ptr(), parts)
+        return y
+
+    return gemv
 
 
 def tiles_grouped_gemv_cpu(

@@ -36,7 +36,7 @@ from torch import nn
 from unweight.codec import tiles
 
 from ..kernels import qtiles
-from ..kernels.cpu_gemv import tiles_gemv_cpu, tiles_rows_cpu
+from ..kernels.cpu_gemv import gemv_plan, tiles_gemv_cpu, tiles_rows_cpu
 from ..kernels.tile_tensors import tile_tensors
 from .autotune import DEFAULT, FORCE_ENV, Autotuner, batch_bucket, code_version, device_name
 from .transfer import to_device
@@ -182,6 +182,7 @@ class UnweightLinear(nn.Module):
         self.autotuner = autotuner or DEFAULT
         self._warned: set[str] = set()
         self._chosen: dict[tuple, str] = {}
+        self._plan_key, self._plan = None, None  # the CPU GEMV's plan (_cpu_gemv)
 
     @classmethod
     def from_values(
@@ -353,9 +354,36 @@ class UnweightLinear(nn.Module):
             from unweight.runtime.kernels.qtiles_matmul import qtiles_linear
 
             return qtiles_linear(x, self.streams(), self.out_features, self.in_features, mode=self.qmode)
-        return tiles_gemv_cpu(
-            x, self.streams(), self.params.base, self.params.block, self.out_features, self.in_features
-        ).to(x.dtype)
+        plan = self._cpu_gemv()
+        y = (
+            plan(x)
+            if plan is not None
+            else tiles_gemv_cpu(
+                x, self.streams(), self.params.base, self.params.block, self.out_features, self.in_features
+            )
+        )
+        return y if y.dtype is x.dtype else y.to(x.dtype)
+
+    def _cpu_gemv(self):
+        """The fused CPU GEMV's plan for the streams as they lie now (cpu_gemv.gemv_plan), made again
+        when they move or are replaced: keyed by their addresses and sizes, never by the tensors
+        themselves (a deep copy of the layer copies those with it, not the memory the plan reads)."""
+        b = self._buffers
+        sm, codes, esc, index = b["sm"], b["codes"], b["esc"], b["esc_index"]
+        key = (
+            sm.data_ptr(),
+            codes.data_ptr(),
+            esc.data_ptr(),
+            index.data_ptr(),
+            codes.numel(),
+            esc.numel(),
+            index.numel(),
+        )
+        if self._plan_key != key:
+            p = self.params
+            self._plan = gemv_plan(self.streams(), p.base, p.block, self.out_features, self.in_features)
+            self._plan_key = key
+        return self._plan
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         device = self._buffers["sm"].device

@@ -100,7 +100,8 @@ class _BFloat(ir.Type):
         return hash("bfloat")
 
 
-V16F32, V16I32, V32BF16 = ir.VectorType(F32, 16), ir.VectorType(I32, 16), ir.VectorType(_BFloat(), 32)
+BF16 = _BFloat()
+V16F32, V16I32, V32BF16 = ir.VectorType(F32, 16), ir.VectorType(I32, 16), ir.VectorType(BF16, 32)
 
 
 def dpbf16ps(builder, acc, a, b):
