@@ -508,3 +508,22 @@ def test_cpu_gemv_plan_follows_its_streams(tmp_path, monkeypatch):
     key = mod._plan_key
     mod.share_memory()
     assert same(mod) and mod._plan_key not in (None, key)
+
+
+def test_a_layer_deep_copies_and_pickles_after_its_forwards(tmp_path):
+    """copy.deepcopy and pickle of a layer that has run (its autotuner holds a lock, its CPU GEMV a
+    plan over the streams' addresses): the copies multiply as the original, from their own streams,
+    the original gone."""
+    import copy
+    import gc
+    import pickle
+
+    w = random_bf16(40, 64, seed=8, std=0.02)
+    mod = UnweightLinear.from_weight(w, autotuner=Autotuner(tmp_path / "t.json"))
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    want = mod(x)
+    copies = [copy.deepcopy(mod), pickle.loads(pickle.dumps(mod))]
+    del mod
+    gc.collect()
+    for twin in copies:
+        assert torch.equal(twin(x).view(torch.int16), want.view(torch.int16))

@@ -84,6 +84,13 @@ class Autotuner:
         self._lock = threading.Lock()
         self._choices: dict[str, str] | None = None
 
+    def __getstate__(self) -> dict:
+        """Pickled (a layer saved whole, or deep-copied) without its lock; unpickled with a new one."""
+        return {"path": self.path, "choices": self._choices}
+
+    def __setstate__(self, state: dict) -> None:
+        self.path, self._choices, self._lock = state["path"], state["choices"], threading.Lock()
+
     def _load(self) -> dict[str, str]:
         if self._choices is None:
             try:

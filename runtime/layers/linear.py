@@ -364,6 +364,11 @@ class UnweightLinear(nn.Module):
         )
         return y if y.dtype is x.dtype else y.to(x.dtype)
 
+    def __getstate__(self) -> dict:
+        """Pickled or deep-copied without the CPU GEMV's plan (a closure over the streams' addresses),
+        which the copy makes again for its own streams."""
+        return {**super().__getstate__(), "_plan_key": None, "_plan": None}
+
     def _cpu_gemv(self):
         """The fused CPU GEMV's plan for the streams as they lie now (cpu_gemv.gemv_plan), made again
         when they move or are replaced: keyed by their addresses and sizes, never by the tensors
