@@ -226,7 +226,10 @@ def test_disconnect_mid_stream_frees_the_slot_and_cache(server):
 
 
 def test_overload_gets_429_with_retry_after(server):
-    body = {"model": "uw", "messages": MESSAGES[2], "max_tokens": 200, "temperature": 0, "stream": True}
+    # a prompt whose greedy answer runs to max_tokens (a short one, "What is 2 + 2?", ends after 11
+    # tokens: with fast kernels those drained the queue as quickly as the 64 requests arrived)
+    story = [{"role": "user", "content": "Write a long story about a dragon who learns to paint."}]
+    body = {"model": "uw", "messages": story, "max_tokens": 200, "temperature": 0, "stream": True}
 
     def start(_):
         c = httpx.Client(base_url=server.url, timeout=60, headers={"Authorization": f"Bearer {KEY}"})
