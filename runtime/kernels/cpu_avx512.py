@@ -44,7 +44,7 @@ CHUNK_DOT = CHUNKS and BF16_DOT  # ... and vdpbf16ps, for the GEMV of BF16 x
 PREFETCH = 192
 PASS_ROWS = (16, 8, 4, 2, 1)  # rows of x one pass multiplies (accumulators in registers), largest first
 
-_I1, _I8, _I16, _I32, _I64 = simd.I1, simd.I8, simd.I16, simd.I32, simd.I64
+_I8, _I16, _I32, _I64 = simd.I8, simd.I16, simd.I32, simd.I64
 _V64I8, _V32I16, _V8I64 = ir.VectorType(_I8, 64), ir.VectorType(_I16, 32), ir.VectorType(_I64, 8)
 _const, _vconst, _splat = simd.const, simd.vconst, simd.splat
 # vpermb control: qword g's bytes 5, 6, 7 take group g's code bytes 2, 1, 0 (the bit planes of code
@@ -58,10 +58,6 @@ _UNPACK = [  # vpunpcklbw / vpunpckhbw of (low bytes, high bytes) as shuffles of
 # and 1, 3, 5, 7 of the chunk. For rows in order, one vpermq first puts group L in lane L's low
 # qword and group L + 4 in its high one (the dot product lays x out to match instead).
 _ROW_ORDER = [q // 2 + 4 * (q % 2) for q in range(8)]
-
-
-def _vec(values, ty):
-    return _vconst(values, ty)
 
 
 def _low_bits(builder, n):
@@ -83,10 +79,10 @@ class _ChunkEmitter:
         self.esc = simd.data_ptr(context, b, sig_args[4], esc)
         self.pos = cgutils.alloca_once_value(b, k0)
         # vpshufb table in each 128-bit lane: byte c is base + c (the escape code 7's is overwritten)
-        self.lut = b.add(_splat(b, b.trunc(base, _I8), _V64I8), _vec([j % 16 for j in range(64)], _V64I8))
-        self.idx = _vec(_CODE_IDX, _V64I8)
-        self.unit = _vec([1 << (j % 8) for j in range(64)], _V64I8)  # x of the transpose: byte i = bit i
-        self.seven = _vec([7] * 64, _V64I8)
+        self.lut = b.add(_splat(b, b.trunc(base, _I8), _V64I8), _vconst([j % 16 for j in range(64)], _V64I8))
+        self.idx = _vconst(_CODE_IDX, _V64I8)
+        self.unit = _vconst([1 << (j % 8) for j in range(64)], _V64I8)  # x of the transpose: byte i = bit i
+        self.seven = _vconst([7] * 64, _V64I8)
         self.permb = simd.function(b, "llvm.x86.avx512.permvar.qi.512", _V64I8, [_V64I8, _V64I8])
         self.affine = simd.function(b, "llvm.x86.vgf2p8affineqb.512", _V64I8, [_V64I8, _V64I8, _I8])
         self.pshufb = simd.function(b, "llvm.x86.avx512.pshuf.b.512", _V64I8, [_V64I8, _V64I8])
@@ -94,7 +90,9 @@ class _ChunkEmitter:
 
     def _row_order(self, v):
         b = self.b
-        q = b.shuffle_vector(b.bitcast(v, _V8I64), ir.Constant(_V8I64, None), _vec(_ROW_ORDER, ir.VectorType(_I32, 8)))
+        q = b.shuffle_vector(
+            b.bitcast(v, _V8I64), ir.Constant(_V8I64, None), _vconst(_ROW_ORDER, ir.VectorType(_I32, 8))
+        )
         return b.bitcast(q, _V64I8)
 
     def chunk(self, g, groups=None):
@@ -121,23 +119,24 @@ class _ChunkEmitter:
         if self.in_order:
             e, s = self._row_order(e), self._row_order(s)
         e16 = b.bitcast(e, _V32I16)
-        bit0 = b.bitcast(b.shl(e16, _vec([7] * 32, _V32I16)), _V64I8)  # exponent bit 0 to bit 7 of its byte
-        high7 = b.bitcast(b.lshr(e16, _vec([1] * 32, _V32I16)), _V64I8)  # exponent bits 1-7 to bits 0-6
-        top, low = _vec([0x80] * 64, _V64I8), _vec([0x7F] * 64, _V64I8)
+        bit0 = b.bitcast(b.shl(e16, _vconst([7] * 32, _V32I16)), _V64I8)  # exponent bit 0 to bit 7 of its byte
+        high7 = b.bitcast(b.lshr(e16, _vconst([1] * 32, _V32I16)), _V64I8)  # exponent bits 1-7 to bits 0-6
+        top, low = _vconst([0x80] * 64, _V64I8), _vconst([0x7F] * 64, _V64I8)
         lo = b.or_(b.and_(bit0, top), b.and_(s, low))  # exponent bit 0, mantissa
         hi = b.or_(b.and_(s, top), b.and_(high7, low))  # sign, exponent bits 1-7
-        return tuple(b.shuffle_vector(lo, hi, _vec(idx, ir.VectorType(_I32, 64))) for idx in _UNPACK)
+        return tuple(b.shuffle_vector(lo, hi, _vconst(idx, ir.VectorType(_I32, 64))) for idx in _UNPACK)
 
     def loop(self, G, body):
-        """body(g, first 32 words, last 32 words) for g = 0, 8, 16, ... < G."""
+        """body(g, first 32 words, last 32 words, groups) for g = 0, 8, 16, ... < G: groups is None
+        for a whole chunk, the i64 count of groups left for a row's last, shorter one."""
         b = self.b
         with cgutils.for_range(b, b.lshr(G, _const(3))) as loop:
             g = b.shl(loop.index, _const(3))
-            body(g, *self.chunk(g))
+            body(g, *self.chunk(g), None)
         rest = b.and_(G, _const(7))
         with b.if_then(b.icmp_unsigned("!=", rest, _const(0))):
             g = b.sub(G, rest)
-            body(g, *self.chunk(g, rest))
+            body(g, *self.chunk(g, rest), rest)
 
 
 @intrinsic
@@ -151,24 +150,17 @@ def _chunk_bits_row(typingctx, sm, sm_off, codes, codes_off, esc, k0, G, base, o
         row = _ChunkEmitter(context, b, signature.args, sm_a, sm_off, codes_a, codes_off, esc_a, k0, base, True)
         oarr = context.make_array(signature.args[8])(context, b, out_a)
         op = b.gep(b.bitcast(oarr.data, _I8.as_pointer()), [b.mul(b.extract_value(oarr.strides, 0), i)])
-        full = b.shl(b.lshr(G, _const(3)), _const(3))
 
-        def body(g, first, last):
+        def body(g, first, last, groups):
             at = b.gep(op, [b.shl(g, _const(4))])
-            with b.if_else(b.icmp_unsigned("<", g, full)) as (whole, part):
-                with whole:
-                    simd.store(b, first, at, _const(0))
-                    simd.store(b, last, at, _const(64))
-                with part:  # the row's last groups: words 8 * (G - g) of the chunk
-                    words = b.shl(b.sub(G, g), _const(3))
-                    ones = b.sub(b.shl(_const(1), words), _const(1))
-                    simd.masked_store(b, b.bitcast(first, _V32I16), at, simd.mask_of(b, ones, 32))
-                    simd.masked_store(
-                        b,
-                        b.bitcast(last, _V32I16),
-                        b.gep(at, [_const(64)]),
-                        simd.mask_of(b, b.lshr(ones, _const(32)), 32),
-                    )
+            if groups is None:
+                simd.store(b, first, at, _const(0))
+                simd.store(b, last, at, _const(64))
+                return
+            ones = _low_bits(b, b.shl(groups, _const(3)))  # the row's last 8 * groups words
+            simd.masked_store(b, b.bitcast(first, _V32I16), at, simd.mask_of(b, ones, 32))
+            last_mask = simd.mask_of(b, b.lshr(ones, _const(32)), 32)
+            simd.masked_store(b, b.bitcast(last, _V32I16), b.gep(at, [_const(64)]), last_mask)
 
         row.loop(G, body)
         return b.load(row.pos)
@@ -222,7 +214,7 @@ def _make_dot(M: int):
             split = 2 if M <= 4 else 1
             accs = [[cgutils.alloca_once_value(b, zero) for _ in range(split)] for _ in range(M)]
 
-            def body(g, first, last):
+            def body(g, first, last, groups):
                 xc = b.gep(xp, [b.mul(b.lshr(g, _const(3)), xstride)])
                 for m in range(M):
                     for h, w in enumerate((first, last)):
@@ -252,8 +244,7 @@ def _make_dot(M: int):
     return dot
 
 
-_dots = {m: _make_dot(m) for m in PASS_ROWS}
-_dot16, _dot8, _dot4, _dot2, _dot1 = (_dots[m] for m in PASS_ROWS)
+_dot16, _dot8, _dot4, _dot2, _dot1 = (_make_dot(m) for m in PASS_ROWS)
 
 
 @njit(nogil=True, cache=True)
