@@ -75,6 +75,28 @@ def _parts(rows: int) -> int:
     return max(1, min(get_num_threads(), rows // ROWS_PER_PART))
 
 
+def _fused_kernel(x: torch.Tensor, bf16_out: bool) -> tuple:
+    """(the fused GEMV kernel for x, x as that kernel reads it, y's dtype): vdpbf16ps for BF16 x on
+    an AVX512_BF16 CPU (64-weight chunks where it has them, writing BF16 y if `bf16_out`), else
+    fp32 FMAs on x in fp32."""
+    if x.dtype is torch.bfloat16 and BF16_DOT:
+        if not CHUNK_DOT:
+            kernel, dtype = _gemv_fused_bf16_at, torch.float32
+        else:
+            kernel, dtype = (_gemv_chunk_bf16_to_bf16_at, x.dtype) if bf16_out else (_gemv_chunk_bf16_at, torch.float32)
+    else:
+        kernel, dtype = _gemv_fused_at, torch.float32
+        if x.dtype is not torch.float32:
+            x = x.float()
+    return kernel, x if x.is_contiguous() else x.contiguous(), dtype
+
+
+def _fused_parts(rows: int) -> int:
+    """Row ranges a fused call splits into: one per thread, each at least ROWS_PER_PART rows."""
+    parts = rows // ROWS_PER_PART
+    return _THREADS if parts > _THREADS else parts or 1
+
+
 def tiles_gemv_cpu(
     x: torch.Tensor,
     weight: dict[str, torch.Tensor],
@@ -103,18 +125,10 @@ def tiles_gemv_cpu(
     if x.is_cpu and _fast_layout(sm, codes, esc, esc_index, in_features):
         m = x.numel() // in_features
         lead = x.shape[:-1]
-        if x.dtype is torch.bfloat16 and BF16_DOT:
-            kernel = _gemv_chunk_bf16_at if CHUNK_DOT else _gemv_fused_bf16_at
-        else:
-            kernel = _gemv_fused_at
-        if kernel is _gemv_fused_at and x.dtype is not torch.float32:
-            x = x.float()
-        if not x.is_contiguous():
-            x = x.contiguous()
+        kernel, x, _ = _fused_kernel(x, False)
         y = torch.from_numpy(np.empty((m, n_out), dtype=np.float32))
         if m and n_out:
-            parts = n_out // ROWS_PER_PART
-            parts = _THREADS if parts > _THREADS else parts or 1
+            parts = _fused_parts(n_out)
             with _PARALLEL:
                 kernel(
                     x.data_ptr(),
@@ -152,20 +166,10 @@ def gemv_plan(weight: dict[str, torch.Tensor], base: int, block: int, out_featur
         return None
     n, k = out_features, in_features
     streams = (sm.data_ptr(), *_addresses(codes, esc, esc_index), n, k, -(-k // block), base, 0, n)
-    parts = n // ROWS_PER_PART
-    parts = _THREADS if parts > _THREADS else parts or 1
+    parts = _fused_parts(n)
 
     def gemv(x: torch.Tensor) -> torch.Tensor:
-        if x.dtype is torch.bfloat16 and BF16_DOT:
-            kernel, dtype = (
-                (_gemv_chunk_bf16_to_bf16_at, torch.bfloat16) if CHUNK_DOT else (_gemv_fused_bf16_at, torch.float32)
-            )
-        else:
-            kernel, dtype = _gemv_fused_at, torch.float32
-            if x.dtype is not torch.float32:
-                x = x.float()
-        if not x.is_contiguous():
-            x = x.contiguous()
+        kernel, x, dtype = _fused_kernel(x, True)
         y = torch.empty((*x.shape[:-1], n), dtype=dtype)
         m = x.numel() // k
         if m and n:
@@ -207,7 +211,7 @@ def tiles_grouped_gemv_cpu(
     x = x.float().contiguous()
     y = torch.from_numpy(np.empty((p, rows), dtype=np.float32))
     if p and rows:
-        per = max(1, min(_THREADS, rows // ROWS_PER_PART))  # parts of each group's rows: the groups are few
+        per = _fused_parts(rows)  # parts of each group's rows: the groups are few
         with _PARALLEL:
             _gemv_grouped_at(
                 x.data_ptr(),
@@ -251,7 +255,7 @@ def tiles_rows_cpu(
         if out is None:
             out = torch.empty(r, in_features, dtype=dtype)
         if r:
-            parts = max(1, min(_THREADS, r // ROWS_PER_PART))
+            parts = _fused_parts(r)
             if dtype is torch.float32:
                 kernel = _rows_fused_at
             else:
