@@ -56,24 +56,25 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-_SCRATCH: list[np.ndarray] = []
+@functools.cache
+def _scratch() -> np.ndarray:
+    """Twice the last-level cache's bytes, 64 MiB at least (made once)."""
+    try:
+        l3 = max(0, os.sysconf("SC_LEVEL3_CACHE_SIZE"))
+    except (ValueError, OSError):
+        l3 = 0
+    return np.zeros(max(64 << 20, 2 * l3), dtype=np.uint8)
 
 
 def _evict(device: torch.device) -> None:
-    """On the CPU, write twice the last-level cache's bytes (64 MiB at least), so that the next
-    timed run reads its weight from DRAM, as a model's forward does: each layer's weight is read
-    once a forward, and the other layers' evict it. Timed with the weight in cache, decode-then-GEMM
-    (which writes W out and reads it back) won some 16-row buckets that the fused kernel, reading
-    each compressed weight once, wins inside a model (SmolLM2 in vLLM, 16 sequences: 1.3x the step)."""
-    if device.type != "cpu":
-        return
-    if not _SCRATCH:
-        try:
-            l3 = max(0, os.sysconf("SC_LEVEL3_CACHE_SIZE"))
-        except (ValueError, OSError):
-            l3 = 0
-        _SCRATCH.append(np.zeros(max(64 << 20, 2 * l3), dtype=np.uint8))
-    _SCRATCH[0] += 1
+    """On the CPU, write the scratch buffer, so that the next timed run reads its weight from DRAM,
+    as a model's forward does: each layer's weight is read once a forward, and the other layers'
+    evict it. Timed with the weight in cache, decode-then-GEMM (which writes W out and reads it
+    back) won the 16-row bucket of SmolLM2's down projection in vLLM, which the fused kernel,
+    reading each compressed weight once, wins out of cache."""
+    if device.type == "cpu":
+        buf = _scratch()
+        buf += 1
 
 
 class Autotuner:
