@@ -194,13 +194,16 @@ def test_cpu_fast_and_portable_paths_agree(rows, cols, m, chunks, monkeypatch):
 @pytest.mark.parametrize(
     "rows,cols",
     [(40, 576), (24, 72), (64, 136), (33, 584), (20, 8), (18, 80), (27, 88), (16, 24), (9, 16)]
-    + [(12, 40), (33, 48), (21, 104), (10, 120)],
+    + [(12, 40), (33, 48), (21, 104), (10, 120)]
+    + [(20, 1544), (6, 3080), (3, 12296)],
 )
 def test_cpu_bf16_kernel_sums_bf16_products_in_fp32(rows, cols, chunks, monkeypatch):
     """BF16 x on an AVX512_BF16 CPU: the vdpbf16ps kernels (64-weight chunks of W, whose last chunk
     holds 1 to 8 groups, or four groups a 512-bit quad, with group counts of every remainder mod 4;
-    passes of 16, 8, 4, 2 and 1 rows of x, and the tail rows of W) are within fp32
-    accumulation-order tolerance of the exact product of the BF16 values, like the fp32 kernel."""
+    passes of 16, 8, 4, 2 and 1 rows of x, and the tail rows of W; with the chunks, x wider than a
+    pass keeps in L1 (1544 columns for passes of 16 and 8 rows, 3080 for 4, 12296 for 2 and 1) in
+    segments whose last one ends in a short chunk) are within fp32 accumulation-order tolerance of
+    the exact product of the BF16 values, like the fp32 kernel."""
     from unweight.runtime.kernels import cpu_gemv
 
     if not cpu_gemv.BF16_DOT:
@@ -487,19 +490,20 @@ def test_a_layer_built_for_a_gpu_is_encoded_once_in_its_layout():
     assert lin._roles != qtiles.ROLES and torch.equal(lin.decoded_weight().view(torch.int16), w.view(torch.int16))
 
 
-def test_cpu_gemv_plan_follows_its_streams(tmp_path, monkeypatch):
+@pytest.mark.parametrize("rows,cols,m", [(48, 64, 5), (24, 1544, 16)])
+def test_cpu_gemv_plan_follows_its_streams(rows, cols, m, tmp_path, monkeypatch):
     """The fused CPU GEMV's plan reads the streams by address: streams moved in memory (to shared
     memory here) are planned again; each plan gives the same bits as the launcher without a plan,
-    BF16 y rounded as .to(torch.bfloat16) rounds."""
+    BF16 y rounded as .to(torch.bfloat16) rounds (x in column segments too, at 1544 columns)."""
     from unweight.runtime.kernels import cpu_gemv
 
     monkeypatch.setenv("UNWEIGHT_PIPELINE", "fused")
-    w = random_bf16(48, 64, seed=5, std=0.02)
+    w = random_bf16(rows, cols, seed=5, std=0.02)
     mod = UnweightLinear.from_weight(w, autotuner=Autotuner(tmp_path / "t.json"))
     g = torch.Generator().manual_seed(2)
-    xs = [torch.randn(3, 64, generator=g), torch.randn(5, 64, generator=g).to(torch.bfloat16)]
+    xs = [torch.randn(3, cols, generator=g), torch.randn(m, cols, generator=g).to(torch.bfloat16)]
     s, p = mod.streams(), mod.params
-    want = [cpu_gemv.tiles_gemv_cpu(x, s, p.base, p.block, 48, 64).to(x.dtype) for x in xs]
+    want = [cpu_gemv.tiles_gemv_cpu(x, s, p.base, p.block, rows, cols).to(x.dtype) for x in xs]
 
     def same(layer):
         return all(torch.equal(layer(x).view(torch.int16), y.view(torch.int16)) for x, y in zip(xs, want))

@@ -27,6 +27,7 @@ The portable kernels (cpu_reference.py) are the oracle, in the same tests as cpu
 
 from __future__ import annotations
 
+import numpy as np
 from llvmlite import ir
 from numba import carray, njit, prange
 from numba.core import cgutils, types
@@ -43,6 +44,11 @@ CHUNK_DOT = CHUNKS and BF16_DOT  # ... and vdpbf16ps, for the GEMV of BF16 x
 # Zen 5, against no prefetch: 1.4-1.7x at one row of x, 1.5x at 16 (128 and 256 groups ahead: less).
 PREFETCH = 192
 PASS_ROWS = (16, 8, 4, 2, 1)  # rows of x one pass multiplies (accumulators in registers), largest first
+# Bytes of x (BF16, P rows of a pass) a pass multiplies each row of W with before it moves on to the
+# next columns: sixteen rows of a 1536-wide x (48 KiB, Zen 5's whole L1D) came from L2 for every row
+# of W, and that pass ran 1.7x slower per weight than over a 576-wide x.
+X_SEGMENT_BYTES = 24 << 10
+ADD, MORE = 1, 2  # a dot's stage bits: add the row's sums so far (part); more columns follow (to part, not y)
 
 _I8, _I16, _I32, _I64 = simd.I8, simd.I16, simd.I32, simd.I64
 _V64I8, _V32I16, _V8I64 = ir.VectorType(_I8, 64), ir.VectorType(_I16, 32), ir.VectorType(_I64, 8)
@@ -71,9 +77,17 @@ class _ChunkEmitter:
     that zero x multiplies) as two <64 x i8>: with `in_order`, weights 8g..8g + 31 and 8g + 32..8g
     + 63; else groups g, g + 2, g + 4, g + 6 and g + 1, g + 3, g + 5, g + 7 (two vpermq fewer)."""
 
-    def __init__(self, context, builder, sig_args, sm, sm_off, codes, codes_off, esc, k0, base, in_order):
+    def __init__(self, context, builder, sig_args, sm, sm_off, codes, codes_off, esc, k0, base, in_order, span=None):
         b = self.b = builder
         self.in_order = in_order
+        # prefetches follow the order the chunks are used in: a row's G groups, then the next row's
+        # (`span` (G, skip): the next row's start lies `skip` groups past this one's end, where a
+        # GEMV takes W's columns a segment at a time; rows lie end to end without it)
+        self.span = None
+        if span is not None:
+            G, skip = span
+            d = _const(PREFETCH)
+            self.span = G, skip, b.udiv(d, G), b.urem(d, G)
         self.sm = b.gep(simd.data_ptr(context, b, sig_args[0], sm), [sm_off])
         self.codes = b.gep(simd.data_ptr(context, b, sig_args[2], codes), [codes_off])
         self.esc = simd.data_ptr(context, b, sig_args[4], esc)
@@ -106,12 +120,17 @@ class _ChunkEmitter:
         e = simd.expand_load(b, b.gep(self.esc, [pos]), escaped, b.call(self.pshufb, [self.lut, code]))
         b.store(b.add(pos, simd.ctpop64(b, b.bitcast(escaped, _I64))), self.pos)
         sm_at = b.gep(self.sm, [b.shl(g, _const(3))])
-        for ahead in (  # the streams' bytes PREFETCH groups on (prefetches do not fault past a stream's end)
-            b.gep(sm_at, [_const(8 * PREFETCH)]),
-            b.gep(self.codes, [b.mul(b.add(g, _const(PREFETCH)), _const(3))]),
+        ahead = b.add(g, _const(PREFETCH))
+        if self.span is not None:  # PREFETCH = rows * G + rest: rows or rows + 1 rows on, `skip` groups a row
+            G, skip, rows, rest = self.span
+            rows = b.add(rows, b.zext(b.icmp_unsigned(">=", b.add(g, rest), G), _I64))
+            ahead = b.add(ahead, b.mul(rows, skip))
+        for at in (  # the streams' bytes PREFETCH groups of work on (prefetches do not fault past a stream's end)
+            b.gep(self.sm, [b.shl(ahead, _const(3))]),
+            b.gep(self.codes, [b.mul(ahead, _const(3))]),
             b.gep(self.esc, [b.add(pos, _const(PREFETCH))]),
         ):
-            b.call(self.prefetch, [ahead, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+            b.call(self.prefetch, [at, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
         if groups is None:
             s = simd.load(b, sm_at, _const(0), _V64I8)
         else:
@@ -192,19 +211,25 @@ def _fold(builder, sums):
 
 def _make_dot(M: int):
     """Intrinsic: y[m, n] = x[m] . W[n] for the M rows of x (BF16 chunks as `_bf16_chunks` lays
-    them out), W[n] rebuilt a chunk at a time, into an fp32 y, or a uint16 one as BF16 bits;
-    returns the esc position after the row."""
+    them out, G groups of them: all of W[n]'s columns or one segment), W[n] rebuilt a chunk at a
+    time, into an fp32 y, or a uint16 one as BF16 bits; returns the esc position after the row.
+    `stage` (ADD, MORE): the sums of earlier segments are added from `part[i]` (16 fp32, lane m
+    for row m of x), and where more segments follow the sums go to `part[i]` instead of y."""
 
     @intrinsic
-    def dot(typingctx, sm, sm_off, codes, codes_off, esc, k0, x, G, base, y, n):
-        sig = types.intp(sm, types.intp, codes, types.intp, esc, types.intp, x, types.intp, types.intp, y, types.intp)
+    def dot(typingctx, sm, sm_off, codes, codes_off, esc, k0, x, G, base, y, n, part, i, stage, skip):
+        args = (sm, types.intp, codes, types.intp, esc, types.intp, x, types.intp, types.intp, y, types.intp, part)
+        sig = types.intp(*args, types.intp, types.intp, types.intp)
 
         bf16_out = y.dtype == types.uint16
 
         def codegen(context, builder, signature, args):
-            sm_a, sm_off, codes_a, codes_off, esc_a, k0, x_a, G, base, y_a, n = args
+            sm_a, sm_off, codes_a, codes_off, esc_a, k0, x_a, G, base, y_a, n, part_a, i, stage, skip = args
             b = builder
-            row = _ChunkEmitter(context, b, signature.args, sm_a, sm_off, codes_a, codes_off, esc_a, k0, base, False)
+            span = G, skip
+            row = _ChunkEmitter(
+                context, b, signature.args, sm_a, sm_off, codes_a, codes_off, esc_a, k0, base, False, span
+            )
             xarr = context.make_array(signature.args[6])(context, b, x_a)
             xp = b.bitcast(xarr.data, _I8.as_pointer())
             xstride = b.extract_value(xarr.strides, 0)
@@ -230,13 +255,22 @@ def _make_dot(M: int):
             for m in range(M):
                 acc = b.load(accs[m][0])
                 sums.append(b.fadd(acc, b.load(accs[m][1]), flags=("fast",)) if split == 2 else acc)
-            total = _fold(b, sums)
-            if bf16_out:  # rounded to nearest even, as torch's .to(torch.bfloat16) rounds (vcvtneps2bf16)
-                total = b.bitcast(b.fptrunc(total, ir.VectorType(simd.BF16, 16)), ir.VectorType(_I16, 16))
-            lane = _I16 if bf16_out else simd.F32
-            for m in range(M):
-                dst = b.gep(yp, [b.add(b.mul(ystride, _const(m)), b.shl(n, _const(1 if bf16_out else 2)))])
-                b.store(b.extract_element(total, _const(m, _I32)), b.bitcast(dst, lane.as_pointer()), align=2)
+            total = cgutils.alloca_once_value(b, _fold(b, sums))
+            partp = b.bitcast(simd.data_ptr(context, b, signature.args[11], part_a), simd.V16F32.as_pointer())
+            partp = b.gep(partp, [i])
+            with b.if_then(b.icmp_unsigned("!=", b.and_(stage, _const(ADD)), _const(0))):
+                b.store(b.fadd(b.load(total), b.load(partp, align=4), flags=("fast",)), total)
+            with b.if_else(b.icmp_unsigned("!=", b.and_(stage, _const(MORE)), _const(0))) as (more, last):
+                with more:
+                    b.store(b.load(total), partp, align=4)
+                with last:
+                    sum_m = b.load(total)
+                    if bf16_out:  # rounded to nearest even, as torch's .to(torch.bfloat16) rounds (vcvtneps2bf16)
+                        sum_m = b.bitcast(b.fptrunc(sum_m, ir.VectorType(simd.BF16, 16)), ir.VectorType(_I16, 16))
+                    lane = _I16 if bf16_out else simd.F32
+                    for m in range(M):
+                        dst = b.gep(yp, [b.add(b.mul(ystride, _const(m)), b.shl(n, _const(1 if bf16_out else 2)))])
+                        b.store(b.extract_element(sum_m, _const(m, _I32)), b.bitcast(dst, lane.as_pointer()), align=2)
             return b.load(row.pos)
 
         return sig, codegen
@@ -261,37 +295,58 @@ def _bf16_chunks(x):
     return out
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _dot_rows(P, sm, sm_off, codes, codes_off, esc, k0, xs, G, base, ys, n, part, i, stage, skip):
+    """The dot intrinsic for a pass of P rows of x (numba cannot hold the intrinsics as values)."""
+    if P == 16:
+        return _dot16(sm, sm_off, codes, codes_off, esc, k0, xs, G, base, ys, n, part, i, stage, skip)
+    if P == 8:
+        return _dot8(sm, sm_off, codes, codes_off, esc, k0, xs, G, base, ys, n, part, i, stage, skip)
+    if P == 4:
+        return _dot4(sm, sm_off, codes, codes_off, esc, k0, xs, G, base, ys, n, part, i, stage, skip)
+    if P == 2:
+        return _dot2(sm, sm_off, codes, codes_off, esc, k0, xs, G, base, ys, n, part, i, stage, skip)
+    return _dot1(sm, sm_off, codes, codes_off, esc, k0, xs, G, base, ys, n, part, i, stage, skip)
+
+
+@njit(nogil=True, cache=True)
+def _chunk_pass(x, m0, P, sm, codes, esc, esc_index, K, bpr, base, y, n0, n1, c0):
+    """y[m0 : m0 + P, n - c0] = x[m0 : m0 + P] @ W[n] for n in [n0, n1): W's columns in segments
+    whose P rows of x (X_SEGMENT_BYTES at most) stay in L1 while every row of W passes over them.
+    Between segments each row keeps its sums in `part` and its place in esc in `pos`."""
+    G = K >> 3
+    most = max(8, X_SEGMENT_BYTES // (16 * P) >> 3 << 3)  # groups of x a segment holds, whole chunks
+    segs = -(-G // most)
+    step = ((-(-G // segs)) + 7) >> 3 << 3  # the segments as even as whole chunks allow
+    kept = n1 - n0 if segs > 1 else 1
+    part, pos = np.empty((kept, 16), np.float32), np.empty(kept, np.int64)
+    xp, ys = x[:, m0 : m0 + P], y[m0 : m0 + P]
+    for g0 in range(0, G, step):
+        Gs = min(step, G - g0)
+        stage = (ADD if g0 else 0) | (MORE if g0 + Gs < G else 0)
+        xs = xp[g0 >> 3 : (g0 + Gs + 7) >> 3]
+        for n in range(n0, n1):
+            i = n - n0 if segs > 1 else 0
+            k0 = pos[i] if g0 else esc_index[n * bpr]
+            sm_off, codes_off = n * K + 8 * g0, 3 * (G * n + g0)
+            pos[i] = _dot_rows(
+                P, sm, sm_off, codes, codes_off, esc, k0, xs, Gs, base, ys, n - c0, part, i, stage, G - Gs
+            )
+
+
 @njit(nogil=True, cache=True)
 def _chunk_rows(x, sm, codes, esc, esc_index, K, bpr, base, y, n0, n1, c0):
     """y[:, n - c0] = x @ W[n] for n in [n0, n1) (K % 8 == 0), x BF16 chunks (chunks, M, 64): the
     rows of x in passes of 16, then one each of 8, 4, 2 and 1 as the remainder needs."""
-    G = K >> 3
     M = x.shape[1]
     m0 = 0
     while M - m0 >= 16:
-        xs, ys = x[:, m0 : m0 + 16], y[m0 : m0 + 16]
-        for n in range(n0, n1):
-            _dot16(sm, n * K, codes, 3 * G * n, esc, esc_index[n * bpr], xs, G, base, ys, n - c0)
+        _chunk_pass(x, m0, 16, sm, codes, esc, esc_index, K, bpr, base, y, n0, n1, c0)
         m0 += 16
-    if M - m0 >= 8:
-        xs, ys = x[:, m0 : m0 + 8], y[m0 : m0 + 8]
-        for n in range(n0, n1):
-            _dot8(sm, n * K, codes, 3 * G * n, esc, esc_index[n * bpr], xs, G, base, ys, n - c0)
-        m0 += 8
-    if M - m0 >= 4:
-        xs, ys = x[:, m0 : m0 + 4], y[m0 : m0 + 4]
-        for n in range(n0, n1):
-            _dot4(sm, n * K, codes, 3 * G * n, esc, esc_index[n * bpr], xs, G, base, ys, n - c0)
-        m0 += 4
-    if M - m0 >= 2:
-        xs, ys = x[:, m0 : m0 + 2], y[m0 : m0 + 2]
-        for n in range(n0, n1):
-            _dot2(sm, n * K, codes, 3 * G * n, esc, esc_index[n * bpr], xs, G, base, ys, n - c0)
-        m0 += 2
-    if M - m0 >= 1:
-        xs, ys = x[:, m0 : m0 + 1], y[m0 : m0 + 1]
-        for n in range(n0, n1):
-            _dot1(sm, n * K, codes, 3 * G * n, esc, esc_index[n * bpr], xs, G, base, ys, n - c0)
+    for P in (8, 4, 2, 1):
+        if M - m0 >= P:
+            _chunk_pass(x, m0, P, sm, codes, esc, esc_index, K, bpr, base, y, n0, n1, c0)
+            m0 += P
 
 
 @njit(nogil=True, cache=True, parallel=True)
