@@ -16,7 +16,9 @@ instructions, against 14 for each group of 8 in cpu_avx2's decoder:
            the chunk in one register, 1, 3, 5, 7 in the other.
 The GEMV multiplies each register with the matching 32 BF16 values of each row of x (laid out in
 that order once per call) by one vdpbf16ps (AVX512_BF16), summing in fp32 as cpu_avx2's BF16
-kernel does. Rows written to memory take one vpermq of the exponent and of the sign-and-mantissa
+kernel does. A pass over up to 16 rows of x takes W's columns in segments whose part of x stays in
+L1 (X_SEGMENT_BYTES) while every row of W in the thread's range passes over it, each row carrying
+its sums and its place in the escapes from one segment to the next. Rows written to memory take one vpermq of the exponent and of the sign-and-mantissa
 bytes first, so that the two registers hold weights in row order. A row's last chunk may hold
 fewer than eight groups: its loads and stores are masked, so no kernel here reads past a stream
 or needs the portable decoder for the last rows of a tensor. Each chunk prefetches its streams
