@@ -18,11 +18,12 @@ The GEMV multiplies each register with the matching 32 BF16 values of each row o
 that order once per call) by one vdpbf16ps (AVX512_BF16), summing in fp32 as cpu_avx2's BF16
 kernel does. A pass over up to 16 rows of x takes W's columns in segments whose part of x stays in
 L1 (X_SEGMENT_BYTES) while every row of W in the thread's range passes over it, each row carrying
-its sums and its place in the escapes from one segment to the next. Rows written to memory take one vpermq of the exponent and of the sign-and-mantissa
-bytes first, so that the two registers hold weights in row order. A row's last chunk may hold
-fewer than eight groups: its loads and stores are masked, so no kernel here reads past a stream
-or needs the portable decoder for the last rows of a tensor. Each chunk prefetches its streams
-PREFETCH groups ahead: the decoder outruns the hardware prefetcher.
+its sums and its place in the escapes from one segment to the next. Rows written to memory take
+one vpermq of the exponent and of the sign-and-mantissa bytes first, so that the two registers
+hold weights in row order. A row's last chunk may hold fewer than eight groups: its loads and
+stores are masked, so no kernel here reads past a stream or needs the portable decoder for the
+last rows of a tensor. Each chunk prefetches its streams some groups of work ahead (PREFETCH,
+PREFETCH_LONG): the decoder outruns the hardware prefetcher.
 
 The portable kernels (cpu_reference.py) are the oracle, in the same tests as cpu_avx2's.
 """
@@ -41,10 +42,15 @@ from .cpu_avx2 import BF16_DOT, _f32_at, _i64_at, _streams_at, _u16_at, aligned_
 
 CHUNKS = simd.has("avx512bw", "avx512vbmi", "avx512vbmi2", "gfni")
 CHUNK_DOT = CHUNKS and BF16_DOT  # ... and vdpbf16ps, for the GEMV of BF16 x
-# Groups ahead that each chunk prefetches its streams. The chunk decoder asks for bytes faster than
-# the hardware prefetcher brings them: SmolLM2's four shapes x 30 (212 MB of BF16, out of cache),
-# Zen 5, against no prefetch: 1.4-1.7x at one row of x, 1.5x at 16 (128 and 256 groups ahead: less).
-PREFETCH = 192
+# (groups of work ahead, locality) of each chunk's prefetches of its streams. The chunk decoder asks
+# for bytes faster than the hardware prefetcher brings them: SmolLM2's four shapes x 30 (212 MB of
+# BF16, out of cache), Zen 5, into L1 192 groups on against no prefetch: 1.4-1.7x at one row of x,
+# 1.5x at 16 (128 and 256 groups ahead: less).
+PREFETCH = ((192, 3),)
+# Where a chunk's work is long (passes of 8 or 16 rows of x), into L2 512 groups on and from there
+# into L1 64 on: at 16 rows, out of cache, one core, 0.95x the time of PREFETCH (at one row, 1.08x).
+PREFETCH_LONG = ((512, 2), (64, 3))
+ESC_AHEAD = 192  # bytes of esc each chunk prefetches ahead of its position
 PASS_ROWS = (16, 8, 4, 2, 1)  # rows of x one pass multiplies (accumulators in registers), largest first
 # Bytes of x (BF16, P rows of a pass) a pass multiplies each row of W with before it moves on to the
 # next columns: sixteen rows of a 1536-wide x (48 KiB, Zen 5's whole L1D) came from L2 for every row
@@ -79,17 +85,23 @@ class _ChunkEmitter:
     that zero x multiplies) as two <64 x i8>: with `in_order`, weights 8g..8g + 31 and 8g + 32..8g
     + 63; else groups g, g + 2, g + 4, g + 6 and g + 1, g + 3, g + 5, g + 7 (two vpermq fewer)."""
 
-    def __init__(self, context, builder, sig_args, sm, sm_off, codes, codes_off, esc, k0, base, in_order, span=None):
+    def __init__(
+        self, context, builder, sig_args, sm, sm_off, codes, codes_off, esc, k0, base, in_order, ahead, span=None
+    ):
         b = self.b = builder
         self.in_order = in_order
-        # prefetches follow the order the chunks are used in: a row's G groups, then the next row's
-        # (`span` (G, skip): the next row's start lies `skip` groups past this one's end, where a
-        # GEMV takes W's columns a segment at a time; rows lie end to end without it)
-        self.span = None
-        if span is not None:
-            G, skip = span
-            d = _const(PREFETCH)
-            self.span = G, skip, b.udiv(d, G), b.urem(d, G)
+        # prefetches (`ahead`: PREFETCH or PREFETCH_LONG) follow the order the chunks are used in: a
+        # row's G groups, then the next row's (`span` (G, skip): the next row's start lies `skip`
+        # groups past this one's end, where a GEMV takes W's columns a segment at a time; rows lie
+        # end to end without it)
+        self.ahead = [
+            (
+                dist,
+                level,
+                None if span is None else (*span, b.udiv(_const(dist), span[0]), b.urem(_const(dist), span[0])),
+            )
+            for dist, level in ahead
+        ]
         self.sm = b.gep(simd.data_ptr(context, b, sig_args[0], sm), [sm_off])
         self.codes = b.gep(simd.data_ptr(context, b, sig_args[2], codes), [codes_off])
         self.esc = simd.data_ptr(context, b, sig_args[4], esc)
@@ -122,17 +134,18 @@ class _ChunkEmitter:
         e = simd.expand_load(b, b.gep(self.esc, [pos]), escaped, b.call(self.pshufb, [self.lut, code]))
         b.store(b.add(pos, simd.ctpop64(b, b.bitcast(escaped, _I64))), self.pos)
         sm_at = b.gep(self.sm, [b.shl(g, _const(3))])
-        ahead = b.add(g, _const(PREFETCH))
-        if self.span is not None:  # PREFETCH = rows * G + rest: rows or rows + 1 rows on, `skip` groups a row
-            G, skip, rows, rest = self.span
-            rows = b.add(rows, b.zext(b.icmp_unsigned(">=", b.add(g, rest), G), _I64))
-            ahead = b.add(ahead, b.mul(rows, skip))
-        for at in (  # the streams' bytes PREFETCH groups of work on (prefetches do not fault past a stream's end)
-            b.gep(self.sm, [b.shl(ahead, _const(3))]),
-            b.gep(self.codes, [b.mul(ahead, _const(3))]),
-            b.gep(self.esc, [b.add(pos, _const(PREFETCH))]),
-        ):
-            b.call(self.prefetch, [at, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+        # the streams' bytes `dist` groups of work on (prefetches do not fault past a stream's end);
+        # the escapes ESC_AHEAD bytes on, into L1
+        for dist, level, span in self.ahead:
+            ahead = b.add(g, _const(dist))
+            if span is not None:  # dist = rows * G + rest: rows or rows + 1 rows on, `skip` groups a row
+                G, skip, rows, rest = span
+                rows = b.add(rows, b.zext(b.icmp_unsigned(">=", b.add(g, rest), G), _I64))
+                ahead = b.add(ahead, b.mul(rows, skip))
+            for at in (b.gep(self.sm, [b.shl(ahead, _const(3))]), b.gep(self.codes, [b.mul(ahead, _const(3))])):
+                b.call(self.prefetch, [at, ir.Constant(_I32, 0), ir.Constant(_I32, level), ir.Constant(_I32, 1)])
+        at = b.gep(self.esc, [b.add(pos, _const(ESC_AHEAD))])
+        b.call(self.prefetch, [at, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
         if groups is None:
             s = simd.load(b, sm_at, _const(0), _V64I8)
         else:
@@ -168,7 +181,9 @@ def _chunk_bits_row(typingctx, sm, sm_off, codes, codes_off, esc, k0, G, base, o
     def codegen(context, builder, signature, args):
         sm_a, sm_off, codes_a, codes_off, esc_a, k0, G, base, out_a, i = args
         b = builder
-        row = _ChunkEmitter(context, b, signature.args, sm_a, sm_off, codes_a, codes_off, esc_a, k0, base, True)
+        row = _ChunkEmitter(
+            context, b, signature.args, sm_a, sm_off, codes_a, codes_off, esc_a, k0, base, True, PREFETCH
+        )
         oarr = context.make_array(signature.args[8])(context, b, out_a)
         op = b.gep(b.bitcast(oarr.data, _I8.as_pointer()), [b.mul(b.extract_value(oarr.strides, 0), i)])
 
@@ -228,9 +243,9 @@ def _make_dot(M: int):
         def codegen(context, builder, signature, args):
             sm_a, sm_off, codes_a, codes_off, esc_a, k0, x_a, G, base, y_a, n, part_a, i, stage, skip = args
             b = builder
-            span = G, skip
+            span, ahead = (G, skip), PREFETCH_LONG if M >= 8 else PREFETCH
             row = _ChunkEmitter(
-                context, b, signature.args, sm_a, sm_off, codes_a, codes_off, esc_a, k0, base, False, span
+                context, b, signature.args, sm_a, sm_off, codes_a, codes_off, esc_a, k0, base, False, ahead, span
             )
             xarr = context.make_array(signature.args[6])(context, b, x_a)
             xp = b.bitcast(xarr.data, _I8.as_pointer())
