@@ -531,3 +531,38 @@ def test_a_layer_deep_copies_and_pickles_after_its_forwards(tmp_path):
     gc.collect()
     for twin in copies:
         assert torch.equal(twin(x).view(torch.int16), want.view(torch.int16))
+
+
+def test_cpu_streams_lie_in_the_arena_aligned_and_outlive_its_chunks(monkeypatch):
+    """On the CPU tile_tensors copies each layer's streams into one block of the stream arena, each
+    stream on a 64-byte boundary, bit-equal to what it was given, layers apart from each other; a
+    block over a quarter of a chunk gets a mapping of its own; a layer's streams stay readable
+    after the arena has moved on to new chunks and dropped its reference to theirs."""
+    import gc
+
+    from unweight.codec import tiles
+    from unweight.runtime.kernels import tile_tensors as tt
+
+    monkeypatch.setattr(tt, "ARENA", tt.StreamArena())
+    monkeypatch.setattr(tt.StreamArena, "CHUNK", 1 << 20)
+    layers, given = [], []
+    for seed, (rows, cols) in enumerate([(40, 64), (24, 72), (600, 1024), (40, 64)]):
+        w = random_bf16(rows, cols, seed=seed, std=0.02)
+        streams = tiles.encode(w.view(torch.int16).numpy().view(np.uint16).ravel(), rows, cols)[1]
+        given.append({k: np.array(v) for k, v in streams.items()})
+        layers.append(tt.tile_tensors(streams))
+    spans = []
+    for placed, src in zip(layers, given):
+        assert set(placed) == {"sm", "codes", "esc", "esc_index"}
+        assert all(t.data_ptr() % 64 == 0 for t in placed.values())
+        for k in ("sm", "codes"):
+            assert np.array_equal(placed[k].numpy(), src[k])
+        assert np.array_equal(placed["esc_index"].numpy(), tiles.esc_index_entries(src["esc_index"]))
+        ptrs = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in placed.values()]
+        spans.append((min(p[0] for p in ptrs), max(p[1] for p in ptrs)))
+    spans.sort()
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # no two layers share bytes
+    monkeypatch.setattr(tt, "ARENA", tt.StreamArena())  # the old arena and its chunk references go
+    gc.collect()
+    for placed, src in zip(layers, given):
+        assert np.array_equal(placed["sm"].numpy(), src["sm"])
