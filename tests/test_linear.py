@@ -210,9 +210,12 @@ def test_cpu_bf16_kernel_sums_bf16_products_in_fp32(rows, cols, chunks, monkeypa
         pytest.skip("the vdpbf16ps kernel needs AVX512_BF16 and AVX512VL, which this CPU lacks")
     _x86_kernels(chunks, monkeypatch)
     calls = []
-    name = "_gemv_chunk_bf16_at" if chunks else "_gemv_fused_bf16_at"
-    kernel = getattr(cpu_gemv, name)
-    monkeypatch.setattr(cpu_gemv, name, lambda *a: calls.append(a[1]) or kernel(*a))
+    name = "_CHUNK_BF16" if chunks else "_BF16"  # (parallel, serial): fewer than 32 rows take the serial one
+
+    def counted(kernel):
+        return lambda *a: calls.append(a[1]) or kernel(*a)
+
+    monkeypatch.setattr(cpu_gemv, name, tuple(map(counted, getattr(cpu_gemv, name))))
     g = torch.Generator().manual_seed(rows + cols)
     w = (torch.randn(rows, cols, generator=g) * 0.02).to(torch.bfloat16)
     w.view(torch.int16).view(-1)[3::17] = -15872  # escapes
@@ -514,6 +517,40 @@ def test_cpu_gemv_plan_follows_its_streams(rows, cols, m, tmp_path, monkeypatch)
     assert same(mod) and mod._plan_key not in (None, key)
 
 
+@pytest.mark.parametrize("m", [5, 16])
+def test_cpu_gemv_serial_kernels_give_the_parallel_ones_bits(m):
+    """A GEMV of one part runs each kernel's serial variant (no parallel region): on the same call
+    it writes the bits the parallel kernel writes over two and three row ranges, for every kernel
+    this CPU has (fp32 x; BF16 x in groups of 8 and in 64-weight chunks, to fp32 y and BF16 y)."""
+    from unweight.runtime.kernels import cpu_gemv
+
+    if not cpu_gemv.FAST_PATH:
+        pytest.skip("the x86 kernels need AVX2 and FMA, which this CPU lacks")
+    rows, cols = 72, 1544  # columns in segments at 16 rows of x
+    w = random_bf16(rows, cols, seed=9, std=0.02)
+    w.view(torch.int16).view(-1)[5::23] = -15872  # escapes
+    lin = UnweightLinear.from_weight(w)
+    s, p = lin.streams(), lin.params
+    streams = (s["sm"].data_ptr(), *cpu_gemv._addresses(s["codes"], s["esc"], s["esc_index"]), rows, cols)
+    streams += (-(-cols // p.block), p.base, 0, rows)
+    pairs = [("fp32", cpu_gemv._FP32, torch.float32, torch.float32)]
+    if cpu_gemv.BF16_DOT:
+        pairs.append(("bf16 groups", cpu_gemv._BF16, torch.bfloat16, torch.float32))
+    if cpu_gemv.CHUNK_DOT:
+        pairs.append(("bf16 chunks", cpu_gemv._CHUNK_BF16, torch.bfloat16, torch.float32))
+        pairs.append(("bf16 chunks to bf16", cpu_gemv._CHUNK_BF16_TO_BF16, torch.bfloat16, torch.bfloat16))
+    x32 = torch.randn(m, cols, generator=torch.Generator().manual_seed(4))
+    for name, (parallel, serial), x_dtype, y_dtype in pairs:
+        x = x32.to(x_dtype)
+        ys = [torch.full((m, rows), float("nan"), dtype=y_dtype) for _ in range(3)]
+        serial(x.data_ptr(), m, *streams, ys[0].data_ptr(), 1)
+        for y, parts in zip(ys[1:], (2, 3)):
+            with cpu_gemv._PARALLEL:
+                parallel(x.data_ptr(), m, *streams, y.data_ptr(), parts)
+        assert not ys[0].isnan().any(), name
+        assert all(torch.equal(ys[0].view(torch.int16), y.view(torch.int16)) for y in ys[1:]), name
+
+
 def test_a_layer_deep_copies_and_pickles_after_its_forwards(tmp_path):
     """copy.deepcopy and pickle of a layer that has run (its autotuner holds a lock, its CPU GEMV a
     plan over the streams' addresses): the copies multiply as the original, from their own streams,
@@ -566,3 +603,4 @@ def test_cpu_streams_lie_in_the_arena_aligned_and_outlive_its_chunks(monkeypatch
     gc.collect()
     for placed, src in zip(layers, given):
         assert np.array_equal(placed["sm"].numpy(), src["sm"])
+

@@ -42,6 +42,9 @@ def test_first_command_compiles_ahead_once(tmp_path):
     # numba's cache now holds the codec's kernels and the runtime's, and the stamp beside them
     cached = {p.parent.name.split("_")[0] for p in cache.rglob("*.nbi")}  # numba names them codec_<hash>, ...
     assert {"codec", "kernels"} <= cached, sorted(cached)
+    # ... the fused GEMV's parallel kernel (the tiny model's layers) and its serial one (one part)
+    gemvs = {p.name.split(".")[1].split("-")[0] for p in cache.rglob("cpu_avx2._gemv_fused*.nbi")}
+    assert {"_gemv_fused_at", "_gemv_fused_one"} <= gemvs, sorted(gemvs)
     assert list(cache.rglob("unweight-warm-*.stamp"))
     again = _python(env, "-m", "unweight.cli.main", "compress", str(src), str(tmp_path / "b"), "--quiet")
     assert again.returncode == 0, again.stderr

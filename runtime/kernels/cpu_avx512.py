@@ -394,6 +394,27 @@ def _gemv_chunk_bf16_to_bf16_at(
         _chunk_rows(x, sm, codes, esc, esc_index, K, bpr, base, y, n0, n1, r0)
 
 
+@njit(nogil=True, cache=True)
+def _gemv_chunk_bf16_one(
+    x_at, M, sm_at, codes_at, n_codes, esc_at, n_esc, index_at, n_index, N, K, bpr, base, r0, R, y_at, parts
+):
+    """_gemv_chunk_bf16_at as one range on the calling thread (`parts` unused): a call of one part
+    enters no parallel region, which costs about a microsecond even with one thread."""
+    x = _bf16_chunks(carray(_u16_at(x_at), (M, K)))
+    sm, codes, esc, esc_index = _streams_at(sm_at, N * K, codes_at, n_codes, esc_at, n_esc, index_at, n_index)
+    _chunk_rows(x, sm, codes, esc, esc_index, K, bpr, base, carray(_f32_at(y_at), (M, R)), r0, r0 + R, r0)
+
+
+@njit(nogil=True, cache=True)
+def _gemv_chunk_bf16_to_bf16_one(
+    x_at, M, sm_at, codes_at, n_codes, esc_at, n_esc, index_at, n_index, N, K, bpr, base, r0, R, y_at, parts
+):
+    """_gemv_chunk_bf16_to_bf16_at as one range on the calling thread (see _gemv_chunk_bf16_one)."""
+    x = _bf16_chunks(carray(_u16_at(x_at), (M, K)))
+    sm, codes, esc, esc_index = _streams_at(sm_at, N * K, codes_at, n_codes, esc_at, n_esc, index_at, n_index)
+    _chunk_rows(x, sm, codes, esc, esc_index, K, bpr, base, carray(_u16_at(y_at), (M, R)), r0, r0 + R, r0)
+
+
 @njit(nogil=True, cache=True, parallel=True)
 def _rows_chunk_bf16_at(
     sm_at, n_sm, codes_at, n_codes, esc_at, n_esc, index_at, n_index, K, bpr, base, ids_at, R, out_at, parts

@@ -25,11 +25,21 @@ from .cpu_avx2 import (
     FAST_PATH,
     _gemv_fused_at,
     _gemv_fused_bf16_at,
+    _gemv_fused_bf16_one,
+    _gemv_fused_one,
     _gemv_grouped_at,
     _rows_fused_at,
     _rows_fused_bf16_at,
 )
-from .cpu_avx512 import CHUNK_DOT, CHUNKS, _gemv_chunk_bf16_at, _gemv_chunk_bf16_to_bf16_at, _rows_chunk_bf16_at
+from .cpu_avx512 import (
+    CHUNK_DOT,
+    CHUNKS,
+    _gemv_chunk_bf16_at,
+    _gemv_chunk_bf16_one,
+    _gemv_chunk_bf16_to_bf16_at,
+    _gemv_chunk_bf16_to_bf16_one,
+    _rows_chunk_bf16_at,
+)
 from .cpu_reference import LOWBIT, SPREAD, _gemv_portable, _rows_portable
 
 ROWS_PER_PART = 16  # rows a thread takes at least: fewer parts than this many rows each cost more than they save
@@ -75,20 +85,28 @@ def _parts(rows: int) -> int:
     return max(1, min(get_num_threads(), rows // ROWS_PER_PART))
 
 
+# Each fused GEMV kernel as (parallel, serial): a call of one part takes the serial one, which
+# enters no parallel region (about a microsecond a call, even with one thread) and needs no lock.
+_FP32 = (_gemv_fused_at, _gemv_fused_one)
+_BF16 = (_gemv_fused_bf16_at, _gemv_fused_bf16_one)
+_CHUNK_BF16 = (_gemv_chunk_bf16_at, _gemv_chunk_bf16_one)
+_CHUNK_BF16_TO_BF16 = (_gemv_chunk_bf16_to_bf16_at, _gemv_chunk_bf16_to_bf16_one)
+
+
 def _fused_kernel(x: torch.Tensor, bf16_out: bool) -> tuple:
-    """(the fused GEMV kernel for x, x as that kernel reads it, y's dtype): vdpbf16ps for BF16 x on
-    an AVX512_BF16 CPU (64-weight chunks where it has them, writing BF16 y if `bf16_out`), else
-    fp32 FMAs on x in fp32."""
+    """(the fused GEMV kernels for x as (parallel, serial), x as they read it, y's dtype):
+    vdpbf16ps for BF16 x on an AVX512_BF16 CPU (64-weight chunks where it has them, writing BF16 y
+    if `bf16_out`), else fp32 FMAs on x in fp32."""
     if x.dtype is torch.bfloat16 and BF16_DOT:
         if not CHUNK_DOT:
-            kernel, dtype = _gemv_fused_bf16_at, torch.float32
+            kernels, dtype = _BF16, torch.float32
         else:
-            kernel, dtype = (_gemv_chunk_bf16_to_bf16_at, x.dtype) if bf16_out else (_gemv_chunk_bf16_at, torch.float32)
+            kernels, dtype = (_CHUNK_BF16_TO_BF16, x.dtype) if bf16_out else (_CHUNK_BF16, torch.float32)
     else:
-        kernel, dtype = _gemv_fused_at, torch.float32
+        kernels, dtype = _FP32, torch.float32
         if x.dtype is not torch.float32:
             x = x.float()
-    return kernel, x if x.is_contiguous() else x.contiguous(), dtype
+    return kernels, x if x.is_contiguous() else x.contiguous(), dtype
 
 
 def _fused_parts(rows: int) -> int:
@@ -125,25 +143,16 @@ def tiles_gemv_cpu(
     if x.is_cpu and _fast_layout(sm, codes, esc, esc_index, in_features):
         m = x.numel() // in_features
         lead = x.shape[:-1]
-        kernel, x, _ = _fused_kernel(x, False)
+        kernels, x, _ = _fused_kernel(x, False)
         y = torch.from_numpy(np.empty((m, n_out), dtype=np.float32))
         if m and n_out:
             parts = _fused_parts(n_out)
-            with _PARALLEL:
-                kernel(
-                    x.data_ptr(),
-                    m,
-                    sm.data_ptr(),
-                    *_addresses(codes, esc, esc_index),
-                    out_features,
-                    in_features,
-                    bpr,
-                    base,
-                    r0,
-                    n_out,
-                    y.data_ptr(),
-                    parts,
-                )
+            args = (x.data_ptr(), m, sm.data_ptr(), *_addresses(codes, esc, esc_index), out_features, in_features)
+            if parts == 1:
+                kernels[1](*args, bpr, base, r0, n_out, y.data_ptr(), 1)
+            else:
+                with _PARALLEL:
+                    kernels[0](*args, bpr, base, r0, n_out, y.data_ptr(), parts)
         return y if len(lead) == 1 else y.view(*lead, n_out)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, in_features).to(torch.float32).contiguous().numpy()
@@ -169,12 +178,17 @@ def gemv_plan(weight: dict[str, torch.Tensor], base: int, block: int, out_featur
     parts = _fused_parts(n)
 
     def gemv(x: torch.Tensor) -> torch.Tensor:
-        kernel, x, dtype = _fused_kernel(x, True)
-        y = torch.empty((*x.shape[:-1], n), dtype=dtype)
+        kernels, x, dtype = _fused_kernel(x, True)
         m = x.numel() // k
-        if m and n:
+        # (positional sizes: a tuple costs torch.empty a third of a microsecond more)
+        y = torch.empty(m, n, dtype=dtype) if x.dim() == 2 else torch.empty((*x.shape[:-1], n), dtype=dtype)
+        if not (m and n):
+            return y
+        if parts == 1:
+            kernels[1](x.data_ptr(), m, *streams, y.data_ptr(), 1)
+        else:
             with _PARALLEL:
-                kernel(x.data_ptr(), m, *streams, y.data_ptr(), parts)
+                kernels[0](x.data_ptr(), m, *streams, y.data_ptr(), parts)
         return y
 
     return gemv
