@@ -604,3 +604,38 @@ def test_cpu_streams_lie_in_the_arena_aligned_and_outlive_its_chunks(monkeypatch
     for placed, src in zip(layers, given):
         assert np.array_equal(placed["sm"].numpy(), src["sm"])
 
+
+def test_the_stream_arena_unmaps_a_dropped_models_chunk(monkeypatch):
+    """The arena holds the chunk it fills by a weak reference: once the layers placed in it are
+    dropped, its mapping leaves the process (its huge pages go back to the system), and the arena
+    places the next layer in a new chunk."""
+    import gc
+    import mmap
+    from pathlib import Path
+
+    from unweight.codec import tiles
+    from unweight.runtime.kernels import tile_tensors as tt
+
+    maps = Path("/proc/self/maps")
+    if not maps.exists() or not hasattr(mmap, "MADV_HUGEPAGE"):
+        pytest.skip("needs Linux's /proc/self/maps and huge-page mappings")
+
+    def mapped(address: int) -> bool:
+        spans = (line.split()[0].split("-") for line in maps.read_text().splitlines())
+        return any(int(a, 16) <= address < int(b, 16) for a, b in spans)
+
+    monkeypatch.setattr(tt, "ARENA", tt.StreamArena())
+    monkeypatch.setattr(tt.StreamArena, "CHUNK", 4 << 20)
+    w = random_bf16(40, 64, seed=3, std=0.02)
+    streams = tiles.encode(w.view(torch.int16).numpy().view(np.uint16).ravel(), 40, 64)[1]
+    layers = [tt.tile_tensors(streams) for _ in range(3)]
+    address = layers[0]["sm"].data_ptr()
+    assert mapped(address)
+    del layers[:2]
+    gc.collect()
+    assert mapped(address)  # one layer still lives in the chunk
+    del layers
+    gc.collect()
+    assert not mapped(address)
+    again = tt.tile_tensors(streams)
+    assert np.array_equal(again["sm"].numpy(), np.asarray(streams["sm"]))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import mmap
 import threading
+import weakref
 
 import numpy as np
 import torch
@@ -37,25 +38,33 @@ def _huge_mapping(nbytes: int) -> np.ndarray:
 class StreamArena:
     """Hands out 64-byte-aligned blocks of CPU memory for the streams of a layer, from chunks of
     CHUNK bytes in huge-page mappings; a block over a quarter of a chunk gets a mapping of its own.
-    A chunk stays mapped while any block of it is referenced (a model's layers live together)."""
+    A chunk stays mapped while any block of it is referenced (a model's layers live together), and
+    no longer: the arena holds its current chunk by a weak reference, so a dropped model's memory
+    goes back to the system even while its chunk is the one the arena fills."""
 
     CHUNK = 64 << 20
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._chunk: np.ndarray | None = None
-        self._used = 0
+        self._owner: weakref.ref | None = None  # the array owning the current chunk's memory
+        self._offset = self._used = 0  # of the chunk in its owner; bytes of the chunk handed out
 
     def take(self, nbytes: int) -> np.ndarray:
         nbytes = -(-nbytes // ALIGN) * ALIGN
         if nbytes > self.CHUNK // 4:
             return _huge_mapping(nbytes)
         with self._lock:
-            if self._chunk is None or self._used + nbytes > len(self._chunk):
-                self._chunk, self._used = _huge_mapping(self.CHUNK), 0
-            block = self._chunk[self._used : self._used + nbytes]
+            owner = self._owner() if self._owner is not None else None
+            if owner is None or self._used + nbytes > self.CHUNK:
+                chunk = _huge_mapping(self.CHUNK)
+                # every block's base is the array owning the memory (numpy collapses chains of
+                # views to it), so that array, not the chunk view, lives exactly as long as a block
+                owner = chunk if chunk.base is None else chunk.base
+                self._owner, self._used = weakref.ref(owner), 0
+                self._offset = chunk.ctypes.data - owner.ctypes.data
+            at = self._offset + self._used
             self._used += nbytes
-            return block
+            return owner[at : at + nbytes]
 
 
 ARENA = StreamArena()
