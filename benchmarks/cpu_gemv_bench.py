@@ -6,9 +6,10 @@ at one thread count (--threads, for torch and numba alike):
   torch bf16   F.linear(x_bf16, W_bf16)      the baseline (oneDNN/MKL)
   torch fp32   F.linear(x_fp32, W_fp32)      twice the weight bytes
   fused        tiles_gemv_cpu(x_fp32, W)     W in the serving layout (`tiles`), fp32 out
+  groups       the same, W rebuilt 8 weights at a time (cpu_avx2) where fused takes 64-weight
+               chunks (cpu_avx512: CPUs with AVX-512 VBMI, VBMI2 and GFNI)
   fused bf16   tiles_gemv_cpu(x_bf16, W)     the same through vdpbf16ps (only on AVX512_BF16 CPUs)
-  groups bf16  the same, W rebuilt 8 weights at a time (cpu_avx2) where fused bf16 takes 64-weight
-               chunks (cpu_avx512: CPUs with AVX-512 VBMI2 and GFNI too)
+  groups bf16  the same on 8-weight groups, where fused bf16 takes 64-weight chunks
 
 the median wall time of one call, ns per weight element (time / (N*K)), and each fused variant
 over torch bf16.
@@ -51,7 +52,7 @@ from side_by_side import cpu_flags
 
 from unweight.codec import tiles
 from unweight.runtime.kernels import cpu_gemv
-from unweight.runtime.kernels.cpu_gemv import BF16_DOT, CHUNK_DOT, FAST_PATH, tiles_gemv_cpu
+from unweight.runtime.kernels.cpu_gemv import BF16_DOT, CHUNK_DOT, CHUNKS, FAST_PATH, tiles_gemv_cpu
 from unweight.runtime.kernels.tile_tensors import tile_tensors
 
 # label -> (N, K, tensor names stacked in this order, {layer} filled in)
@@ -112,12 +113,12 @@ def weights(path: Path | None, layer: int) -> dict[str, tuple[np.ndarray, str]]:
 
 
 def groups(fn):
-    """fn() with the BF16 GEMV on cpu_avx2's 8-weight groups instead of cpu_avx512's chunks."""
-    cpu_gemv.CHUNK_DOT = False
+    """fn() with the GEMV on cpu_avx2's 8-weight groups instead of cpu_avx512's chunks."""
+    cpu_gemv.CHUNKS = cpu_gemv.CHUNK_DOT = False
     try:
         return fn()
     finally:
-        cpu_gemv.CHUNK_DOT = CHUNK_DOT
+        cpu_gemv.CHUNKS, cpu_gemv.CHUNK_DOT = CHUNKS, CHUNK_DOT
 
 
 def check(label: str, w, p, dense: torch.Tensor, batches) -> None:
@@ -190,7 +191,7 @@ def main(argv=None) -> None:
     print(
         f"cpu: {cpu_flags()}; {threads} threads (torch {torch.get_num_threads()}, numba layer "
         f"{numba.config.THREADING_LAYER}); fused path: {'AVX2 kernels' if FAST_PATH else 'portable'}"
-        f"{', vdpbf16ps for BF16 x' if BF16_DOT else ''}{', 64-weight chunks' if CHUNK_DOT else ''}; "
+        f"{', vdpbf16ps for BF16 x' if BF16_DOT else ''}{', 64-weight chunks' if CHUNKS else ''}; "
         f"weights: {path if path.exists() else 'synthetic'}"
     )
     print("correctness:")
@@ -213,8 +214,8 @@ def main(argv=None) -> None:
         prepared[label] = (ws, p, dense_copies, [d.float() for d in dense_copies], esc, source)
 
     results = []
-    names = ["torch_bf16", "torch_fp32", "fused"] + (["fused_bf16"] if BF16_DOT else [])
-    names += ["groups_bf16"] if CHUNK_DOT else []
+    names = ["torch_bf16", "torch_fp32", "fused"] + (["groups"] if CHUNKS else [])
+    names += (["fused_bf16"] if BF16_DOT else []) + (["groups_bf16"] if CHUNK_DOT else [])
     fused = [n for n in names if n.startswith(("fused", "groups"))]
     print(
         f"\n{'shape':>16} {'M':>3} | "
@@ -241,6 +242,7 @@ def main(argv=None) -> None:
                 "torch_bf16": lambda: F.linear(xb, pick(dense)),
                 "torch_fp32": lambda: F.linear(x, pick(dense32)),
                 "fused": lambda: tiles_gemv_cpu(x, pick(ws), p.base, p.block, rows, cols),
+                "groups": lambda: groups(lambda: tiles_gemv_cpu(x, pick(ws), p.base, p.block, rows, cols)),
                 "fused_bf16": lambda: tiles_gemv_cpu(xb, pick(ws), p.base, p.block, rows, cols),
                 "groups_bf16": lambda: groups(lambda: tiles_gemv_cpu(xb, pick(ws), p.base, p.block, rows, cols)),
             }
@@ -294,6 +296,7 @@ def main(argv=None) -> None:
         "threads": threads,
         "numba_threading_layer": numba.config.THREADING_LAYER,
         "fused_path": "avx2" if FAST_PATH else "portable",
+        "chunks": CHUNKS,
         "bf16_chunks": CHUNK_DOT,
         "torch": torch.__version__,
         "numba": numba.__version__,

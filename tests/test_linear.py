@@ -131,11 +131,13 @@ def _x86_kernels(chunks: bool, monkeypatch):
 
 @pytest.mark.parametrize("chunks", [True, False], ids=["chunks", "groups"])
 @pytest.mark.parametrize(
-    "rows,cols,m", [(70, 200, 1), (33, 64, 5), (16, 1536, 9), (20, 100, 2), (40, 576, 16), (24, 64, 37), (12, 120, 3)]
+    "rows,cols,m",
+    [(70, 200, 1), (33, 64, 5), (16, 1536, 9), (20, 100, 2), (40, 576, 16), (24, 64, 37), (12, 120, 3), (3, 12296, 3)],
 )
 def test_cpu_fast_and_portable_paths_agree(rows, cols, m, chunks, monkeypatch):
     """The x86 kernels (where the CPU has them; with AVX-512, passes of 16 rows of x at m = 16 and
-    37; BF16 rows in 64-weight chunks or in groups of 8) against the portable numba ones: rows
+    37; fp32 x and BF16 rows in 64-weight chunks or in groups of 8; with the chunks, x in column
+    segments from 576 columns at 16 rows to 12296 at 2 and 1) against the portable numba ones: rows
     bit-exact, the GEMV within fp32 accumulation-order tolerance; both against the reference
     decoder, rows written in fp32 and straight in BF16 (every row of W too, eight at a time, so the
     tails of each thread's range are met)."""
@@ -521,7 +523,8 @@ def test_cpu_gemv_plan_follows_its_streams(rows, cols, m, tmp_path, monkeypatch)
 def test_cpu_gemv_serial_kernels_give_the_parallel_ones_bits(m):
     """A GEMV of one part runs each kernel's serial variant (no parallel region): on the same call
     it writes the bits the parallel kernel writes over two and three row ranges, for every kernel
-    this CPU has (fp32 x; BF16 x in groups of 8 and in 64-weight chunks, to fp32 y and BF16 y)."""
+    this CPU has (fp32 x in groups of 8 and in 64-weight chunks; BF16 x in groups of 8 and in
+    64-weight chunks, to fp32 y and BF16 y)."""
     from unweight.runtime.kernels import cpu_gemv
 
     if not cpu_gemv.FAST_PATH:
@@ -534,6 +537,8 @@ def test_cpu_gemv_serial_kernels_give_the_parallel_ones_bits(m):
     streams = (s["sm"].data_ptr(), *cpu_gemv._addresses(s["codes"], s["esc"], s["esc_index"]), rows, cols)
     streams += (-(-cols // p.block), p.base, 0, rows)
     pairs = [("fp32", cpu_gemv._FP32, torch.float32, torch.float32)]
+    if cpu_gemv.CHUNKS:
+        pairs.append(("fp32 chunks", cpu_gemv._CHUNK_F32, torch.float32, torch.float32))
     if cpu_gemv.BF16_DOT:
         pairs.append(("bf16 groups", cpu_gemv._BF16, torch.bfloat16, torch.float32))
     if cpu_gemv.CHUNK_DOT:

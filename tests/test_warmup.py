@@ -42,9 +42,13 @@ def test_first_command_compiles_ahead_once(tmp_path):
     # numba's cache now holds the codec's kernels and the runtime's, and the stamp beside them
     cached = {p.parent.name.split("_")[0] for p in cache.rglob("*.nbi")}  # numba names them codec_<hash>, ...
     assert {"codec", "kernels"} <= cached, sorted(cached)
-    # ... the fused GEMV's parallel kernel (the tiny model's layers) and its serial one (one part)
-    gemvs = {p.name.split(".")[1].split("-")[0] for p in cache.rglob("cpu_avx2._gemv_fused*.nbi")}
-    assert {"_gemv_fused_at", "_gemv_fused_one"} <= gemvs, sorted(gemvs)
+    # ... the fp32 GEMV's parallel kernel (the tiny model's layers) and its serial one (one part),
+    # on 64-weight chunks where this CPU has them, else on 8-weight groups
+    from unweight.runtime.kernels.cpu_gemv import CHUNKS
+
+    module, kernel = ("cpu_avx512", "_gemv_chunk_f32") if CHUNKS else ("cpu_avx2", "_gemv_fused")
+    gemvs = {p.name.split(".")[1].split("-")[0] for p in cache.rglob(f"{module}.{kernel}*.nbi")}
+    assert {f"{kernel}_at", f"{kernel}_one"} <= gemvs, sorted(gemvs)
     assert list(cache.rglob("unweight-warm-*.stamp"))
     again = _python(env, "-m", "unweight.cli.main", "compress", str(src), str(tmp_path / "b"), "--quiet")
     assert again.returncode == 0, again.stderr

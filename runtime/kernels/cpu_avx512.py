@@ -16,8 +16,10 @@ instructions, against 14 for each group of 8 in cpu_avx2's decoder:
            the chunk in one register, 1, 3, 5, 7 in the other.
 The GEMV multiplies each register with the matching 32 BF16 values of each row of x (laid out in
 that order once per call) by one vdpbf16ps (AVX512_BF16), summing in fp32 as cpu_avx2's BF16
-kernel does. A pass over up to 16 rows of x takes W's columns in segments whose part of x stays in
-L1 (X_SEGMENT_BYTES) while every row of W in the thread's range passes over it, each row carrying
+kernel does; x in fp32 (laid out the same way) meets each register widened into two <16 x float>
+(a BF16 value is the top half of its fp32) by FMAs, which needs no AVX512_BF16. A pass over up to
+16 rows of x takes W's columns in segments whose part of x stays in L1 (X_SEGMENT_BYTES) while
+every row of W in the thread's range passes over it, each row carrying
 its sums and its place in the escapes from one segment to the next. Rows written to memory take
 one vpermq of the exponent and of the sign-and-mantissa bytes first, so that the two registers
 hold weights in row order. A row's last chunk may hold fewer than eight groups: its loads and
@@ -204,6 +206,8 @@ def _chunk_bits_row(typingctx, sm, sm_off, codes, codes_off, esc, k0, G, base, o
     return sig, codegen
 
 
+_HALVES = [_vconst(list(range(16 * q, 16 * q + 16)), ir.VectorType(_I32, 16)) for q in (0, 1)]
+_SIXTEEN = ir.Constant(ir.VectorType(_I32, 16), [ir.Constant(_I32, 16)] * 16)
 _EVENS, _ODDS = (ir.Constant(ir.VectorType(_I32, 16), list(range(p, 32, 2))) for p in (0, 1))
 
 
@@ -239,6 +243,7 @@ def _make_dot(M: int):
         sig = types.intp(*args, types.intp, types.intp, types.intp)
 
         bf16_out = y.dtype == types.uint16
+        fp32 = x.dtype == types.float32  # x in fp32 (`_f32_chunks`): FMAs, else BF16 bits and vdpbf16ps
 
         def codegen(context, builder, signature, args):
             sm_a, sm_off, codes_a, codes_off, esc_a, k0, x_a, G, base, y_a, n, part_a, i, stage, skip = args
@@ -251,6 +256,7 @@ def _make_dot(M: int):
             xp = b.bitcast(xarr.data, _I8.as_pointer())
             xstride = b.extract_value(xarr.strides, 0)
             zero = ir.Constant(simd.V16F32, [ir.Constant(simd.F32, 0.0)] * 16)
+            fma = simd.function(b, "llvm.fma.v16f32", simd.V16F32, [simd.V16F32] * 3)
             # two accumulators per row of x while the rows are few: the chain of vdpbf16ps a row
             # would otherwise wait on is longer than a chunk's decode
             split = 2 if M <= 4 else 1
@@ -258,6 +264,19 @@ def _make_dot(M: int):
 
             def body(g, first, last, groups):
                 xc = b.gep(xp, [b.mul(b.lshr(g, _const(3)), xstride)])
+                if fp32:  # the 64 words as four <16 x float> (a BF16 word is an fp32's top half), FMAs
+                    words = [b.bitcast(w, _V32I16) for w in (first, last)]
+                    quarters = [
+                        b.bitcast(b.shl(b.zext(b.shuffle_vector(v, v, _HALVES[q]), simd.V16I32), _SIXTEEN), simd.V16F32)
+                        for v in words
+                        for q in (0, 1)
+                    ]
+                    for m in range(M):
+                        for j, wf in enumerate(quarters):
+                            xv = simd.load(b, xc, _const(256 * m + 64 * j), simd.V16F32, align=4)
+                            acc = accs[m][j % split]
+                            b.store(b.call(fma, [wf, xv, b.load(acc)]), acc)
+                    return
                 for m in range(M):
                     for h, w in enumerate((first, last)):
                         xv = simd.load(b, xc, _const(128 * m + 64 * h), simd.V16I32, align=2)
@@ -312,6 +331,19 @@ def _bf16_chunks(x):
     return out
 
 
+@njit(nogil=True, cache=True)
+def _f32_chunks(x):
+    """x (M, K) fp32 as the chunk kernels read it for fp32 FMAs: `_bf16_chunks`' layout, (K / 64
+    rounded up, M, 64), in fp32 (zeros past K)."""
+    M, K = x.shape
+    out = aligned_zeros_u16(((K + 63) >> 6) * M * 128).view(np.float32).reshape(((K + 63) >> 6, M, 64))
+    for m in range(M):
+        for k in range(K):
+            g = k >> 3 & 7
+            out[k >> 6, m, (g & 1) << 5 | (g >> 1) << 3 | k & 7] = x[m, k]
+    return out
+
+
 @njit(nogil=True, cache=True, inline="always")
 def _dot_rows(P, sm, sm_off, codes, codes_off, esc, k0, xs, G, base, ys, n, part, i, stage, skip):
     """The dot intrinsic for a pass of P rows of x (numba cannot hold the intrinsics as values)."""
@@ -332,7 +364,7 @@ def _chunk_pass(x, m0, P, sm, codes, esc, esc_index, K, bpr, base, y, n0, n1, c0
     whose P rows of x (X_SEGMENT_BYTES at most) stay in L1 while every row of W passes over them.
     Between segments each row keeps its sums in `part` and its place in esc in `pos`."""
     G = K >> 3
-    most = max(8, X_SEGMENT_BYTES // (16 * P) >> 3 << 3)  # groups of x a segment holds, whole chunks
+    most = max(8, X_SEGMENT_BYTES // (8 * x.itemsize * P) >> 3 << 3)  # groups of x a segment holds, whole chunks
     segs = -(-G // most)
     step = ((-(-G // segs)) + 7) >> 3 << 3  # the segments as even as whole chunks allow
     kept = n1 - n0 if segs > 1 else 1
@@ -413,6 +445,46 @@ def _gemv_chunk_bf16_to_bf16_one(
     x = _bf16_chunks(carray(_u16_at(x_at), (M, K)))
     sm, codes, esc, esc_index = _streams_at(sm_at, N * K, codes_at, n_codes, esc_at, n_esc, index_at, n_index)
     _chunk_rows(x, sm, codes, esc, esc_index, K, bpr, base, carray(_u16_at(y_at), (M, R)), r0, r0 + R, r0)
+
+
+@njit(nogil=True, cache=True, parallel=True)
+def _gemv_chunk_f32_at(
+    x_at, M, sm_at, codes_at, n_codes, esc_at, n_esc, index_at, n_index, N, K, bpr, base, r0, R, y_at, parts
+):
+    """_gemv_chunk_bf16_at for x (M, K) in fp32, by fp32 FMAs (AVX-512 without AVX512_BF16, or
+    compute in fp32)."""
+    x = _f32_chunks(carray(_f32_at(x_at), (M, K)))
+    sm, codes, esc, esc_index = _streams_at(sm_at, N * K, codes_at, n_codes, esc_at, n_esc, index_at, n_index)
+    y = carray(_f32_at(y_at), (M, R))
+    for t in prange(parts):
+        n0, n1 = r0 + R * t // parts, r0 + R * (t + 1) // parts
+        _chunk_rows(x, sm, codes, esc, esc_index, K, bpr, base, y, n0, n1, r0)
+
+
+@njit(nogil=True, cache=True)
+def _gemv_chunk_f32_one(
+    x_at, M, sm_at, codes_at, n_codes, esc_at, n_esc, index_at, n_index, N, K, bpr, base, r0, R, y_at, parts
+):
+    """_gemv_chunk_f32_at as one range on the calling thread (see _gemv_chunk_bf16_one)."""
+    x = _f32_chunks(carray(_f32_at(x_at), (M, K)))
+    sm, codes, esc, esc_index = _streams_at(sm_at, N * K, codes_at, n_codes, esc_at, n_esc, index_at, n_index)
+    _chunk_rows(x, sm, codes, esc, esc_index, K, bpr, base, carray(_f32_at(y_at), (M, R)), r0, r0 + R, r0)
+
+
+@njit(nogil=True, cache=True, parallel=True)
+def _gemv_grouped_chunk_f32_at(
+    x_at, P, sm_at, codes_at, n_codes, esc_at, n_esc, index_at, n_index, N, K, bpr, base, starts, rows0, R, y_at, parts
+):
+    """cpu_avx2's _gemv_grouped_at (the experts of a MoE layer: rows [starts[g], starts[g + 1]) of x
+    (P, K) fp32 times W[rows0[g] : rows0[g] + R]^T) on 64-weight chunks, by fp32 FMAs."""
+    x = _f32_chunks(carray(_f32_at(x_at), (P, K)))
+    sm, codes, esc, esc_index = _streams_at(sm_at, N * K, codes_at, n_codes, esc_at, n_esc, index_at, n_index)
+    y = carray(_f32_at(y_at), (P, R))
+    for task in prange(rows0.shape[0] * parts):
+        g, t = task // parts, task % parts
+        s, e, r0 = starts[g], starts[g + 1], rows0[g]
+        n0, n1 = r0 + R * t // parts, r0 + R * (t + 1) // parts
+        _chunk_rows(x[:, s:e], sm, codes, esc, esc_index, K, bpr, base, y[s:e], n0, n1, r0)
 
 
 @njit(nogil=True, cache=True, parallel=True)

@@ -8,8 +8,8 @@ decode-then-matmul pipeline), producing fp32 or BF16 directly, the dtype the CPU
 
 The launchers: `tiles_gemv_cpu`, `tiles_grouped_gemv_cpu` and `tiles_rows_cpu` check their
 arguments and hand the streams' addresses to the x86 kernels when the CPU and the layout allow
-(cpu_avx512.py's 64-weight chunks for BF16 where the CPU has AVX-512 VBMI2 and GFNI, else
-cpu_avx2.py's 8-weight groups), else the arrays to the portable ones (cpu_reference.py).
+(cpu_avx512.py's 64-weight chunks for BF16 and fp32 x where the CPU has AVX-512 VBMI2 and GFNI,
+else cpu_avx2.py's 8-weight groups), else the arrays to the portable ones (cpu_reference.py).
 """
 
 from __future__ import annotations
@@ -38,6 +38,9 @@ from .cpu_avx512 import (
     _gemv_chunk_bf16_one,
     _gemv_chunk_bf16_to_bf16_at,
     _gemv_chunk_bf16_to_bf16_one,
+    _gemv_chunk_f32_at,
+    _gemv_chunk_f32_one,
+    _gemv_grouped_chunk_f32_at,
     _rows_chunk_bf16_at,
 )
 from .cpu_reference import LOWBIT, SPREAD, _gemv_portable, _rows_portable
@@ -91,19 +94,20 @@ _FP32 = (_gemv_fused_at, _gemv_fused_one)
 _BF16 = (_gemv_fused_bf16_at, _gemv_fused_bf16_one)
 _CHUNK_BF16 = (_gemv_chunk_bf16_at, _gemv_chunk_bf16_one)
 _CHUNK_BF16_TO_BF16 = (_gemv_chunk_bf16_to_bf16_at, _gemv_chunk_bf16_to_bf16_one)
+_CHUNK_F32 = (_gemv_chunk_f32_at, _gemv_chunk_f32_one)
 
 
 def _fused_kernel(x: torch.Tensor, bf16_out: bool) -> tuple:
     """(the fused GEMV kernels for x as (parallel, serial), x as they read it, y's dtype):
     vdpbf16ps for BF16 x on an AVX512_BF16 CPU (64-weight chunks where it has them, writing BF16 y
-    if `bf16_out`), else fp32 FMAs on x in fp32."""
+    if `bf16_out`), else fp32 FMAs on x in fp32 (on 64-weight chunks where the CPU has them)."""
     if x.dtype is torch.bfloat16 and BF16_DOT:
         if not CHUNK_DOT:
             kernels, dtype = _BF16, torch.float32
         else:
             kernels, dtype = (_CHUNK_BF16_TO_BF16, x.dtype) if bf16_out else (_CHUNK_BF16, torch.float32)
     else:
-        kernels, dtype = _FP32, torch.float32
+        kernels, dtype = _CHUNK_F32 if CHUNKS else _FP32, torch.float32
         if x.dtype is not torch.float32:
             x = x.float()
     return kernels, x if x.is_contiguous() else x.contiguous(), dtype
@@ -226,8 +230,9 @@ def tiles_grouped_gemv_cpu(
     y = torch.from_numpy(np.empty((p, rows), dtype=np.float32))
     if p and rows:
         per = _fused_parts(rows)  # parts of each group's rows: the groups are few
+        kernel = _gemv_grouped_chunk_f32_at if CHUNKS else _gemv_grouped_at  # (as tiles_gemv_cpu's fp32 x)
         with _PARALLEL:
-            _gemv_grouped_at(
+            kernel(
                 x.data_ptr(),
                 p,
                 sm.data_ptr(),
