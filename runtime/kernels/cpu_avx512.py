@@ -232,8 +232,9 @@ def _fold(builder, sums):
 
 def _make_dot(M: int):
     """Intrinsic: y[m, n] = x[m] . W[n] for the M rows of x (BF16 chunks as `_bf16_chunks` lays
-    them out, G groups of them: all of W[n]'s columns or one segment), W[n] rebuilt a chunk at a
-    time, into an fp32 y, or a uint16 one as BF16 bits; returns the esc position after the row.
+    them out, or fp32 ones from `_f32_chunks`; G groups of them: all of W[n]'s columns or one
+    segment), W[n] rebuilt a chunk at a time, into an fp32 y, or a uint16 one as BF16 bits;
+    returns the esc position after the row.
     `stage` (ADD, MORE): the sums of earlier segments are added from `part[i]` (16 fp32, lane m
     for row m of x), and where more segments follow the sums go to `part[i]` instead of y."""
 
