@@ -201,11 +201,12 @@ def test_cpu_fast_and_portable_paths_agree(rows, cols, m, chunks, monkeypatch):
 )
 def test_cpu_bf16_kernel_sums_bf16_products_in_fp32(rows, cols, chunks, monkeypatch):
     """BF16 x on an AVX512_BF16 CPU: the vdpbf16ps kernels (64-weight chunks of W, whose last chunk
-    holds 1 to 8 groups, or four groups a 512-bit quad, with group counts of every remainder mod 4;
-    passes of 16, 8, 4, 2 and 1 rows of x, and the tail rows of W; with the chunks, x wider than a
-    pass keeps in L1 (1544 columns for passes of 16 and 8 rows, 3080 for 4, 12296 for 2 and 1) in
-    segments whose last one ends in a short chunk) are within fp32 accumulation-order tolerance of
-    the exact product of the BF16 values, like the fp32 kernel."""
+    holds 1 to 8 groups, or four groups a 512-bit quad, with group counts of every remainder mod
+    4; passes of 16, 8, 4, 2 and 1 rows of x, padded ones among them, and the tail rows of W;
+    with the chunks, x wider than a pass keeps in L1 (1544 columns for passes of 16 and 8 rows,
+    3080 for 4, 12296 for 2 and 1) in segments whose last one ends in a short chunk) are within
+    fp32 accumulation-order tolerance of the exact product of the BF16 values, like the fp32
+    kernel."""
     from unweight.runtime.kernels import cpu_gemv
 
     if not cpu_gemv.BF16_DOT:
@@ -223,13 +224,13 @@ def test_cpu_bf16_kernel_sums_bf16_products_in_fp32(rows, cols, chunks, monkeypa
     w.view(torch.int16).view(-1)[3::17] = -15872  # escapes
     lin = UnweightLinear.from_weight(w)
     s, p = lin.streams(), lin.params
-    for m in (1, 3, 9, 16, 37, 31):
+    for m in (1, 3, 9, 16, 37, 31, 10):
         x = torch.randn(m, cols, generator=g).to(torch.bfloat16)
         y = cpu_gemv.tiles_gemv_cpu(x, s, p.base, p.block, rows, cols)
         exact = x.double() @ w.double().T
         bound = cols * 2.0**-23 * (x.double().abs() @ w.double().abs().T)
         assert y.dtype == torch.float32 and torch.all((y.double() - exact).abs() <= bound)
-    assert calls == [1, 3, 9, 16, 37, 31]
+    assert calls == [1, 3, 9, 16, 37, 31, 10]
 
 
 @pytest.mark.parametrize("fast", [True, False])
@@ -260,8 +261,9 @@ def test_cpu_gemv_of_a_row_range_is_those_rows_of_the_whole(fast, monkeypatch):
 @pytest.mark.parametrize("fast", [True, False])
 def test_cpu_grouped_gemv_is_each_groups_row_range(fast, monkeypatch):
     """One call for the experts of a MoE layer: group g's rows of x times W's rows [rows0[g],
-    rows0[g] + R), the same bits as one row-range GEMV a group; empty groups and a range at the
-    weight's end included; bad groups are refused."""
+    rows0[g] + R), the same bits as one row-range GEMV a group; empty groups, a range at the
+    weight's end, and groups whose 64-weight chunk pass is padded (3 rows in a pass of 4 reading the
+    next group's row, 5 in a pass of 8 reading past x) included; bad groups are refused."""
     import numpy as np
 
     from unweight.runtime.kernels import cpu_gemv
@@ -273,17 +275,17 @@ def test_cpu_grouped_gemv_is_each_groups_row_range(fast, monkeypatch):
     w.view(torch.int16).view(-1)[5::13] = -15872
     lin = UnweightLinear.from_weight(w)
     s, p = lin.streams(), lin.params
-    x = torch.randn(7, cols, generator=g)
-    starts, rows0 = np.array([0, 3, 3, 4, 7]), np.array([72, 0, 24, 48])
+    x = torch.randn(12, cols, generator=g)
+    starts, rows0 = np.array([0, 3, 3, 7, 12]), np.array([72, 0, 24, 48])
     y = cpu_gemv.tiles_grouped_gemv_cpu(x, s, p.base, p.block, rows, cols, starts, rows0, r)
-    assert y.shape == (7, r)
+    assert y.shape == (12, r)
     for a, b, r0 in zip(starts[:-1], starts[1:], rows0):
         want = cpu_gemv.tiles_gemv_cpu(x[a:b], s, p.base, p.block, rows, cols, rows=(r0, r0 + r))
         assert torch.equal(y[a:b].view(torch.int32), want.view(torch.int32))
-    with pytest.raises(ValueError, match="do not split 7 rows"):
+    with pytest.raises(ValueError, match="do not split 12 rows"):
         cpu_gemv.tiles_grouped_gemv_cpu(x, s, p.base, p.block, rows, cols, np.array([0, 3, 6]), rows0[:2], r)
     with pytest.raises(ValueError, match="outside the weight"):
-        cpu_gemv.tiles_grouped_gemv_cpu(x, s, p.base, p.block, rows, cols, np.array([0, 7]), np.array([80]), r)
+        cpu_gemv.tiles_grouped_gemv_cpu(x, s, p.base, p.block, rows, cols, np.array([0, 12]), np.array([80]), r)
 
 
 def test_archive_linear_stacks_parts_of_any_size_and_codec_bit_exactly():
@@ -519,12 +521,13 @@ def test_cpu_gemv_plan_follows_its_streams(rows, cols, m, tmp_path, monkeypatch)
     assert same(mod) and mod._plan_key not in (None, key)
 
 
-@pytest.mark.parametrize("m", [5, 16])
+@pytest.mark.parametrize("m", [3, 5, 13, 16])
 def test_cpu_gemv_serial_kernels_give_the_parallel_ones_bits(m):
     """A GEMV of one part runs each kernel's serial variant (no parallel region): on the same call
     it writes the bits the parallel kernel writes over two and three row ranges, for every kernel
     this CPU has (fp32 x in groups of 8 and in 64-weight chunks; BF16 x in groups of 8 and in
-    64-weight chunks, to fp32 y and BF16 y)."""
+    64-weight chunks, to fp32 y and BF16 y). With the chunks, 3, 5 and 13 rows of x take one padded
+    pass (of 4, 8 and 16 rows): nothing is written past y's m rows."""
     from unweight.runtime.kernels import cpu_gemv
 
     if not cpu_gemv.FAST_PATH:
@@ -547,13 +550,15 @@ def test_cpu_gemv_serial_kernels_give_the_parallel_ones_bits(m):
     x32 = torch.randn(m, cols, generator=torch.Generator().manual_seed(4))
     for name, (parallel, serial), x_dtype, y_dtype in pairs:
         x = x32.to(x_dtype)
-        ys = [torch.full((m, rows), float("nan"), dtype=y_dtype) for _ in range(3)]
+        ys = [torch.full((m + 16, rows), float("nan"), dtype=y_dtype) for _ in range(3)]  # 16 rows to spare
         serial(x.data_ptr(), m, *streams, ys[0].data_ptr(), 1)
         for y, parts in zip(ys[1:], (2, 3)):
             with cpu_gemv._PARALLEL:
                 parallel(x.data_ptr(), m, *streams, y.data_ptr(), parts)
-        assert not ys[0].isnan().any(), name
+        assert not ys[0][:m].isnan().any(), name
         assert all(torch.equal(ys[0].view(torch.int16), y.view(torch.int16)) for y in ys[1:]), name
+        nan = torch.full((16, rows), float("nan"), dtype=y_dtype).view(torch.int16)
+        assert all(torch.equal(y[m:].view(torch.int16), nan) for y in ys), name
 
 
 def test_a_layer_deep_copies_and_pickles_after_its_forwards(tmp_path):

@@ -235,26 +235,27 @@ def _fold(builder, sums):
 
 
 def _make_dot(M: int, W: int = 1):
-    """Intrinsic: y[m, n + w] = x[m] . W[n + w] for the M rows of x (BF16 chunks as `_bf16_chunks`
-    lays them out, or fp32 ones from `_f32_chunks`; G groups of them: all of a row's columns or one
+    """Intrinsic: y[m, n + w] = x[m] . W[n + w] for the M rows of x (BF16 chunks as `_bf16_chunks` lays
+    them out, or fp32 ones from `_f32_chunks`; G groups of them: all of a row's columns or one
     segment) and the W rows n, n + 1, ... of W (M * W <= 16), rebuilt side by side a chunk at a
-    time, so that each load of x meets every one of them; into an fp32 y, or a uint16 one as BF16
-    bits. `k` holds each row's first position in esc (a W-tuple); returns the positions after them.
-    `stage` (ADD, MORE): the sums of earlier segments are added from `part[i]` (16 fp32, lane
-    w * M + m for row m of x and row n + w), and where more segments follow the sums go to
-    `part[i]` instead of y; `skip` groups lie between a segment's end and the next row's start."""
+    time, so that each load of x meets every one of them; into an fp32 y, or a uint16 one as
+    BF16 bits, its first `live` rows (the rest of the M are padding). `k` holds each row's first
+    position in esc (a W-tuple); returns the positions after them. `stage` (ADD, MORE): the sums
+    of earlier segments are added from `part[i]` (16 fp32, lane w * M + m for row m of x and row
+    n + w), and where more segments follow the sums go to `part[i]` instead of y; `skip` groups
+    lie between a segment's end and the next row's start."""
 
     @intrinsic
-    def dot(typingctx, sm, sm_off, codes, codes_off, esc, k, x, G, base, y, n, part, i, stage, skip):
+    def dot(typingctx, sm, sm_off, codes, codes_off, esc, k, x, G, base, y, live, n, part, i, stage, skip):
         positions = types.UniTuple(types.intp, W)
-        args = (sm, types.intp, codes, types.intp, esc, positions, x, types.intp, types.intp, y, types.intp, part)
-        sig = positions(*args, types.intp, types.intp, types.intp)
+        args = (sm, types.intp, codes, types.intp, esc, positions, x, types.intp, types.intp, y, types.intp, types.intp)
+        sig = positions(*args, part, types.intp, types.intp, types.intp)
 
         bf16_out = y.dtype == types.uint16
         fp32 = x.dtype == types.float32  # x in fp32 (`_f32_chunks`): FMAs, else BF16 bits and vdpbf16ps
 
         def codegen(context, builder, signature, args):
-            sm_a, sm_off, codes_a, codes_off, esc_a, k, x_a, G, base, y_a, n, part_a, i, stage, skip = args
+            sm_a, sm_off, codes_a, codes_off, esc_a, k, x_a, G, base, y_a, live, n, part_a, i, stage, skip = args
             b = builder
             stride = b.add(G, skip)  # groups from one row of W to the next
             # each emitter's next row lies W rows on; prefetch distances are groups of work, which
@@ -326,7 +327,7 @@ def _make_dot(M: int, W: int = 1):
                     acc = b.load(accs[w][m][0])
                     sums.append(b.fadd(acc, b.load(accs[w][m][1]), flags=("fast",)) if split == 2 else acc)
             total = cgutils.alloca_once_value(b, _fold(b, sums))
-            partp = b.bitcast(simd.data_ptr(context, b, signature.args[11], part_a), simd.V16F32.as_pointer())
+            partp = b.bitcast(simd.data_ptr(context, b, signature.args[12], part_a), simd.V16F32.as_pointer())
             partp = b.gep(partp, [i])
             with b.if_then(b.icmp_unsigned("!=", b.and_(stage, _const(ADD)), _const(0))):
                 b.store(b.fadd(b.load(total), b.load(partp, align=4), flags=("fast",)), total)
@@ -343,7 +344,8 @@ def _make_dot(M: int, W: int = 1):
                         for m in range(M):
                             dst = b.gep(yp, [b.add(b.mul(ystride, _const(m)), col)])
                             value = b.extract_element(sum_m, _const(w * M + m, _I32))
-                            b.store(value, b.bitcast(dst, lane.as_pointer()), align=2)
+                            with b.if_then(b.icmp_unsigned("<", _const(m), live)):
+                                b.store(value, b.bitcast(dst, lane.as_pointer()), align=2)
             return context.make_tuple(b, signature.return_type, [b.load(row.pos) for row in rows])
 
         return sig, codegen
@@ -355,13 +357,12 @@ _dot16, _dot8, _dot4, _dot2, _dot1 = (_make_dot(m) for m in PASS_ROWS)
 _dot8x2 = _make_dot(8, 2)
 
 
-@njit(nogil=True, cache=True)
-def _bf16_chunks(x):
-    """x (M, K) BF16 bits as the chunk kernels read them, (K / 64 rounded up, M, 64): for each 64
-    columns, the M rows side by side (zeros past K), so one pointer serves every row of a pass,
-    each row's 64 in the order the dot product decodes W: groups 0, 2, 4, 6, then 1, 3, 5, 7 of 8."""
+@njit(nogil=True, cache=True, inline="always")
+def _fill_chunks(x, out):
+    """out (K / 64 rounded up, rows, 64), zeros, takes x (M, K), M <= rows, as the chunk kernels read
+    it: for each 64 columns, the rows side by side, so one pointer serves every row of a pass, each
+    row's 64 in the order the dot product decodes W (groups 0, 2, 4, 6, then 1, 3, 5, 7 of 8)."""
     M, K = x.shape
-    out = aligned_zeros_u16(((K + 63) >> 6) * M * 64).reshape(((K + 63) >> 6, M, 64))
     for m in range(M):
         for k in range(K):
             g = k >> 3 & 7
@@ -370,30 +371,55 @@ def _bf16_chunks(x):
 
 
 @njit(nogil=True, cache=True)
-def _f32_chunks(x):
-    """x (M, K) fp32 as the chunk kernels read it for fp32 FMAs: `_bf16_chunks`' layout, (K / 64
-    rounded up, M, 64), in fp32 (zeros past K)."""
-    M, K = x.shape
-    out = aligned_zeros_u16(((K + 63) >> 6) * M * 128).view(np.float32).reshape(((K + 63) >> 6, M, 64))
-    for m in range(M):
-        for k in range(K):
-            g = k >> 3 & 7
-            out[k >> 6, m, (g & 1) << 5 | (g >> 1) << 3 | k & 7] = x[m, k]
-    return out
+def _bf16_chunks(x, rows):
+    """x (M, K) BF16 bits in the chunk layout (`_fill_chunks`), `rows` rows (zeros past M and K)."""
+    chunks = (x.shape[1] + 63) >> 6
+    return _fill_chunks(x, aligned_zeros_u16(chunks * rows * 64).reshape((chunks, rows, 64)))
+
+
+@njit(nogil=True, cache=True)
+def _f32_chunks(x, rows):
+    """x (M, K) fp32 in the chunk layout (`_fill_chunks`), `rows` rows (zeros past M and K)."""
+    chunks = (x.shape[1] + 63) >> 6
+    return _fill_chunks(x, aligned_zeros_u16(chunks * rows * 128).view(np.float32).reshape((chunks, rows, 64)))
 
 
 @njit(nogil=True, cache=True, inline="always")
-def _dot_rows(P, sm, sm_off, codes, codes_off, esc, k, xs, G, base, ys, n, part, i, stage, skip):
+def _pass_rows(r):
+    """Rows of x the next pass multiplies, r rows of x left: 16 from 11 rows on, 8 (W's rows in pairs)
+    from 5, else r rounded up to a power of two. A pass past the rows left reads padding (zeros, or
+    rows whose sums are not written): one pass costs less than several smaller ones. SmolLM2's
+    shapes out of cache, one core, against passes of 16, 8, 4, 2 and 1 as the rows allow: 0.47-0.50x
+    the time at 7 rows, 0.58-0.65x at 15, 0.61-0.68x at 3; at 9 and 10 rows, 8 + 1 and 8 + 2 take
+    0.85-0.93x the time of one pass of 16."""
+    if r >= 11:
+        return 16
+    if r >= 5:
+        return 8
+    return 4 if r >= 3 else r
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _padded_rows(M):
+    """Rows of x's chunk layout for M rows: the passes' rows, the last one's padding included."""
+    rows = 0
+    while rows < M:
+        rows += _pass_rows(M - rows)
+    return rows
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _dot_rows(P, sm, sm_off, codes, codes_off, esc, k, xs, G, base, ys, live, n, part, i, stage, skip):
     """The dot intrinsic for a pass of P rows of x (numba cannot hold the intrinsics as values)."""
     if P == 16:
-        return _dot16(sm, sm_off, codes, codes_off, esc, k, xs, G, base, ys, n, part, i, stage, skip)
+        return _dot16(sm, sm_off, codes, codes_off, esc, k, xs, G, base, ys, live, n, part, i, stage, skip)
     if P == 8:
-        return _dot8(sm, sm_off, codes, codes_off, esc, k, xs, G, base, ys, n, part, i, stage, skip)
+        return _dot8(sm, sm_off, codes, codes_off, esc, k, xs, G, base, ys, live, n, part, i, stage, skip)
     if P == 4:
-        return _dot4(sm, sm_off, codes, codes_off, esc, k, xs, G, base, ys, n, part, i, stage, skip)
+        return _dot4(sm, sm_off, codes, codes_off, esc, k, xs, G, base, ys, live, n, part, i, stage, skip)
     if P == 2:
-        return _dot2(sm, sm_off, codes, codes_off, esc, k, xs, G, base, ys, n, part, i, stage, skip)
-    return _dot1(sm, sm_off, codes, codes_off, esc, k, xs, G, base, ys, n, part, i, stage, skip)
+        return _dot2(sm, sm_off, codes, codes_off, esc, k, xs, G, base, ys, live, n, part, i, stage, skip)
+    return _dot1(sm, sm_off, codes, codes_off, esc, k, xs, G, base, ys, live, n, part, i, stage, skip)
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -414,7 +440,7 @@ def _chunk_pass(x, m0, P, sm, codes, esc, esc_index, K, bpr, base, y, n0, n1, c0
     step, segs = _segments(G, P, x.itemsize)
     kept = n1 - n0 if segs > 1 else 1
     part, pos = np.empty((kept, 16), np.float32), np.empty(kept, np.int64)
-    xp, ys = x[:, m0 : m0 + P], y[m0 : m0 + P]
+    xp, ys, live = x[:, m0 : m0 + P], y[m0 : m0 + P], min(P, y.shape[0] - m0)
     for g0 in range(0, G, step):
         Gs = min(step, G - g0)
         stage = (ADD if g0 else 0) | (MORE if g0 + Gs < G else 0)
@@ -424,7 +450,7 @@ def _chunk_pass(x, m0, P, sm, codes, esc, esc_index, K, bpr, base, y, n0, n1, c0
             k = (pos[i] if g0 else esc_index[n * bpr],)
             sm_off, codes_off = n * K + 8 * g0, 3 * (G * n + g0)
             pos[i] = _dot_rows(
-                P, sm, sm_off, codes, codes_off, esc, k, xs, Gs, base, ys, n - c0, part, i, stage, G - Gs
+                P, sm, sm_off, codes, codes_off, esc, k, xs, Gs, base, ys, live, n - c0, part, i, stage, G - Gs
             )[0]
 
 
@@ -438,7 +464,7 @@ def _chunk_pairs(x, m0, sm, codes, esc, esc_index, K, bpr, base, y, n0, n1, c0):
     step, segs = _segments(G, 8, x.itemsize)
     kept = n1 - n0 if segs > 1 else 2
     part, pos = np.empty((kept, 16), np.float32), np.empty(kept, np.int64)
-    xp, ys = x[:, m0 : m0 + 8], y[m0 : m0 + 8]
+    xp, ys, live = x[:, m0 : m0 + 8], y[m0 : m0 + 8], min(8, y.shape[0] - m0)
     n2 = n1 - (n1 - n0) % 2
     for g0 in range(0, G, step):
         Gs = min(step, G - g0)
@@ -449,7 +475,7 @@ def _chunk_pairs(x, m0, sm, codes, esc, esc_index, K, bpr, base, y, n0, n1, c0):
             k = (pos[i], pos[i + 1]) if g0 else (esc_index[n * bpr], esc_index[(n + 1) * bpr])
             sm_off, codes_off = n * K + 8 * g0, 3 * (G * n + g0)
             pos[i], pos[i + 1] = _dot8x2(
-                sm, sm_off, codes, codes_off, esc, k, xs, Gs, base, ys, n - c0, part, i, stage, G - Gs
+                sm, sm_off, codes, codes_off, esc, k, xs, Gs, base, ys, live, n - c0, part, i, stage, G - Gs
             )
     if n2 < n1:
         _chunk_pass(x, m0, 8, sm, codes, esc, esc_index, K, bpr, base, y, n2, n1, c0)
@@ -457,21 +483,18 @@ def _chunk_pairs(x, m0, sm, codes, esc, esc_index, K, bpr, base, y, n0, n1, c0):
 
 @njit(nogil=True, cache=True)
 def _chunk_rows(x, sm, codes, esc, esc_index, K, bpr, base, y, n0, n1, c0):
-    """y[:, n - c0] = x @ W[n] for n in [n0, n1) (K % 8 == 0), x BF16 chunks (chunks, M, 64): the
-    rows of x in passes of 16, then one each of 8 (W's rows in pairs), 4, 2 and 1 as the remainder
-    needs."""
-    M = x.shape[1]
+    """y[:, n - c0] = x @ W[n] for n in [n0, n1) (K % 8 == 0) and the M rows of y, x in the chunk
+    layout (chunks, rows, 64): the rows of x in passes of `_pass_rows` (of 8 rows, W's rows in
+    pairs), whose rows past M x's layout holds (zeros, or other rows whose sums are not written)."""
+    M = y.shape[0]
     m0 = 0
-    while M - m0 >= 16:
-        _chunk_pass(x, m0, 16, sm, codes, esc, esc_index, K, bpr, base, y, n0, n1, c0)
-        m0 += 16
-    if M - m0 >= 8:
-        _chunk_pairs(x, m0, sm, codes, esc, esc_index, K, bpr, base, y, n0, n1, c0)
-        m0 += 8
-    for P in (4, 2, 1):
-        if M - m0 >= P:
+    while m0 < M:
+        P = _pass_rows(M - m0)
+        if P == 8:
+            _chunk_pairs(x, m0, sm, codes, esc, esc_index, K, bpr, base, y, n0, n1, c0)
+        else:
             _chunk_pass(x, m0, P, sm, codes, esc, esc_index, K, bpr, base, y, n0, n1, c0)
-            m0 += P
+        m0 += P
 
 
 @njit(nogil=True, cache=True, parallel=True)
@@ -480,7 +503,7 @@ def _gemv_chunk_bf16_at(
 ):
     """y (M, R) = x @ W[r0 : r0 + R]^T for x (M, K) BF16 (K % 8 == 0) and W (N, K), through
     vdpbf16ps, its rows split into one range per thread; takes the tensors' addresses."""
-    x = _bf16_chunks(carray(_u16_at(x_at), (M, K)))
+    x = _bf16_chunks(carray(_u16_at(x_at), (M, K)), _padded_rows(M))
     sm, codes, esc, esc_index = _streams_at(sm_at, N * K, codes_at, n_codes, esc_at, n_esc, index_at, n_index)
     y = carray(_f32_at(y_at), (M, R))
     for t in prange(parts):
@@ -494,7 +517,7 @@ def _gemv_chunk_bf16_to_bf16_at(
 ):
     """_gemv_chunk_bf16_at with y in BF16 (each fp32 sum rounded to nearest even): no pass over y
     to convert it after the call."""
-    x = _bf16_chunks(carray(_u16_at(x_at), (M, K)))
+    x = _bf16_chunks(carray(_u16_at(x_at), (M, K)), _padded_rows(M))
     sm, codes, esc, esc_index = _streams_at(sm_at, N * K, codes_at, n_codes, esc_at, n_esc, index_at, n_index)
     y = carray(_u16_at(y_at), (M, R))
     for t in prange(parts):
@@ -508,7 +531,7 @@ def _gemv_chunk_bf16_one(
 ):
     """_gemv_chunk_bf16_at as one range on the calling thread (`parts` unused): a call of one part
     enters no parallel region, which costs about a microsecond even with one thread."""
-    x = _bf16_chunks(carray(_u16_at(x_at), (M, K)))
+    x = _bf16_chunks(carray(_u16_at(x_at), (M, K)), _padded_rows(M))
     sm, codes, esc, esc_index = _streams_at(sm_at, N * K, codes_at, n_codes, esc_at, n_esc, index_at, n_index)
     _chunk_rows(x, sm, codes, esc, esc_index, K, bpr, base, carray(_f32_at(y_at), (M, R)), r0, r0 + R, r0)
 
@@ -518,7 +541,7 @@ def _gemv_chunk_bf16_to_bf16_one(
     x_at, M, sm_at, codes_at, n_codes, esc_at, n_esc, index_at, n_index, N, K, bpr, base, r0, R, y_at, parts
 ):
     """_gemv_chunk_bf16_to_bf16_at as one range on the calling thread (see _gemv_chunk_bf16_one)."""
-    x = _bf16_chunks(carray(_u16_at(x_at), (M, K)))
+    x = _bf16_chunks(carray(_u16_at(x_at), (M, K)), _padded_rows(M))
     sm, codes, esc, esc_index = _streams_at(sm_at, N * K, codes_at, n_codes, esc_at, n_esc, index_at, n_index)
     _chunk_rows(x, sm, codes, esc, esc_index, K, bpr, base, carray(_u16_at(y_at), (M, R)), r0, r0 + R, r0)
 
@@ -529,7 +552,7 @@ def _gemv_chunk_f32_at(
 ):
     """_gemv_chunk_bf16_at for x (M, K) in fp32, by fp32 FMAs (AVX-512 without AVX512_BF16, or
     compute in fp32)."""
-    x = _f32_chunks(carray(_f32_at(x_at), (M, K)))
+    x = _f32_chunks(carray(_f32_at(x_at), (M, K)), _padded_rows(M))
     sm, codes, esc, esc_index = _streams_at(sm_at, N * K, codes_at, n_codes, esc_at, n_esc, index_at, n_index)
     y = carray(_f32_at(y_at), (M, R))
     for t in prange(parts):
@@ -542,7 +565,7 @@ def _gemv_chunk_f32_one(
     x_at, M, sm_at, codes_at, n_codes, esc_at, n_esc, index_at, n_index, N, K, bpr, base, r0, R, y_at, parts
 ):
     """_gemv_chunk_f32_at as one range on the calling thread (see _gemv_chunk_bf16_one)."""
-    x = _f32_chunks(carray(_f32_at(x_at), (M, K)))
+    x = _f32_chunks(carray(_f32_at(x_at), (M, K)), _padded_rows(M))
     sm, codes, esc, esc_index = _streams_at(sm_at, N * K, codes_at, n_codes, esc_at, n_esc, index_at, n_index)
     _chunk_rows(x, sm, codes, esc, esc_index, K, bpr, base, carray(_f32_at(y_at), (M, R)), r0, r0 + R, r0)
 
@@ -553,7 +576,7 @@ def _gemv_grouped_chunk_f32_at(
 ):
     """cpu_avx2's _gemv_grouped_at (the experts of a MoE layer: rows [starts[g], starts[g + 1]) of x
     (P, K) fp32 times W[rows0[g] : rows0[g] + R]^T) on 64-weight chunks, by fp32 FMAs."""
-    x = _f32_chunks(carray(_f32_at(x_at), (P, K)))
+    x = _f32_chunks(carray(_f32_at(x_at), (P, K)), P + 15)  # a group's last pass may read 15 rows past it
     sm, codes, esc, esc_index = _streams_at(sm_at, N * K, codes_at, n_codes, esc_at, n_esc, index_at, n_index)
     y = carray(_f32_at(y_at), (P, R))
     for task in prange(rows0.shape[0] * parts):
