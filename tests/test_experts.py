@@ -56,6 +56,33 @@ def test_pipelines_match_the_reference(pipeline, h, i, monkeypatch):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("pipeline", ["fused", "decode_matmul"])
+def test_bf16_input_computes_in_bf16_on_the_cpu(pipeline, monkeypatch):
+    """BF16 x on the CPU stays BF16 (as a BF16 model's UnweightLinear does): the fused pipeline's
+    grouped GEMV takes it through vdpbf16ps where the CPU has it (groups padded past x among the
+    routed experts), decode_matmul multiplies BF16 experts; both within BF16 rounding of the fp32
+    reference and of each other."""
+    from unweight.runtime.kernels import cpu_gemv
+
+    monkeypatch.setenv(FORCE_ENV, pipeline)
+    calls = []
+    kernel = cpu_gemv._gemv_grouped_chunk_bf16_at
+    monkeypatch.setattr(cpu_gemv, "_gemv_grouped_chunk_bf16_at", lambda *a: calls.append(a[1]) or kernel(*a))
+    e, h, i, k = 6, 128, 64, 2
+    w13, w2 = make_experts(e, h, i, seed=11)
+    layer = UnweightExperts.from_values(u16(w13), u16(w2), e, h, i)
+    weights, ids = routing(9, k, e, seed=2)
+    x = torch.randn(9, h, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    got = layer(x, weights, ids)
+    want = reference_experts(x, w13, w2, weights, ids)
+    assert got.dtype == torch.bfloat16 and got.shape == (9, h)
+    torch.testing.assert_close(got.float(), want, rtol=0.05, atol=0.05 * want.abs().mean().item())
+    fp32 = layer(x.float(), weights, ids).to(torch.bfloat16)  # computed in fp32, rounded once
+    assert not torch.equal(got.view(torch.int16), fp32.view(torch.int16)), "BF16 x was computed in fp32"
+    fused_bf16 = pipeline == "fused" and cpu_gemv.CHUNK_DOT
+    assert calls == ([18, 18] if fused_bf16 else []), calls  # w13 and w2, 9 tokens x 2 slots
+
+
 def test_expert_weights_are_the_stored_experts_bit_for_bit():
     e, h, i = 5, 32, 16
     w13, w2 = make_experts(e, h, i, seed=3)

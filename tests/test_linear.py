@@ -263,7 +263,8 @@ def test_cpu_grouped_gemv_is_each_groups_row_range(fast, monkeypatch):
     """One call for the experts of a MoE layer: group g's rows of x times W's rows [rows0[g],
     rows0[g] + R), the same bits as one row-range GEMV a group; empty groups, a range at the
     weight's end, and groups whose 64-weight chunk pass is padded (3 rows in a pass of 4 reading the
-    next group's row, 5 in a pass of 8 reading past x) included; bad groups are refused."""
+    next group's row, 5 in a pass of 8 reading past x) included, for fp32 and BF16 x; bad groups
+    are refused."""
     import numpy as np
 
     from unweight.runtime.kernels import cpu_gemv
@@ -277,11 +278,12 @@ def test_cpu_grouped_gemv_is_each_groups_row_range(fast, monkeypatch):
     s, p = lin.streams(), lin.params
     x = torch.randn(12, cols, generator=g)
     starts, rows0 = np.array([0, 3, 3, 7, 12]), np.array([72, 0, 24, 48])
-    y = cpu_gemv.tiles_grouped_gemv_cpu(x, s, p.base, p.block, rows, cols, starts, rows0, r)
-    assert y.shape == (12, r)
-    for a, b, r0 in zip(starts[:-1], starts[1:], rows0):
-        want = cpu_gemv.tiles_gemv_cpu(x[a:b], s, p.base, p.block, rows, cols, rows=(r0, r0 + r))
-        assert torch.equal(y[a:b].view(torch.int32), want.view(torch.int32))
+    for xv in (x, x.bfloat16()):  # BF16 x: vdpbf16ps where the CPU has it, as tiles_gemv_cpu
+        y = cpu_gemv.tiles_grouped_gemv_cpu(xv, s, p.base, p.block, rows, cols, starts, rows0, r)
+        assert y.shape == (12, r) and y.dtype == torch.float32
+        for a, b, r0 in zip(starts[:-1], starts[1:], rows0):
+            want = cpu_gemv.tiles_gemv_cpu(xv[a:b], s, p.base, p.block, rows, cols, rows=(r0, r0 + r))
+            assert torch.equal(y[a:b].view(torch.int32), want.view(torch.int32))
     with pytest.raises(ValueError, match="do not split 12 rows"):
         cpu_gemv.tiles_grouped_gemv_cpu(x, s, p.base, p.block, rows, cols, np.array([0, 3, 6]), rows0[:2], r)
     with pytest.raises(ValueError, match="outside the weight"):

@@ -570,6 +570,17 @@ def _gemv_chunk_f32_one(
     _chunk_rows(x, sm, codes, esc, esc_index, K, bpr, base, carray(_f32_at(y_at), (M, R)), r0, r0 + R, r0)
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _grouped_task(x, sm, codes, esc, esc_index, K, bpr, base, starts, rows0, R, y, parts, task):
+    """Task (g, t) of the experts of a MoE layer: y[s:e] = x[s:e] @ W[n0 : n1]^T for group g's rows
+    [s, e) = [starts[g], starts[g + 1]) and part t of its W rows [rows0[g], rows0[g] + R), x in the
+    chunk layout (holding 15 rows past the last group's). The caller's prange runs the tasks."""
+    g, t = task // parts, task % parts
+    s, e, r0 = starts[g], starts[g + 1], rows0[g]
+    n0, n1 = r0 + R * t // parts, r0 + R * (t + 1) // parts
+    _chunk_rows(x[:, s:e], sm, codes, esc, esc_index, K, bpr, base, y[s:e], n0, n1, r0)
+
+
 @njit(nogil=True, cache=True, parallel=True)
 def _gemv_grouped_chunk_f32_at(
     x_at, P, sm_at, codes_at, n_codes, esc_at, n_esc, index_at, n_index, N, K, bpr, base, starts, rows0, R, y_at, parts
@@ -580,10 +591,19 @@ def _gemv_grouped_chunk_f32_at(
     sm, codes, esc, esc_index = _streams_at(sm_at, N * K, codes_at, n_codes, esc_at, n_esc, index_at, n_index)
     y = carray(_f32_at(y_at), (P, R))
     for task in prange(rows0.shape[0] * parts):
-        g, t = task // parts, task % parts
-        s, e, r0 = starts[g], starts[g + 1], rows0[g]
-        n0, n1 = r0 + R * t // parts, r0 + R * (t + 1) // parts
-        _chunk_rows(x[:, s:e], sm, codes, esc, esc_index, K, bpr, base, y[s:e], n0, n1, r0)
+        _grouped_task(x, sm, codes, esc, esc_index, K, bpr, base, starts, rows0, R, y, parts, task)
+
+
+@njit(nogil=True, cache=True, parallel=True)
+def _gemv_grouped_chunk_bf16_at(
+    x_at, P, sm_at, codes_at, n_codes, esc_at, n_esc, index_at, n_index, N, K, bpr, base, starts, rows0, R, y_at, parts
+):
+    """_gemv_grouped_chunk_f32_at for x (P, K) BF16, through vdpbf16ps (fp32 y)."""
+    x = _bf16_chunks(carray(_u16_at(x_at), (P, K)), P + 15)
+    sm, codes, esc, esc_index = _streams_at(sm_at, N * K, codes_at, n_codes, esc_at, n_esc, index_at, n_index)
+    y = carray(_f32_at(y_at), (P, R))
+    for task in prange(rows0.shape[0] * parts):
+        _grouped_task(x, sm, codes, esc, esc_index, K, bpr, base, starts, rows0, R, y, parts, task)
 
 
 @njit(nogil=True, cache=True, parallel=True)

@@ -40,6 +40,7 @@ from .cpu_avx512 import (
     _gemv_chunk_bf16_to_bf16_one,
     _gemv_chunk_f32_at,
     _gemv_chunk_f32_one,
+    _gemv_grouped_chunk_bf16_at,
     _gemv_grouped_chunk_f32_at,
     _rows_chunk_bf16_at,
 )
@@ -212,7 +213,9 @@ def tiles_grouped_gemv_cpu(
     """y (P, rows) in fp32: for each group g, rows [starts[g], starts[g + 1]) of x (P, in_features)
     times W's rows [rows0[g], rows0[g] + rows) transposed, W (out_features, in_features) in the
     serving layout: the experts of a MoE layer stacked, each group the pairs routed to one expert,
-    in one call. starts (G + 1,) rises from 0 to P; each rows0[g] + rows lies within W (checked)."""
+    in one call. starts (G + 1,) rises from 0 to P; each rows0[g] + rows lies within W (checked).
+    BF16 x goes through vdpbf16ps where the CPU has the 64-weight chunks and AVX512_BF16 (products
+    of BF16 pairs summed in fp32), else in fp32 like any other x."""
     starts, rows0 = np.ascontiguousarray(starts, np.int64), np.ascontiguousarray(rows0, np.int64)
     p = x.shape[0]
     if len(starts) != len(rows0) + 1 or starts[0] != 0 or starts[-1] != p or np.any(np.diff(starts) < 0):
@@ -226,11 +229,13 @@ def tiles_grouped_gemv_cpu(
             for a, b, r0 in zip(starts[:-1], starts[1:], rows0)
         ]
         return torch.cat(parts) if parts else torch.empty(0, rows)
-    x = x.float().contiguous()
+    if x.dtype is torch.bfloat16 and CHUNK_DOT:  # vdpbf16ps, as tiles_gemv_cpu's BF16 x
+        kernel, x = _gemv_grouped_chunk_bf16_at, x.contiguous()
+    else:  # fp32 FMAs (BF16 x converted: exact)
+        kernel, x = _gemv_grouped_chunk_f32_at if CHUNKS else _gemv_grouped_at, x.float().contiguous()
     y = torch.from_numpy(np.empty((p, rows), dtype=np.float32))
     if p and rows:
         per = _fused_parts(rows)  # parts of each group's rows: the groups are few
-        kernel = _gemv_grouped_chunk_f32_at if CHUNKS else _gemv_grouped_at  # (as tiles_gemv_cpu's fp32 x)
         with _PARALLEL:
             kernel(
                 x.data_ptr(),

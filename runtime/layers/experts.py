@@ -14,8 +14,8 @@ picks a pipeline per (shape, batch bucket) with the autotuner:
   tokens routed to it (tiles_grouped_gemv_cpu); on CUDA,
   one grouped Triton GEMV launch per weight over all (token, slot) pairs, the expert ids read on
   the device (`qtiles_experts_linear`, runtime/kernels/qtiles_matmul.py): no host sync;
-- `decode_matmul`: the routed experts decoded (fp32 on the CPU, BF16 on CUDA), then F.linear per
-  expert.
+- `decode_matmul`: the routed experts decoded (in the compute dtype: BF16 for BF16 x and on CUDA,
+  else fp32), then F.linear per expert.
 
 Only the routed experts are read: a decode step of a top-k MoE touches k experts' bytes a token.
 `reference_experts` below is the plain fp32 computation on dense weights that the tests hold both
@@ -160,7 +160,9 @@ class UnweightExperts(nn.Module):
     ) -> torch.Tensor:
         """(T, H) -> (T, H): sum over j of topk_weights[:, j] * expert topk_ids[:, j](x) (with
         `weights_on_input`, vLLM's apply_router_weight_on_input: the weight scales the expert's
-        input instead of its output). Computes in compute_dtype(device); returns x's dtype."""
+        input instead of its output). Computes in BF16 for BF16 x (on the CPU too, as UnweightLinear
+        does: the fused GEMV by vdpbf16ps where the CPU has it), else in compute_dtype(device);
+        returns x's dtype."""
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation {activation!r} is not one of {', '.join(ACTIVATIONS)}")
         if x.dim() != 2 or x.shape[1] != self.hidden or topk_ids.shape != topk_weights.shape:
@@ -197,7 +199,7 @@ class UnweightExperts(nn.Module):
 
     def run(self, pipeline: str, x, topk_weights, topk_ids, activation, weights_on_input) -> torch.Tensor:
         """The experts through one pipeline, without the autotuner (the vLLM plugin replaces one)."""
-        dtype = compute_dtype(x.device)
+        dtype = torch.bfloat16 if x.dtype is torch.bfloat16 else compute_dtype(x.device)
         xc, w = x.to(dtype), topk_weights.to(dtype)
         if pipeline == "fused" and x.device.type == "cuda":
             return self._fused_cuda(xc, w, topk_ids, activation, weights_on_input).to(x.dtype)
@@ -216,7 +218,8 @@ class UnweightExperts(nn.Module):
         xs = xc[tokens] * scale if weights_on_input else xc[tokens]  # (P, H)
         if pipeline == "fused":  # CPU: one grouped GEMV call a weight
             i2 = 2 * self.intermediate
-            hid = act_and_mul(self._grouped_gemv(self.w13, xs, starts, experts.numpy() * i2, i2), activation)
+            h = self._grouped_gemv(self.w13, xs, starts, experts.numpy() * i2, i2)  # fp32 sums
+            hid = act_and_mul(h.to(dtype), activation)  # in BF16 as decode_matmul's F.linear gives it
             y = self._grouped_gemv(self.w2, hid, starts, experts.numpy() * self.hidden, self.hidden)
         else:
             w13, w2 = self.expert_weights(experts, dtype)
