@@ -8,8 +8,8 @@ unweight.runtime.warmup`, which compiles them all by running each path once on a
 checkpoint: compress (both layouts), verify, load (both layouts), a prefill, decode steps of one,
 nine and sixteen sequences (the fused kernels' passes, the decode attention), in FP32 and, where
 the CPU has AVX512_BF16, in BF16 too (its vdpbf16ps kernels), else in FP32 over a BF16 KV cache
-(the decode attention's other cache dtype), then the GEMVs of one part (their serial kernels),
-with this machine's CPU. The CLI does the
+(the decode attention's other cache dtype), then the GEMVs of one part (their serial kernels) and
+a MoE layer's grouped GEMV (its routed experts), with this machine's CPU. The CLI does the
 same, with one line saying so, when it finds them not compiled yet (an install without `make`).
 
 `compiled()` reads a stamp kept beside numba's own cache of the codec, named for the codec's and the
@@ -160,6 +160,23 @@ def _run_one_part_gemvs() -> None:
             plan(x)
 
 
+def _run_experts() -> None:
+    """A MoE layer's fused pipeline (the experts' grouped GEMV), in fp32 and in BF16: the tiny model
+    has no experts."""
+    import numpy as np
+    import torch
+
+    from .layers.experts import UnweightExperts
+
+    e, h, i = 2, 64, 32
+    w = (torch.randn(e * (2 * i * h + h * i), generator=torch.Generator().manual_seed(0)) * 0.02).bfloat16()
+    bits = w.view(torch.int16).numpy().view(np.uint16)
+    layer = UnweightExperts.from_values(bits[: e * 2 * i * h], bits[e * 2 * i * h :], e, h, i)
+    ids, weights = torch.tensor([[0, 1], [1, 0], [1, 0]]), torch.full((3, 2), 0.5)
+    for dtype in (torch.float32, torch.bfloat16):
+        layer.run("fused", torch.ones(3, h, dtype=dtype), weights, ids, "silu", False)
+
+
 def compile_kernels() -> float:
     """Compile every kernel of the common paths for this CPU into numba's cache; returns the seconds
     it took. Safe to run again (then it only loads them)."""
@@ -184,6 +201,7 @@ def compile_kernels() -> float:
             else:
                 _run_model(dst, "serving", tmp, kv_cache_dtype="bfloat16")
             _run_one_part_gemvs()
+            _run_experts()
     finally:
         _busy = False
     stamp = _stamp()

@@ -49,6 +49,8 @@ def test_first_command_compiles_ahead_once(tmp_path):
     module, kernel = ("cpu_avx512", "_gemv_chunk_f32") if CHUNKS else ("cpu_avx2", "_gemv_fused")
     gemvs = {p.name.split(".")[1].split("-")[0] for p in cache.rglob(f"{module}.{kernel}*.nbi")}
     assert {f"{kernel}_at", f"{kernel}_one"} <= gemvs, sorted(gemvs)
+    grouped = "_gemv_grouped_chunk_f32_at" if CHUNKS else "_gemv_grouped_at"  # the MoE experts' GEMV
+    assert list(cache.rglob(f"{module}.{grouped}-*.nbi")), grouped
     assert list(cache.rglob("unweight-warm-*.stamp"))
     again = _python(env, "-m", "unweight.cli.main", "compress", str(src), str(tmp_path / "b"), "--quiet")
     assert again.returncode == 0, again.stderr

@@ -389,9 +389,9 @@ def _pass_rows(r):
     """Rows of x the next pass multiplies, r rows of x left: 16 from 11 rows on, 8 (W's rows in pairs)
     from 5, else r rounded up to a power of two. A pass past the rows left reads padding (zeros, or
     rows whose sums are not written): one pass costs less than several smaller ones. SmolLM2's
-    shapes out of cache, one core, against passes of 16, 8, 4, 2 and 1 as the rows allow: 0.47-0.50x
-    the time at 7 rows, 0.58-0.65x at 15, 0.61-0.68x at 3; at 9 and 10 rows, 8 + 1 and 8 + 2 take
-    0.85-0.93x the time of one pass of 16."""
+    shapes out of cache, one core, against passes of 16, 8, 4, 2 and 1 as the rows allow: 0.60-0.64x
+    the time at 3 rows, 0.47-0.54x at 7, 0.58-0.65x at 15; at 9 rows, 8 + 1 take 0.84-0.95x the
+    time of one pass of 16."""
     if r >= 11:
         return 16
     if r >= 5:
@@ -457,7 +457,7 @@ def _chunk_pass(x, m0, P, sm, codes, esc, esc_index, K, bpr, base, y, n0, n1, c0
 @njit(nogil=True, cache=True)
 def _chunk_pairs(x, m0, sm, codes, esc, esc_index, K, bpr, base, y, n0, n1, c0):
     """_chunk_pass for 8 rows of x, W's rows two at a time (`_dot8x2`: each load of x meets both, so
-    a weight costs half the loads of x; at 8 rows, SmolLM2's shapes out of cache, one core: 0.83-0.89x
+    a weight costs half the loads of x; at 8 rows, SmolLM2's shapes out of cache, one core: 0.83-0.92x
     the time of one row at a time), the last of an odd count alone. Each pair keeps its 16 sums
     (lane 8w + m for row n + w) in `part[n - n0]` and its two places in esc in `pos`."""
     G = K >> 3
