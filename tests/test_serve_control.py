@@ -350,6 +350,8 @@ def test_a_worker_takes_jobs_only_from_its_router_and_survives_bad_ones(uw, secr
                 str(secret[0]),
                 "--worker-threads",
                 "1",
+                "--dtype",  # as the expected completions were made (and as test_serve's Server runs)
+                "float32",
             ],
             env={**os.environ, "UNWEIGHT_PIPELINE": "fused"},
             stdout=subprocess.DEVNULL,
