@@ -28,7 +28,7 @@ demo: install
 	rm -rf $(DEMO)/smollm2-uw
 	$(BIN)/unweight compress $(DEMO)/smollm2-bf16 $(DEMO)/smollm2-uw
 	$(BIN)/unweight verify $(DEMO)/smollm2-uw --against $(DEMO)/smollm2-bf16
-	$(BIN)/unweight generate $(DEMO)/smollm2-uw --chat --prompt "What is the capital of France?" --max-new-tokens 32
+	$(BIN)/unweight generate $(DEMO)/smollm2-uw --chat --prompt "What is the capital of France? Answer in one sentence." --max-new-tokens 32
 
 test: install
 	$(BIN)/python -m unweight.testing
