@@ -20,9 +20,10 @@ does; x in fp32 (laid out the same way) meets each register widened into two <16
 value is the top half of its fp32) by FMAs, which needs no AVX512_BF16. A pass over up to 16 rows of
 x takes W's columns in segments whose part of x stays in L1 (X_SEGMENT_BYTES) while every row of W
 in the thread's range passes over it, each row carrying its sums and its place in the escapes from
-one segment to the next; a pass of 8 rows takes W's rows two at a time, so that each load of x
-serves both (16 rows take one: their 32 sums would not fit in the registers). Rows written to memory
-take one vpermq of the exponent and of the sign-and-mantissa bytes first, so that the two registers
+one segment to the next; a pass of 8 or 4 rows takes W's rows two at a time, so that each load of
+x serves both (16 rows take one: their 32 sums would not fit in the registers; passes of 2 and 1
+take one too, as their decode, not the loads of x, bounds them). Rows written to memory take one
+vpermq of the exponent and of the sign-and-mantissa bytes first, so that the two registers
 hold weights in row order. A row's last chunk may hold fewer than eight groups: its loads and stores
 are masked, so no kernel here reads past a stream or needs the portable decoder for the last rows of
 a tensor. Each chunk prefetches its streams some groups of work ahead (PREFETCH, PREFETCH_LONG): the
@@ -285,9 +286,11 @@ def _make_dot(M: int, W: int = 1):
             xstride = b.extract_value(xarr.strides, 0)
             zero = ir.Constant(simd.V16F32, [ir.Constant(simd.F32, 0.0)] * 16)
             fma = simd.function(b, "llvm.fma.v16f32", simd.V16F32, [simd.V16F32] * 3)
-            # two accumulators per sum while the sums are few: the chain of vdpbf16ps a sum would
-            # otherwise wait on is longer than a chunk's decode
-            split = 2 if M * W <= 4 else 1
+            # two accumulators per sum while the rows of x are few: the chain of vdpbf16ps a sum would
+            # otherwise wait on is longer than a chunk's decode. By M alone, so that a row of W sums
+            # alike in a pair and alone (the odd one of a range): every row range gives the bits
+            # of the whole.
+            split = 2 if M <= 4 else 1
             accs = [[[cgutils.alloca_once_value(b, zero) for _ in range(split)] for _ in range(M)] for _ in range(W)]
 
             def body(g, chunks, groups):
@@ -354,7 +357,15 @@ def _make_dot(M: int, W: int = 1):
 
 
 _dot16, _dot8, _dot4, _dot2, _dot1 = (_make_dot(m) for m in PASS_ROWS)
-_dot8x2 = _make_dot(8, 2)
+_dot8x2, _dot4x2 = _make_dot(8, 2), _make_dot(4, 2)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _dot_pairs(P, sm, sm_off, codes, codes_off, esc, k, xs, G, base, ys, live, n, part, i, stage, skip):
+    """The dot intrinsic for a pass of P (8 or 4) rows of x and two rows of W."""
+    if P == 8:
+        return _dot8x2(sm, sm_off, codes, codes_off, esc, k, xs, G, base, ys, live, n, part, i, stage, skip)
+    return _dot4x2(sm, sm_off, codes, codes_off, esc, k, xs, G, base, ys, live, n, part, i, stage, skip)
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -386,12 +397,12 @@ def _f32_chunks(x, rows):
 
 @njit(nogil=True, cache=True, inline="always")
 def _pass_rows(r):
-    """Rows of x the next pass multiplies, r rows of x left: 16 from 11 rows on, 8 (W's rows in pairs)
-    from 5, else r rounded up to a power of two. A pass past the rows left reads padding (zeros, or
-    rows whose sums are not written): one pass costs less than several smaller ones. SmolLM2's
-    shapes out of cache, one core, against passes of 16, 8, 4, 2 and 1 as the rows allow: 0.60-0.64x
-    the time at 3 rows, 0.47-0.54x at 7, 0.58-0.65x at 15; at 9 rows, 8 + 1 take 0.84-0.95x the
-    time of one pass of 16."""
+    """Rows of x the next pass multiplies, r rows of x left: 16 from 11 rows on, 8 from 5, else r
+    rounded up to a power of two (passes of 8 and 4 take W's rows in pairs, `_chunk_pairs`). A pass
+    past the rows left reads padding (zeros, or rows whose sums are not written): one pass costs
+    less than several smaller ones. SmolLM2's shapes out of cache, one core, against passes of 16,
+    8, 4, 2 and 1 as the rows allow: 0.60-0.64x the time at 3 rows, 0.47-0.54x at 7, 0.58-0.65x at
+    15; at 9 rows, 8 + 1 take 0.84-0.95x the time of one pass of 16."""
     if r >= 11:
         return 16
     if r >= 5:
@@ -455,16 +466,17 @@ def _chunk_pass(x, m0, P, sm, codes, esc, esc_index, K, bpr, base, y, n0, n1, c0
 
 
 @njit(nogil=True, cache=True)
-def _chunk_pairs(x, m0, sm, codes, esc, esc_index, K, bpr, base, y, n0, n1, c0):
-    """_chunk_pass for 8 rows of x, W's rows two at a time (`_dot8x2`: each load of x meets both, so
-    a weight costs half the loads of x; at 8 rows, SmolLM2's shapes out of cache, one core: 0.83-0.92x
-    the time of one row at a time), the last of an odd count alone. Each pair keeps its 16 sums
-    (lane 8w + m for row n + w) in `part[n - n0]` and its two places in esc in `pos`."""
+def _chunk_pairs(x, m0, P, sm, codes, esc, esc_index, K, bpr, base, y, n0, n1, c0):
+    """_chunk_pass for P = 8 or 4 rows of x, W's rows two at a time (`_dot_pairs`: each load of x
+    meets both, so a weight costs half the loads of x; SmolLM2's shapes out of cache, one core,
+    against one row of W at a time: 0.83-0.92x the time at 8 rows, 0.84-0.94x at 3 and 4), the last
+    of an odd count alone. Each pair keeps its sums (lane P * w + m for row n + w) in
+    `part[n - n0]` and its two places in esc in `pos`."""
     G = K >> 3
-    step, segs = _segments(G, 8, x.itemsize)
+    step, segs = _segments(G, P, x.itemsize)
     kept = n1 - n0 if segs > 1 else 2
     part, pos = np.empty((kept, 16), np.float32), np.empty(kept, np.int64)
-    xp, ys, live = x[:, m0 : m0 + 8], y[m0 : m0 + 8], min(8, y.shape[0] - m0)
+    xp, ys, live = x[:, m0 : m0 + P], y[m0 : m0 + P], min(P, y.shape[0] - m0)
     n2 = n1 - (n1 - n0) % 2
     for g0 in range(0, G, step):
         Gs = min(step, G - g0)
@@ -474,11 +486,11 @@ def _chunk_pairs(x, m0, sm, codes, esc, esc_index, K, bpr, base, y, n0, n1, c0):
             i = n - n0 if segs > 1 else 0
             k = (pos[i], pos[i + 1]) if g0 else (esc_index[n * bpr], esc_index[(n + 1) * bpr])
             sm_off, codes_off = n * K + 8 * g0, 3 * (G * n + g0)
-            pos[i], pos[i + 1] = _dot8x2(
-                sm, sm_off, codes, codes_off, esc, k, xs, Gs, base, ys, live, n - c0, part, i, stage, G - Gs
+            pos[i], pos[i + 1] = _dot_pairs(
+                P, sm, sm_off, codes, codes_off, esc, k, xs, Gs, base, ys, live, n - c0, part, i, stage, G - Gs
             )
     if n2 < n1:
-        _chunk_pass(x, m0, 8, sm, codes, esc, esc_index, K, bpr, base, y, n2, n1, c0)
+        _chunk_pass(x, m0, P, sm, codes, esc, esc_index, K, bpr, base, y, n2, n1, c0)
 
 
 @njit(nogil=True, cache=True)
@@ -490,8 +502,8 @@ def _chunk_rows(x, sm, codes, esc, esc_index, K, bpr, base, y, n0, n1, c0):
     m0 = 0
     while m0 < M:
         P = _pass_rows(M - m0)
-        if P == 8:
-            _chunk_pairs(x, m0, sm, codes, esc, esc_index, K, bpr, base, y, n0, n1, c0)
+        if P == 8 or P == 4:
+            _chunk_pairs(x, m0, P, sm, codes, esc, esc_index, K, bpr, base, y, n0, n1, c0)
         else:
             _chunk_pass(x, m0, P, sm, codes, esc, esc_index, K, bpr, base, y, n0, n1, c0)
         m0 += P
