@@ -258,6 +258,56 @@ def test_cpu_gemv_of_a_row_range_is_those_rows_of_the_whole(fast, monkeypatch):
         cpu_gemv.tiles_gemv_cpu(x, s, p.base, p.block, rows, cols, rows=(90, 100))
 
 
+# Run in a child: each stream of a layer copied to the end of a page that an unreadable page follows,
+# then the CPU kernels' GEMV (every pass size) and row decode. A read past a stream's end is a
+# segfault there, a failed test here.
+_GUARDED_CHILD = """
+import ctypes, mmap
+import torch
+from unweight.runtime.layers.linear import UnweightLinear
+PAGE = mmap.PAGESIZE
+libc = ctypes.CDLL(None, use_errno=True)
+keep = []
+
+def guarded(t):
+    n = t.numel() * t.element_size()
+    pages = -(-n // PAGE)
+    m = mmap.mmap(-1, (pages + 1) * PAGE)
+    keep.append(m)
+    start = ctypes.addressof(ctypes.c_char.from_buffer(m))
+    assert libc.mprotect(ctypes.c_void_p(start + pages * PAGE), PAGE, 0) == 0, ctypes.get_errno()
+    out = torch.frombuffer(memoryview(m)[pages * PAGE - n : pages * PAGE], dtype=torch.uint8)
+    out.copy_(t.contiguous().view(-1).view(torch.uint8))
+    return out.view(t.dtype).view(t.shape)
+
+g = torch.Generator().manual_seed(3)
+for rows, cols in ((5, 64), (9, 576), (3, 136)):
+    w = (torch.randn(rows, cols, generator=g) * 0.02).to(torch.bfloat16)
+    w.view(torch.int16).view(-1)[rows * cols - 1] = -15872  # an escape in the last chunk
+    lin = UnweightLinear.from_weight(w)
+    for role in ("sm", "codes", "esc", "esc_index"):
+        lin._buffers[role] = guarded(lin._buffers[role])
+    assert torch.equal(lin.decoded_weight().view(torch.int16), w.view(torch.int16))
+    for m in (1, 2, 4, 8, 16):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(m, cols, generator=g).to(dtype)
+            lin.run("fused", x)
+print("ok")
+"""
+
+
+def test_cpu_kernels_read_nothing_past_a_stream():
+    """Every stream ends where an unreadable page begins: the fused GEMV (passes of 1 to 16 rows,
+    fp32 and BF16 x) and the row decode read none of it (the 64-weight chunk kernels load a
+    chunk's 24 code bytes by a plain 64-byte load only where the stream holds 64 bytes)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _GUARDED_CHILD], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, (done.returncode, done.stderr[-3000:])
+    assert done.stdout.startswith("ok")
+
+
 @pytest.mark.parametrize("fast", [True, False])
 def test_cpu_grouped_gemv_is_each_groups_row_range(fast, monkeypatch):
     """One call for the experts of a MoE layer: group g's rows of x times W's rows [rows0[g],

@@ -69,6 +69,7 @@ _const, _vconst, _splat = simd.const, simd.vconst, simd.splat
 # bits 2, 1, 0: vgf2p8affineqb's matrix row for result bit i is byte 7 - i); its bytes 0-4 take
 # byte 63, zero after the 24-byte masked load
 _CODE_IDX = [3 * (j // 8) + 7 - j % 8 if j % 8 >= 5 else 63 for j in range(64)]
+_ZERO64 = ir.Constant(_V64I8, [ir.Constant(_I8, 0)] * 64)
 _UNPACK = [  # vpunpcklbw / vpunpckhbw of (low bytes, high bytes) as shuffles of the 128 bytes of both
     [16 * (j // 16) + h * 8 + (j % 16) // 2 + (64 if j % 2 else 0) for j in range(64)] for h in (0, 1)
 ]
@@ -110,6 +111,10 @@ class _ChunkEmitter:
         self.codes = b.gep(simd.data_ptr(context, b, sig_args[2], codes), [codes_off])
         self.esc = simd.data_ptr(context, b, sig_args[4], esc)
         self.pos = cgutils.alloca_once_value(b, k0)
+        # the last offset from this row's codes on at which 64 bytes of the stream remain
+        n_codes = b.extract_value(context.make_array(sig_args[2])(context, b, codes).shape, 0)
+        self.codes_room = b.sub(b.sub(n_codes, codes_off), _const(64))
+        self.plane_bytes = _vconst([j % 8 >= 5 for j in range(64)], ir.VectorType(ir.IntType(1), 64))
         # vpshufb table in each 128-bit lane: byte c is base + c (the escape code 7's is overwritten)
         self.lut = b.add(_splat(b, b.trunc(base, _I8), _V64I8), _vconst([j % 16 for j in range(64)], _V64I8))
         self.idx = _vconst(_CODE_IDX, _V64I8)
@@ -130,8 +135,27 @@ class _ChunkEmitter:
     def chunk(self, g, groups=None):
         b = self.b
         code_bits = _const(0xFFFFFF) if groups is None else _low_bits(b, b.mul(groups, _const(3)))
-        planes = simd.masked_load(b, b.gep(self.codes, [b.mul(g, _const(3))]), simd.mask_of(b, code_bits, 64), _V64I8)
-        code = b.call(self.affine, [self.unit, b.call(self.permb, [planes, self.idx]), ir.Constant(_I8, 0)])
+        at = b.gep(self.codes, [b.mul(g, _const(3))])
+        if groups is None:
+            # a plain 64-byte load wherever the stream holds 64 bytes from the chunk on (all but its
+            # last chunks), the bytes past the chunk's 24 zeroed by the vpermb's mask: a masked load
+            # costs about two cycles more beside vdpbf16ps (SmolLM2's linears out of cache, one core,
+            # 6 alternated runs: 0.95-0.98x the time at one row of x, 0.95-0.99x at 16)
+            room = b.icmp_signed("<=", b.mul(g, _const(3)), self.codes_room)
+            with b.if_else(room, likely=True) as (plain, masked):
+                with plain:
+                    wide, wide_at = simd.load(b, at, _const(0), _V64I8), b.basic_block
+                with masked:
+                    narrow = simd.masked_load(b, at, simd.mask_of(b, code_bits, 64), _V64I8)
+                    narrow_at = b.basic_block
+            planes = b.phi(_V64I8)
+            planes.add_incoming(wide, wide_at)
+            planes.add_incoming(narrow, narrow_at)
+            spread = b.select(self.plane_bytes, b.call(self.permb, [planes, self.idx]), _ZERO64)
+        else:
+            planes = simd.masked_load(b, at, simd.mask_of(b, code_bits, 64), _V64I8)
+            spread = b.call(self.permb, [planes, self.idx])
+        code = b.call(self.affine, [self.unit, spread, ir.Constant(_I8, 0)])
         # the exponent byte: base + code, or for the escape code the next byte of esc (in row order)
         escaped = b.icmp_unsigned("==", code, self.seven)
         pos = b.load(self.pos)
@@ -165,14 +189,31 @@ class _ChunkEmitter:
         return tuple(b.shuffle_vector(lo, hi, _vconst(idx, ir.VectorType(_I32, 64))) for idx in _UNPACK)
 
 
-def _loop(rows, G, body):
+def _loop(rows, G, body, ahead=False):
     """body(g, [(first 32 words, last 32 words) of each emitter's row], groups) for g = 0, 8, 16, ...
     < G, the rows decoded side by side: groups is None for whole chunks, the i64 count of groups
-    left for the rows' last, shorter one."""
+    left for the rows' last, shorter one. With `ahead`, each whole chunk is decoded one turn before
+    its body runs, so that the body's vdpbf16ps find their operands ready and the next chunk's
+    decode overlaps them (rather than waiting behind them for the scheduler's room): passes of 8
+    rows of x (W's rows in pairs) took 0.84-0.93x the time (SmolLM2's linears out of cache, one core,
+    6 alternated runs); at 16 rows and at one it gained nothing."""
     b = rows[0].b
-    with cgutils.for_range(b, b.lshr(G, _const(3))) as loop:
-        g = b.shl(loop.index, _const(3))
-        body(g, [row.chunk(g) for row in rows], None)
+    full = b.lshr(G, _const(3))
+    if not ahead:
+        with cgutils.for_range(b, full) as loop:
+            g = b.shl(loop.index, _const(3))
+            body(g, [row.chunk(g) for row in rows], None)
+    else:
+        with b.if_then(b.icmp_unsigned("!=", full, _const(0))):
+            held = [[cgutils.alloca_once_value(b, v) for v in row.chunk(_const(0))] for row in rows]
+            with cgutils.for_range(b, b.sub(full, _const(1))) as loop:
+                g = b.shl(loop.index, _const(3))
+                following = [row.chunk(b.add(g, _const(8))) for row in rows]
+                body(g, [tuple(b.load(h) for h in hs) for hs in held], None)
+                for hs, vs in zip(held, following):
+                    for h, v in zip(hs, vs):
+                        b.store(v, h)
+            body(b.shl(b.sub(full, _const(1)), _const(3)), [tuple(b.load(h) for h in hs) for hs in held], None)
     rest = b.and_(G, _const(7))
     with b.if_then(b.icmp_unsigned("!=", rest, _const(0))):
         g = b.sub(G, rest)
@@ -320,7 +361,7 @@ def _make_dot(M: int, W: int = 1):
                             acc = accs[w][m][h % split]
                             b.store(simd.dpbf16ps(b, b.load(acc), b.bitcast(chunks[w][h], simd.V16I32), xv), acc)
 
-            _loop(rows, G, body)
+            _loop(rows, G, body, ahead=M == 8)
             yarr = context.make_array(signature.args[9])(context, b, y_a)
             yp = b.bitcast(yarr.data, _I8.as_pointer())
             ystride = b.extract_value(yarr.strides, 0)
