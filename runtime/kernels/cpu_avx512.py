@@ -3,8 +3,10 @@
 Where the CPU has them (`CHUNKS`: Intel Ice Lake and later, AMD Zen 4 and later), a chunk of eight
 code groups (64 weights) becomes 64 BF16 values in two zmm registers with about a dozen vector
 instructions, against 14 for each group of 8 in cpu_avx2's decoder:
-  codes:   the chunk's 24 code bytes (a masked load: nothing past them is read) are spread by one
-           vpermb so that each qword holds one group's three bit planes in its top bytes; one
+  codes:   the chunk's 24 code bytes (a plain 64-byte load where the stream holds 64 bytes from
+           there, else a masked one: nothing past the stream is read) are spread by one vpermb,
+           the other bytes zeroed, so that each qword holds one group's three bit planes in its
+           top bytes; one
            vgf2p8affineqb transposes each qword's 8x8 bit matrix, which leaves the code of weight
            i of that group in byte i (the planes are bits 0, 1 and 2 of the codes);
   escapes: vpcmpeqb against 7 gives the escape mask; vpshufb of a table gives base + code for
@@ -67,7 +69,7 @@ _V64I8, _V32I16, _V8I64 = ir.VectorType(_I8, 64), ir.VectorType(_I16, 32), ir.Ve
 _const, _vconst, _splat = simd.const, simd.vconst, simd.splat
 # vpermb control: qword g's bytes 5, 6, 7 take group g's code bytes 2, 1, 0 (the bit planes of code
 # bits 2, 1, 0: vgf2p8affineqb's matrix row for result bit i is byte 7 - i); its bytes 0-4 take
-# byte 63, zero after the 24-byte masked load
+# byte 63, zero after the 24-byte masked load (after a plain 64-byte load the vpermb's mask zeroes them)
 _CODE_IDX = [3 * (j // 8) + 7 - j % 8 if j % 8 >= 5 else 63 for j in range(64)]
 _ZERO64 = ir.Constant(_V64I8, [ir.Constant(_I8, 0)] * 64)
 _UNPACK = [  # vpunpcklbw / vpunpckhbw of (low bytes, high bytes) as shuffles of the 128 bytes of both
