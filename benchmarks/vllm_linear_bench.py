@@ -1,9 +1,9 @@
 """The vLLM plugin's CPU linears against vLLM's own, one layer call at a time, in vLLM's environment.
 
 SmolLM2-135M-Instruct's four linear shapes (q,k,v stacked 960x576, o 576x576, gate,up stacked
-3072x576, down 576x1536), each as its 30 layers' real BF16 weights, so that a round over them
-reads every weight from DRAM as a forward does. At each batch of BF16 x (--batches), per shape,
-the time of one call of all 30 layers through:
+3072x576, down 576x1536, read as cpu_gemv_bench.py reads them), each as its 30 layers' real BF16
+weights, so that a round over them reads every weight from DRAM as a forward does. At each batch
+of BF16 x (--batches), per shape, the time of one call of all 30 layers through:
 
   vllm           vLLM's CPU GEMM dispatch on the dense weight, packed once (what its unquantized
                  layers run; oneDNN on x86): the baseline
@@ -33,12 +33,7 @@ from pathlib import Path
 
 from side_by_side import cpu_flags, write_record
 
-SHAPES = {
-    "qkv": ("self_attn", ("q_proj", "k_proj", "v_proj")),
-    "o": ("self_attn", ("o_proj",)),
-    "gate_up": ("mlp", ("gate_proj", "up_proj")),
-    "down": ("mlp", ("down_proj",)),
-}
+LINEARS = ("qkv", "o", "gate_up", "down")  # of cpu_gemv_bench.SHAPES: a decoder layer's linears
 VARIANTS = ("vllm", "fused", "decode_linear", "dense_linear")
 
 
@@ -49,21 +44,20 @@ def worker(src: str, out: str, batches: list[int], reps: int, cores: int) -> Non
     import numpy as np
     import torch
     import torch.nn.functional as F
-    from safetensors.torch import load_file
+    from cpu_gemv_bench import SHAPES, read_bf16
 
     from unweight.runtime.vllm.plugin import _linear_class, _vllm_cpu_gemm
 
     torch.set_num_threads(cores)
     numba.set_num_threads(min(cores, numba.config.NUMBA_NUM_THREADS))
-    tensors = load_file(str(Path(src) / "model.safetensors"))
-    n_layers = 1 + max(int(k.split(".")[2]) for k in tensors if k.startswith("model.layers."))
+    n_layers = json.loads((Path(src) / "config.json").read_text())["num_hidden_layers"]
     layers = {}
-    for shape, (block, parts) in SHAPES.items():
+    for shape in LINEARS:
         layers[shape] = []
         for i in range(n_layers):
-            w = torch.cat([tensors[f"model.layers.{i}.{block}.{p}.weight"] for p in parts])
-            values = w.view(torch.int16).numpy().view(np.uint16).reshape(-1)
-            uw = _linear_class().from_values(values, *w.shape, None, torch.device("cpu"))
+            values = read_bf16(Path(src) / "model.safetensors", [n.format(layer=i) for n in SHAPES[shape][2]])
+            w = torch.from_numpy(values.view(np.int16)).view(torch.bfloat16)
+            uw = _linear_class().from_values(values.reshape(-1), *w.shape, None, torch.device("cpu"))
             layers[shape].append((w, uw, _vllm_cpu_gemm(w)))
     calls = {
         "vllm": lambda x, w, uw, gemm: gemm(x),

@@ -6,8 +6,7 @@ instructions, against 14 for each group of 8 in cpu_avx2's decoder:
   codes:   the chunk's 24 code bytes (a plain 64-byte load where the stream holds 64 bytes from
            there, else a masked one: nothing past the stream is read) are spread by one vpermb,
            the other bytes zeroed, so that each qword holds one group's three bit planes in its
-           top bytes; one
-           vgf2p8affineqb transposes each qword's 8x8 bit matrix, which leaves the code of weight
+           top bytes; one vgf2p8affineqb transposes each qword's 8x8 bit matrix, which leaves the code of weight
            i of that group in byte i (the planes are bits 0, 1 and 2 of the codes);
   escapes: vpcmpeqb against 7 gives the escape mask; vpshufb of a table gives base + code for
            the others, and vpexpandb, under that mask, reads the next escape bytes straight into
@@ -68,9 +67,10 @@ _I8, _I16, _I32, _I64 = simd.I8, simd.I16, simd.I32, simd.I64
 _V64I8, _V32I16, _V8I64 = ir.VectorType(_I8, 64), ir.VectorType(_I16, 32), ir.VectorType(_I64, 8)
 _const, _vconst, _splat = simd.const, simd.vconst, simd.splat
 # vpermb control: qword g's bytes 5, 6, 7 take group g's code bytes 2, 1, 0 (the bit planes of code
-# bits 2, 1, 0: vgf2p8affineqb's matrix row for result bit i is byte 7 - i); its bytes 0-4 take
-# byte 63, zero after the 24-byte masked load (after a plain 64-byte load the vpermb's mask zeroes them)
+# bits 2, 1, 0: vgf2p8affineqb's matrix row for result bit i is byte 7 - i); its bytes 0-4, which
+# the vpermb's mask (`_PLANE_BYTES`) zeroes, take byte 63
 _CODE_IDX = [3 * (j // 8) + 7 - j % 8 if j % 8 >= 5 else 63 for j in range(64)]
+_PLANE_BYTES = _vconst([j % 8 >= 5 for j in range(64)], ir.VectorType(ir.IntType(1), 64))
 _ZERO64 = ir.Constant(_V64I8, [ir.Constant(_I8, 0)] * 64)
 _UNPACK = [  # vpunpcklbw / vpunpckhbw of (low bytes, high bytes) as shuffles of the 128 bytes of both
     [16 * (j // 16) + h * 8 + (j % 16) // 2 + (64 if j % 2 else 0) for j in range(64)] for h in (0, 1)
@@ -116,7 +116,6 @@ class _ChunkEmitter:
         # the last offset from this row's codes on at which 64 bytes of the stream remain
         n_codes = b.extract_value(context.make_array(sig_args[2])(context, b, codes).shape, 0)
         self.codes_room = b.sub(b.sub(n_codes, codes_off), _const(64))
-        self.plane_bytes = _vconst([j % 8 >= 5 for j in range(64)], ir.VectorType(ir.IntType(1), 64))
         # vpshufb table in each 128-bit lane: byte c is base + c (the escape code 7's is overwritten)
         self.lut = b.add(_splat(b, b.trunc(base, _I8), _V64I8), _vconst([j % 16 for j in range(64)], _V64I8))
         self.idx = _vconst(_CODE_IDX, _V64I8)
@@ -137,26 +136,28 @@ class _ChunkEmitter:
     def chunk(self, g, groups=None):
         b = self.b
         code_bits = _const(0xFFFFFF) if groups is None else _low_bits(b, b.mul(groups, _const(3)))
-        at = b.gep(self.codes, [b.mul(g, _const(3))])
+        off = b.mul(g, _const(3))
+        at = b.gep(self.codes, [off])
+
+        def masked_load():
+            return simd.masked_load(b, at, simd.mask_of(b, code_bits, 64), _V64I8)
+
         if groups is None:
             # a plain 64-byte load wherever the stream holds 64 bytes from the chunk on (all but its
             # last chunks), the bytes past the chunk's 24 zeroed by the vpermb's mask: a masked load
             # costs about two cycles more beside vdpbf16ps (SmolLM2's linears out of cache, one core,
             # 6 alternated runs: 0.95-0.98x the time at one row of x, 0.95-0.99x at 16)
-            room = b.icmp_signed("<=", b.mul(g, _const(3)), self.codes_room)
-            with b.if_else(room, likely=True) as (plain, masked):
+            with b.if_else(b.icmp_signed("<=", off, self.codes_room), likely=True) as (plain, masked):
                 with plain:
                     wide, wide_at = simd.load(b, at, _const(0), _V64I8), b.basic_block
                 with masked:
-                    narrow = simd.masked_load(b, at, simd.mask_of(b, code_bits, 64), _V64I8)
-                    narrow_at = b.basic_block
+                    narrow, narrow_at = masked_load(), b.basic_block
             planes = b.phi(_V64I8)
             planes.add_incoming(wide, wide_at)
             planes.add_incoming(narrow, narrow_at)
-            spread = b.select(self.plane_bytes, b.call(self.permb, [planes, self.idx]), _ZERO64)
         else:
-            planes = simd.masked_load(b, at, simd.mask_of(b, code_bits, 64), _V64I8)
-            spread = b.call(self.permb, [planes, self.idx])
+            planes = masked_load()
+        spread = b.select(_PLANE_BYTES, b.call(self.permb, [planes, self.idx]), _ZERO64)
         code = b.call(self.affine, [self.unit, spread, ir.Constant(_I8, 0)])
         # the exponent byte: base + code, or for the escape code the next byte of esc (in row order)
         escaped = b.icmp_unsigned("==", code, self.seven)
@@ -208,14 +209,18 @@ def _loop(rows, G, body, ahead=False):
     else:
         with b.if_then(b.icmp_unsigned("!=", full, _const(0))):
             held = [[cgutils.alloca_once_value(b, v) for v in row.chunk(_const(0))] for row in rows]
+
+            def decoded():
+                return [tuple(b.load(h) for h in hs) for hs in held]
+
             with cgutils.for_range(b, b.sub(full, _const(1))) as loop:
                 g = b.shl(loop.index, _const(3))
                 following = [row.chunk(b.add(g, _const(8))) for row in rows]
-                body(g, [tuple(b.load(h) for h in hs) for hs in held], None)
+                body(g, decoded(), None)
                 for hs, vs in zip(held, following):
                     for h, v in zip(hs, vs):
                         b.store(v, h)
-            body(b.shl(b.sub(full, _const(1)), _const(3)), [tuple(b.load(h) for h in hs) for hs in held], None)
+            body(b.shl(b.sub(full, _const(1)), _const(3)), decoded(), None)
     rest = b.and_(G, _const(7))
     with b.if_then(b.icmp_unsigned("!=", rest, _const(0))):
         g = b.sub(G, rest)
