@@ -9,16 +9,36 @@ import statistics
 from pathlib import Path
 
 
+def _cache_size(level: int, kind: str) -> str:
+    """The size of CPU 0's cache of `level` and `kind` (Data, Unified) as sysfs gives it ("32K"), or "?"."""
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            if (index / "level").read_text().strip() == str(level) and (index / "type").read_text().strip() == kind:
+                return (index / "size").read_text().strip()
+        except OSError:
+            pass
+    return "?"
+
+
 def cpu_flags() -> str:
-    """The CPU's model, its core count and its SIMD flags (tables are not comparable across them)."""
+    """The CPU's model (name, and family/model, as a VM's name may hide the generation: AMD's
+    family 25 is Zen 3 and 4, 26 Zen 5), its core count, its L1D and L2 sizes and its SIMD flags
+    (tables are not comparable across them)."""
     try:
         info = Path("/proc/cpuinfo").read_text()
     except OSError:
         return f"unknown CPU, {os.cpu_count()} CPUs"
-    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
-    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
-    simd = [f for f in flags if f.startswith(("avx", "amx", "fma", "gfni"))]
-    return f"{model}, {os.cpu_count()} CPUs, {' '.join(simd)}"
+    fields: dict[str, str] = {}
+    for line in info.splitlines():
+        if not line.strip():
+            break  # the first CPU's block
+        key, _, value = line.partition(":")
+        fields[key.strip()] = value.strip()
+    simd = [f for f in fields.get("flags", "").split() if f.startswith(("avx", "amx", "fma", "gfni"))]
+    return (
+        f"{fields.get('model name', '?')} (family {fields.get('cpu family', '?')} model {fields.get('model', '?')}), "
+        f"{os.cpu_count()} CPUs, L1D {_cache_size(1, 'Data')}, L2 {_cache_size(2, 'Unified')}, {' '.join(simd)}"
+    )
 
 
 def write_record(out: str | Path, record: dict) -> None:

@@ -3,7 +3,7 @@
 On the CPU the streams of each layer lie together, each on a 64-byte boundary, in memory the kernel
 is asked to back with 2 MiB pages (`StreamArena`): the CPU kernels read every stream once per step,
 and a cold pass over the weights in 4 KiB pages took 1.11x the time at one row of x and 1.07x at
-16 (SmolLM2's 120 layers, one Zen 5 core).
+16 (SmolLM2's 120 layers, one Zen 4 core).
 """
 
 from __future__ import annotations
