@@ -14,7 +14,8 @@ of BF16 x (--batches), per shape, the time of one call of all 30 layers through:
 The worker runs in the vLLM environment (unweight.testing.vllm_env) on --cores cores with as many
 threads (vLLM's CPU worker on a 2-vCPU box gets one), the variants' order alternated from one
 repeat to the next. Prints medians and ranges over --reps repeats with each over vllm's median,
-the CPU flags with them, and writes JSON (--out).
+the CPU flags with them, and each variant's medians summed over the four shapes (a decoder layer's
+linears) over vLLM's; writes JSON (--out).
 
     python benchmarks/vllm_linear_bench.py [--batches 1,16,256] [--reps 5] [--cores 1]
 """
@@ -127,6 +128,10 @@ def main() -> None:
                 for c in cells.values()
             )
             print(f"| {m} | {shape} | {row} |")
+        # a decoder layer's four linears together: each variant's medians summed over vLLM's
+        totals = {v: sum(cells[v]["median_ms"] for cells in summary[m].values()) for v in VARIANTS}
+        summary[m]["total"] = {v: {"median_ms": t, "vs_vllm": t / totals["vllm"]} for v, t in totals.items()}
+        print(f"| {m} | total | " + " | ".join(f"{t:.1f} {t / totals['vllm']:.2f}×" for t in totals.values()) + " |")
     write_record(args.out, {"args": vars(args), "summary": summary, "runs": record})
 
 
