@@ -22,8 +22,11 @@ value is the top half of its fp32) by FMAs, which needs no AVX512_BF16. A pass o
 x takes W's columns in segments whose part of x stays in L1 (X_SEGMENT_BYTES) while every row of W
 in the thread's range passes over it, each row carrying its sums and its place in the escapes from
 one segment to the next; a pass of 8 or 4 rows takes W's rows two at a time, so that each load of
-x serves both (16 rows take one: their 32 sums would not fit in the registers; passes of 2 and 1
-take one too, as their decode, not the loads of x, bounds them). Rows written to memory take one
+x serves both (passes of 2 and 1 take one, as their decode, not the loads of x, bounds them).
+A pass of 16 rows of BF16 x turns the product around (`_make_dot_t`): x laid out by pairs of
+columns, the 16 rows' pair in one register, and each decoded pair of weights broadcast from memory
+into vdpbf16ps, so that a register of sums holds the 16 rows of x, four rows of W share each load
+of x, and no sums are folded across lanes at the end. Rows written to memory take one
 vpermq of the exponent and of the sign-and-mantissa bytes first, so that the two registers
 hold weights in row order. A row's last chunk may hold fewer than eight groups: its loads and stores
 are masked, so no kernel here reads past a stream or needs the portable decoder for the last rows of
@@ -49,16 +52,16 @@ CHUNKS = simd.has("avx512bw", "avx512vbmi", "avx512vbmi2", "gfni")
 CHUNK_DOT = CHUNKS and BF16_DOT  # ... and vdpbf16ps, for the GEMV of BF16 x
 # (groups of work ahead, locality) of each chunk's prefetches of its streams. The chunk decoder asks
 # for bytes faster than the hardware prefetcher brings them: SmolLM2's four shapes x 30 (212 MB of
-# BF16, out of cache), Zen 5, into L1 192 groups on against no prefetch: 1.4-1.7x at one row of x,
+# BF16, out of cache), Zen 4, into L1 192 groups on against no prefetch: 1.4-1.7x at one row of x,
 # 1.5x at 16 (128 and 256 groups ahead: less).
 PREFETCH = ((192, 3),)
-# Where a chunk's work is long (passes of 8 or 16 rows of x), into L2 512 groups on and from there
+# Where a chunk's work is long (passes of 8 or 16 rows of x, `_make_dot`), into L2 512 groups on and from there
 # into L1 64 on: at 16 rows, out of cache, one core, 0.95x the time of PREFETCH (at one row, 1.08x).
 PREFETCH_LONG = ((512, 2), (64, 3))
 ESC_AHEAD = 192  # bytes of esc each chunk prefetches ahead of its position
 PASS_ROWS = (16, 8, 4, 2, 1)  # rows of x one pass multiplies (accumulators in registers), largest first
 # Bytes of x (BF16, P rows of a pass) a pass multiplies each row of W with before it moves on to the
-# next columns: sixteen rows of a 1536-wide x (48 KiB, Zen 5's whole L1D) came from L2 for every row
+# next columns: sixteen rows of a 1536-wide x (48 KiB, over Zen 4's 32 KiB L1D) came from L2 for every row
 # of W, and that pass ran 1.7x slower per weight than over a 576-wide x.
 X_SEGMENT_BYTES = 24 << 10
 ADD, MORE = 1, 2  # a dot's stage bits: add the row's sums so far (part); more columns follow (to part, not y)
@@ -199,7 +202,8 @@ def _loop(rows, G, body, ahead=False):
     its body runs, so that the body's vdpbf16ps find their operands ready and the next chunk's
     decode overlaps them (rather than waiting behind them for the scheduler's room): passes of 8
     rows of x (W's rows in pairs) took 0.84-0.93x the time (SmolLM2's linears out of cache, one core,
-    6 alternated runs); at 16 rows and at one it gained nothing."""
+    6 alternated runs); at one row and in `_make_dot`'s 16-row pass it gained nothing
+    (`_make_dot_t`'s takes it)."""
     b = rows[0].b
     full = b.lshr(G, _const(3))
     if not ahead:
@@ -261,26 +265,61 @@ def _chunk_bits_row(typingctx, sm, sm_off, codes, codes_off, esc, k0, G, base, o
 
 _HALVES = [_vconst(list(range(16 * q, 16 * q + 16)), ir.VectorType(_I32, 16)) for q in (0, 1)]
 _SIXTEEN = ir.Constant(ir.VectorType(_I32, 16), [ir.Constant(_I32, 16)] * 16)
-_EVENS, _ODDS = (ir.Constant(ir.VectorType(_I32, 16), list(range(p, 32, 2))) for p in (0, 1))
+_V16I1, _V16I32 = ir.VectorType(ir.IntType(1), 16), ir.VectorType(_I32, 16)
+# lane j's partner at the fold's step of h lanes (h = 8, 4, 2, 1), from the first vector where bit h of
+# j is clear and from the second where it is set; that bit of j picks which vector j keeps
+_PARTNER = {h: _vconst([(j ^ h) + (16 if j & h else 0) for j in range(16)], _V16I32) for h in (8, 4, 2, 1)}
+_KEEP_SECOND = {h: _vconst([bool(j & h) for j in range(16)], _V16I1) for h in (8, 4, 2, 1)}
+
+
+def _bit_reversed(j):
+    """j's four bits in reverse order: the lane in which _fold's steps leave the sums of vector j."""
+    return int(f"{j:04b}"[::-1], 2)
 
 
 def _fold(builder, sums):
     """The M <16 x float> sums (M a power of two up to 16) added up lane by lane: lane m of the result
-    is the total of sums[m]. Each step adds the even lanes of two vectors to their odd lanes (two
-    shuffles and an add for two vectors), which keeps every row's lanes together and in order; after
-    four halvings a row has one lane. 45 instructions for 16 rows, against about 9 per row apart."""
+    is the total of sums[m]. Each step of h lanes (8, 4, 2, 1) takes two vectors into one: a lane
+    keeps its own value from the vector that bit h of its index picks (a blend) and adds its partner
+    h lanes away from the same vector (one two-source shuffle), so each vector's 16 lanes add up by
+    the same tree wherever it lies. The steps leave the sum of vector j in lane bit-reverse(j): with
+    16 sums they go in that order; fewer are taken twice at the last steps, and one permute puts
+    their lanes in order. 15 shuffles, 15 blends and 15 adds for 16 rows, against 30 shuffles and
+    15 adds when both halves of each step are shuffles."""
     b = builder
-    width = 16  # lanes a row still spreads over
-    while width > 1:
-        if len(sums) == 1:
-            sums = sums * 2
-        sums = [
-            b.fadd(b.shuffle_vector(u, v, _EVENS), b.shuffle_vector(u, v, _ODDS), flags=("fast",))
-            for u, v in zip(sums[::2], sums[1::2])
+    n = len(sums)
+    vecs = [sums[_bit_reversed(j)] for j in range(16)] if n == 16 else list(sums)
+    owner = [[i] * 16 for i in range(n)]  # owner[i][j]: which of the sums lane j of vecs[i] adds up
+    for h in (8, 4, 2, 1):
+        if len(vecs) == 1:
+            vecs, owner = vecs * 2, owner * 2
+        vecs = [
+            b.fadd(b.select(_KEEP_SECOND[h], v, u), b.shuffle_vector(u, v, _PARTNER[h]))
+            for u, v in zip(vecs[::2], vecs[1::2])
         ]
-        width //= 2
-    (total,) = sums
-    return total
+        owner = [[ov[j] if j & h else ou[j] for j in range(16)] for ou, ov in zip(owner[::2], owner[1::2])]
+    ((total,), (lanes,)) = vecs, owner
+    if n == 16:
+        return total
+    order = [lanes.index(m % n) for m in range(16)]  # lane m <- a lane holding sums[m]
+    return b.shuffle_vector(total, ir.Constant(simd.V16F32, None), _vconst(order, _V16I32))
+
+
+def _store_rows(builder, sums, yp, ystride, n, M, W, live, bf16_out):
+    """y[m, n + w] = lane w * M + m of the <16 x float> sums for m < live (y at i8* yp, rows
+    ystride bytes apart), fp32 or BF16 (rounded to nearest even, as torch's .to(torch.bfloat16)
+    rounds: vcvtneps2bf16)."""
+    b = builder
+    if bf16_out:
+        sums = b.bitcast(b.fptrunc(sums, ir.VectorType(simd.BF16, 16)), ir.VectorType(_I16, 16))
+    lane = _I16 if bf16_out else simd.F32
+    for w in range(W):
+        col = b.shl(b.add(n, _const(w)), _const(1 if bf16_out else 2))
+        for m in range(M):
+            dst = b.gep(yp, [b.add(b.mul(ystride, _const(m)), col)])
+            value = b.extract_element(sums, _const(w * M + m, _I32))
+            with b.if_then(b.icmp_unsigned("<", _const(m), live)):
+                b.store(value, b.bitcast(dst, lane.as_pointer()), align=2)
 
 
 def _make_dot(M: int, W: int = 1):
@@ -386,17 +425,7 @@ def _make_dot(M: int, W: int = 1):
                 with more:
                     b.store(b.load(total), partp, align=4)
                 with last:
-                    sum_m = b.load(total)
-                    if bf16_out:  # rounded to nearest even, as torch's .to(torch.bfloat16) rounds (vcvtneps2bf16)
-                        sum_m = b.bitcast(b.fptrunc(sum_m, ir.VectorType(simd.BF16, 16)), ir.VectorType(_I16, 16))
-                    lane = _I16 if bf16_out else simd.F32
-                    for w in range(W):
-                        col = b.shl(b.add(n, _const(w)), _const(1 if bf16_out else 2))
-                        for m in range(M):
-                            dst = b.gep(yp, [b.add(b.mul(ystride, _const(m)), col)])
-                            value = b.extract_element(sum_m, _const(w * M + m, _I32))
-                            with b.if_then(b.icmp_unsigned("<", _const(m), live)):
-                                b.store(value, b.bitcast(dst, lane.as_pointer()), align=2)
+                    _store_rows(b, b.load(total), yp, ystride, n, M, W, live, bf16_out)
             return context.make_tuple(b, signature.return_type, [b.load(row.pos) for row in rows])
 
         return sig, codegen
@@ -408,6 +437,102 @@ _dot16, _dot8, _dot4, _dot2, _dot1 = (_make_dot(m) for m in PASS_ROWS)
 _dot8x2, _dot4x2 = _make_dot(8, 2), _make_dot(4, 2)
 
 
+def _make_dot_t(W: int):
+    """Intrinsic: the 16-row pass of BF16 x in the pairs layout (`_pairs`: for each pair of
+    columns, the 16 rows' pairs in one 64-byte vector) with the W rows n, n + 1, ... of W, whose
+    chunks are decoded side by side and stored: each of a chunk's 32 pairs of W, broadcast from
+    there (vdpbf16ps's 4-byte broadcast operand), meets that pair's vector of x, loaded once for the
+    W rows. A sum holds the 16 rows of x in its lanes, so nothing is folded at the end, and a chunk
+    reads 2 KiB of x per W rows rather than per row. The 16-row pass of `_make_dot` ran at 60-62
+    GMAC/s with W in cache (one Zen 4 core; vdpbf16ps alone issues 117): beside its 32 vdpbf16ps a
+    chunk, the decoder's zmm instructions, its 32 loads of x and the fold each took issue slots
+    from them. Here each row's decode is spread over four rows' products and the broadcasts ride
+    in vdpbf16ps's own memory operand: 68-70 GMAC/s in cache, and SmolLM2's 120 linears out of
+    cache at 16 rows took 0.84-0.88x the time (one core, alternated runs; eight rows of W side by
+    side: 60-64 GMAC/s in cache). Two sums per row of W (even and odd pairs) keep 2W chains of
+    vdpbf16ps in flight; a row sums alike whatever W it goes with. The arguments and `part` (16
+    fp32 per row of W: part[i + w], lane m) are `_make_dot`'s."""
+
+    @intrinsic
+    def dot(typingctx, sm, sm_off, codes, codes_off, esc, k, x, G, base, y, live, n, part, i, stage, skip):
+        positions = types.UniTuple(types.intp, W)
+        args = (sm, types.intp, codes, types.intp, esc, positions, x, types.intp, types.intp, y, types.intp, types.intp)
+        sig = positions(*args, part, types.intp, types.intp, types.intp)
+        bf16_out = y.dtype == types.uint16
+
+        def codegen(context, builder, signature, args):
+            sm_a, sm_off, codes_a, codes_off, esc_a, k, x_a, G, base, y_a, live, n, part_a, i, stage, skip = args
+            b = builder
+            stride = b.add(G, skip)
+            span = (G, b.add(skip, b.mul(_const(W - 1), stride)))
+            # PREFETCH's distance in groups of work, shared by the W rows
+            ahead = tuple((dist // W, level) for dist, level in PREFETCH)
+            rows = [
+                _ChunkEmitter(
+                    context,
+                    b,
+                    signature.args,
+                    sm_a,
+                    b.add(sm_off, b.mul(_const(8 * w), stride)),
+                    codes_a,
+                    b.add(codes_off, b.mul(_const(3 * w), stride)),
+                    esc_a,
+                    b.extract_value(k, w),
+                    base,
+                    False,
+                    ahead,
+                    span,
+                )
+                for w in range(W)
+            ]
+            xp = simd.data_ptr(context, b, signature.args[6], x_a)  # (chunks, 32, 16, 2), C order
+            scratch = cgutils.alloca_once(b, _V64I8, size=2 * W)  # the W rows' decoded chunks
+            zero = ir.Constant(simd.V16F32, [ir.Constant(simd.F32, 0.0)] * 16)
+            accs = [[cgutils.alloca_once_value(b, zero) for _ in range(2)] for _ in range(W)]
+
+            def body(g, chunks, groups):
+                for w, chunk in enumerate(chunks):
+                    for h in range(2):
+                        b.store(chunk[h], b.gep(scratch, [_const(2 * w + h)]), align=64)
+                # the words are read back through a pointer LLVM cannot trace to the stores, or
+                # it would take them from the registers by two shuffles each (a broadcast load
+                # folds into vdpbf16ps and costs a load slot)
+                opaque = b.asm(ir.FunctionType(_I64, [_I64]), "", "=r,0", [b.ptrtoint(scratch, _I64)], False)
+                words = b.inttoptr(opaque, _I32.as_pointer())
+                xc = b.gep(xp, [b.shl(g, _const(8))])  # 2 KiB a chunk
+                for d in range(32):  # pair d: word d of the first register's 16, then the second's
+                    xv = simd.load(b, xc, _const(64 * d), _V16I32, align=64)
+                    for w in range(W):
+                        pair = simd.splat(b, b.load(b.gep(words, [_const(32 * w + d)]), align=4), _V16I32)
+                        acc = accs[w][d % 2]
+                        b.store(simd.dpbf16ps(b, b.load(acc), xv, pair), acc)
+
+            _loop(rows, G, body, ahead=True)
+            yarr = context.make_array(signature.args[9])(context, b, y_a)
+            yp = b.bitcast(yarr.data, _I8.as_pointer())
+            ystride = b.extract_value(yarr.strides, 0)
+            partp = b.bitcast(simd.data_ptr(context, b, signature.args[12], part_a), simd.V16F32.as_pointer())
+            for w in range(W):
+                total = cgutils.alloca_once_value(b, b.fadd(b.load(accs[w][0]), b.load(accs[w][1])))
+                at = b.gep(partp, [b.add(i, _const(w))])
+                with b.if_then(b.icmp_unsigned("!=", b.and_(stage, _const(ADD)), _const(0))):
+                    b.store(b.fadd(b.load(total), b.load(at, align=4)), total)
+                with b.if_else(b.icmp_unsigned("!=", b.and_(stage, _const(MORE)), _const(0))) as (more, last):
+                    with more:
+                        b.store(b.load(total), at, align=4)
+                    with last:
+                        _store_rows(b, b.load(total), yp, ystride, b.add(n, _const(w)), 16, 1, live, bf16_out)
+            return context.make_tuple(b, signature.return_type, [b.load(row.pos) for row in rows])
+
+        return sig, codegen
+
+    return dot
+
+
+_DOT_T = 4  # rows of W a 16-row pass of BF16 x decodes side by side (`_make_dot_t`)
+_dot16t4, _dot16t2, _dot16t1 = (_make_dot_t(w) for w in (_DOT_T, 2, 1))
+
+
 @njit(nogil=True, cache=True, inline="always")
 def _dot_pairs(P, sm, sm_off, codes, codes_off, esc, k, xs, G, base, ys, live, n, part, i, stage, skip):
     """The dot intrinsic for a pass of P (8 or 4) rows of x and two rows of W."""
@@ -416,16 +541,50 @@ def _dot_pairs(P, sm, sm_off, codes, codes_off, esc, k, xs, G, base, ys, live, n
     return _dot4x2(sm, sm_off, codes, codes_off, esc, k, xs, G, base, ys, live, n, part, i, stage, skip)
 
 
+# a row's 64 columns of a chunk in the order the dot product decodes W: groups 0, 2, 4, 6, then 1, 3, 5, 7
+_CHUNK_ORDER = [8 * (2 * (p % 32 // 8) + p // 32) + p % 8 for p in range(64)]
+
+
+@intrinsic
+def _chunk_row(typingctx, x, m, c, out):
+    """out[c, m] = columns 64c .. 64c + 63 of row m of x (M, K), BF16 bits or fp32, in the order of
+    `_CHUNK_ORDER` (zeros past K): one masked load and one shuffle of the 64 values."""
+    sig = types.void(x, types.intp, types.intp, out)
+
+    def codegen(context, builder, signature, args):
+        x_a, m, c, out_a = args
+        b = builder
+        elem = ir.IntType(signature.args[0].dtype.bitwidth)  # the values moved as bits
+        vec = ir.VectorType(elem, 64)
+        xarr = context.make_array(signature.args[0])(context, b, x_a)
+        oarr = context.make_array(signature.args[3])(context, b, out_a)
+        K = b.extract_value(xarr.shape, 1)
+        width = _const(elem.width // 8)
+        at = b.gep(
+            b.bitcast(xarr.data, _I8.as_pointer()),
+            [b.add(b.mul(m, b.extract_value(xarr.strides, 0)), b.mul(b.shl(c, _const(6)), width))],
+        )
+        left = b.sub(K, b.shl(c, _const(6)))
+        bits = b.select(b.icmp_signed(">=", left, _const(64)), _const(-1), _low_bits(b, left))
+        row = simd.masked_load(b, at, simd.mask_of(b, bits, 64), vec)
+        ordered = b.shuffle_vector(row, ir.Constant(vec, None), _vconst(_CHUNK_ORDER, ir.VectorType(_I32, 64)))
+        strides = [b.extract_value(oarr.strides, a) for a in (0, 1)]
+        dst = b.gep(b.bitcast(oarr.data, _I8.as_pointer()), [b.add(b.mul(c, strides[0]), b.mul(m, strides[1]))])
+        b.store(ordered, b.bitcast(dst, vec.as_pointer()), align=2)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 @njit(nogil=True, cache=True, inline="always")
 def _fill_chunks(x, out):
     """out (K / 64 rounded up, rows, 64), zeros, takes x (M, K), M <= rows, as the chunk kernels read
     it: for each 64 columns, the rows side by side, so one pointer serves every row of a pass, each
-    row's 64 in the order the dot product decodes W (groups 0, 2, 4, 6, then 1, 3, 5, 7 of 8)."""
+    row's 64 in the order the dot product decodes W (`_CHUNK_ORDER`)."""
     M, K = x.shape
     for m in range(M):
-        for k in range(K):
-            g = k >> 3 & 7
-            out[k >> 6, m, (g & 1) << 5 | (g >> 1) << 3 | k & 7] = x[m, k]
+        for c in range(out.shape[0]):
+            _chunk_row(x, m, c, out)
     return out
 
 
@@ -434,6 +593,107 @@ def _bf16_chunks(x, rows):
     """x (M, K) BF16 bits in the chunk layout (`_fill_chunks`), `rows` rows (zeros past M and K)."""
     chunks = (x.shape[1] + 63) >> 6
     return _fill_chunks(x, aligned_zeros_u16(chunks * rows * 64).reshape((chunks, rows, 64)))
+
+
+def _transposed(builder, rows):
+    """The 16 <16 x i32> `rows` transposed (lane j of result i is lane i of rows[j]): at each bit of
+    the index, from the highest, the off-diagonal blocks of that size trade places (two two-source
+    shuffles per pair of vectors, 64 for the whole)."""
+    b = builder
+    for bit in (8, 4, 2, 1):
+        low = _vconst([j if not j & bit else 16 + (j ^ bit) for j in range(16)], _V16I32)
+        high = _vconst([j ^ bit if not j & bit else 16 + j for j in range(16)], _V16I32)
+        out = list(rows)
+        for i in range(16):
+            if not i & bit:
+                out[i] = b.shuffle_vector(rows[i], rows[i | bit], low)
+                out[i | bit] = b.shuffle_vector(rows[i], rows[i | bit], high)
+        rows = out
+    return rows
+
+
+# the decoder's registers of a chunk (groups 0, 2, 4, 6 and 1, 3, 5, 7) from its columns' two halves
+# (groups 0-3 and 4-7) as one two-source shuffle each: group g's pairs are 4g .. 4g + 3 of both
+_EVEN_ODD = [_vconst([4 * (2 * q + h) + j for q in range(4) for j in range(4)], _V16I32) for h in (0, 1)]
+
+
+@intrinsic
+def _pairs_chunk(typingctx, x, m0, c, out):
+    """out[c, d, m] (out one pass's (chunks, 32, 16, 2) of the pairs layout) = rows m0 .. m0 + 15 of
+    x (M, K) BF16 bits, their pairs of chunk c in the decoder's order: two loads and two shuffles a
+    row, a 16 x 16 transpose of each half (zeros past M and K)."""
+    sig = types.void(x, types.intp, types.intp, out)
+
+    def codegen(context, builder, signature, args):
+        x_a, m0, c, out_a = args
+        b = builder
+        xarr = context.make_array(signature.args[0])(context, b, x_a)
+        M, K = (b.extract_value(xarr.shape, a) for a in (0, 1))
+        xstride = b.extract_value(xarr.strides, 0)
+        xp = b.bitcast(xarr.data, _I8.as_pointer())
+        op = simd.data_ptr(context, b, signature.args[3], out_a)
+        # the chunk's pairs that lie within K: (K - 64c) / 2 of 32, as two masks of 16
+        left = b.sub(b.lshr(K, _const(1)), b.shl(c, _const(5)))
+        bits = b.select(b.icmp_signed(">=", left, _const(32)), _const(-1), _low_bits(b, left))
+        masks = [simd.mask_of(b, b.lshr(bits, _const(16 * h)), 16) for h in (0, 1)]
+        halves = ([], [])
+        for m in range(16):
+            row = b.add(m0, _const(m))
+            at = b.gep(xp, [b.add(b.mul(row, xstride), b.shl(c, _const(7)))])
+            live = b.icmp_signed("<", row, M)
+            got = []
+            for h in range(2):
+                mask = b.and_(masks[h], b.select(live, _vconst([True] * 16, _V16I1), _vconst([False] * 16, _V16I1)))
+                got.append(simd.masked_load(b, b.gep(at, [_const(64 * h)]), mask, _V16I32))
+            for h in range(2):  # groups h, h + 2, h + 4, h + 6 of the row's 0-3 and 4-7 (4 pairs a group)
+                halves[h].append(b.shuffle_vector(*got, _EVEN_ODD[h]))
+        for h in range(2):
+            for j, v in enumerate(_transposed(b, halves[h])):
+                at = b.gep(op, [b.add(b.shl(c, _const(11)), _const(64 * (16 * h + j)))])
+                b.store(v, b.bitcast(at, _V16I32.as_pointer()), align=64)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _pairs(x, rows):
+    """x (M, K) BF16 bits for the 16-row passes of `_make_dot_t` over its first `rows` rows (a
+    multiple of 16): (rows / 16, K / 64 rounded up, 32, 16, 2), zeros past M and K, in which
+    [p, c, d, m] holds row 16p + m's pair d of chunk c in the order the chunk decoder leaves W (the
+    words 2d, 2d + 1 of `_fill_chunks`' 64), so that one 64-byte load gives a pass's 16 pairs d."""
+    M, K = x.shape
+    chunks = (K + 63) >> 6
+    out = aligned_zeros_u16(rows * chunks * 64).reshape((rows >> 4, chunks, 32, 16, 2))
+    for p in range(rows >> 4):
+        for c in range(chunks):
+            _pairs_chunk(x, 16 * p, c, out[p])
+    return out
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _no_pairs():
+    """The pairs layout of no rows: `_chunk_rows` takes every pass from the chunk layout."""
+    return aligned_zeros_u16(0).reshape((0, 0, 32, 16, 2))
+
+
+@njit(nogil=True, cache=True)
+def _bf16_x(x):
+    """x (M, K) BF16 bits as `_chunk_rows` reads them: (chunk layout, pairs layout). The passes of 16
+    rows come first (`_pass_rows`) and read the pairs layout; the chunk layout spans every pass's
+    rows but holds only those of the passes after them (none at all where they take every row)."""
+    M, K = x.shape
+    sixteens = 0
+    while M - sixteens >= 11:
+        sixteens += 16
+    rest = M - sixteens
+    if rest <= 0:
+        return aligned_zeros_u16(0).reshape((0, 0, 64)), _pairs(x, sixteens)
+    chunks = (K + 63) >> 6
+    rows = sixteens + _padded_rows(rest)
+    out = aligned_zeros_u16(chunks * rows * 64).reshape((chunks, rows, 64))
+    _fill_chunks(x[sixteens:], out[:, sixteens:])
+    return out, _pairs(x, sixteens)
 
 
 @njit(nogil=True, cache=True)
@@ -542,15 +802,66 @@ def _chunk_pairs(x, m0, P, sm, codes, esc, esc_index, K, bpr, base, y, n0, n1, c
 
 
 @njit(nogil=True, cache=True)
-def _chunk_rows(x, sm, codes, esc, esc_index, K, bpr, base, y, n0, n1, c0):
+def _chunk_sixteen(xt, m0, sm, codes, esc, esc_index, K, bpr, base, y, n0, n1, c0):
+    """_chunk_pass for 16 rows of BF16 x in the pairs layout (`_pairs`), through `_make_dot_t`:
+    W's rows _DOT_T at a time, the last few two and one at a time; each row keeps its sums (lane m
+    for row m of x) in `part[n - n0]` and its place in esc in `pos` between segments."""
+    G = K >> 3
+    step, segs = _segments(G, 16, 2)
+    kept = n1 - n0 if segs > 1 else _DOT_T
+    part, pos = np.empty((kept, 16), np.float32), np.empty(kept, np.int64)
+    xp, ys, live = xt[m0 >> 4], y[m0 : m0 + 16], min(16, y.shape[0] - m0)
+    for g0 in range(0, G, step):
+        Gs = min(step, G - g0)
+        stage = (ADD if g0 else 0) | (MORE if g0 + Gs < G else 0)
+        xs = xp[g0 >> 3 : (g0 + Gs + 7) >> 3]
+        n = n0
+        while n < n1:
+            i = n - n0 if segs > 1 else 0
+            sm_off, codes_off, col = n * K + 8 * g0, 3 * (G * n + g0), n - c0
+            if n1 - n >= _DOT_T:
+                k4 = (
+                    (pos[i], pos[i + 1], pos[i + 2], pos[i + 3])
+                    if g0
+                    else (
+                        esc_index[n * bpr],
+                        esc_index[(n + 1) * bpr],
+                        esc_index[(n + 2) * bpr],
+                        esc_index[(n + 3) * bpr],
+                    )
+                )
+                pos[i], pos[i + 1], pos[i + 2], pos[i + 3] = _dot16t4(
+                    sm, sm_off, codes, codes_off, esc, k4, xs, Gs, base, ys, live, col, part, i, stage, G - Gs
+                )
+                n += _DOT_T
+            elif n1 - n >= 2:
+                k2 = (pos[i], pos[i + 1]) if g0 else (esc_index[n * bpr], esc_index[(n + 1) * bpr])
+                pos[i], pos[i + 1] = _dot16t2(
+                    sm, sm_off, codes, codes_off, esc, k2, xs, Gs, base, ys, live, col, part, i, stage, G - Gs
+                )
+                n += 2
+            else:
+                k1 = (pos[i] if g0 else esc_index[n * bpr],)
+                pos[i] = _dot16t1(
+                    sm, sm_off, codes, codes_off, esc, k1, xs, Gs, base, ys, live, col, part, i, stage, G - Gs
+                )[0]
+                n += 1
+
+
+@njit(nogil=True, cache=True)
+def _chunk_rows(x, xt, sm, codes, esc, esc_index, K, bpr, base, y, n0, n1, c0):
     """y[:, n - c0] = x @ W[n] for n in [n0, n1) (K % 8 == 0) and the M rows of y, x in the chunk
-    layout (chunks, rows, 64): the rows of x in passes of `_pass_rows` (of 8 rows, W's rows in
-    pairs), whose rows past M x's layout holds (zeros, or other rows whose sums are not written)."""
+    layout (chunks, rows, 64): the rows of x in passes of `_pass_rows` (of 8 and 4 rows, W's rows
+    in pairs), whose rows past M x's layout holds (zeros, or other rows whose sums are not
+    written). Passes of 16 take x from `xt` instead where it holds rows (BF16 x in the pairs
+    layout, `_bf16_x`); x then needs only the rows of the other passes."""
     M = y.shape[0]
     m0 = 0
     while m0 < M:
         P = _pass_rows(M - m0)
-        if P == 8 or P == 4:
+        if P == 16 and xt.shape[0]:
+            _chunk_sixteen(xt, m0, sm, codes, esc, esc_index, K, bpr, base, y, n0, n1, c0)
+        elif P == 8 or P == 4:
             _chunk_pairs(x, m0, P, sm, codes, esc, esc_index, K, bpr, base, y, n0, n1, c0)
         else:
             _chunk_pass(x, m0, P, sm, codes, esc, esc_index, K, bpr, base, y, n0, n1, c0)
@@ -563,12 +874,12 @@ def _gemv_chunk_bf16_at(
 ):
     """y (M, R) = x @ W[r0 : r0 + R]^T for x (M, K) BF16 (K % 8 == 0) and W (N, K), through
     vdpbf16ps, its rows split into one range per thread; takes the tensors' addresses."""
-    x = _bf16_chunks(carray(_u16_at(x_at), (M, K)), _padded_rows(M))
+    x, xt = _bf16_x(carray(_u16_at(x_at), (M, K)))
     sm, codes, esc, esc_index = _streams_at(sm_at, N * K, codes_at, n_codes, esc_at, n_esc, index_at, n_index)
     y = carray(_f32_at(y_at), (M, R))
     for t in prange(parts):
         n0, n1 = r0 + R * t // parts, r0 + R * (t + 1) // parts
-        _chunk_rows(x, sm, codes, esc, esc_index, K, bpr, base, y, n0, n1, r0)
+        _chunk_rows(x, xt, sm, codes, esc, esc_index, K, bpr, base, y, n0, n1, r0)
 
 
 @njit(nogil=True, cache=True, parallel=True)
@@ -577,12 +888,12 @@ def _gemv_chunk_bf16_to_bf16_at(
 ):
     """_gemv_chunk_bf16_at with y in BF16 (each fp32 sum rounded to nearest even): no pass over y
     to convert it after the call."""
-    x = _bf16_chunks(carray(_u16_at(x_at), (M, K)), _padded_rows(M))
+    x, xt = _bf16_x(carray(_u16_at(x_at), (M, K)))
     sm, codes, esc, esc_index = _streams_at(sm_at, N * K, codes_at, n_codes, esc_at, n_esc, index_at, n_index)
     y = carray(_u16_at(y_at), (M, R))
     for t in prange(parts):
         n0, n1 = r0 + R * t // parts, r0 + R * (t + 1) // parts
-        _chunk_rows(x, sm, codes, esc, esc_index, K, bpr, base, y, n0, n1, r0)
+        _chunk_rows(x, xt, sm, codes, esc, esc_index, K, bpr, base, y, n0, n1, r0)
 
 
 @njit(nogil=True, cache=True)
@@ -591,9 +902,9 @@ def _gemv_chunk_bf16_one(
 ):
     """_gemv_chunk_bf16_at as one range on the calling thread (`parts` unused): a call of one part
     enters no parallel region, which costs about a microsecond even with one thread."""
-    x = _bf16_chunks(carray(_u16_at(x_at), (M, K)), _padded_rows(M))
+    x, xt = _bf16_x(carray(_u16_at(x_at), (M, K)))
     sm, codes, esc, esc_index = _streams_at(sm_at, N * K, codes_at, n_codes, esc_at, n_esc, index_at, n_index)
-    _chunk_rows(x, sm, codes, esc, esc_index, K, bpr, base, carray(_f32_at(y_at), (M, R)), r0, r0 + R, r0)
+    _chunk_rows(x, xt, sm, codes, esc, esc_index, K, bpr, base, carray(_f32_at(y_at), (M, R)), r0, r0 + R, r0)
 
 
 @njit(nogil=True, cache=True)
@@ -601,9 +912,9 @@ def _gemv_chunk_bf16_to_bf16_one(
     x_at, M, sm_at, codes_at, n_codes, esc_at, n_esc, index_at, n_index, N, K, bpr, base, r0, R, y_at, parts
 ):
     """_gemv_chunk_bf16_to_bf16_at as one range on the calling thread (see _gemv_chunk_bf16_one)."""
-    x = _bf16_chunks(carray(_u16_at(x_at), (M, K)), _padded_rows(M))
+    x, xt = _bf16_x(carray(_u16_at(x_at), (M, K)))
     sm, codes, esc, esc_index = _streams_at(sm_at, N * K, codes_at, n_codes, esc_at, n_esc, index_at, n_index)
-    _chunk_rows(x, sm, codes, esc, esc_index, K, bpr, base, carray(_u16_at(y_at), (M, R)), r0, r0 + R, r0)
+    _chunk_rows(x, xt, sm, codes, esc, esc_index, K, bpr, base, carray(_u16_at(y_at), (M, R)), r0, r0 + R, r0)
 
 
 @njit(nogil=True, cache=True, parallel=True)
@@ -612,12 +923,12 @@ def _gemv_chunk_f32_at(
 ):
     """_gemv_chunk_bf16_at for x (M, K) in fp32, by fp32 FMAs (AVX-512 without AVX512_BF16, or
     compute in fp32)."""
-    x = _f32_chunks(carray(_f32_at(x_at), (M, K)), _padded_rows(M))
+    x, xt = _f32_chunks(carray(_f32_at(x_at), (M, K)), _padded_rows(M)), _no_pairs()
     sm, codes, esc, esc_index = _streams_at(sm_at, N * K, codes_at, n_codes, esc_at, n_esc, index_at, n_index)
     y = carray(_f32_at(y_at), (M, R))
     for t in prange(parts):
         n0, n1 = r0 + R * t // parts, r0 + R * (t + 1) // parts
-        _chunk_rows(x, sm, codes, esc, esc_index, K, bpr, base, y, n0, n1, r0)
+        _chunk_rows(x, xt, sm, codes, esc, esc_index, K, bpr, base, y, n0, n1, r0)
 
 
 @njit(nogil=True, cache=True)
@@ -625,9 +936,9 @@ def _gemv_chunk_f32_one(
     x_at, M, sm_at, codes_at, n_codes, esc_at, n_esc, index_at, n_index, N, K, bpr, base, r0, R, y_at, parts
 ):
     """_gemv_chunk_f32_at as one range on the calling thread (see _gemv_chunk_bf16_one)."""
-    x = _f32_chunks(carray(_f32_at(x_at), (M, K)), _padded_rows(M))
+    x, xt = _f32_chunks(carray(_f32_at(x_at), (M, K)), _padded_rows(M)), _no_pairs()
     sm, codes, esc, esc_index = _streams_at(sm_at, N * K, codes_at, n_codes, esc_at, n_esc, index_at, n_index)
-    _chunk_rows(x, sm, codes, esc, esc_index, K, bpr, base, carray(_f32_at(y_at), (M, R)), r0, r0 + R, r0)
+    _chunk_rows(x, xt, sm, codes, esc, esc_index, K, bpr, base, carray(_f32_at(y_at), (M, R)), r0, r0 + R, r0)
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -638,7 +949,7 @@ def _grouped_task(x, sm, codes, esc, esc_index, K, bpr, base, starts, rows0, R, 
     g, t = task // parts, task % parts
     s, e, r0 = starts[g], starts[g + 1], rows0[g]
     n0, n1 = r0 + R * t // parts, r0 + R * (t + 1) // parts
-    _chunk_rows(x[:, s:e], sm, codes, esc, esc_index, K, bpr, base, y[s:e], n0, n1, r0)
+    _chunk_rows(x[:, s:e], _no_pairs(), sm, codes, esc, esc_index, K, bpr, base, y[s:e], n0, n1, r0)
 
 
 @njit(nogil=True, cache=True, parallel=True)

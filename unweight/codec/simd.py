@@ -129,15 +129,16 @@ def mask_of(builder, bits, lanes: int):
 
 
 def masked_load(builder, ptr, mask, vec):
-    """A `vec` read at i8* `ptr`, only the lanes of `mask` (<n x i1>) touched in memory, the others
-    zero (AVX-512 masked vmovdqu: no byte past the mask is read, so no slack is needed)."""
+    """A `vec` read at i8* `ptr`, only the lanes of `mask` (<n x i1>) touched in memory (AVX-512
+    masked vmovdqu: no byte past the mask is read, so no slack is needed); the others zero."""
     fn = function(
         builder,
         f"llvm.masked.load.{_mangle(vec)}.{_pointer_mangling(vec)}",
         vec,
         [vec.as_pointer(), I32, mask.type, vec],
     )
-    return builder.call(fn, [builder.bitcast(ptr, vec.as_pointer()), const(1, I32), mask, ir.Constant(vec, None)])
+    zero = ir.Constant(vec, [ir.Constant(vec.element, 0)] * vec.count)
+    return builder.call(fn, [builder.bitcast(ptr, vec.as_pointer()), const(1, I32), mask, zero])
 
 
 def masked_store(builder, value, ptr, mask):
