@@ -202,11 +202,11 @@ def test_cpu_fast_and_portable_paths_agree(rows, cols, m, chunks, monkeypatch):
 def test_cpu_bf16_kernel_sums_bf16_products_in_fp32(rows, cols, chunks, monkeypatch):
     """BF16 x on an AVX512_BF16 CPU: the vdpbf16ps kernels (64-weight chunks of W, whose last chunk
     holds 1 to 8 groups, or four groups a 512-bit quad, with group counts of every remainder mod
-    4; passes of 16, 8, 4, 2 and 1 rows of x, padded ones among them, and the tail rows of W;
-    with the chunks, x wider than a pass keeps in L1 (1544 columns for passes of 16 and 8 rows,
-    3080 for 4, 12296 for 2 and 1) in segments whose last one ends in a short chunk) are within
-    fp32 accumulation-order tolerance of the exact product of the BF16 values, like the fp32
-    kernel."""
+    4; passes of 16, 8, 4, 2 and 1 rows of x, padded ones among them, two to four passes of 16
+    meeting W decoded once, and the tail rows of W; with the chunks, x wider than a pass keeps in
+    L1 (1544 columns for passes of 16 and 8 rows, 3080 for 4, 12296 for 2 and 1) in segments whose
+    last one ends in a short chunk) are within fp32 accumulation-order tolerance of the exact
+    product of the BF16 values, like the fp32 kernel."""
     from unweight.runtime.kernels import cpu_gemv
 
     if not cpu_gemv.BF16_DOT:
@@ -224,13 +224,13 @@ def test_cpu_bf16_kernel_sums_bf16_products_in_fp32(rows, cols, chunks, monkeypa
     w.view(torch.int16).view(-1)[3::17] = -15872  # escapes
     lin = UnweightLinear.from_weight(w)
     s, p = lin.streams(), lin.params
-    for m in (1, 3, 9, 16, 37, 31, 10):
+    for m in (1, 3, 9, 16, 37, 31, 10, 53, 64):
         x = torch.randn(m, cols, generator=g).to(torch.bfloat16)
         y = cpu_gemv.tiles_gemv_cpu(x, s, p.base, p.block, rows, cols)
         exact = x.double() @ w.double().T
         bound = cols * 2.0**-23 * (x.double().abs() @ w.double().abs().T)
         assert y.dtype == torch.float32 and torch.all((y.double() - exact).abs() <= bound)
-    assert calls == [1, 3, 9, 16, 37, 31, 10]
+    assert calls == [1, 3, 9, 16, 37, 31, 10, 53, 64]
 
 
 @pytest.mark.parametrize("fast", [True, False])
@@ -573,13 +573,14 @@ def test_cpu_gemv_plan_follows_its_streams(rows, cols, m, tmp_path, monkeypatch)
     assert same(mod) and mod._plan_key not in (None, key)
 
 
-@pytest.mark.parametrize("m", [3, 5, 13, 16])
+@pytest.mark.parametrize("m", [3, 5, 13, 16, 43])
 def test_cpu_gemv_serial_kernels_give_the_parallel_ones_bits(m):
     """A GEMV of one part runs each kernel's serial variant (no parallel region): on the same call
     it writes the bits the parallel kernel writes over two and three row ranges, for every kernel
     this CPU has (fp32 x in groups of 8 and in 64-weight chunks; BF16 x in groups of 8 and in
     64-weight chunks, to fp32 y and BF16 y). With the chunks, 3, 5 and 13 rows of x take one padded
-    pass (of 4, 8 and 16 rows): nothing is written past y's m rows."""
+    pass (of 4, 8 and 16 rows), and 43 three passes of 16 (BF16 x: W decoded once for all three,
+    the last pass padded): nothing is written past y's m rows."""
     from unweight.runtime.kernels import cpu_gemv
 
     if not cpu_gemv.FAST_PATH:

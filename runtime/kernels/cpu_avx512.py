@@ -231,16 +231,22 @@ def _loop(rows, G, body, ahead=False):
         body(g, [row.chunk(g, rest) for row in rows], rest)
 
 
-@intrinsic
-def _chunk_bits_row(typingctx, sm, sm_off, codes, codes_off, esc, k0, G, base, out, i):
-    """out[i, :8G] = the row's BF16 bit patterns (out uint16); returns the esc position after it."""
-    sig = types.intp(sm, types.intp, codes, types.intp, esc, types.intp, types.intp, types.intp, out, types.intp)
+def _make_bits_row(in_order: bool):
+    """Intrinsic: out[i, :8G] = the row's BF16 bit patterns (out uint16), in row order or, without
+    `in_order`, each chunk's 64 in the decoder's order (`_CHUNK_ORDER`; a short last chunk stored
+    whole, its words past the row finite values, so out needs 64 words a chunk); returns the esc
+    position after the row."""
+
+    @intrinsic
+    def bits_row(typingctx, sm, sm_off, codes, codes_off, esc, k0, G, base, out, i):
+        sig = types.intp(sm, types.intp, codes, types.intp, esc, types.intp, types.intp, types.intp, out, types.intp)
+        return sig, codegen
 
     def codegen(context, builder, signature, args):
         sm_a, sm_off, codes_a, codes_off, esc_a, k0, G, base, out_a, i = args
         b = builder
         row = _ChunkEmitter(
-            context, b, signature.args, sm_a, sm_off, codes_a, codes_off, esc_a, k0, base, True, PREFETCH
+            context, b, signature.args, sm_a, sm_off, codes_a, codes_off, esc_a, k0, base, in_order, PREFETCH
         )
         oarr = context.make_array(signature.args[8])(context, b, out_a)
         op = b.gep(b.bitcast(oarr.data, _I8.as_pointer()), [b.mul(b.extract_value(oarr.strides, 0), i)])
@@ -248,7 +254,7 @@ def _chunk_bits_row(typingctx, sm, sm_off, codes, codes_off, esc, k0, G, base, o
         def body(g, chunks, groups):
             ((first, last),) = chunks
             at = b.gep(op, [b.shl(g, _const(4))])
-            if groups is None:
+            if groups is None or not in_order:
                 simd.store(b, first, at, _const(0))
                 simd.store(b, last, at, _const(64))
                 return
@@ -260,7 +266,10 @@ def _chunk_bits_row(typingctx, sm, sm_off, codes, codes_off, esc, k0, G, base, o
         _loop([row], G, body)
         return b.load(row.pos)
 
-    return sig, codegen
+    return bits_row
+
+
+_chunk_bits_row, _chunk_words_row = _make_bits_row(True), _make_bits_row(False)
 
 
 _HALVES = [_vconst(list(range(16 * q, 16 * q + 16)), ir.VectorType(_I32, 16)) for q in (0, 1)]
@@ -531,6 +540,106 @@ def _make_dot_t(W: int):
 
 _DOT_T = 4  # rows of W a 16-row pass of BF16 x decodes side by side (`_make_dot_t`)
 _dot16t4, _dot16t2, _dot16t1 = (_make_dot_t(w) for w in (_DOT_T, 2, 1))
+
+
+def _make_block(T: int, P: int):
+    """Intrinsic: P passes of 16 rows of BF16 x (the pairs layout, passes p0 .. p0 + P - 1 of
+    `xt`) times T rows of W decoded beforehand (`w` (T, chunks * 64), each chunk in the decoder's
+    order, `_chunk_words_row`), over all of K: for each pair d of a chunk, P loads of x and each of
+    the T pairs of weights broadcast into vdpbf16ps's memory operand, P * T sums in registers.
+    Writes y[16p + m, n + t] for the rows m of each pass below `live` and t < cols."""
+
+    @intrinsic
+    def block(typingctx, w, xt, p0, y, live, n, cols):
+        sig = types.void(w, xt, types.intp, y, types.intp, types.intp, types.intp)
+        bf16_out = y.dtype == types.uint16
+
+        def codegen(context, builder, signature, args):
+            w_a, xt_a, p0, y_a, live, n, cols = args
+            b = builder
+            warr = context.make_array(signature.args[0])(context, b, w_a)
+            xarr = context.make_array(signature.args[1])(context, b, xt_a)
+            wp = b.bitcast(warr.data, _I8.as_pointer())
+            wstride = b.extract_value(warr.strides, 0)
+            xp = b.bitcast(xarr.data, _I8.as_pointer())
+            pstride = b.extract_value(xarr.strides, 0)
+            chunks = b.extract_value(xarr.shape, 1)
+            zero = ir.Constant(simd.V16F32, [ir.Constant(simd.F32, 0.0)] * 16)
+            accs = [[cgutils.alloca_once_value(b, zero) for _ in range(P)] for _ in range(T)]
+            with cgutils.for_range(b, chunks) as loop:
+                c = loop.index
+                xc = [b.gep(xp, [b.add(b.mul(b.add(p0, _const(p)), pstride), b.shl(c, _const(11)))]) for p in range(P)]
+                wc = [
+                    b.bitcast(b.gep(wp, [b.add(b.mul(wstride, _const(t)), b.shl(c, _const(7)))]), _I32.as_pointer())
+                    for t in range(T)
+                ]
+                for d in range(32):
+                    xv = [simd.load(b, xc[p], _const(64 * d), _V16I32, align=64) for p in range(P)]
+                    for t in range(T):
+                        pair = simd.splat(b, b.load(b.gep(wc[t], [_const(d)]), align=4), _V16I32)
+                        for p in range(P):
+                            b.store(simd.dpbf16ps(b, b.load(accs[t][p]), xv[p], pair), accs[t][p])
+            yarr = context.make_array(signature.args[3])(context, b, y_a)
+            yp = b.bitcast(yarr.data, _I8.as_pointer())
+            ystride = b.extract_value(yarr.strides, 0)
+            # each pass's sums turned to rows of y by one 16 x 16 transpose (lanes t < T of row m:
+            # y[16p + m, n : n + T]), stored by one masked store a row
+            first_t = _vconst(list(range(T)), ir.VectorType(_I32, T))
+            cols_mask = simd.mask_of(b, _low_bits(b, cols), T)
+            at_n = b.mul(n, _const(2 if bf16_out else 4))
+            for p in range(P):
+                first = b.mul(b.add(p0, _const(p)), _const(16))
+                yq = b.gep(yp, [b.add(b.mul(first, ystride), at_n)])
+                left = b.sub(live, first)
+                sums = [b.bitcast(b.load(accs[t][p]), _V16I32) for t in range(T)]
+                rows = _transposed(b, sums + [ir.Constant(_V16I32, [ir.Constant(_I32, 0)] * 16)] * (16 - T))
+                for m in range(16):
+                    with b.if_then(b.icmp_signed("<", _const(m), left)):
+                        row = b.shuffle_vector(rows[m], ir.Constant(_V16I32, None), first_t)
+                        if bf16_out:
+                            narrow = b.fptrunc(b.bitcast(row, ir.VectorType(simd.F32, T)), ir.VectorType(simd.BF16, T))
+                            row = b.bitcast(narrow, ir.VectorType(_I16, T))
+                        simd.masked_store(b, row, b.gep(yq, [b.mul(ystride, _const(m))]), cols_mask)
+
+        return sig, codegen
+
+    return block
+
+
+# rows of W a block decodes, passes of x one call of the block meets it with: 16 sums. At 256 rows
+# of x (SmolLM2's qkv and down, 30 layers each out of cache, one core, 2 alternated runs) 8 x 2,
+# 8 x 3, 6 x 4 and 4 x 4 took the same time within 3 %, 16 x 1 1.02-1.12x, 12 x 2 and 4 x 6 (with
+# y stored lane by lane) 1.06-1.22x
+_BLOCK_T, _BLOCK_P = 8, 2
+_BLOCK_MIN = 2  # passes of 16 rows from which x goes through `_chunk_block`
+_block_tp, _block_t1 = _make_block(_BLOCK_T, _BLOCK_P), _make_block(_BLOCK_T, 1)
+
+
+@njit(nogil=True, cache=True)
+def _chunk_block(xt, sm, codes, esc, esc_index, K, bpr, base, y, n0, n1, c0):
+    """y[:16 * passes, n - c0] = x @ W[n] for n in [n0, n1), x's passes of 16 rows in the pairs
+    layout (`xt`): W's rows decoded _BLOCK_T at a time into a buffer in L1, once, each block then
+    met by every pass, _BLOCK_P at a time. Where x has several passes this beats decoding W for
+    each (`_chunk_sixteen`), whose decode overlaps its products but is repeated: SmolLM2's linears
+    at 32 rows of x, out of cache, one core, 2 alternated runs: 0.91-1.0x the time per shape; at
+    one pass 1.12-1.22x, so one pass stays with `_chunk_sixteen`."""
+    G = K >> 3
+    passes, chunks = xt.shape[0], xt.shape[1]
+    w = aligned_zeros_u16(_BLOCK_T * chunks * 64).reshape((_BLOCK_T, chunks * 64))
+    live = y.shape[0]
+    for n in range(n0, n1, _BLOCK_T):
+        cols = min(_BLOCK_T, n1 - n)
+        for t in range(cols):
+            r = n + t
+            _chunk_words_row(sm, r * K, codes, 3 * G * r, esc, esc_index[r * bpr], G, base, w, t)
+        p = 0
+        while p < passes:
+            if passes - p >= _BLOCK_P:
+                _block_tp(w, xt, p, y, live, n - c0, cols)
+                p += _BLOCK_P
+            else:
+                _block_t1(w, xt, p, y, live, n - c0, cols)
+                p += 1
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -854,9 +963,13 @@ def _chunk_rows(x, xt, sm, codes, esc, esc_index, K, bpr, base, y, n0, n1, c0):
     layout (chunks, rows, 64): the rows of x in passes of `_pass_rows` (of 8 and 4 rows, W's rows
     in pairs), whose rows past M x's layout holds (zeros, or other rows whose sums are not
     written). Passes of 16 take x from `xt` instead where it holds rows (BF16 x in the pairs
-    layout, `_bf16_x`); x then needs only the rows of the other passes."""
+    layout, `_bf16_x`; all of them at once in `_chunk_block` where there are two or more); x then
+    needs only the rows of the other passes."""
     M = y.shape[0]
     m0 = 0
+    if xt.shape[0] >= _BLOCK_MIN:
+        _chunk_block(xt, sm, codes, esc, esc_index, K, bpr, base, y, n0, n1, c0)
+        m0 = 16 * xt.shape[0]
     while m0 < M:
         P = _pass_rows(M - m0)
         if P == 16 and xt.shape[0]:
