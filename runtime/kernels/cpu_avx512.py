@@ -26,12 +26,13 @@ x serves both (passes of 2 and 1 take one, as their decode, not the loads of x, 
 A pass of 16 rows of BF16 x turns the product around (`_make_dot_t`): x laid out by pairs of
 columns, the 16 rows' pair in one register, and each decoded pair of weights broadcast from memory
 into vdpbf16ps, so that a register of sums holds the 16 rows of x, four rows of W share each load
-of x, and no sums are folded across lanes at the end. Rows written to memory take one
-vpermq of the exponent and of the sign-and-mantissa bytes first, so that the two registers
-hold weights in row order. A row's last chunk may hold fewer than eight groups: its loads and stores
-are masked, so no kernel here reads past a stream or needs the portable decoder for the last rows of
-a tensor. Each chunk prefetches its streams some groups of work ahead (PREFETCH, PREFETCH_LONG): the
-decoder outruns the hardware prefetcher.
+of x, and no sums are folded across lanes at the end. Where x has two or more passes of 16 rows
+(a prompt), eight rows of W are decoded once into L1 and met by every pass (`_chunk_block`).
+Rows written to memory take one vpermq of the exponent and of the sign-and-mantissa bytes first,
+so that the two registers hold weights in row order. A row's last chunk may hold fewer than
+eight groups: its loads and stores are masked, so no kernel here reads past a stream or needs the
+portable decoder for the last rows of a tensor. Each chunk prefetches its streams some groups of
+work ahead (PREFETCH, PREFETCH_LONG): the decoder outruns the hardware prefetcher.
 
 The portable kernels (cpu_reference.py) are the oracle, in the same tests as cpu_avx2's.
 """
