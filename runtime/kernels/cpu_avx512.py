@@ -354,6 +354,36 @@ def _store_columns(builder, sums, yp, ystride, n, live, cols, bf16_out):
             simd.masked_store(b, row, b.gep(at_n, [b.mul(ystride, _const(m))]), mask)
 
 
+def _side_by_side(context, builder, sig_args, args, W, prefetch):
+    """The emitters of a dot's W rows of W, n .. n + W - 1 (args as `_make_dot`'s dot takes them),
+    in the decoder's order: each emitter's next row lies W rows on (a segment of G groups, `skip`
+    groups to the next row), and `prefetch`'s distances are groups of work, which the W rows share."""
+    b = builder
+    sm_a, sm_off, codes_a, codes_off, esc_a, k, _, G, base = args[:9]
+    skip = args[15]
+    stride = b.add(G, skip)  # groups from one row of W to the next
+    span = (G, b.add(skip, b.mul(_const(W - 1), stride)))
+    ahead = tuple((dist // W, level) for dist, level in prefetch)
+    return [
+        _ChunkEmitter(
+            context,
+            b,
+            sig_args,
+            sm_a,
+            b.add(sm_off, b.mul(_const(8 * w), stride)),
+            codes_a,
+            b.add(codes_off, b.mul(_const(3 * w), stride)),
+            esc_a,
+            b.extract_value(k, w),
+            base,
+            False,
+            ahead,
+            span,
+        )
+        for w in range(W)
+    ]
+
+
 def _make_dot(M: int, W: int = 1):
     """Intrinsic: y[m, n + w] = x[m] . W[n + w] for the M rows of x (BF16 chunks as `_bf16_chunks` lays
     them out, or fp32 ones from `_f32_chunks`; G groups of them: all of a row's columns or one
@@ -377,29 +407,8 @@ def _make_dot(M: int, W: int = 1):
         def codegen(context, builder, signature, args):
             sm_a, sm_off, codes_a, codes_off, esc_a, k, x_a, G, base, y_a, live, n, part_a, i, stage, skip = args
             b = builder
-            stride = b.add(G, skip)  # groups from one row of W to the next
-            # each emitter's next row lies W rows on; prefetch distances are groups of work, which
-            # the W rows share
-            span = (G, b.add(skip, b.mul(_const(W - 1), stride)))
-            ahead = tuple((dist // W, level) for dist, level in (PREFETCH_LONG if M >= 8 else PREFETCH))
-            rows = [
-                _ChunkEmitter(
-                    context,
-                    b,
-                    signature.args,
-                    sm_a,
-                    b.add(sm_off, b.mul(_const(8 * w), stride)),
-                    codes_a,
-                    b.add(codes_off, b.mul(_const(3 * w), stride)),
-                    esc_a,
-                    b.extract_value(k, w),
-                    base,
-                    False,
-                    ahead,
-                    span,
-                )
-                for w in range(W)
-            ]
+            prefetch = PREFETCH_LONG if M >= 8 else PREFETCH
+            rows = _side_by_side(context, b, signature.args, args, W, prefetch)
             xarr = context.make_array(signature.args[6])(context, b, x_a)
             xp = b.bitcast(xarr.data, _I8.as_pointer())
             xstride = b.extract_value(xarr.strides, 0)
@@ -495,28 +504,7 @@ def _make_dot_t(W: int):
         def codegen(context, builder, signature, args):
             sm_a, sm_off, codes_a, codes_off, esc_a, k, x_a, G, base, y_a, live, n, part_a, i, stage, skip = args
             b = builder
-            stride = b.add(G, skip)
-            span = (G, b.add(skip, b.mul(_const(W - 1), stride)))
-            # PREFETCH's distance in groups of work, shared by the W rows
-            ahead = tuple((dist // W, level) for dist, level in PREFETCH)
-            rows = [
-                _ChunkEmitter(
-                    context,
-                    b,
-                    signature.args,
-                    sm_a,
-                    b.add(sm_off, b.mul(_const(8 * w), stride)),
-                    codes_a,
-                    b.add(codes_off, b.mul(_const(3 * w), stride)),
-                    esc_a,
-                    b.extract_value(k, w),
-                    base,
-                    False,
-                    ahead,
-                    span,
-                )
-                for w in range(W)
-            ]
+            rows = _side_by_side(context, b, signature.args, args, W, PREFETCH)
             xp = simd.data_ptr(context, b, signature.args[6], x_a)  # (chunks, 32, 16, 2), C order
             scratch = cgutils.alloca_once(b, _V64I8, size=2 * W)  # the W rows' decoded chunks
             zero = ir.Constant(simd.V16F32, [ir.Constant(simd.F32, 0.0)] * 16)
@@ -808,7 +796,7 @@ def _bf16_x(x):
     rows but holds only those of the passes after them (none at all where they take every row)."""
     M, K = x.shape
     sixteens = 0
-    while M - sixteens >= 11:
+    while M > sixteens and _pass_rows(M - sixteens) == 16:
         sixteens += 16
     rest = M - sixteens
     if rest <= 0:
