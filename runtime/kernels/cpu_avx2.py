@@ -449,13 +449,25 @@ def _streams_at(sm_at, n_sm, codes_at, n_codes, esc_at, n_esc, index_at, n_index
     )
 
 
-@njit(nogil=True, cache=True)
-def aligned_zeros_u16(n):
-    """n zero uint16s starting on a 64-byte boundary (numba's arrays may start 32 bytes off one, and
-    a zmm load across two cache lines costs two)."""
-    buf = np.zeros(n + 32, np.uint16)
+@njit(nogil=True, cache=True, inline="always")
+def _aligned_u16(buf, n):
+    """The n uint16s of buf (n + 32 long) that start on a 64-byte boundary (numba's arrays may start
+    32 bytes off one, and a zmm load across two cache lines costs two)."""
     start = (-(buf.ctypes.data >> 1)) & 31
     return buf[start : start + n]
+
+
+@njit(nogil=True, cache=True)
+def aligned_zeros_u16(n):
+    """n zero uint16s starting on a 64-byte boundary."""
+    return _aligned_u16(np.zeros(n + 32, np.uint16), n)
+
+
+@njit(nogil=True, cache=True)
+def aligned_empty_u16(n):
+    """aligned_zeros_u16 left unwritten, for a layout its caller writes whole (x's pairs layout: at
+    4096 x 1536 0.85-0.88x the time of zeroing it first)."""
+    return _aligned_u16(np.empty(n + 32, np.uint16), n)
 
 
 @njit(nogil=True, cache=True)
