@@ -47,7 +47,7 @@ from numba.extending import intrinsic
 
 from unweight.codec import simd
 
-from .cpu_avx2 import BF16_DOT, _f32_at, _i64_at, _streams_at, _u16_at, aligned_zeros_u16
+from .cpu_avx2 import BF16_DOT, _f32_at, _i64_at, _streams_at, _u16_at, aligned_empty_u16, aligned_zeros_u16
 
 CHUNKS = simd.has("avx512bw", "avx512vbmi", "avx512vbmi2", "gfni")
 CHUNK_DOT = CHUNKS and BF16_DOT  # ... and vdpbf16ps, for the GEMV of BF16 x
@@ -615,34 +615,51 @@ def _make_block(T: int, P: int):
 # y stored lane by lane) 1.06-1.22x
 _BLOCK_T, _BLOCK_P = 8, 2
 _BLOCK_MIN = 2  # passes of 16 rows from which x goes through `_chunk_block`
+# Where x is larger than X_GROUP_BYTES (BF16 x in the pairs layout, a group of passes that stays in a
+# Zen 4 core's 1 MiB L2), rows of W `_chunk_block` decodes at a time, a multiple of _BLOCK_T: 192 KiB
+# of L2 beside the group at K = 1536. SmolLM2's linears (30 layers each out of cache, one core, 2
+# alternated runs of 3 against vLLM's packed oneDNN): at 4096 rows 1.03-1.04x vLLM's time, where
+# decoding 8 rows at a time and meeting them with every pass took 1.07-1.08x; at 272 rows 0.99-1.00x
+# (1.01x).
+_BLOCK_SLAB = 64
+X_GROUP_BYTES = 384 << 10
 _block_tp, _block_t1 = _make_block(_BLOCK_T, _BLOCK_P), _make_block(_BLOCK_T, 1)
 
 
 @njit(nogil=True, cache=True)
 def _chunk_block(xt, sm, codes, esc, esc_index, K, bpr, base, y, n0, n1, c0):
     """y[:16 * passes, n - c0] = x @ W[n] for n in [n0, n1), x's passes of 16 rows in the pairs
-    layout (`xt`): W's rows decoded _BLOCK_T at a time into a buffer in L1, once, each block then
-    met by every pass, _BLOCK_P at a time. Where x has several passes this beats decoding W for
-    each (`_chunk_sixteen`), whose decode overlaps its products but is repeated: SmolLM2's linears
-    at 32 rows of x, out of cache, one core, 2 alternated runs: 0.91-1.0x the time per shape; at
-    one pass 1.12-1.22x, so one pass stays with `_chunk_sixteen`."""
+    layout (`xt`): W's rows decoded once, into a buffer, each block of _BLOCK_T rows then met by
+    every pass, _BLOCK_P at a time. Where x has several passes this beats decoding W for each
+    (`_chunk_sixteen`), whose decode overlaps its products but is repeated: SmolLM2's linears at 32
+    rows of x, out of cache, one core, 2 alternated runs: 0.91-1.0x the time per shape; at one
+    pass 1.12-1.22x, so one pass stays with `_chunk_sixteen`. Where x is larger than
+    X_GROUP_BYTES, W is decoded a slab of _BLOCK_SLAB rows at a time and the passes taken in
+    groups of X_GROUP_BYTES, each group met by every block of the slab while it lies in L2: x is
+    read from L3 once a slab rather than once a block of rows."""
     G = K >> 3
     passes, chunks = xt.shape[0], xt.shape[1]
-    w = aligned_zeros_u16(_BLOCK_T * chunks * 64).reshape((_BLOCK_T, chunks * 64))
+    group = max(_BLOCK_P, X_GROUP_BYTES // (chunks * 2048))
+    slab = _BLOCK_T if passes <= group else _BLOCK_SLAB
+    w = aligned_zeros_u16(slab * chunks * 64).reshape((slab, chunks * 64))
     live = y.shape[0]
-    for n in range(n0, n1, _BLOCK_T):
-        cols = min(_BLOCK_T, n1 - n)
-        for t in range(cols):
-            r = n + t
+    for ns in range(n0, n1, slab):
+        rows = min(slab, n1 - ns)
+        for t in range(rows):
+            r = ns + t
             _chunk_words_row(sm, r * K, codes, 3 * G * r, esc, esc_index[r * bpr], G, base, w, t)
-        p = 0
-        while p < passes:
-            if passes - p >= _BLOCK_P:
-                _block_tp(w, xt, p, y, live, n - c0, cols)
-                p += _BLOCK_P
-            else:
-                _block_t1(w, xt, p, y, live, n - c0, cols)
-                p += 1
+        for g0 in range(0, passes, group):
+            g1 = min(passes, g0 + group)
+            for t0 in range(0, rows, _BLOCK_T):
+                wb, cols = w[t0 : t0 + _BLOCK_T], min(_BLOCK_T, rows - t0)
+                p = g0
+                while p < g1:
+                    if g1 - p >= _BLOCK_P:
+                        _block_tp(wb, xt, p, y, live, ns + t0 - c0, cols)
+                        p += _BLOCK_P
+                    else:
+                        _block_t1(wb, xt, p, y, live, ns + t0 - c0, cols)
+                        p += 1
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -776,7 +793,7 @@ def _pairs(x, rows):
     words 2d, 2d + 1 of `_fill_chunks`' 64), so that one 64-byte load gives a pass's 16 pairs d."""
     M, K = x.shape
     chunks = (K + 63) >> 6
-    out = aligned_zeros_u16(rows * chunks * 64).reshape((rows >> 4, chunks, 32, 16, 2))
+    out = aligned_empty_u16(rows * chunks * 64).reshape((rows >> 4, chunks, 32, 16, 2))  # written whole
     for p in range(rows >> 4):
         for c in range(chunks):
             _pairs_chunk(x, 16 * p, c, out[p])
