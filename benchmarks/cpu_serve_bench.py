@@ -5,10 +5,11 @@ generator (`vllm bench serve`).
 Each server answers a closed loop of streaming completions: --concurrency clients (1 and 16 by
 default), each sending a random --input-len-token prompt (vLLM's `random` dataset: the same
 prompts for every server, seeded) and reading --output-len tokens (`ignore_eos`, greedy). Per
-(server, concurrency), --prompts-per-client x concurrency prompts (at least 4) after --warmups
-warm-up requests. Figures from vLLM's result JSON: output tokens/s over the whole run (prefills
-included: with 256-token prompts and 64-token answers, a server spends much of a c=16 run on
-prefills), TTFT p50 and TPOT p50.
+(server, concurrency), --prompts-per-client x concurrency prompts (at least 4) after --warmups x
+concurrency warm-up requests, sent at that concurrency: the servers' autotuners and caches have met
+batches of that size before the clock starts. Figures from vLLM's result JSON: output tokens/s
+over the whole run (prefills included: with 256-token prompts and 64-token answers, a server
+spends much of a c=16 run on prefills), TTFT p50 and TPOT p50.
 
 Servers (--servers, comma-separated, run in that order, reversed every other round so a slow spell
 of the machine falls on both ends; --rounds rounds):
@@ -160,7 +161,7 @@ def load(python: Path, src: Path, url: str, c: int, args, out: Path) -> dict:
     cmd += ["--model", NAME, "--tokenizer", str(src), "--dataset-name", "random", "--seed", str(args.seed)]
     cmd += ["--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len)]
     cmd += ["--random-range-ratio", "0", "--ignore-eos", "--temperature", "0", "--num-prompts", str(n)]
-    cmd += ["--max-concurrency", str(c), "--num-warmups", str(args.warmups), "--disable-tqdm"]
+    cmd += ["--max-concurrency", str(c), "--num-warmups", str(args.warmups * c), "--disable-tqdm"]
     cmd += ["--save-result", "--result-dir", str(out.parent), "--result-filename", out.name]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.run_timeout)
     if done.returncode != 0 or not out.exists():
@@ -275,7 +276,7 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--prompts-per-client", type=int, default=2)
-    ap.add_argument("--warmups", type=int, default=2, help="warm-up requests before each measured run")
+    ap.add_argument("--warmups", type=int, default=1, help="warm-up requests per client before each measured run")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--kv-gib", type=float, default=2, help="vLLM's CPU KV cache (VLLM_CPU_KVCACHE_SPACE)")
     ap.add_argument("--start-timeout", type=float, default=600)
