@@ -233,17 +233,18 @@ def test_cpu_bf16_kernel_sums_bf16_products_in_fp32(rows, cols, chunks, monkeypa
     assert calls == [1, 3, 9, 16, 37, 31, 10, 53, 64]
 
 
-@pytest.mark.parametrize("rows,cols,m", [(80, 1536, 172), (72, 576, 350)])
-def test_cpu_bf16_prompt_gemm_in_slabs_sums_bf16_products_in_fp32(rows, cols, m):
-    """A prompt whose x is larger than the block GEMM's group of passes (X_GROUP_BYTES: 8 passes of
-    16 at 1536 columns, 21 at 576): W decoded in slabs, the passes in groups, a short last group
-    and a short last slab among them, within fp32 accumulation-order tolerance of the exact
-    product; BF16 y is those sums rounded to nearest even."""
+@pytest.mark.parametrize("rows,cols,m", [(80, 1536, 172), (200, 584, 67), (48, 576, 64)])
+def test_cpu_bf16_prompt_gemm_sums_bf16_products_in_fp32(rows, cols, m):
+    """A prompt of GEMM_ROWS rows or more: W decoded in blocks of 48 rows into the pairs layout,
+    several to a slab (a short last block and slab among them), x read where it lies, its last
+    chunk short of 64 columns (584), its last rows short of a block of 8: within fp32
+    accumulation-order tolerance of the exact product; BF16 y is those sums rounded to nearest
+    even, and a range of W's rows gives those columns' bits."""
     from unweight.runtime.kernels import cpu_avx512, cpu_gemv
 
     if not cpu_avx512.CHUNK_DOT:
-        pytest.skip("the block GEMM needs AVX512_BF16 and the AVX-512 chunk kernels, which this CPU lacks")
-    assert -(-m // 16) > cpu_avx512.X_GROUP_BYTES // (-(-cols // 64) * 2048) and rows % cpu_avx512._BLOCK_SLAB
+        pytest.skip("the prompt GEMM needs AVX512_BF16 and the AVX-512 chunk kernels, which this CPU lacks")
+    assert m >= cpu_avx512.GEMM_ROWS
     g = torch.Generator().manual_seed(rows + cols)
     w = (torch.randn(rows, cols, generator=g) * 0.02).to(torch.bfloat16)
     w.view(torch.int16).view(-1)[3::17] = -15872  # escapes
@@ -255,6 +256,8 @@ def test_cpu_bf16_prompt_gemm_in_slabs_sums_bf16_products_in_fp32(rows, cols, m)
     bound = cols * 2.0**-23 * (x.double().abs() @ w.double().abs().T)
     assert y.dtype == torch.float32 and torch.all((y.double() - exact).abs() <= bound)
     assert torch.equal(lin.run("fused", x).view(torch.int16), y.to(torch.bfloat16).view(torch.int16))
+    part = cpu_gemv.tiles_gemv_cpu(x, s, p.base, p.block, rows, cols, rows=(17, rows - 5))
+    assert torch.equal(part.view(torch.int32), y[:, 17 : rows - 5].contiguous().view(torch.int32))
 
 
 @pytest.mark.parametrize("fast", [True, False])
@@ -604,8 +607,8 @@ def test_cpu_gemv_serial_kernels_give_the_parallel_ones_bits(m):
     this CPU has (fp32 x in groups of 8 and in 64-weight chunks; BF16 x in groups of 8 and in
     64-weight chunks, to fp32 y and BF16 y). With the chunks, 3, 5 and 13 rows of x take one padded
     pass (of 4, 8 and 16 rows), 43 three passes of 16 (BF16 x: W decoded once for all three,
-    the last pass padded), and 172 eleven (BF16 x: W decoded in slabs, the passes in groups of
-    seven): nothing is written past y's m rows."""
+    the last pass padded), and 172 the prompt GEMM (BF16 x: W decoded in slabs of blocks of 48 rows):
+    nothing is written past y's m rows."""
     from unweight.runtime.kernels import cpu_gemv
 
     if not cpu_gemv.FAST_PATH:

@@ -27,7 +27,9 @@ A pass of 16 rows of BF16 x turns the product around (`_make_dot_t`): x laid out
 columns, the 16 rows' pair in one register, and each decoded pair of weights broadcast from memory
 into vdpbf16ps, so that a register of sums holds the 16 rows of x, four rows of W share each load
 of x, and no sums are folded across lanes at the end. Where x has two or more passes of 16 rows
-(a prompt), eight rows of W are decoded once into L1 and met by every pass (`_chunk_block`).
+(a prompt), eight rows of W are decoded once into L1 and met by every pass (`_chunk_block`); from
+GEMM_ROWS rows on, W is decoded a slab at a time into the pairs layout itself and x, read where it
+lies, broadcast into vdpbf16ps against 16 rows of W a register (`_chunk_gemm`).
 Rows written to memory take one vpermq of the exponent and of the sign-and-mantissa bytes first,
 so that the two registers hold weights in row order. A row's last chunk may hold fewer than
 eight groups: its loads and stores are masked, so no kernel here reads past a stream or needs the
@@ -614,52 +616,194 @@ def _make_block(T: int, P: int):
 # 8 x 3, 6 x 4 and 4 x 4 took the same time within 3 %, 16 x 1 1.02-1.12x, 12 x 2 and 4 x 6 (with
 # y stored lane by lane) 1.06-1.22x
 _BLOCK_T, _BLOCK_P = 8, 2
-_BLOCK_MIN = 2  # passes of 16 rows from which x goes through `_chunk_block`
-# Where x is larger than X_GROUP_BYTES (BF16 x in the pairs layout, a group of passes that stays in a
-# Zen 4 core's 1 MiB L2), rows of W `_chunk_block` decodes at a time, a multiple of _BLOCK_T: 192 KiB
-# of L2 beside the group at K = 1536. SmolLM2's linears (30 layers each out of cache, one core, 2
-# alternated runs of 3 against vLLM's packed oneDNN): at 4096 rows 1.03-1.04x vLLM's time, where
-# decoding 8 rows at a time and meeting them with every pass took 1.07-1.08x; at 272 rows 0.99-1.00x
-# (1.01x).
-_BLOCK_SLAB = 64
-X_GROUP_BYTES = 384 << 10
+_BLOCK_MIN = 2  # passes of 16 rows from which x goes through `_chunk_block` (below GEMM_ROWS)
 _block_tp, _block_t1 = _make_block(_BLOCK_T, _BLOCK_P), _make_block(_BLOCK_T, 1)
 
 
 @njit(nogil=True, cache=True)
 def _chunk_block(xt, sm, codes, esc, esc_index, K, bpr, base, y, n0, n1, c0):
     """y[:16 * passes, n - c0] = x @ W[n] for n in [n0, n1), x's passes of 16 rows in the pairs
-    layout (`xt`): W's rows decoded once, into a buffer, each block of _BLOCK_T rows then met by
-    every pass, _BLOCK_P at a time. Where x has several passes this beats decoding W for each
-    (`_chunk_sixteen`), whose decode overlaps its products but is repeated: SmolLM2's linears at 32
-    rows of x, out of cache, one core, 2 alternated runs: 0.91-1.0x the time per shape; at one
-    pass 1.12-1.22x, so one pass stays with `_chunk_sixteen`. Where x is larger than
-    X_GROUP_BYTES, W is decoded a slab of _BLOCK_SLAB rows at a time and the passes taken in
-    groups of X_GROUP_BYTES, each group met by every block of the slab while it lies in L2: x is
-    read from L3 once a slab rather than once a block of rows."""
+    layout (`xt`): W's rows decoded _BLOCK_T at a time into a buffer in L1, once, each block then
+    met by every pass, _BLOCK_P at a time. Where x has several passes this beats decoding W for
+    each (`_chunk_sixteen`), whose decode overlaps its products but is repeated: SmolLM2's linears
+    at 32 rows of x, out of cache, one core, 2 alternated runs: 0.91-1.0x the time per shape; at
+    one pass 1.12-1.22x, so one pass stays with `_chunk_sixteen`."""
     G = K >> 3
     passes, chunks = xt.shape[0], xt.shape[1]
-    group = max(_BLOCK_P, X_GROUP_BYTES // (chunks * 2048))
-    slab = _BLOCK_T if passes <= group else _BLOCK_SLAB
-    w = aligned_zeros_u16(slab * chunks * 64).reshape((slab, chunks * 64))
+    w = aligned_zeros_u16(_BLOCK_T * chunks * 64).reshape((_BLOCK_T, chunks * 64))
     live = y.shape[0]
-    for ns in range(n0, n1, slab):
-        rows = min(slab, n1 - ns)
-        for t in range(rows):
-            r = ns + t
+    for n in range(n0, n1, _BLOCK_T):
+        cols = min(_BLOCK_T, n1 - n)
+        for t in range(cols):
+            r = n + t
             _chunk_words_row(sm, r * K, codes, 3 * G * r, esc, esc_index[r * bpr], G, base, w, t)
-        for g0 in range(0, passes, group):
-            g1 = min(passes, g0 + group)
-            for t0 in range(0, rows, _BLOCK_T):
-                wb, cols = w[t0 : t0 + _BLOCK_T], min(_BLOCK_T, rows - t0)
-                p = g0
-                while p < g1:
-                    if g1 - p >= _BLOCK_P:
-                        _block_tp(wb, xt, p, y, live, ns + t0 - c0, cols)
-                        p += _BLOCK_P
+        p = 0
+        while p < passes:
+            if passes - p >= _BLOCK_P:
+                _block_tp(w, xt, p, y, live, n - c0, cols)
+                p += _BLOCK_P
+            else:
+                _block_t1(w, xt, p, y, live, n - c0, cols)
+                p += 1
+
+
+# the column pair of a chunk (of 32, in x's order) that the decoder's pair d (words 2d, 2d + 1 of a
+# row's chunk in `_chunk_words_row`: groups 0, 2, 4, 6, then 1, 3, 5, 7) multiplies
+_NATURAL_PAIR = [4 * (2 * (d % 16 // 4) + d // 16) + d % 4 for d in range(32)]
+
+
+@intrinsic
+def _w_pairs(typingctx, w, t0, v, wt):
+    """wt[c, d, v] = the pairs d of chunk c of W's decoded rows t0 .. t0 + 15 (`w` (rows, chunks *
+    64) as `_chunk_words_row` leaves them) side by side, one 64-byte vector of 16 rows' pairs (`wt`
+    (chunks, 32, vectors, 32)): two loads a row and a chunk, a 16 x 16 transpose of each half."""
+    sig = types.void(w, types.intp, types.intp, wt)
+
+    def codegen(context, builder, signature, args):
+        w_a, t0, v, wt_a = args
+        b = builder
+        warr = context.make_array(signature.args[0])(context, b, w_a)
+        tarr = context.make_array(signature.args[3])(context, b, wt_a)
+        wp = b.bitcast(warr.data, _I8.as_pointer())
+        wstride = b.extract_value(warr.strides, 0)
+        tp = b.bitcast(tarr.data, _I8.as_pointer())
+        cstride, dstride = (b.extract_value(tarr.strides, a) for a in (0, 1))
+        with cgutils.for_range(b, b.extract_value(tarr.shape, 0)) as loop:
+            c = loop.index
+            halves = ([], [])
+            for t in range(16):
+                at = b.gep(wp, [b.add(b.mul(b.add(t0, _const(t)), wstride), b.shl(c, _const(7)))])
+                for h in range(2):
+                    halves[h].append(simd.load(b, at, _const(64 * h), _V16I32, align=64))
+            at_c = b.gep(tp, [b.add(b.mul(c, cstride), b.shl(v, _const(6)))])
+            for h in range(2):
+                for j, vec in enumerate(_transposed(b, halves[h])):
+                    simd.store(b, vec, at_c, b.mul(dstride, _const(16 * h + j)), align=64)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def _make_gemm(R: int, V: int):
+    """Intrinsic: rows m0 .. m0 + R - 1 of BF16 x (M, K), as it lies, times 16V rows of W in the
+    layout of `_w_pairs` (wt (chunks, 32, V, 32)), over all of K: for each of a chunk's pairs d,
+    V loads of W (16 rows' pairs each) and each of the R rows' pair broadcast (vdpbf16ps),
+    R * V sums in registers whose lanes are rows of W (R + V loads per R * V vdpbf16ps: 11 per 24
+    at 8 x 3, against 10 per 16 in `_make_block`), and each row of y written by V stores. x needs no layout of its own: a chunk's pair d is read where it lies in x's row
+    (`_NATURAL_PAIR`), and the last chunk's pairs past K are skipped. Rows past M read row M - 1
+    and store nothing. Writes y[m0 + i, n + j] for j < cols."""
+
+    @intrinsic
+    def gemm(typingctx, wt, x, m0, y, n, cols):
+        sig = types.void(wt, x, types.intp, y, types.intp, types.intp)
+        bf16_out = y.dtype == types.uint16
+
+        def codegen(context, builder, signature, args):
+            wt_a, x_a, m0, y_a, n, cols = args
+            b = builder
+            tp = simd.data_ptr(context, b, signature.args[0], wt_a)
+            xarr = context.make_array(signature.args[1])(context, b, x_a)
+            M, K = (b.extract_value(xarr.shape, a) for a in (0, 1))
+            xp = b.bitcast(xarr.data, _I8.as_pointer())
+            xstride = b.extract_value(xarr.strides, 0)
+            live = b.sub(M, m0)
+            last = b.sub(M, _const(1))
+            at_x = []
+            for i in range(R):
+                row = b.add(m0, _const(i))
+                row = b.select(b.icmp_signed("<", row, M), row, last)
+                at_x.append(b.gep(xp, [b.mul(row, xstride)]))
+            zero = ir.Constant(simd.V16F32, [ir.Constant(simd.F32, 0.0)] * 16)
+            accs = [[cgutils.alloca_once_value(b, zero) for _ in range(V)] for _ in range(R)]
+
+            def chunk(c, left=None):
+                tc = b.gep(tp, [b.mul(c, _const(2048 * V))])
+                xc = [b.gep(at, [b.shl(c, _const(7))]) for at in at_x]
+                for d in range(32):
+                    j = _NATURAL_PAIR[d]
+
+                    def pair():
+                        ws = [simd.load(b, tc, _const(64 * (V * d + v)), _V16I32, align=64) for v in range(V)]
+                        for i in range(R):
+                            xv = simd.splat(b, simd.load(b, xc[i], _const(4 * j), _I32, align=4), _V16I32)
+                            for v in range(V):
+                                b.store(simd.dpbf16ps(b, b.load(accs[i][v]), ws[v], xv), accs[i][v])
+
+                    if left is None:
+                        pair()
                     else:
-                        _block_t1(wb, xt, p, y, live, ns + t0 - c0, cols)
-                        p += 1
+                        with b.if_then(b.icmp_signed("<", _const(j), left)):
+                            pair()
+
+            full = b.lshr(K, _const(6))
+            with cgutils.for_range(b, full) as loop:
+                chunk(loop.index)
+            left = b.lshr(b.and_(K, _const(63)), _const(1))  # pairs in the last, shorter chunk
+            with b.if_then(b.icmp_signed(">", left, _const(0))):
+                chunk(full, left)
+            yarr = context.make_array(signature.args[3])(context, b, y_a)
+            yp = b.bitcast(yarr.data, _I8.as_pointer())
+            ystride = b.extract_value(yarr.strides, 0)
+            width = 2 if bf16_out else 4
+            for v in range(V):
+                room = b.sub(cols, _const(16 * v))
+                room = b.select(b.icmp_signed(">", room, _const(16)), _const(16), room)
+                with b.if_then(b.icmp_signed(">", room, _const(0))):
+                    mask = simd.mask_of(b, _low_bits(b, room), 16)
+                    at_v = b.gep(yp, [b.mul(b.add(n, _const(16 * v)), _const(width))])
+                    for i in range(R):
+                        with b.if_then(b.icmp_signed("<", _const(i), live)):
+                            sums = b.load(accs[i][v])
+                            if bf16_out:  # rounded to nearest even (vcvtneps2bf16)
+                                sums = b.bitcast(b.fptrunc(sums, ir.VectorType(simd.BF16, 16)), ir.VectorType(_I16, 16))
+                            dst = b.gep(at_v, [b.mul(b.add(m0, _const(i)), ystride)])
+                            simd.masked_store(b, sums, dst, mask)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return gemm
+
+
+# rows of x and vectors of 16 rows of W one call of the GEMM meets: 24 sums. SmolLM2's linears (30
+# layers each out of cache, one core, against vLLM's packed oneDNN, Zen 5, 2 alternated runs of 3):
+# 8 x 3 at 64, 256 and 4096 rows 1.13-1.14x, 1.05-1.06x, 1.05x; 6 x 4 1.17x, 1.07x, 1.02-1.03x
+# (each block of W met by all of x before the next); with slabs 8 x 3 took 1.14x, 1.06x, 1.01x
+_GEMM_R, _GEMM_V = 8, 3
+W_SLAB_BYTES = 384 << 10  # W in the pairs layout `_chunk_gemm` decodes before it reads x (in L2)
+# rows of BF16 x from which `_chunk_gemm` takes them, rather than `_chunk_block`'s passes of 16:
+# at 32 rows the block took 1.14x vLLM's time, the GEMM 1.19-1.26x; at 64 both 1.13-1.14x; at 256
+# 1.06-1.10x against 1.05-1.07x, at 4096 1.16-1.19x against 1.01x
+GEMM_ROWS = 64
+_gemm = _make_gemm(_GEMM_R, _GEMM_V)
+
+
+@njit(nogil=True, cache=True)
+def _chunk_gemm(x, sm, codes, esc, esc_index, K, bpr, base, y, n0, n1, c0):
+    """y[:, n - c0] = x @ W[n] for n in [n0, n1), x (M, K) BF16 bits as it lies: W decoded a slab
+    of blocks of 16 * _GEMM_V rows at a time (W_SLAB_BYTES of the pairs layout, `_w_pairs`), then
+    each _GEMM_R rows of x met by every block of the slab (`_make_gemm`) while they lie in L1:
+    x is read from L3 once a slab rather than once a block."""
+    G = K >> 3
+    chunks = (K + 63) >> 6
+    wide = 16 * _GEMM_V
+    blocks = max(1, W_SLAB_BYTES // (chunks * 2048 * _GEMM_V))
+    w = aligned_zeros_u16(wide * chunks * 64).reshape((wide, chunks * 64))
+    wt = aligned_empty_u16(blocks * chunks * 32 * _GEMM_V * 32).reshape((blocks, chunks, 32, _GEMM_V, 32))
+    M = x.shape[0]
+    for ns in range(n0, n1, wide * blocks):
+        used = min(blocks, -(-(n1 - ns) // wide))
+        for s in range(used):
+            n = ns + wide * s
+            for t in range(min(wide, n1 - n)):
+                r = n + t
+                _chunk_words_row(sm, r * K, codes, 3 * G * r, esc, esc_index[r * bpr], G, base, w, t)
+            for v in range(_GEMM_V):
+                _w_pairs(w, 16 * v, v, wt[s])
+        for m0 in range(0, M, _GEMM_R):
+            for s in range(used):
+                n = ns + wide * s
+                _gemm(wt[s], x, m0, y, n - c0, min(wide, n1 - n))
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -812,6 +956,8 @@ def _bf16_x(x):
     rows come first (`_pass_rows`) and read the pairs layout; the chunk layout spans every pass's
     rows but holds only those of the passes after them (none at all where they take every row)."""
     M, K = x.shape
+    if M >= GEMM_ROWS:  # `_chunk_gemm` reads x as it lies
+        return aligned_zeros_u16(0).reshape((0, 0, 64)), _pairs(x, 0)
     sixteens = 0
     while M > sixteens and _pass_rows(M - sixteens) == 16:
         sixteens += 16
@@ -984,7 +1130,8 @@ def _chunk_rows(x, xt, sm, codes, esc, esc_index, K, bpr, base, y, n0, n1, c0):
     in pairs), whose rows past M x's layout holds (zeros, or other rows whose sums are not
     written). Passes of 16 take x from `xt` instead where it holds rows (BF16 x in the pairs
     layout, `_bf16_x`; all of them at once in `_chunk_block` where there are two or more); x then
-    needs only the rows of the other passes."""
+    needs only the rows of the other passes. BF16 x of GEMM_ROWS rows or more goes to
+    `_chunk_gemm` instead (`_bf16_rows`)."""
     M = y.shape[0]
     m0 = 0
     if xt.shape[0] >= _BLOCK_MIN:
@@ -1001,18 +1148,30 @@ def _chunk_rows(x, xt, sm, codes, esc, esc_index, K, bpr, base, y, n0, n1, c0):
         m0 += P
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _bf16_rows(xr, x, xt, sm, codes, esc, esc_index, K, bpr, base, y, n0, n1, c0):
+    """y[:, n - c0] = x @ W[n] for n in [n0, n1), BF16 x (M, K) as it lies (`xr`) and as `_bf16_x`
+    lays it out (`x`, `xt`): a prompt of GEMM_ROWS rows or more through `_chunk_gemm`, fewer
+    through the passes of `_chunk_rows`."""
+    if xr.shape[0] >= GEMM_ROWS:
+        _chunk_gemm(xr, sm, codes, esc, esc_index, K, bpr, base, y, n0, n1, c0)
+    else:
+        _chunk_rows(x, xt, sm, codes, esc, esc_index, K, bpr, base, y, n0, n1, c0)
+
+
 @njit(nogil=True, cache=True, parallel=True)
 def _gemv_chunk_bf16_at(
     x_at, M, sm_at, codes_at, n_codes, esc_at, n_esc, index_at, n_index, N, K, bpr, base, r0, R, y_at, parts
 ):
     """y (M, R) = x @ W[r0 : r0 + R]^T for x (M, K) BF16 (K % 8 == 0) and W (N, K), through
     vdpbf16ps, its rows split into one range per thread; takes the tensors' addresses."""
-    x, xt = _bf16_x(carray(_u16_at(x_at), (M, K)))
+    xr = carray(_u16_at(x_at), (M, K))
+    x, xt = _bf16_x(xr)
     sm, codes, esc, esc_index = _streams_at(sm_at, N * K, codes_at, n_codes, esc_at, n_esc, index_at, n_index)
     y = carray(_f32_at(y_at), (M, R))
     for t in prange(parts):
         n0, n1 = r0 + R * t // parts, r0 + R * (t + 1) // parts
-        _chunk_rows(x, xt, sm, codes, esc, esc_index, K, bpr, base, y, n0, n1, r0)
+        _bf16_rows(xr, x, xt, sm, codes, esc, esc_index, K, bpr, base, y, n0, n1, r0)
 
 
 @njit(nogil=True, cache=True, parallel=True)
@@ -1021,12 +1180,13 @@ def _gemv_chunk_bf16_to_bf16_at(
 ):
     """_gemv_chunk_bf16_at with y in BF16 (each fp32 sum rounded to nearest even): no pass over y
     to convert it after the call."""
-    x, xt = _bf16_x(carray(_u16_at(x_at), (M, K)))
+    xr = carray(_u16_at(x_at), (M, K))
+    x, xt = _bf16_x(xr)
     sm, codes, esc, esc_index = _streams_at(sm_at, N * K, codes_at, n_codes, esc_at, n_esc, index_at, n_index)
     y = carray(_u16_at(y_at), (M, R))
     for t in prange(parts):
         n0, n1 = r0 + R * t // parts, r0 + R * (t + 1) // parts
-        _chunk_rows(x, xt, sm, codes, esc, esc_index, K, bpr, base, y, n0, n1, r0)
+        _bf16_rows(xr, x, xt, sm, codes, esc, esc_index, K, bpr, base, y, n0, n1, r0)
 
 
 @njit(nogil=True, cache=True)
@@ -1035,9 +1195,10 @@ def _gemv_chunk_bf16_one(
 ):
     """_gemv_chunk_bf16_at as one range on the calling thread (`parts` unused): a call of one part
     enters no parallel region, which costs about a microsecond even with one thread."""
-    x, xt = _bf16_x(carray(_u16_at(x_at), (M, K)))
+    xr = carray(_u16_at(x_at), (M, K))
+    x, xt = _bf16_x(xr)
     sm, codes, esc, esc_index = _streams_at(sm_at, N * K, codes_at, n_codes, esc_at, n_esc, index_at, n_index)
-    _chunk_rows(x, xt, sm, codes, esc, esc_index, K, bpr, base, carray(_f32_at(y_at), (M, R)), r0, r0 + R, r0)
+    _bf16_rows(xr, x, xt, sm, codes, esc, esc_index, K, bpr, base, carray(_f32_at(y_at), (M, R)), r0, r0 + R, r0)
 
 
 @njit(nogil=True, cache=True)
@@ -1045,9 +1206,10 @@ def _gemv_chunk_bf16_to_bf16_one(
     x_at, M, sm_at, codes_at, n_codes, esc_at, n_esc, index_at, n_index, N, K, bpr, base, r0, R, y_at, parts
 ):
     """_gemv_chunk_bf16_to_bf16_at as one range on the calling thread (see _gemv_chunk_bf16_one)."""
-    x, xt = _bf16_x(carray(_u16_at(x_at), (M, K)))
+    xr = carray(_u16_at(x_at), (M, K))
+    x, xt = _bf16_x(xr)
     sm, codes, esc, esc_index = _streams_at(sm_at, N * K, codes_at, n_codes, esc_at, n_esc, index_at, n_index)
-    _chunk_rows(x, xt, sm, codes, esc, esc_index, K, bpr, base, carray(_u16_at(y_at), (M, R)), r0, r0 + R, r0)
+    _bf16_rows(xr, x, xt, sm, codes, esc, esc_index, K, bpr, base, carray(_u16_at(y_at), (M, R)), r0, r0 + R, r0)
 
 
 @njit(nogil=True, cache=True, parallel=True)
