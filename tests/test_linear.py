@@ -197,14 +197,15 @@ def test_cpu_fast_and_portable_paths_agree(rows, cols, m, chunks, monkeypatch):
     "rows,cols",
     [(40, 576), (24, 72), (64, 136), (33, 584), (20, 8), (18, 80), (27, 88), (16, 24), (9, 16)]
     + [(12, 40), (33, 48), (21, 104), (10, 120)]
-    + [(20, 1544), (6, 3080), (3, 12296)],
+    + [(20, 1544), (20, 3080), (6, 3080), (6, 6152), (3, 12296), (3, 24584)],
 )
 def test_cpu_bf16_kernel_sums_bf16_products_in_fp32(rows, cols, chunks, monkeypatch):
     """BF16 x on an AVX512_BF16 CPU: the vdpbf16ps kernels (64-weight chunks of W, whose last chunk
     holds 1 to 8 groups, or four groups a 512-bit quad, with group counts of every remainder mod
     4; passes of 16, 8, 4, 2 and 1 rows of x, padded ones among them, two to four passes of 16
-    meeting W decoded once, and the tail rows of W; with the chunks, x wider than a pass keeps in
-    L1 (1544 columns for passes of 16 and 8 rows, 3080 for 4, 12296 for 2 and 1) in segments whose
+    meeting W decoded once, 64 rows through the prompt GEMM, and the tail rows of W; with the
+    chunks, x wider than a pass keeps in L1 (X_SEGMENT_BYTES, 24 KiB or 48 KiB: 1544 or 3080 columns
+    for passes of 16 and 8 rows, 3080 or 6152 for 4, 12296 or 24584 for 2 and 1) in segments whose
     last one ends in a short chunk) are within fp32 accumulation-order tolerance of the exact
     product of the BF16 values, like the fp32 kernel."""
     from unweight.runtime.kernels import cpu_gemv

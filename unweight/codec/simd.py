@@ -43,6 +43,22 @@ def host_features() -> frozenset[str]:
     return frozenset(name for name, on in features.items() if on)
 
 
+@lru_cache(maxsize=1)
+def l1d_bytes() -> int:
+    """The size of CPU 0's L1 data cache as Linux's sysfs gives it, or 32 KiB where it cannot be read
+    (the smallest of the x86 cores the AVX-512 kernels run on)."""
+    from pathlib import Path
+
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            if (index / "level").read_text().strip() == "1" and (index / "type").read_text().strip() == "Data":
+                size = (index / "size").read_text().strip()
+                return int(size[:-1]) << 10 if size.endswith("K") else int(size)
+        except (OSError, ValueError):
+            pass
+    return 32 << 10
+
+
 def has(*features: str) -> bool:
     return all(f in host_features() for f in features)
 
