@@ -693,9 +693,10 @@ def _make_gemm(R: int, V: int):
     layout of `_w_pairs` (wt (chunks, 32, V, 32)), over all of K: for each of a chunk's pairs d,
     V loads of W (16 rows' pairs each) and each of the R rows' pair broadcast (vdpbf16ps),
     R * V sums in registers whose lanes are rows of W (R + V loads per R * V vdpbf16ps: 11 per 24
-    at 8 x 3, against 10 per 16 in `_make_block`), and each row of y written by V stores. x needs no layout of its own: a chunk's pair d is read where it lies in x's row
-    (`_NATURAL_PAIR`), and the last chunk's pairs past K are skipped. Rows past M read row M - 1
-    and store nothing. Writes y[m0 + i, n + j] for j < cols."""
+    at 8 x 3, against 10 per 16 in `_make_block`), and each row of y written by V stores. x needs
+    no layout of its own: a chunk's pair d is read where it lies in x's row (`_NATURAL_PAIR`), and
+    the last chunk's pairs past K are skipped. Rows past M read row M - 1 and store nothing.
+    Writes y[m0 + i, n + j] for j < cols."""
 
     @intrinsic
     def gemm(typingctx, wt, x, m0, y, n, cols):
