@@ -578,13 +578,8 @@ def _make_block(T: int, P: int):
         def codegen(context, builder, signature, args):
             w_a, xt_a, p0, y_a, live, n, cols = args
             b = builder
-            warr = context.make_array(signature.args[0])(context, b, w_a)
-            xarr = context.make_array(signature.args[1])(context, b, xt_a)
-            wp = b.bitcast(warr.data, _I8.as_pointer())
-            wstride = b.extract_value(warr.strides, 0)
-            xp = b.bitcast(xarr.data, _I8.as_pointer())
-            pstride = b.extract_value(xarr.strides, 0)
-            chunks = b.extract_value(xarr.shape, 1)
+            wp, (wstride, _), _ = simd.array_parts(context, b, signature.args[0], w_a)
+            xp, (pstride, *_), (_, chunks, *_) = simd.array_parts(context, b, signature.args[1], xt_a)
             zero = ir.Constant(simd.V16F32, [ir.Constant(simd.F32, 0.0)] * 16)
             accs = [[cgutils.alloca_once_value(b, zero) for _ in range(P)] for _ in range(T)]
             with cgutils.for_range(b, chunks) as loop:
@@ -600,9 +595,7 @@ def _make_block(T: int, P: int):
                         pair = simd.splat(b, b.load(b.gep(wc[t], [_const(d)]), align=4), _V16I32)
                         for p in range(P):
                             b.store(simd.dpbf16ps(b, b.load(accs[t][p]), xv[p], pair), accs[t][p])
-            yarr = context.make_array(signature.args[3])(context, b, y_a)
-            yp = b.bitcast(yarr.data, _I8.as_pointer())
-            ystride = b.extract_value(yarr.strides, 0)
+            yp, (ystride, _), _ = simd.array_parts(context, b, signature.args[3], y_a)
             for p in range(P):
                 first = b.mul(b.add(p0, _const(p)), _const(16))
                 sums = [b.load(accs[t][p]) for t in range(T)]
@@ -666,13 +659,9 @@ def _w_pairs(typingctx, w, t0, v, wt):
     def codegen(context, builder, signature, args):
         w_a, t0, v, wt_a = args
         b = builder
-        warr = context.make_array(signature.args[0])(context, b, w_a)
-        tarr = context.make_array(signature.args[3])(context, b, wt_a)
-        wp = b.bitcast(warr.data, _I8.as_pointer())
-        wstride = b.extract_value(warr.strides, 0)
-        tp = b.bitcast(tarr.data, _I8.as_pointer())
-        cstride, dstride = (b.extract_value(tarr.strides, a) for a in (0, 1))
-        with cgutils.for_range(b, b.extract_value(tarr.shape, 0)) as loop:
+        wp, (wstride, _), _ = simd.array_parts(context, b, signature.args[0], w_a)
+        tp, (cstride, dstride, *_), (chunks, *_) = simd.array_parts(context, b, signature.args[3], wt_a)
+        with cgutils.for_range(b, chunks) as loop:
             c = loop.index
             halves = ([], [])
             for t in range(16):
@@ -707,10 +696,7 @@ def _make_gemm(R: int, V: int):
             wt_a, x_a, m0, y_a, n, cols = args
             b = builder
             tp = simd.data_ptr(context, b, signature.args[0], wt_a)
-            xarr = context.make_array(signature.args[1])(context, b, x_a)
-            M, K = (b.extract_value(xarr.shape, a) for a in (0, 1))
-            xp = b.bitcast(xarr.data, _I8.as_pointer())
-            xstride = b.extract_value(xarr.strides, 0)
+            xp, (xstride, _), (M, K) = simd.array_parts(context, b, signature.args[1], x_a)
             live = b.sub(M, m0)
             last = b.sub(M, _const(1))
             at_x = []
@@ -746,9 +732,7 @@ def _make_gemm(R: int, V: int):
             left = b.lshr(b.and_(K, _const(63)), _const(1))  # pairs in the last, shorter chunk
             with b.if_then(b.icmp_signed(">", left, _const(0))):
                 chunk(full, left)
-            yarr = context.make_array(signature.args[3])(context, b, y_a)
-            yp = b.bitcast(yarr.data, _I8.as_pointer())
-            ystride = b.extract_value(yarr.strides, 0)
+            yp, (ystride, _), _ = simd.array_parts(context, b, signature.args[3], y_a)
             width = 2 if bf16_out else 4
             for v in range(V):
                 room = b.sub(cols, _const(16 * v))

@@ -93,6 +93,14 @@ def data_ptr(context, builder, aryty, ary):
     return builder.bitcast(context.make_array(aryty)(context, builder, ary).data, I8.as_pointer())
 
 
+def array_parts(context, builder, aryty, ary):
+    """A numba array argument's first byte (i8*), its strides and its shape (lists of i64)."""
+    arr = context.make_array(aryty)(context, builder, ary)
+    dims = range(aryty.ndim)
+    strides = [builder.extract_value(arr.strides, a) for a in dims]
+    return builder.bitcast(arr.data, I8.as_pointer()), strides, [builder.extract_value(arr.shape, a) for a in dims]
+
+
 def table(builder, name: str, data: np.ndarray):
     """A read-only global holding `data`'s bytes (one per module, by name), as i8*."""
     mod = builder.module
