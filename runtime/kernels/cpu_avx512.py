@@ -66,9 +66,9 @@ PASS_ROWS = (16, 8, 4, 2, 1)  # rows of x one pass multiplies (accumulators in r
 # Bytes of x (BF16, P rows of a pass) a pass multiplies each row of W with before it moves on to the
 # next columns: on Zen 4 (32 KiB L1D) sixteen rows of a 1536-wide x (48 KiB) came from L2 for every
 # row of W, and that pass ran 1.7x slower per weight than over a 576-wide x, so 3/4 of L1D. On Zen
-# 5 (48 KiB L1D, twice the L2 bandwidth) the same x whole took 0.85x the time of two 24 KiB
-# segments (SmolLM2's down projection at 16 rows, one core, 1.15x vLLM's oneDNN time against
-# 1.36x; 16 KiB: 1.44x), so all of L1D there.
+# 5 (48 KiB L1D; twice Zen 4's bandwidth from L2 to L1, by AMD's figures) the same x whole took
+# 0.85x the time of two 24 KiB segments (SmolLM2's down projection at 16 rows, one core, 1.15x
+# vLLM's oneDNN time against 1.36x; 16 KiB: 1.44x), so all of L1D there.
 _L1D = simd.l1d_bytes()
 X_SEGMENT_BYTES = _L1D if _L1D >= 48 << 10 else _L1D * 3 // 4
 ADD, MORE = 1, 2  # a dot's stage bits: add the row's sums so far (part); more columns follow (to part, not y)
