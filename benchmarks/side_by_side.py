@@ -10,14 +10,11 @@ from pathlib import Path
 
 
 def _cache_size(level: int, kind: str) -> str:
-    """The size of CPU 0's cache of `level` and `kind` (Data, Unified) as sysfs gives it ("32K"), or "?"."""
-    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
-        try:
-            if (index / "level").read_text().strip() == str(level) and (index / "type").read_text().strip() == kind:
-                return (index / "size").read_text().strip()
-        except OSError:
-            pass
-    return "?"
+    """The size of CPU 0's cache of `level` and `kind` (Data, Unified) in KiB ("32K"), or "?"."""
+    from unweight.codec.simd import cache_bytes
+
+    size = cache_bytes(level, kind)
+    return "?" if size is None else f"{size >> 10}K"
 
 
 def cpu_flags() -> str:

@@ -43,20 +43,27 @@ def host_features() -> frozenset[str]:
     return frozenset(name for name, on in features.items() if on)
 
 
-@lru_cache(maxsize=1)
-def l1d_bytes() -> int:
-    """The size of CPU 0's L1 data cache as Linux's sysfs gives it, or 32 KiB where it cannot be read
-    (the smallest of the x86 cores the AVX-512 kernels run on)."""
+def cache_bytes(level: int, kind: str) -> int | None:
+    """The size of CPU 0's cache of `level` and `kind` (Data, Instruction, Unified) as Linux's sysfs
+    gives it, or None where it cannot be read."""
     from pathlib import Path
 
     for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
         try:
-            if (index / "level").read_text().strip() == "1" and (index / "type").read_text().strip() == "Data":
+            if (index / "level").read_text().strip() == str(level) and (index / "type").read_text().strip() == kind:
                 size = (index / "size").read_text().strip()
-                return int(size[:-1]) << 10 if size.endswith("K") else int(size)
+                shift = {"K": 10, "M": 20}.get(size[-1:], 0)
+                return int(size[:-1] if shift else size) << shift
         except (OSError, ValueError):
             pass
-    return 32 << 10
+    return None
+
+
+@lru_cache(maxsize=1)
+def l1d_bytes() -> int:
+    """The size of CPU 0's L1 data cache, or 32 KiB where it cannot be read (the smallest of the x86
+    cores the AVX-512 kernels run on)."""
+    return cache_bytes(1, "Data") or 32 << 10
 
 
 def has(*features: str) -> bool:
