@@ -234,10 +234,14 @@ def test_cpu_bf16_kernel_sums_bf16_products_in_fp32(rows, cols, chunks, monkeypa
     assert calls == [1, 3, 9, 16, 37, 31, 10, 53, 64]
 
 
-@pytest.mark.parametrize("rows,cols,m", [(80, 1536, 172), (200, 584, 67), (48, 576, 64)])
+@pytest.mark.parametrize(
+    "rows,cols,m", [(80, 1536, 300), (200, 584, 267), (48, 576, 256), (250, 1536, 272), (128, 1536, 256)]
+)
 def test_cpu_bf16_prompt_gemm_sums_bf16_products_in_fp32(rows, cols, m):
     """A prompt of GEMM_ROWS rows or more: W decoded in blocks of 48 rows into the pairs layout,
-    several to a slab (a short last block and slab among them), x read where it lies, its last
+    several to a slab (a short last block and slab among them; at 1536 columns a slab is two
+    blocks, so 250 and 128 rows take several slabs, each decoded during the GEMM on the one
+    before, and the last of 128 rows ends a vector of 16), x read where it lies, its last
     chunk short of 64 columns (584), its last rows short of a block of 8: within fp32
     accumulation-order tolerance of the exact product; BF16 y is those sums rounded to nearest
     even, and a range of W's rows gives those columns' bits."""
@@ -601,14 +605,15 @@ def test_cpu_gemv_plan_follows_its_streams(rows, cols, m, tmp_path, monkeypatch)
     assert same(mod) and mod._plan_key not in (None, key)
 
 
-@pytest.mark.parametrize("m", [3, 5, 13, 16, 43, 172])
+@pytest.mark.parametrize("m", [3, 5, 13, 16, 43, 172, 260])
 def test_cpu_gemv_serial_kernels_give_the_parallel_ones_bits(m):
     """A GEMV of one part runs each kernel's serial variant (no parallel region): on the same call
     it writes the bits the parallel kernel writes over two and three row ranges, for every kernel
     this CPU has (fp32 x in groups of 8 and in 64-weight chunks; BF16 x in groups of 8 and in
     64-weight chunks, to fp32 y and BF16 y). With the chunks, 3, 5 and 13 rows of x take one padded
-    pass (of 4, 8 and 16 rows), 43 three passes of 16 (BF16 x: W decoded once for all three,
-    the last pass padded), and 172 the prompt GEMM (BF16 x: W decoded in slabs of blocks of 48 rows):
+    pass (of 4, 8 and 16 rows), 43 and 172 three and eleven passes of 16 (BF16 x: W decoded once
+    for all of them, the last pass padded), and 260 the prompt GEMM (BF16 x: W decoded in slabs of
+    blocks of 48 rows):
     nothing is written past y's m rows."""
     from unweight.runtime.kernels import cpu_gemv
 

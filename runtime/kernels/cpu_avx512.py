@@ -760,10 +760,14 @@ def _make_gemm(R: int, V: int):
 # (each block of W met by all of x before the next); with slabs 8 x 3 took 1.14x, 1.06x, 1.01x
 _GEMM_R, _GEMM_V = 8, 3
 W_SLAB_BYTES = 384 << 10  # W in the pairs layout `_chunk_gemm` decodes before it reads x (in L2)
-# rows of BF16 x from which `_chunk_gemm` takes them, rather than `_chunk_block`'s passes of 16:
-# at 32 rows the block took 1.14x vLLM's time, the GEMM 1.19-1.26x; at 64 both 1.13-1.14x; at 256
-# 1.06-1.10x against 1.05-1.07x, at 4096 1.16-1.19x against 1.01x
-GEMM_ROWS = 64
+# rows of BF16 x from which `_chunk_gemm` takes them, rather than `_chunk_block`'s passes of 16
+# (SmolLM2's linears, 30 layers each out of cache, one core, Zen 5, over vLLM's packed oneDNN, 2
+# alternated runs of 3): block against GEMM at 64 rows 1.06-1.07x against 1.15x, at 128 1.05x
+# against 1.08-1.09x, at 192 1.04-1.05x against 1.08-1.11x, at 256 1.06-1.07x both, at 384
+# 1.07-1.08x against 1.02-1.03x; at 4096 the GEMM 1.01x, the block 1.16-1.19x. (With W in L2 the
+# GEMM's products alone run as fast as the block's; its transpose of W into the pairs layout costs
+# half as much again as the decode of W, where the block lays out only x, once a call.)
+GEMM_ROWS = 256
 _gemm = _make_gemm(_GEMM_R, _GEMM_V)
 
 
