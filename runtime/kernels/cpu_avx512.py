@@ -68,9 +68,13 @@ PASS_ROWS = (16, 8, 4, 2, 1)  # rows of x one pass multiplies (accumulators in r
 # row of W, and that pass ran 1.7x slower per weight than over a 576-wide x, so 3/4 of L1D. On Zen
 # 5 (48 KiB L1D; twice Zen 4's bandwidth from L2 to L1, by AMD's figures) the same x whole took
 # 0.85x the time of two 24 KiB segments (SmolLM2's down projection at 16 rows, one core, 1.15x
-# vLLM's oneDNN time against 1.36x; 16 KiB: 1.44x), so all of L1D there.
+# vLLM's oneDNN time against 1.36x; 16 KiB: 1.44x), so all of L1D there. FP32 x keeps 3/4 of L1D
+# (X_SEGMENT_BYTES_F32): on Zen 5, 48 KiB segments of it made the down projection 1.24x slower at 8
+# rows and 1.33x at 16 (cpu_gemv_bench --cold, one core, 3 alternated runs), 36 KiB ones ran as 24
+# KiB ones did (0.98-1.00x).
 _L1D = simd.l1d_bytes()
 X_SEGMENT_BYTES = _L1D if _L1D >= 48 << 10 else _L1D * 3 // 4
+X_SEGMENT_BYTES_F32 = _L1D * 3 // 4
 ADD, MORE = 1, 2  # a dot's stage bits: add the row's sums so far (part); more columns follow (to part, not y)
 
 _I8, _I16, _I32, _I64 = simd.I8, simd.I16, simd.I32, simd.I64
@@ -1012,8 +1016,10 @@ def _dot_rows(P, sm, sm_off, codes, codes_off, esc, k, xs, G, base, ys, live, n,
 @njit(nogil=True, cache=True, inline="always")
 def _segments(G, P, itemsize):
     """(groups a segment takes, segments) for G groups of W's columns met by P rows of x: as many
-    whole chunks as keep X_SEGMENT_BYTES of x in L1, the segments as even as whole chunks allow."""
-    most = max(8, X_SEGMENT_BYTES // (8 * itemsize * P) >> 3 << 3)
+    whole chunks as keep X_SEGMENT_BYTES of BF16 x (X_SEGMENT_BYTES_F32 of fp32 x) in L1, the
+    segments as even as whole chunks allow."""
+    budget = X_SEGMENT_BYTES if itemsize == 2 else X_SEGMENT_BYTES_F32
+    most = max(8, budget // (8 * itemsize * P) >> 3 << 3)
     segs = -(-G // most)
     return ((-(-G // segs)) + 7) >> 3 << 3, segs
 
