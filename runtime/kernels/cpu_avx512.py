@@ -325,13 +325,20 @@ def _fold(builder, sums):
     return b.shuffle_vector(total, ir.Constant(simd.V16F32, None), _vconst(order, _V16I32))
 
 
+def _bf16_words(builder, v):
+    """A <n x float>'s BF16 bit patterns (<n x i16>), rounded to nearest even as torch's
+    .to(torch.bfloat16) rounds (vcvtneps2bf16)."""
+    n = v.type.count
+    return builder.bitcast(builder.fptrunc(v, ir.VectorType(simd.BF16, n)), ir.VectorType(_I16, n))
+
+
 def _store_rows(builder, sums, yp, ystride, n, M, W, live, bf16_out):
     """y[m, n + w] = lane w * M + m of the <16 x float> sums for m < live (y at i8* yp, rows
     ystride bytes apart), fp32 or BF16 (rounded to nearest even, as torch's .to(torch.bfloat16)
     rounds: vcvtneps2bf16)."""
     b = builder
     if bf16_out:
-        sums = b.bitcast(b.fptrunc(sums, ir.VectorType(simd.BF16, 16)), ir.VectorType(_I16, 16))
+        sums = _bf16_words(b, sums)
     lane = _I16 if bf16_out else simd.F32
     for w in range(W):
         col = b.shl(b.add(n, _const(w)), _const(1 if bf16_out else 2))
@@ -358,9 +365,8 @@ def _store_columns(builder, sums, yp, ystride, n, live, cols, bf16_out):
     for m in range(16):
         with b.if_then(b.icmp_signed("<", _const(m), live)):
             row = b.shuffle_vector(rows[m], ir.Constant(_V16I32, None), first_t)
-            if bf16_out:  # rounded to nearest even (vcvtneps2bf16)
-                narrow = b.fptrunc(b.bitcast(row, ir.VectorType(simd.F32, T)), ir.VectorType(simd.BF16, T))
-                row = b.bitcast(narrow, ir.VectorType(_I16, T))
+            if bf16_out:
+                row = _bf16_words(b, b.bitcast(row, ir.VectorType(simd.F32, T)))
             simd.masked_store(b, row, b.gep(at_n, [b.mul(ystride, _const(m))]), mask)
 
 
@@ -747,8 +753,8 @@ def _make_gemm(R: int, V: int):
                     for i in range(R):
                         with b.if_then(b.icmp_signed("<", _const(i), live)):
                             sums = b.load(accs[i][v])
-                            if bf16_out:  # rounded to nearest even (vcvtneps2bf16)
-                                sums = b.bitcast(b.fptrunc(sums, ir.VectorType(simd.BF16, 16)), ir.VectorType(_I16, 16))
+                            if bf16_out:
+                                sums = _bf16_words(b, sums)
                             dst = b.gep(at_v, [b.mul(b.add(m0, _const(i)), ystride)])
                             simd.masked_store(b, sums, dst, mask)
             return context.get_dummy_value()
