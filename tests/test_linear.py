@@ -137,11 +137,11 @@ def _x86_kernels(chunks: bool, monkeypatch):
 def test_cpu_fast_and_portable_paths_agree(rows, cols, m, chunks, monkeypatch):
     """The x86 kernels (where the CPU has them; with AVX-512, passes of 16 rows of x at m = 16 and
     37; fp32 x and BF16 rows in 64-weight chunks or in groups of 8; with the chunks, x in column
-    segments at 1536 columns and 16 rows (X_SEGMENT_BYTES_F32, 24 or 36 KiB) and at 12296 and 2 or 1
-    rows) against the portable numba ones: rows
-    bit-exact, the GEMV within fp32 accumulation-order tolerance; both against the reference
-    decoder, rows written in fp32 and straight in BF16 (every row of W too, eight at a time, so the
-    tails of each thread's range are met)."""
+    segments at 1536 columns and 16 rows (X_SEGMENT_BYTES_F32, 24 or 36 KiB) and at 12296 and 2 or
+    1 rows) against the portable numba ones: rows bit-exact, the GEMV within fp32
+    accumulation-order tolerance; both against the reference decoder, rows written in fp32 and
+    straight in BF16 (every row of W too, eight at a time, so the tails of each thread's range are
+    met)."""
     import numpy as np
 
     from unweight.codec import tiles
@@ -204,11 +204,11 @@ def test_cpu_bf16_kernel_sums_bf16_products_in_fp32(rows, cols, chunks, monkeypa
     """BF16 x on an AVX512_BF16 CPU: the vdpbf16ps kernels (64-weight chunks of W, whose last chunk
     holds 1 to 8 groups, or four groups a 512-bit quad, with group counts of every remainder mod
     4; passes of 16, 8, 4, 2 and 1 rows of x, padded ones among them, two to four passes of 16
-    meeting W decoded once, and the tail rows of W; with the
-    chunks, x wider than a pass keeps in L1 (X_SEGMENT_BYTES, 24 KiB or 48 KiB: 1544 or 3080 columns
-    for passes of 16 and 8 rows, 3080 or 6152 for 4, 12296 or 24584 for 2 and 1) in segments whose
-    last one ends in a short chunk) are within fp32 accumulation-order tolerance of the exact
-    product of the BF16 values, like the fp32 kernel."""
+    meeting W decoded once, and the tail rows of W; with the chunks, x wider than a pass keeps in
+    L1 (X_SEGMENT_BYTES, 24 KiB or 48 KiB: 1544 or 3080 columns for passes of 16 and 8 rows, 3080
+    or 6152 for 4, 12296 or 24584 for 2 and 1) in segments whose last one ends in a short chunk)
+    are within fp32 accumulation-order tolerance of the exact product of the BF16 values, like the
+    fp32 kernel."""
     from unweight.runtime.kernels import cpu_gemv
 
     if not cpu_gemv.BF16_DOT:
@@ -241,8 +241,7 @@ def test_cpu_bf16_kernel_sums_bf16_products_in_fp32(rows, cols, chunks, monkeypa
 def test_cpu_bf16_prompt_gemm_sums_bf16_products_in_fp32(rows, cols, m):
     """A prompt of GEMM_ROWS rows or more: W decoded in blocks of 48 rows into the pairs layout,
     several to a slab (a short last block and slab among them; at 1536 columns a slab is two
-    blocks, so 250 and 128 rows take several slabs, each decoded during the GEMM on the one
-    before, and the last of 128 rows ends a vector of 16), x read where it lies, its last
+    blocks, so 250 and 128 rows take several slabs), x read where it lies, its last
     chunk short of 64 columns (584), its last rows short of a block of 8: within fp32
     accumulation-order tolerance of the exact product; BF16 y is those sums rounded to nearest
     even, and a range of W's rows gives those columns' bits."""
