@@ -137,11 +137,11 @@ def _x86_kernels(chunks: bool, monkeypatch):
 def test_cpu_fast_and_portable_paths_agree(rows, cols, m, chunks, monkeypatch):
     """The x86 kernels (where the CPU has them; with AVX-512, passes of 16 rows of x at m = 16 and
     37; fp32 x and BF16 rows in 64-weight chunks or in groups of 8; with the chunks, x in column
-    segments at 1536 columns and 16 rows (X_SEGMENT_BYTES_F32, 24 or 36 KiB) and at 12296 and 2 or
-    1 rows) against the portable numba ones: rows bit-exact, the GEMV within fp32
-    accumulation-order tolerance; both against the reference decoder, rows written in fp32 and
-    straight in BF16 (every row of W too, eight at a time, so the tails of each thread's range are
-    met)."""
+    segments (X_SEGMENT_BYTES_F32, 24 or 36 KiB) at 1536 columns in 9 rows' pass of 8 and at 12296
+    columns in 3 rows' padded pass of 4) against the portable numba ones: rows bit-exact, the
+    GEMV within fp32 accumulation-order tolerance; both against the reference decoder, rows
+    written in fp32 and straight in BF16 (every row of W too, eight at a time, so the tails of each
+    thread's range are met)."""
     import numpy as np
 
     from unweight.codec import tiles
