@@ -98,6 +98,12 @@ def same_tokens(a: list[dict], b: list[dict]) -> bool:
     return [r["token_ids"] for r in a] == [r["token_ids"] for r in b]
 
 
+HOLDS = re.compile(
+    r"rank (\d+) of (\d+) holds (\d+) compressed linears, (\d+) compressed embeddings and (\d+) compressed experts "
+    r"layers: (\d+) bytes resident, (\d+) in BF16"
+)
+
+
 def ulps_apart(a: list[dict], b: list[dict]) -> int:
     """The largest distance between two runs' logprobs in float32 units in the last place. At TP=2
     the tiny Llama 4 gave vLLM's logprobs bit for bit in 3 of 5 runs and 1 ulp apart (9.5e-7) on
@@ -141,8 +147,15 @@ def test_plugin_gives_vllms_logprobs_bit_for_bit_and_fused_within_bound(
     vllm_python, smollm2_uw, smollm2_baseline, tmp_path
 ):
     uw, _ = smollm2_uw
-    assert json.loads((uw / "config.json").read_text())["quantization_config"] == {"quant_method": "unweight"}
-    runs = drive(vllm_python, uw, tmp_path, "--pipelines", "decode_matmul,fused")["runs"]
+    config = json.loads((uw / "config.json").read_text())
+    assert config["quantization_config"] == {"quant_method": "unweight"}
+    logs: list[str] = []
+    runs = drive(vllm_python, uw, tmp_path, "--pipelines", "decode_matmul,fused", logs=logs)["runs"]
+    # every matrix compressed: 30 layers' qkv, o, gate_up and down, and the embedding, whose one copy the
+    # tied lm_head shares (vLLM holds a dense embedding and a packed head)
+    (held,) = [tuple(map(int, m)) for m in HOLDS.findall(logs[0])]
+    assert held[:5] == (0, 1, 120, 1, 0) and held[5] < 0.75 * held[6]
+    assert held[6] == sum(w.stored_bytes for w in plan.weights(config) if w.name in plan.COMPRESSED)
     base = smollm2_baseline
     assert "Paris" in base[0]["text"]
     exact = runs["decode_matmul"]
@@ -251,12 +264,6 @@ def tiny_scout(smollm2_dir, tmp_path_factory) -> tuple[Path, Path]:
     return src, compress(src, d / "tiny-llama4-uw")
 
 
-HOLDS = re.compile(
-    r"rank (\d+) of (\d+) holds (\d+) compressed linears and (\d+) compressed experts layers: (\d+) bytes resident, "
-    r"(\d+) in BF16"
-)
-
-
 def test_llama4_scouts_layout_keeps_fused_experts_compressed_at_tp_1_and_2(vllm_python, tiny_scout, tmp_path):
     """Llama-4-Scout's text layout (fused 3-D expert tensors, transposed; a shared expert; qk-norm;
     chunked and NoPE attention): every linear and both experts layers stay compressed at each rank,
@@ -270,13 +277,16 @@ def test_llama4_scouts_layout_keeps_fused_experts_compressed_at_tp_1_and_2(vllm_
 
     (whole,) = [tuple(map(int, m)) for m in HOLDS.findall(logs[0])]
     ranks = sorted(tuple(map(int, m)) for m in HOLDS.findall(logs[1]))
-    assert whole[:4] == (0, 1, 8, 2)  # q/k/v, o and the shared expert's two linears per layer; the routed experts
-    assert [r[:4] for r in ranks] == [(0, 2, 8, 2), (1, 2, 8, 2)]
-    assert all(2 * r[5] == whole[5] for r in ranks)  # each rank holds half the model's BF16 bytes, compressed
-    config = json.loads((src / "config.json").read_text())  # which `unweight plan` counts as compressed
-    assert sum(w.stored_bytes for w in plan.weights(config) if w.name in plan.COMPRESSED) == whole[5]
-    assert whole[4] < 0.8 * whole[5] and all(r[4] < 0.8 * r[5] for r in ranks)
-    print(f"tiny Scout: {whole[4]:,} bytes resident against {whole[5]:,} in BF16 ({whole[4] / whole[5]:.1%}) at TP=1")
+    config = json.loads((src / "config.json").read_text())
+    heads = 1 if config.get("tie_word_embeddings", plan.text_config(config).get("tie_word_embeddings")) else 2
+    # q/k/v, o and the shared expert's two linears per layer; the embedding (and an untied lm_head); the routed experts
+    assert whole[:5] == (0, 1, 8, heads, 2)
+    assert [r[:5] for r in ranks] == [(0, 2, 8, heads, 2), (1, 2, 8, heads, 2)]
+    assert all(2 * r[6] == whole[6] for r in ranks)  # each rank holds half the model's BF16 bytes, compressed
+    # which `unweight plan` counts as compressed
+    assert sum(w.stored_bytes for w in plan.weights(config) if w.name in plan.COMPRESSED) == whole[6]
+    assert whole[5] < 0.8 * whole[6] and all(r[5] < 0.8 * r[6] for r in ranks)
+    print(f"tiny Scout: {whole[5]:,} bytes resident against {whole[6]:,} in BF16 ({whole[5] / whole[6]:.1%}) at TP=1")
 
 
 def test_kimi_k2_5s_architecture_deepseek_v3_keeps_mla_and_experts_compressed_at_tp_1_and_2(
@@ -299,9 +309,10 @@ def test_kimi_k2_5s_architecture_deepseek_v3_keeps_mla_and_experts_compressed_at
     (whole,) = [tuple(map(int, m)) for m in HOLDS.findall(logs[0])]
     ranks = sorted(tuple(map(int, m)) for m in HOLDS.findall(logs[1]))
     # per layer the fused q_a/kv_a projection, q_b and o; the dense MLP's and the shared expert's gate_up and down
-    assert whole[:4] == (0, 1, 10, 1) and [r[:4] for r in ranks] == [(0, 2, 10, 1), (1, 2, 10, 1)]
-    assert whole[4] < 0.8 * whole[5] and all(r[4] < 0.8 * r[5] for r in ranks)
-    print(f"tiny DeepSeek-V3: {whole[4]:,} bytes resident against {whole[5]:,} in BF16 ({whole[4] / whole[5]:.1%})")
+    # and the embedding and the untied lm_head
+    assert whole[:5] == (0, 1, 10, 2, 1) and [r[:5] for r in ranks] == [(0, 2, 10, 2, 1), (1, 2, 10, 2, 1)]
+    assert whole[5] < 0.8 * whole[6] and all(r[5] < 0.8 * r[6] for r in ranks)
+    print(f"tiny DeepSeek-V3: {whole[5]:,} bytes resident against {whole[6]:,} in BF16 ({whole[5] / whole[6]:.1%})")
 
 
 @pytest.fixture(scope="module")
@@ -329,7 +340,8 @@ def test_a_compressed_tensors_int4_folder_gives_vllms_layers_the_sources_tensors
     assert sum(name.endswith(".weight_packed") for name in base) == 4  # gate_up and down of both layers
     assert {name: ours.get(name) for name in base} == base
     (held,) = [tuple(map(int, m)) for m in HOLDS.findall(logs[0])]
-    assert held[:4] == (0, 1, 4, 0) and held[4] < 0.8 * held[5]  # qkv and o of both layers, compressed
+    # qkv and o of both layers, the embedding and the lm_head, compressed
+    assert held[:5] == (0, 1, 4, 2, 0) and held[5] < 0.8 * held[6]
     assert "; 4 layers as the source quantized them" in logs[0]  # gate_up and down, INT4 with vLLM's own method
 
     back = tmp_path / "back"
@@ -474,7 +486,7 @@ def test_broken_folders_are_refused_by_vllm_naming_file_and_tensor(vllm_python, 
         "no-layer": f"SourceError: {tmp_path / 'no-layer' / LAYER_1}: no such file; {INDEX} lists 7 tensors",
         "wide-uw": f"ValueError: tensor {q!r} has shape [256, 512], but layer 'model.layers.0.self_attn.qkv_proj' "
         "needs [256, 256] there",
-        "bomb": "tensor 'model.embed_tokens.weight' of shape [49152, 8192] cannot load into a parameter of shape "
+        "bomb": "tensor 'model.embed_tokens.weight' has shape [49152, 8192], but layer 'model.embed_tokens' needs "
         "[49152, 256]",
         "swapped": "tensor 'model.layers.0.self_attn.k_proj.weight': decoded bytes fail the CRC-32 check",
     }

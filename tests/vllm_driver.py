@@ -110,7 +110,13 @@ def loaded_weights(model: str, out: str, dtype: str) -> None:
     with set_current_vllm_config(config):
         init_distributed_environment(1, 0, f"tcp://127.0.0.1:{port}", 0, backend="gloo")
         initialize_model_parallel(1, 1)
-        state = get_model(vllm_config=config).state_dict()
+        model_ = get_model(vllm_config=config)
+        state = model_.state_dict()
+        from unweight.runtime.vllm.plugin import UnweightEmbeddingMethod
+
+        for prefix, module in model_.named_modules():  # the plugin's compressed embeddings, decoded: as vLLM holds them
+            if isinstance(getattr(module, "quant_method", None), UnweightEmbeddingMethod):
+                state[f"{prefix}.weight"] = module.uw.rows(None, module.params_dtype)
     digests = {
         name: [
             str(t.dtype),

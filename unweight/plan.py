@@ -38,7 +38,7 @@ NON_TORCH_BYTES = 2 * GIB
 MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "llama4_text", "deepseek_v3"})
 CLASSES = ("embedding", "attention", "mlp", "router", "experts", "shared_experts", "norms", "lm_head")
 # Classes the vLLM plugin keeps compressed (the others stay dense there: docs/vllm.md; so does MLA's kv_b_proj)
-COMPRESSED = ("attention", "mlp", "experts", "shared_experts")
+COMPRESSED = ("embedding", "attention", "mlp", "experts", "shared_experts", "lm_head")
 
 
 @dataclass(slots=True)

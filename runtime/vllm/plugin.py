@@ -10,7 +10,9 @@ process; the classes live at module level because vLLM pickles the config into i
   source's bytes; the rest is as below. Linear layers get `UnweightLinearMethod` (a weight that is
   not BF16 stays dense there, logged once); MoE experts get `UnweightMoEMethod`
   (runtime/vllm/experts.py; vLLM's own unquantized method where it cannot hold them, logged once);
-  embeddings and the lm_head keep vLLM's own methods, their weights decoded at load.
+  the embedding and the lm_head get `UnweightEmbeddingMethod`: the rank's rows of the vocabulary
+  compressed like a linear's, looked up by rows and multiplied by the lm_head's linear pipelines;
+  a tied lm_head uses its embedding's, so one compressed copy serves both.
 - `UnweightModelLoader` replaces vLLM's default loader for `--load-format auto` (and is also
   `--load-format unweight`); for any other checkpoint it is the default loader unchanged. For an
   unweight folder it hands vLLM's model code every tensor as a `LazyWeight`, undecoded.
@@ -49,7 +51,8 @@ from vllm.model_executor.layers.linear import (
     UnquantizedLinearMethod,
 )
 from vllm.model_executor.layers.quantization import register_quantization_config
-from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
+from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from vllm.model_executor.model_loader import default_loader
 from vllm.model_executor.model_loader import register_model_loader as _register_loader
 from vllm.model_executor.utils import set_weight_attrs
@@ -136,13 +139,18 @@ class UnweightConfig(QuantizationConfig):
                 _once(f"{DENSE_LINEARS[prefix.rsplit('.', 1)[-1]]}: these layers keep a dense weight")
                 return UnquantizedLinearMethod()
             return UnweightLinearMethod(prefix)
+        if isinstance(layer, VocabParallelEmbedding):
+            if layer.shard_indices.num_added_elements:
+                _once(f"{prefix!r} has an added (LoRA) vocabulary: its rows keep a dense weight")
+                return None
+            return UnweightEmbeddingMethod(prefix)
         if isinstance(layer, RoutedExperts):
             why = experts.unsupported(layer.moe_config)
             if why is None:
                 return experts.UnweightMoEMethod(layer.moe_config, prefix)
             _once(f"MoE experts of {prefix!r} are decoded to dense weights at load (vLLM's own MoE): {why}")
             return UnquantizedFusedMoEMethod(layer.moe_config)
-        return None  # embeddings, the lm_head, attention: vLLM's own, their weights decoded at load
+        return None  # attention: vLLM's own
 
 
 # Linear layers that keep vLLM's own dense weight, by the last part of their name, and why
@@ -274,6 +282,95 @@ def _finish(layer: nn.Module, pending: _Pending, param: nn.Parameter) -> None:
     layer.uw_index = _LAYERS.add(uw)
 
 
+class UnweightEmbeddingMethod(QuantizeMethodBase):
+    """A VocabParallelEmbedding (the embedding, or a ParallelLMHead) whose rank's rows of the
+    vocabulary are an UnweightLinear: `embedding` looks rows up (exact in the model's dtype), `apply`
+    is the lm_head's x @ W^T through the linear's pipelines, and a tied lm_head takes its embedding's
+    layer, so that one compressed copy serves both."""
+
+    def __init__(self, prefix: str = ""):
+        self.prefix = prefix
+
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs,
+    ) -> None:
+        extra_weight_attrs.pop("weight_loader", None)
+        weight = nn.Parameter(torch.empty(0, dtype=params_dtype), requires_grad=False)
+        layer.register_parameter("weight", weight)
+        set_weight_attrs(weight, {**extra_weight_attrs, "weight_loader": _VocabLoader(layer, self.prefix)})
+        layer.uw_pending = _Pending(sum(output_partition_sizes), input_size_per_partition, frozenset([None]))
+        layer.uw_index = -1
+
+    def tie_weights(self, layer: nn.Module, embed_tokens: nn.Module) -> nn.Module:
+        if not isinstance(embed_tokens.quant_method, UnweightEmbeddingMethod):  # a dense (or the source's) embedding
+            _once(f"{self.prefix!r} is tied to an embedding the plugin does not hold: it shares that one's weight")
+            layer.quant_method = embed_tokens.quant_method
+            return layer.quant_method.tie_weights(layer, embed_tokens)
+        layer.weight = embed_tokens.weight
+        layer.uw_tied = (embed_tokens,)  # (a tuple: not registered as a submodule of the lm_head)
+        layer.uw_pending = None  # the checkpoint gives no tensor of its own
+        return layer
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        tied = getattr(layer, "uw_tied", None)
+        if tied is not None:
+            embed = tied[0]
+            if embed.uw_index < 0:
+                raise ValueError(f"layer {self.prefix!r}: the checkpoint gave no weight for its tied embedding")
+            layer.uw, layer.uw_index = embed.uw, embed.uw_index
+        elif layer.uw_index < 0:
+            what = f"layer {self.prefix!r}" if self.prefix else "the embedding"
+            raise ValueError(f"{what}: the checkpoint gave no weight for it")
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return UnweightLinearMethod.apply(self, layer, x, bias)
+
+    def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        # torch.compile traces the custom op; eager looks the rows up itself, without the op's dispatch
+        if torch.compiler.is_compiling():
+            return torch.ops.unweight.rows(ids, layer.uw_index, layer.params_dtype)
+        return layer.uw.rows(ids.reshape(-1), layer.params_dtype).reshape(*ids.shape, -1)
+
+
+class _VocabLoader:
+    """The weight_loader of an UnweightEmbeddingMethod layer's weight: the rank's rows of the
+    vocabulary (VocabParallelEmbedding's shard of the tensor's rows; padding rows zero)."""
+
+    def __init__(self, layer: nn.Module, prefix: str):
+        self.layer, self.prefix = layer, prefix
+
+    def __call__(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        from .lazy import LazyWeight
+
+        layer, pending = self.layer, self.layer.uw_pending
+        name = loaded.uw_name if isinstance(loaded, LazyWeight) else f"{self.prefix}.weight"
+        # (vLLM's model code builds some embeddings without a prefix: the tensor's name gives the layer's)
+        prefix = self.prefix or name.removesuffix(".weight")
+        if pending is None:
+            raise ValueError(f"tensor {name!r}: layer {prefix!r} is tied to the embedding and takes no weight")
+        if tuple(loaded.shape) != (layer.org_vocab_size, pending.cols):
+            raise ValueError(
+                f"tensor {name!r} has shape {list(loaded.shape)}, but layer {prefix!r} needs "
+                f"{[layer.org_vocab_size, pending.cols]}"
+            )
+        if loaded.dtype != torch.bfloat16:
+            _once(f"tensor {name!r} is {loaded.dtype}, not BF16: its layer keeps a dense weight")
+        r0, r1 = layer.shard_indices.org_vocab_start_index, layer.shard_indices.org_vocab_end_index
+        part = loaded.block(r0, r1, 0, pending.cols) if isinstance(loaded, LazyWeight) else loaded[r0:r1]
+        pending.dtype = loaded.dtype
+        pending.values = torch.zeros(pending.rows, pending.cols, dtype=loaded.dtype)
+        pending.values[: r1 - r0] = part
+        pending.seen.add(None)
+        _finish(layer, pending, param)
+
+
 @functools.cache
 def _linear_class() -> type:
     """UnweightLinear whose CPU decode + matmul multiplies with vLLM's CPU GEMM dispatch, the one
@@ -307,8 +404,11 @@ class _DenseLinear(nn.Module):
     def __init__(self, weight: torch.Tensor):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
-        self.out_features = weight.shape[0]
+        self.out_features, self.in_features = weight.shape
         self._gemm = self._gemm_dtype = None  # the packed GEMM, made at the first CPU forward of a dtype
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype, check: bool = True) -> torch.Tensor:
+        return torch.nn.functional.embedding(ids, self.weight).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu":
@@ -340,6 +440,18 @@ def _linear(x: torch.Tensor, layer: int) -> torch.Tensor:
 @_linear.register_fake
 def _(x: torch.Tensor, layer: int) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], _LAYERS[layer].out_features))
+
+
+@torch.library.custom_op("unweight::rows", mutates_args=())
+def _rows(ids: torch.Tensor, layer: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows `ids` (any shape) of the process's layer number `layer`, in `dtype`: (*ids.shape, in_features)."""
+    uw = _LAYERS[layer]
+    return uw.rows(ids.reshape(-1), dtype).reshape(*ids.shape, -1)
+
+
+@_rows.register_fake
+def _(ids: torch.Tensor, layer: int, dtype: torch.dtype) -> torch.Tensor:
+    return ids.new_empty((*ids.shape, _LAYERS[layer].in_features), dtype=dtype)
 
 
 class UnweightModelLoader(default_loader.DefaultModelLoader):
@@ -383,11 +495,13 @@ class UnweightModelLoader(default_loader.DefaultModelLoader):
         )
         held = resident(model)
         log.info(
-            "unweight: tensor-parallel rank %d of %d holds %d compressed linears and %d compressed experts layers: "
-            "%d bytes resident, %d in BF16 (%.1f %%); %d layers as the source quantized them",
+            "unweight: tensor-parallel rank %d of %d holds %d compressed linears, %d compressed embeddings and "
+            "%d compressed experts layers: %d bytes resident, %d in BF16 (%.1f %%); %d layers as the source "
+            "quantized them",
             _tp_rank(),
             _tp_size(),
             held["linears"],
+            held["embeddings"],
             held["experts"],
             held["stored_bytes"],
             held["bf16_bytes"],
@@ -446,16 +560,24 @@ def _largest_weight(model: nn.Module) -> int:
 
 
 def resident(model: nn.Module) -> dict:
-    """What the plugin built in `model` (this rank's): its compressed linears and experts layers,
-    their resident bytes and what the same weights take in BF16, and how many layers kept the
-    source's quantization (compressed-tensors' INT4, decoded at load to the source's tensors)."""
-    linears = [m.uw for m in model.modules() if isinstance(getattr(m, "uw", None), _linear_class())]
+    """What the plugin built in `model` (this rank's): its compressed linears, embeddings (a tied
+    lm_head counted once, with its embedding) and experts layers, their resident bytes and what the
+    same weights take in BF16, and how many layers kept the source's quantization
+    (compressed-tensors' INT4, decoded at load to the source's tensors)."""
+    built: dict[int, tuple[str, nn.Module]] = {}
+    for m in model.modules():
+        uw = getattr(m, "uw", None)
+        if isinstance(uw, _linear_class()):
+            kind = "embeddings" if isinstance(m.quant_method, UnweightEmbeddingMethod) else "linears"
+            built.setdefault(id(uw), (kind, uw))
+    matrices = [uw for _, uw in built.values()]
     layers = [m.uw_experts for m in model.modules() if hasattr(m, "uw_experts")]
     return {
-        "linears": len(linears),
+        "linears": sum(kind == "linears" for kind, _ in built.values()),
+        "embeddings": sum(kind == "embeddings" for kind, _ in built.values()),
         "experts": len(layers),
-        "stored_bytes": sum(m.stored_bytes for m in linears + layers),
-        "bf16_bytes": sum(2 * m.in_features * m.out_features for m in linears)
+        "stored_bytes": sum(m.stored_bytes for m in matrices + layers),
+        "bf16_bytes": sum(2 * m.in_features * m.out_features for m in matrices)
         + sum(2 * e.num_experts * 3 * e.hidden * e.intermediate for e in layers),
         "source": sum(1 for m in model.modules() if getattr(m, "uw_source", False)),
     }
