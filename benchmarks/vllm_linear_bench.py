@@ -2,7 +2,8 @@
 
 SmolLM2-135M-Instruct's four linear shapes (q,k,v stacked 960x576, o 576x576, gate,up stacked
 3072x576, down 576x1536, read as cpu_gemv_bench.py reads them), each as its 30 layers' real BF16
-weights, so that a round over them reads every weight from DRAM as a forward does. At each batch
+weights, so that a round over them reads every weight from DRAM as a forward does; with --shapes
+lm_head also the lm_head (the tied 49152x576 embedding, 57 MB: one layer). At each batch
 of BF16 x (--batches), per shape, the time of one call of all 30 layers through:
 
   vllm           vLLM's CPU GEMM dispatch on the dense weight, packed once (what its unquantized
@@ -18,6 +19,7 @@ the CPU flags with them, and each variant's medians summed over the four shapes 
 linears) over vLLM's; writes JSON (--out).
 
     python benchmarks/vllm_linear_bench.py [--batches 1,16,256] [--reps 5] [--cores 1]
+                                           [--shapes qkv,o,gate_up,down,lm_head]
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ LINEARS = ("qkv", "o", "gate_up", "down")  # of cpu_gemv_bench.SHAPES: a decoder
 VARIANTS = ("vllm", "fused", "decode_linear", "dense_linear")
 
 
-def worker(src: str, out: str, batches: list[int], reps: int, cores: int) -> None:
+def worker(src: str, out: str, batches: list[int], reps: int, cores: int, shapes: list[str]) -> None:
     """In the vLLM environment: {batch: {shape: {variant: [ms per call of all layers, ...]}}} to `out`."""
     os.sched_setaffinity(0, set(sorted(os.sched_getaffinity(0))[:cores]))
     import numba
@@ -53,9 +55,9 @@ def worker(src: str, out: str, batches: list[int], reps: int, cores: int) -> Non
     numba.set_num_threads(min(cores, numba.config.NUMBA_NUM_THREADS))
     n_layers = json.loads((Path(src) / "config.json").read_text())["num_hidden_layers"]
     layers = {}
-    for shape in LINEARS:
+    for shape in shapes:
         layers[shape] = []
-        for i in range(n_layers):
+        for i in range(n_layers if shape in LINEARS else 1):
             values = read_bf16(Path(src) / "model.safetensors", [n.format(layer=i) for n in SHAPES[shape][2]])
             w = torch.from_numpy(values.view(np.int16)).view(torch.bfloat16)
             uw = _linear_class().from_values(values.reshape(-1), *w.shape, None, torch.device("cpu"))
@@ -88,12 +90,17 @@ def main() -> None:
     ap.add_argument("--batches", default="1,16,256", help="rows of x, comma-separated")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--cores", type=int, default=1, help="cores (and threads) the worker runs on")
+    ap.add_argument("--shapes", default=",".join(LINEARS), help=f"of {', '.join((*LINEARS, 'lm_head'))}")
     ap.add_argument("--out", default="benchmarks/results/vllm_linear_bench.json")
     ap.add_argument("--worker", nargs=2, metavar=("SRC", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
+    shapes = [s for s in args.shapes.split(",") if s]
+    unknown = set(shapes) - {*LINEARS, "lm_head"}
+    if unknown:
+        ap.error(f"unknown shape(s) {', '.join(sorted(unknown))}")
     if args.worker:
-        return worker(*args.worker, batches, args.reps, args.cores)
+        return worker(*args.worker, batches, args.reps, args.cores, shapes)
 
     from unweight.defaults import cache_dir
     from unweight.testing import smollm2_bf16, vllm_env
@@ -102,7 +109,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as td:
         out = Path(td) / "linears.json"
         cmd = [str(python), __file__, "--worker", str(src), str(out), "--batches", args.batches]
-        cmd += ["--reps", str(args.reps), "--cores", str(args.cores)]
+        cmd += ["--reps", str(args.reps), "--cores", str(args.cores), "--shapes", args.shapes]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             raise SystemExit(f"the worker failed:\n{(done.stdout + done.stderr)[-3000:]}")
@@ -110,8 +117,8 @@ def main() -> None:
 
     summary: dict = {}
     print(
-        f"\nms for one call of each shape's {record['layers']} layers (BF16 x), median (range) over {args.reps} "
-        f"repeats, and the median over vLLM's; {args.cores} core(s); CPU: {cpu_flags()}\n"
+        f"\nms for one call of each shape's {record['layers']} layers (the lm_head's one), BF16 x, median (range) over "
+        f"{args.reps} repeats, and the median over vLLM's; {args.cores} core(s); CPU: {cpu_flags()}\n"
     )
     print("| rows of x | shape | " + " | ".join(VARIANTS) + " |")
     print("| ---: | --- |" + " ---: |" * len(VARIANTS))
@@ -128,8 +135,11 @@ def main() -> None:
                 for c in cells.values()
             )
             print(f"| {m} | {shape} | {row} |")
-        # a decoder layer's four linears together: each variant's medians summed over vLLM's
-        totals = {v: sum(cells[v]["median_ms"] for cells in summary[m].values()) for v in VARIANTS}
+        # a decoder layer's linears together (not the lm_head): each variant's medians summed over vLLM's
+        layer = [cells for shape, cells in summary[m].items() if shape in LINEARS]
+        if not layer:
+            continue
+        totals = {v: sum(cells[v]["median_ms"] for cells in layer) for v in VARIANTS}
         summary[m]["total"] = {v: {"median_ms": t, "vs_vllm": t / totals["vllm"]} for v, t in totals.items()}
         print(f"| {m} | total | " + " | ".join(f"{t:.1f} {t / totals['vllm']:.2f}×" for t in totals.values()) + " |")
     write_record(args.out, {"args": vars(args), "summary": summary, "runs": record})
