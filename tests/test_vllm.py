@@ -446,13 +446,13 @@ def test_broken_folders_are_refused_by_vllm_naming_file_and_tensor(vllm_python, 
     """The folders tests/test_broken_folders.py breaks, through vllm.LLM, one process for all:
     - a shard of RMSNorm weights missing (vLLM used to serve garbage from the rest);
     - a norm missing from its shard and the index alike (vLLM's check that every parameter got its
-      tensor, which it skips for quantized models);
+      tensor, which it skips for quantized models), and so the embedding (the plugin's, compressed);
     - a shard of whole layers missing (named as a file, not as a layer's q/k/v);
     - a q_proj twice as wide as its layer (used to be cropped);
     - an embedding's zstd bomb (used to decode 6.4 GB first; refused before a byte is decoded);
     - k/v streams swapped with their stream CRCs (used to serve other text).
     The intact folder then starts in the same process (a notebook starting again after a refusal)."""
-    from tiny_models import INDEX, LAYER_1, NORMS, four_shards
+    from tiny_models import INDEX, LAYER_1, NORMS, four_shards, shard_for
 
     import unweight
     from helpers import rewrite_container, swap_streams, zstd_bomb
@@ -477,12 +477,19 @@ def test_broken_folders_are_refused_by_vllm_naming_file_and_tensor(vllm_python, 
     index = json.loads((unlisted / INDEX).read_text())
     del index["weight_map"]["model.norm.weight"]
     (unlisted / INDEX).write_text(json.dumps(index))
+    embed = "model.embed_tokens.weight"
+    no_embed = broken("embed-unlisted")
+    rewrite_container(no_embed / shard_for(embed), lambda tensors: {n: t for n, t in tensors.items() if n != embed})
+    index = json.loads((no_embed / INDEX).read_text())
+    del index["weight_map"][embed]
+    (no_embed / INDEX).write_text(json.dumps(index))
     (broken("no-layer") / LAYER_1).unlink()
     zstd_bomb(broken("bomb"), "model.embed_tokens.weight", (49152, 8192))
     swap_streams(broken("swapped"), "model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.v_proj.weight")
     cases = {
         "no-norms": f"SourceError: {tmp_path / 'no-norms' / NORMS}: no such file; {INDEX} lists 5 tensors",
         "norm-unlisted": "the checkpoint has no tensor for 1 of the model's parameters (model.norm.weight)",
+        "embed-unlisted": f"the checkpoint has no tensor for 1 of the model's parameters ({embed})",
         "no-layer": f"SourceError: {tmp_path / 'no-layer' / LAYER_1}: no such file; {INDEX} lists 7 tensors",
         "wide-uw": f"ValueError: tensor {q!r} has shape [256, 512], but layer 'model.layers.0.self_attn.qkv_proj' "
         "needs [256, 256] there",

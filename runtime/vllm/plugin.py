@@ -210,16 +210,9 @@ class UnweightLinearMethod(LinearMethodBase):
         params_dtype: torch.dtype,
         **extra_weight_attrs,
     ) -> None:
-        extra_weight_attrs.pop("weight_loader", None)
         kind = _kind(layer)
-        # No memory of the weight's size: the loader below builds the compressed layer instead.
-        weight = nn.Parameter(torch.empty(0, dtype=params_dtype), requires_grad=False)
-        layer.register_parameter("weight", weight)
-        set_weight_attrs(weight, {**extra_weight_attrs, "weight_loader": _ShardLoader(layer, kind, self.prefix)})
-        layer.uw_pending = _Pending(
-            sum(output_partition_sizes), input_size_per_partition, shards.shard_ids(kind, layer)
-        )
-        layer.uw_index = -1
+        pending = _Pending(sum(output_partition_sizes), input_size_per_partition, shards.shard_ids(kind, layer))
+        _placeholder(layer, params_dtype, extra_weight_attrs, _ShardLoader(layer, kind, self.prefix), pending)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         pending = getattr(layer, "uw_pending", None)
@@ -233,6 +226,16 @@ class UnweightLinearMethod(LinearMethodBase):
         # nn.Module.__call__'s (0.8 µs: the submodule is the plugin's own, and no hook is put on it)
         y = torch.ops.unweight.linear(x, layer.uw_index) if torch.compiler.is_compiling() else layer.uw.forward(x)
         return y + bias if bias is not None else y
+
+
+def _placeholder(layer: nn.Module, dtype: torch.dtype, attrs: dict, loader, pending: _Pending) -> None:
+    """The layer's `weight`: an empty parameter (no memory of the weight's size) whose loader builds
+    the compressed layer instead, with vLLM's attributes but its own loader."""
+    attrs.pop("weight_loader", None)
+    weight = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
+    layer.register_parameter("weight", weight)
+    set_weight_attrs(weight, {**attrs, "weight_loader": loader})
+    layer.uw_pending, layer.uw_index = pending, -1
 
 
 class _ShardLoader:
@@ -292,21 +295,10 @@ class UnweightEmbeddingMethod(QuantizeMethodBase):
         self.prefix = prefix
 
     def create_weights(
-        self,
-        layer: nn.Module,
-        input_size_per_partition: int,
-        output_partition_sizes: list[int],
-        input_size: int,
-        output_size: int,
-        params_dtype: torch.dtype,
-        **extra_weight_attrs,
-    ) -> None:
-        extra_weight_attrs.pop("weight_loader", None)
-        weight = nn.Parameter(torch.empty(0, dtype=params_dtype), requires_grad=False)
-        layer.register_parameter("weight", weight)
-        set_weight_attrs(weight, {**extra_weight_attrs, "weight_loader": _VocabLoader(layer, self.prefix)})
-        layer.uw_pending = _Pending(sum(output_partition_sizes), input_size_per_partition, frozenset([None]))
-        layer.uw_index = -1
+        self, layer: nn.Module, input_size_per_partition: int, output_partition_sizes: list[int], *sizes, **attrs
+    ) -> None:  # (sizes: the whole vocabulary's input and output sizes; attrs: params_dtype and vLLM's attributes)
+        pending = _Pending(sum(output_partition_sizes), input_size_per_partition, frozenset([None]))
+        _placeholder(layer, attrs.pop("params_dtype"), attrs, _VocabLoader(layer, self.prefix), pending)
 
     def tie_weights(self, layer: nn.Module, embed_tokens: nn.Module) -> nn.Module:
         if not isinstance(embed_tokens.quant_method, UnweightEmbeddingMethod):  # a dense (or the source's) embedding
@@ -521,17 +513,26 @@ class UnweightModelLoader(default_loader.DefaultModelLoader):
 
 
 def _expected_parameters(model: nn.Module) -> set[str]:
-    """The parameters the checkpoint must give: all but the plugin's layers' (empty until built)
-    and the KV-cache scales that a source's quantization method gives attention layers, which vLLM
-    sets itself when the checkpoint has none (compressed-tensors gives them to every layer)."""
+    """The parameters the checkpoint must give: all but the plugin's linear layers' (empty until
+    built: their loaders check their shards) and the KV-cache scales that a source's quantization
+    method gives attention layers, which vLLM sets itself when the checkpoint has none
+    (compressed-tensors gives them to every layer). The plugin's embeddings are empty too, but
+    expected: a tied lm_head shares its embedding's parameter, so it is not listed twice."""
     from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
 
-    scales = tuple(
-        f"{name}."
-        for name, m in model.named_modules()
-        if isinstance(getattr(m, "quant_method", None), BaseKVCacheMethod)
-    )
-    return {name for name, p in model.named_parameters() if p.numel() and not (scales and name.startswith(scales))}
+    scales, embeddings = [], []
+    for name, m in model.named_modules():
+        method = getattr(m, "quant_method", None)
+        if isinstance(method, BaseKVCacheMethod):
+            scales.append(f"{name}.")
+        elif isinstance(method, UnweightEmbeddingMethod):
+            embeddings.append(f"{name}.")
+    scales, embeddings = tuple(scales), tuple(embeddings)
+    return {
+        name
+        for name, p in model.named_parameters()
+        if (p.numel() or name.startswith(embeddings)) and not (scales and name.startswith(scales))
+    }
 
 
 def _keep_llvmlite_out_of_vllms_kernel_scan() -> None:
