@@ -278,10 +278,9 @@ def test_llama4_scouts_layout_keeps_fused_experts_compressed_at_tp_1_and_2(vllm_
     (whole,) = [tuple(map(int, m)) for m in HOLDS.findall(logs[0])]
     ranks = sorted(tuple(map(int, m)) for m in HOLDS.findall(logs[1]))
     config = json.loads((src / "config.json").read_text())
-    heads = 1 if config.get("tie_word_embeddings", plan.text_config(config).get("tie_word_embeddings")) else 2
-    # q/k/v, o and the shared expert's two linears per layer; the embedding (and an untied lm_head); the routed experts
-    assert whole[:5] == (0, 1, 8, heads, 2)
-    assert [r[:5] for r in ranks] == [(0, 2, 8, heads, 2), (1, 2, 8, heads, 2)]
+    # q/k/v, o and the shared expert's two linears per layer; the embedding and the untied lm_head; the routed experts
+    assert whole[:5] == (0, 1, 8, 2, 2)
+    assert [r[:5] for r in ranks] == [(0, 2, 8, 2, 2), (1, 2, 8, 2, 2)]
     assert all(2 * r[6] == whole[6] for r in ranks)  # each rank holds half the model's BF16 bytes, compressed
     # which `unweight plan` counts as compressed
     assert sum(w.stored_bytes for w in plan.weights(config) if w.name in plan.COMPRESSED) == whole[6]

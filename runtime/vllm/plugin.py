@@ -321,14 +321,13 @@ class UnweightEmbeddingMethod(QuantizeMethodBase):
             what = f"layer {self.prefix!r}" if self.prefix else "the embedding"
             raise ValueError(f"{what}: the checkpoint gave no weight for it")
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return UnweightLinearMethod.apply(self, layer, x, bias)
+    apply = UnweightLinearMethod.apply  # the lm_head's logits: x @ W^T, as a linear's
 
     def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         # torch.compile traces the custom op; eager looks the rows up itself, without the op's dispatch
         if torch.compiler.is_compiling():
             return torch.ops.unweight.rows(ids, layer.uw_index, layer.params_dtype)
-        return layer.uw.rows(ids.reshape(-1), layer.params_dtype).reshape(*ids.shape, -1)
+        return _lookup(layer.uw, ids, layer.params_dtype)
 
 
 class _VocabLoader:
@@ -437,7 +436,11 @@ def _(x: torch.Tensor, layer: int) -> torch.Tensor:
 @torch.library.custom_op("unweight::rows", mutates_args=())
 def _rows(ids: torch.Tensor, layer: int, dtype: torch.dtype) -> torch.Tensor:
     """Rows `ids` (any shape) of the process's layer number `layer`, in `dtype`: (*ids.shape, in_features)."""
-    uw = _LAYERS[layer]
+    return _lookup(_LAYERS[layer], ids, dtype)
+
+
+def _lookup(uw: nn.Module, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows `ids` (any shape) of a layer's weight in `dtype`: (*ids.shape, in_features)."""
     return uw.rows(ids.reshape(-1), dtype).reshape(*ids.shape, -1)
 
 
