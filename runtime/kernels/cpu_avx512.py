@@ -242,11 +242,11 @@ def _loop(rows, G, body, ahead=False):
         body(g, [row.chunk(g, rest) for row in rows], rest)
 
 
-def _make_bits_row(in_order: bool):
+def _make_bits_row(in_order: bool, ahead: tuple):
     """Intrinsic: out[i, :8G] = the row's BF16 bit patterns (out uint16), in row order or, without
     `in_order`, each chunk's 64 in the decoder's order (`_CHUNK_ORDER`; a short last chunk stored
-    whole, its words past the row finite values, so out needs 64 words a chunk); returns the esc
-    position after the row."""
+    whole, its words past the row finite values, so out needs 64 words a chunk), prefetching its
+    streams `ahead` (PREFETCH or PREFETCH_LONG); returns the esc position after the row."""
 
     @intrinsic
     def bits_row(typingctx, sm, sm_off, codes, codes_off, esc, k0, G, base, out, i):
@@ -257,7 +257,7 @@ def _make_bits_row(in_order: bool):
         sm_a, sm_off, codes_a, codes_off, esc_a, k0, G, base, out_a, i = args
         b = builder
         row = _ChunkEmitter(
-            context, b, signature.args, sm_a, sm_off, codes_a, codes_off, esc_a, k0, base, in_order, PREFETCH
+            context, b, signature.args, sm_a, sm_off, codes_a, codes_off, esc_a, k0, base, in_order, ahead
         )
         oarr = context.make_array(signature.args[8])(context, b, out_a)
         op = b.gep(b.bitcast(oarr.data, _I8.as_pointer()), [b.mul(b.extract_value(oarr.strides, 0), i)])
@@ -280,7 +280,11 @@ def _make_bits_row(in_order: bool):
     return bits_row
 
 
-_chunk_bits_row, _chunk_words_row = _make_bits_row(True), _make_bits_row(False)
+# Rows of ids (an embedding's lookup) are not where the next row's prefetches would land; W decoded
+# row after row for the GEMMs (`_chunk_block`, `_chunk_gemm`) is: its prefetches reach as far as a
+# long GEMV pass's. SmolLM2's qkv, gate_up and down x 30 at 256 rows, one core, Zen 5: the decode
+# alone 0.80x the time of PREFETCH's (5 rounds), the GEMM 0.99x (9 alternated rounds, o too).
+_chunk_bits_row, _chunk_words_row = _make_bits_row(True, PREFETCH), _make_bits_row(False, PREFETCH_LONG)
 
 
 _HALVES = [_vconst(list(range(16 * q, 16 * q + 16)), ir.VectorType(_I32, 16)) for q in (0, 1)]
@@ -770,6 +774,11 @@ def _make_gemm(R: int, V: int):
 # (each block of W met by all of x before the next); with slabs 8 x 3 took 1.14x, 1.06x, 1.01x
 _GEMM_R, _GEMM_V = 8, 3
 W_SLAB_BYTES = 384 << 10  # W in the pairs layout `_chunk_gemm` decodes before it reads x (in L2)
+# The decode (a tenth of the products' time at 256 rows, its transpose into the pairs layout
+# included) does not hide behind the products: decoding the next block of W a row at a time between
+# GEMM calls, each block met by all of x (two blocks' buffers), took 1.03x the time of decoding it
+# before its calls; the same between slabs of half this size, 1.01x; prefetching the next slab's
+# streams during the products, 1.00x (SmolLM2's qkv, gate_up and down x 30 at 256 rows, one core, Zen 5).
 # rows of BF16 x from which `_chunk_gemm` takes them, rather than `_chunk_block`'s passes of 16
 # (SmolLM2's linears, 30 layers each out of cache, one core, Zen 5, over vLLM's packed oneDNN, 2
 # alternated runs of 3): block against GEMM at 64 rows 1.06-1.07x against 1.15x, at 128 1.05x
