@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from helpers import random_bf16
-from unweight.runtime.layers.autotune import Autotuner, batch_bucket, code_version
+from unweight.runtime.layers.autotune import KEEP_VERSIONS, VERSIONS_KEY, Autotuner, batch_bucket, code_version
 from unweight.runtime.layers.linear import UnweightLinear
 
 
@@ -47,6 +47,7 @@ def test_autotuner_caches_choice_on_disk(layer, tmp_path, monkeypatch):
     monkeypatch.delenv("UNWEIGHT_PIPELINE", raising=False)
     mod(torch.randn(3, 160).to(torch.bfloat16))
     saved = json.loads((tmp_path / "tune.json").read_text())
+    assert saved.pop(VERSIONS_KEY) == code_version()
     ((key, choice),) = saved.items()
     assert key.endswith(f"|96x160|m{batch_bucket(3)}|bfloat16|{code_version()}") and choice in (
         "decode_matmul",
@@ -57,6 +58,28 @@ def test_autotuner_caches_choice_on_disk(layer, tmp_path, monkeypatch):
         choice,
         None,
     )
+
+
+def test_the_autotune_file_keeps_the_versions_tuned_last(tmp_path, monkeypatch):
+    """Choices timed on other kernels stay for KEEP_VERSIONS - 1 other code versions (another checkout
+    may share the file), the most recently tuned first; older ones go at the next save. A file from
+    before the list keeps its versions as far as there is room."""
+    monkeypatch.delenv("UNWEIGHT_PIPELINE", raising=False)
+    path, now = tmp_path / "tune.json", code_version()
+    old = [f"{i:012x}" for i in range(KEEP_VERSIONS + 1)]  # most recent first
+    choices = {f"cpu-2|8x8|m1|bfloat16|{v}": "fused" for v in old} | {VERSIONS_KEY: " ".join(old)}
+    path.write_text(json.dumps(choices))
+    candidates = {"decode_matmul": lambda: None, "fused": lambda: None}
+    Autotuner(path).choose(f"cpu-2|8x16|m1|bfloat16|{now}", candidates, torch.device("cpu"))
+    saved = json.loads(path.read_text())
+    kept = [now, *old[: KEEP_VERSIONS - 1]]
+    assert saved.pop(VERSIONS_KEY) == " ".join(kept)
+    assert sorted(saved) == sorted([f"cpu-2|8x16|m1|bfloat16|{now}"] + [f"cpu-2|8x8|m1|bfloat16|{v}" for v in kept[1:]])
+
+    path.write_text(json.dumps({f"cpu-2|8x8|m1|bfloat16|{v}": "fused" for v in old[:2]} | {"not a key": "fused"}))
+    Autotuner(path).choose(f"cpu-2|8x16|m1|bfloat16|{now}", candidates, torch.device("cpu"))
+    saved = json.loads(path.read_text())
+    assert saved.pop(VERSIONS_KEY).split() == [now, *old[:2]] and len(saved) == 3
 
 
 def test_bad_forced_pipeline_and_bad_weights(layer, monkeypatch):

@@ -5,8 +5,10 @@ candidates in turn; each keeps its fastest run, since noise only ever adds time,
 spreads a slow spell of the machine over all of them; on the CPU each timed run starts with the
 caches emptied, `_evict`) and remembers the fastest (keyed also by a
 digest of the kernels' code, `code_version`), in memory and in a JSON file
-(`$UNWEIGHT_CACHE/autotune.json`), written atomically. `UNWEIGHT_PIPELINE=name` forces one
-pipeline everywhere (for debugging).
+(`$UNWEIGHT_CACHE/autotune.json`), written atomically. The file keeps the choices of the
+KEEP_VERSIONS code versions tuned most recently (keys end with `|<code_version()>`), so that it does
+not grow with every change of the kernels. `UNWEIGHT_PIPELINE=name` forces one pipeline everywhere
+(for debugging).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from unweight.defaults import cache_dir
 
 FORCE_ENV = "UNWEIGHT_PIPELINE"
 REPEATS = 5
+KEEP_VERSIONS = 4  # code versions whose choices the file keeps (two checkouts or installs may share it)
+VERSIONS_KEY = "versions"  # the file's list of code versions, most recently tuned first (no "|": no choice's key)
 
 
 def batch_bucket(m: int) -> int:
@@ -101,7 +105,19 @@ class Autotuner:
                 self._choices = {}  # no cache yet, or an unreadable one: tune again
         return self._choices
 
+    def _prune(self) -> None:
+        """Keep the choices of this code version and of the KEEP_VERSIONS - 1 others tuned last (a file
+        from before the list: its versions in the order their keys come)."""
+        choices = self._choices
+        listed = choices.get(VERSIONS_KEY, "").split()
+        found = dict.fromkeys(key.rsplit("|", 1)[1] for key in choices if "|" in key)
+        order = list(dict.fromkeys([code_version(), *listed, *found]))[:KEEP_VERSIONS]
+        kept = {key: v for key, v in choices.items() if "|" in key and key.rsplit("|", 1)[1] in order}
+        kept[VERSIONS_KEY] = " ".join(order)
+        self._choices = kept
+
     def _save(self) -> None:
+        self._prune()
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.partial")
