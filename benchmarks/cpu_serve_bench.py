@@ -30,8 +30,9 @@ After it starts, each server answers one greedy completion of "The capital of Fr
 tokens), kept in the JSON and printed under the table: a fast server writing wrong text shows.
 Under it too, from each vLLM server's log, the cores its worker's threads are bound to and the CPUs
 it reserves for its API server and engine core (on a 2-CPU box the model runs on one core).
-The weights column: the BF16 folder's tensor bytes for vLLM, `resident_weight_bytes()` of the
-loaded model for unweight serve, and the plugin's own log line of its resident bytes.
+The weights column: the BF16 folder's tensors at vLLM's dtype (FP32 takes twice their bytes),
+`resident_weight_bytes()` of the loaded model for unweight serve, and the plugin's own log line of
+its resident bytes.
 
     python benchmarks/cpu_serve_bench.py [--servers vllm-bf16,uw,uw-bf16,plugin] [--concurrency 1,16]
         [--rounds 2] [--input-len 256] [--output-len 64] [--out benchmarks/results/cpu_serve_bench.json]
@@ -180,13 +181,23 @@ def load(python: Path, src: Path, url: str, c: int, args, out: Path) -> dict:
     }
 
 
+SAFETENSORS_FLOAT = {"F16": 2, "BF16": 2, "F32": 4, "F64": 8}  # bytes of an element
+
+
 def weight_bytes(server: str, src: Path, uw: Path, log: str) -> int | None:
     kind = SERVERS[server][1]
-    if kind == "vllm":  # the tensors' bytes: each file less its 8-byte length and its JSON header
+    if kind == "vllm":  # the tensors' elements at the server's dtype (a float tensor in FP32 takes 4 bytes)
+        fp32 = "float32" in SERVERS[server][2]
         total = 0
         for f in src.glob("*.safetensors"):
             with open(f, "rb") as fh:
-                total += f.stat().st_size - 8 - int.from_bytes(fh.read(8), "little")
+                header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+            for name, t in header.items():
+                if name == "__metadata__":
+                    continue
+                size = t["data_offsets"][1] - t["data_offsets"][0]
+                width = SAFETENSORS_FLOAT.get(t["dtype"]) if fp32 else None
+                total += size * 4 // width if width else size
         return total
     if kind == "plugin":
         found = PLUGIN_BYTES.search(log)
