@@ -214,7 +214,7 @@ def _loop(rows, G, body, ahead=False):
     decode overlaps them (rather than waiting behind them for the scheduler's room): passes of 8
     rows of x (W's rows in pairs) took 0.84-0.93x the time (SmolLM2's linears out of cache, one core,
     6 alternated runs); at one row and in `_make_dot`'s 16-row pass it gained nothing
-    (`_make_dot_t`'s takes it)."""
+    (`_make_dot_t` decodes a chunk ahead into memory instead)."""
     b = rows[0].b
     full = b.lshr(G, _const(3))
     if not ahead:
@@ -510,9 +510,11 @@ def _make_dot_t(W: int):
     from them. Here each row's decode is spread over four rows' products and the broadcasts ride
     in vdpbf16ps's own memory operand: 68-70 GMAC/s in cache, and SmolLM2's 120 linears out of
     cache at 16 rows took 0.84-0.88x the time (one core, alternated runs; eight rows of W side by
-    side: 60-64 GMAC/s in cache). Two sums per row of W (even and odd pairs) keep 2W chains of
-    vdpbf16ps in flight; a row sums alike whatever W it goes with. The arguments and `part` (16
-    fp32 per row of W: part[i + w], lane m) are `_make_dot`'s."""
+    side: 60-64 GMAC/s in cache). Each chunk's next one is decoded and stored into the other of
+    two buffers before the chunk's products, so that no decoded register is held across them, and
+    _DOT_T_SUMS sums per row of W (pair d in sum d mod _DOT_T_SUMS) keep that many chains of
+    vdpbf16ps a row in flight; a row sums alike whatever W it goes with. The arguments and `part`
+    (16 fp32 per row of W: part[i + w], lane m) are `_make_dot`'s."""
 
     @intrinsic
     def dot(typingctx, sm, sm_off, codes, codes_off, esc, k, x, G, base, y, live, n, part, i, stage, skip):
@@ -526,35 +528,56 @@ def _make_dot_t(W: int):
             b = builder
             rows = _side_by_side(context, b, signature.args, args, W, PREFETCH)
             xp = simd.data_ptr(context, b, signature.args[6], x_a)  # (chunks, 32, 16, 2), C order
-            scratch = cgutils.alloca_once(b, _V64I8, size=2 * W)  # the W rows' decoded chunks
             zero = ir.Constant(simd.V16F32, [ir.Constant(simd.F32, 0.0)] * 16)
-            accs = [[cgutils.alloca_once_value(b, zero) for _ in range(2)] for _ in range(W)]
+            accs = [[cgutils.alloca_once_value(b, zero) for _ in range(_DOT_T_SUMS)] for _ in range(W)]
+            scratch = cgutils.alloca_once(b, _V64I8, size=4 * W)  # two buffers of the W rows' decoded chunks
 
-            def body(g, chunks, groups):
+            def store(chunks, buf):
+                at = b.mul(buf, _const(2 * W))
                 for w, chunk in enumerate(chunks):
                     for h in range(2):
-                        b.store(chunk[h], b.gep(scratch, [_const(2 * w + h)]), align=64)
-                # the words are read back through a pointer LLVM cannot trace to the stores, or
-                # it would take them from the registers by two shuffles each (a broadcast load
-                # folds into vdpbf16ps and costs a load slot)
-                opaque = b.asm(ir.FunctionType(_I64, [_I64]), "", "=r,0", [b.ptrtoint(scratch, _I64)], False)
-                words = b.inttoptr(opaque, _I32.as_pointer())
+                        b.store(chunk[h], b.gep(scratch, [b.add(at, _const(2 * w + h))]), align=64)
+
+            def products(g, buf):
+                # the words are read back through a pointer LLVM cannot trace to the stores, or it
+                # would take them from the registers by two shuffles each (a broadcast load folds
+                # into vdpbf16ps and costs a load slot)
+                at = b.ptrtoint(b.gep(scratch, [b.mul(buf, _const(2 * W))]), _I64)
+                words = b.inttoptr(b.asm(ir.FunctionType(_I64, [_I64]), "", "=r,0", [at], False), _I32.as_pointer())
                 xc = b.gep(xp, [b.shl(g, _const(8))])  # 2 KiB a chunk
                 for d in range(32):  # pair d: word d of the first register's 16, then the second's
                     xv = simd.load(b, xc, _const(64 * d), _V16I32, align=64)
                     for w in range(W):
                         pair = simd.splat(b, b.load(b.gep(words, [_const(32 * w + d)]), align=4), _V16I32)
-                        acc = accs[w][d % 2]
+                        acc = accs[w][d % _DOT_T_SUMS]
                         b.store(simd.dpbf16ps(b, b.load(acc), xv, pair), acc)
 
-            _loop(rows, G, body, ahead=True)
+            # chunk c + 1 is decoded into one buffer before chunk c's products read the other
+            full = b.lshr(G, _const(3))
+            with b.if_then(b.icmp_unsigned("!=", full, _const(0))):
+                store([row.chunk(_const(0)) for row in rows], _const(0))
+                with cgutils.for_range(b, b.sub(full, _const(1))) as loop:
+                    c = loop.index
+                    g = b.shl(c, _const(3))
+                    store([row.chunk(b.add(g, _const(8))) for row in rows], b.and_(b.add(c, _const(1)), _const(1)))
+                    products(g, b.and_(c, _const(1)))
+                last = b.sub(full, _const(1))
+                products(b.shl(last, _const(3)), b.and_(last, _const(1)))
+            rest = b.and_(G, _const(7))
+            with b.if_then(b.icmp_unsigned("!=", rest, _const(0))):  # a last, shorter chunk
+                g, buf = b.sub(G, rest), b.and_(full, _const(1))
+                store([row.chunk(g, rest) for row in rows], buf)
+                products(g, buf)
             yarr = context.make_array(signature.args[9])(context, b, y_a)
             yp = b.bitcast(yarr.data, _I8.as_pointer())
             ystride = b.extract_value(yarr.strides, 0)
             partp = b.bitcast(simd.data_ptr(context, b, signature.args[12], part_a), simd.V16F32.as_pointer())
             totals = []
             for w in range(W):
-                total = cgutils.alloca_once_value(b, b.fadd(b.load(accs[w][0]), b.load(accs[w][1])))
+                sums = [b.load(acc) for acc in accs[w]]
+                while len(sums) > 1:  # (a tree: pairs of sums, then pairs of those)
+                    sums = [b.fadd(sums[j], sums[j + 1]) for j in range(0, len(sums), 2)]
+                total = cgutils.alloca_once_value(b, sums[0])
                 at = b.gep(partp, [b.add(i, _const(w))])
                 with b.if_then(b.icmp_unsigned("!=", b.and_(stage, _const(ADD)), _const(0))):
                     b.store(b.fadd(b.load(total), b.load(at, align=4)), total)
@@ -574,6 +597,12 @@ def _make_dot_t(W: int):
 
 
 _DOT_T = 4  # rows of W a 16-row pass of BF16 x decodes side by side (`_make_dot_t`)
+# sums a row of W keeps in the 16-row pass. SmolLM2's shapes x 30 (the lm_head once) at 16 rows, one
+# core, Zen 5, 9 rounds alternated in one process, against two sums with the next chunk held in
+# registers (`_loop`'s `ahead`): four with it held 1.08x the time (no registers left for them), two
+# double-buffered 0.97x, four 0.94x (two runs: qkv and o 0.92x, gate_up 0.93-0.95x, down 0.97x,
+# lm_head 0.94-0.95x), six 0.96x.
+_DOT_T_SUMS = 4
 _dot16t4, _dot16t2, _dot16t1 = (_make_dot_t(w) for w in (_DOT_T, 2, 1))
 
 
