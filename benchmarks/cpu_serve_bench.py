@@ -181,23 +181,19 @@ def load(python: Path, src: Path, url: str, c: int, args, out: Path) -> dict:
     }
 
 
-SAFETENSORS_FLOAT = {"F16": 2, "BF16": 2, "F32": 4, "F64": 8}  # bytes of an element
-
-
 def weight_bytes(server: str, src: Path, uw: Path, log: str) -> int | None:
     kind = SERVERS[server][1]
     if kind == "vllm":  # the tensors' elements at the server's dtype (a float tensor in FP32 takes 4 bytes)
+        from unweight.formats.dtypes import DTYPE_SIZES, FLOAT_DTYPES
+        from unweight.formats.safetensors_file import SafetensorsFile
+
         fp32 = "float32" in SERVERS[server][2]
         total = 0
         for f in src.glob("*.safetensors"):
-            with open(f, "rb") as fh:
-                header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
-            for name, t in header.items():
-                if name == "__metadata__":
-                    continue
-                size = t["data_offsets"][1] - t["data_offsets"][0]
-                width = SAFETENSORS_FLOAT.get(t["dtype"]) if fp32 else None
-                total += size * 4 // width if width else size
+            with SafetensorsFile(f) as st:
+                for t in st.tensors.values():
+                    float_ = fp32 and t.dtype in FLOAT_DTYPES
+                    total += t.nbytes * 4 // DTYPE_SIZES[t.dtype] if float_ else t.nbytes
         return total
     if kind == "plugin":
         found = PLUGIN_BYTES.search(log)
