@@ -30,7 +30,7 @@ from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEM
 from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 from vllm.model_executor.utils import set_weight_attrs
 
-from .registry import Registry
+from .registry import Registry, warn_once
 
 # the gated activations UnweightExperts computes: its ACTIVATIONS, not imported, since importing
 # unweight.runtime.layers.experts loads numba, which must wait until a model loads (plugin.py)
@@ -249,12 +249,10 @@ def _block(loaded, index, rows: list[tuple[int, int]], cols: tuple[int, int]) ->
 
 
 def _finish(layer: nn.Module, pending: _Pending, device: torch.device) -> None:
-    from . import plugin
-
     layer.uw_pending = None
     method = layer.quant_method
     if pending.dtype != torch.bfloat16:  # vLLM's own unquantized experts on dense weights
-        plugin._once(f"experts of {method.prefix!r} are {pending.dtype}, not BF16: they stay dense (vLLM's own MoE)")
+        warn_once(f"experts of {method.prefix!r} are {pending.dtype}, not BF16: they stay dense (vLLM's own MoE)")
         layer.uw_dense = True
         dtype = layer.w13_weight.dtype
         layer.w13_weight = nn.Parameter(pending.w13.to(device=device, dtype=dtype), requires_grad=False)

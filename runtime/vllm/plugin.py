@@ -31,7 +31,6 @@ process; the classes live at module level because vLLM pickles the config into i
 from __future__ import annotations
 
 import functools
-import logging
 import os
 from types import SimpleNamespace
 
@@ -60,13 +59,12 @@ from vllm.model_executor.utils import set_weight_attrs
 from unweight.hf_config import SOURCE_KEY  # (json only: no codec)
 
 from . import experts, shards
-from .registry import Registry
+from .registry import Registry, log, warn_once
 
 # unweight's codec (numba, llvmlite) is imported only when a model loads: vLLM's CPU worker scans every
 # loaded module's globals when it starts, after the plugins, and llvmlite's function wrappers break that
 # scan (AttributeError: '_lib_fn_wrapper' object has no attribute 'get').
 
-log = logging.getLogger("vllm.unweight")  # under vLLM's logger: its handler and level, its format
 NAME = "unweight"
 
 
@@ -136,19 +134,19 @@ class UnweightConfig(QuantizationConfig):
                 return method
         if isinstance(layer, LinearBase):
             if prefix.rsplit(".", 1)[-1] in DENSE_LINEARS:
-                _once(f"{DENSE_LINEARS[prefix.rsplit('.', 1)[-1]]}: these layers keep a dense weight")
+                warn_once(f"{DENSE_LINEARS[prefix.rsplit('.', 1)[-1]]}: these layers keep a dense weight")
                 return UnquantizedLinearMethod()
             return UnweightLinearMethod(prefix)
         if isinstance(layer, VocabParallelEmbedding):
             if layer.shard_indices.num_added_elements:
-                _once(f"{prefix!r} has an added (LoRA) vocabulary: its rows keep a dense weight")
+                warn_once(f"{prefix!r} has an added (LoRA) vocabulary: its rows keep a dense weight")
                 return None
             return UnweightEmbeddingMethod(prefix)
         if isinstance(layer, RoutedExperts):
             why = experts.unsupported(layer.moe_config)
             if why is None:
                 return experts.UnweightMoEMethod(layer.moe_config, prefix)
-            _once(f"MoE experts of {prefix!r} are decoded to dense weights at load (vLLM's own MoE): {why}")
+            warn_once(f"MoE experts of {prefix!r} are decoded to dense weights at load (vLLM's own MoE): {why}")
             return UnquantizedFusedMoEMethod(layer.moe_config)
         return None  # attention: vLLM's own
 
@@ -252,7 +250,7 @@ class _ShardLoader:
         if pending.dtype is None:
             pending.dtype = loaded.dtype
             if loaded.dtype != torch.bfloat16:
-                _once(f"tensor {name!r} is {loaded.dtype}, not BF16: its layer keeps a dense weight (vLLM's own GEMM)")
+                warn_once(f"tensor {name!r} is {loaded.dtype}, not BF16: its layer keeps a dense weight (vLLM's own GEMM)")
         elif loaded.dtype != pending.dtype:
             raise ValueError(f"tensor {name!r} is {loaded.dtype}, the layer's other shards {pending.dtype}")
         block = shards.plan(self.kind, layer, shard_id, tuple(loaded.shape), name)
@@ -302,7 +300,7 @@ class UnweightEmbeddingMethod(QuantizeMethodBase):
 
     def tie_weights(self, layer: nn.Module, embed_tokens: nn.Module) -> nn.Module:
         if not isinstance(embed_tokens.quant_method, UnweightEmbeddingMethod):  # a dense (or the source's) embedding
-            _once(f"{self.prefix!r} is tied to an embedding the plugin does not hold: it shares that one's weight")
+            warn_once(f"{self.prefix!r} is tied to an embedding the plugin does not hold: it shares that one's weight")
             layer.quant_method = embed_tokens.quant_method
             return layer.quant_method.tie_weights(layer, embed_tokens)
         layer.weight = embed_tokens.weight
@@ -352,7 +350,7 @@ class _VocabLoader:
                 f"{[layer.org_vocab_size, pending.cols]}"
             )
         if loaded.dtype != torch.bfloat16:
-            _once(f"tensor {name!r} is {loaded.dtype}, not BF16: its layer keeps a dense weight")
+            warn_once(f"tensor {name!r} is {loaded.dtype}, not BF16: its layer keeps a dense weight")
         r0, r1 = layer.shard_indices.org_vocab_start_index, layer.shard_indices.org_vocab_end_index
         part = loaded.block(r0, r1, 0, pending.cols) if isinstance(loaded, LazyWeight) else loaded[r0:r1]
         pending.dtype = loaded.dtype
@@ -597,15 +595,6 @@ def _tp_size() -> int:
     from vllm.distributed import get_tensor_model_parallel_world_size
 
     return get_tensor_model_parallel_world_size()
-
-
-_WARNED: set[str] = set()
-
-
-def _once(message: str) -> None:
-    if message not in _WARNED:
-        _WARNED.add(message)
-        log.warning("unweight: %s", message)
 
 
 def register() -> None:
