@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import sys
 from collections.abc import Callable
@@ -464,6 +463,111 @@ def generate(
     _run(body, kernels=True)
 
 
+# `serve`'s longer options, named here so that its signature reads one flag to a line
+ServeApiKey = Annotated[
+    str | None,
+    typer.Option(
+        "--api-key",
+        envvar="UNWEIGHT_API_KEY",
+        help="Require `Authorization: Bearer KEY` on every endpoint, /health and /metrics included.",
+    ),
+]
+ServeMaxBody = Annotated[
+    int,
+    typer.Option(
+        "--max-body-bytes", min=1024, help="Largest request body; larger ones get HTTP 413 before they are read."
+    ),
+]
+ServeKeepAlive = Annotated[
+    float,
+    typer.Option(
+        "--timeout-keep-alive", min=0.001, help="Seconds an idle connection (before or between requests) stays open."
+    ),
+]
+ServeHeaderTimeout = Annotated[
+    float,
+    typer.Option(
+        "--timeout-header",
+        min=0.001,
+        help="Seconds a client has to send a request's head, from connecting or from the previous response.",
+    ),
+]
+ServeBodyTimeout = Annotated[
+    float,
+    typer.Option(
+        "--timeout-body",
+        min=0.001,
+        help="Seconds a client has to send a request's body, from the end of its head (then HTTP 408).",
+    ),
+]
+ServeWorkerThreads = Annotated[
+    int,
+    typer.Option(
+        "--worker-threads",
+        min=0,
+        help="CPU threads per worker (0: this machine's cores split among the local workers).",
+    ),
+]
+ServeKVTokens = Annotated[
+    int | None,
+    typer.Option(
+        "--kv-cache-tokens",
+        help="KV cache pool of each decode (or --no-disagg) worker, in tokens (default: --max-batch sequences of "
+        "the full context). The context served is at most this; when the pool is full, new sequences wait and the "
+        "newest running one is swapped out.",
+    ),
+]
+ServeDtype = Annotated[
+    str,
+    typer.Option(
+        "--dtype",
+        help="Compute dtype, as vLLM's --dtype: auto (bfloat16 on a GPU and on a CPU with AVX512_BF16, float32 "
+        "on other CPUs), bfloat16 or float32. "
+        "The weights are exact in either; bfloat16 rounds activations (docs/runtime.md).",
+    ),
+]
+ServeKVDtype = Annotated[
+    str,
+    typer.Option(
+        "--kv-cache-dtype",
+        help="The KV cache's dtype: auto (the compute dtype), bfloat16 or float32. bfloat16 "
+        "halves the cache and the hand-off; the text may then differ from float32's (docs/serving.md).",
+    ),
+]
+ServeKVCompression = Annotated[
+    str,
+    typer.Option(
+        "--kv-compression",
+        help="Code the KV hand-off losslessly: auto (when the link, measured, is slower than the codec), on, off.",
+    ),
+]
+ServeKVEncryption = Annotated[
+    str,
+    typer.Option(
+        "--kv-encryption",
+        help="Seal the KV hand-off with ChaCha20-Poly1305 under the control secret: auto (off loopback), on, off. "
+        "A decode worker with it on refuses unsealed KV.",
+    ),
+]
+ServeSecretFile = Annotated[
+    Path | None,
+    typer.Option(
+        "--control-secret-file",
+        help="File (mode 600, one line of >= 32 characters) holding the secret that authenticates router and "
+        "workers to each other. Needed by --role router and by workers started by hand; without it the router "
+        "makes one for the workers it starts.",
+    ),
+]
+ServeWorkerTimeout = Annotated[
+    float,
+    typer.Option(
+        "--worker-timeout",
+        envvar="UNWEIGHT_WORKER_TIMEOUT",
+        help="Seconds without a heartbeat after which a worker counts as hung and its requests fail (503).",
+    ),
+]
+
+
 @app.command()
 def serve(
     model: Annotated[Path, typer.Argument(help="Compressed model folder (made by `unweight compress`).")],
@@ -479,47 +583,14 @@ def serve(
         int, typer.Option("--max-queue", help="Requests in flight beyond which new ones get HTTP 429.")
     ] = 64,
     device: Annotated[str, typer.Option(help="cpu or cuda[:n] for the workers.")] = "cpu",
-    api_key: Annotated[
-        str | None,
-        typer.Option(
-            "--api-key",
-            envvar="UNWEIGHT_API_KEY",
-            help="Require `Authorization: Bearer KEY` on every endpoint, /health and /metrics included.",
-        ),
-    ] = None,
+    api_key: ServeApiKey = None,
     public_health: Annotated[
         bool, typer.Option("--public-health", help="Let /health and /metrics answer without the API key.")
     ] = False,
-    max_body_bytes: Annotated[
-        int,
-        typer.Option(
-            "--max-body-bytes", min=1024, help="Largest request body; larger ones get HTTP 413 before they are read."
-        ),
-    ] = 16 << 20,
-    timeout_keep_alive: Annotated[
-        float,
-        typer.Option(
-            "--timeout-keep-alive",
-            min=0.001,
-            help="Seconds an idle connection (before or between requests) stays open.",
-        ),
-    ] = 5.0,
-    timeout_header: Annotated[
-        float,
-        typer.Option(
-            "--timeout-header",
-            min=0.001,
-            help="Seconds a client has to send a request's head, from connecting or from the previous response.",
-        ),
-    ] = 10.0,
-    timeout_body: Annotated[
-        float,
-        typer.Option(
-            "--timeout-body",
-            min=0.001,
-            help="Seconds a client has to send a request's body, from the end of its head (then HTTP 408).",
-        ),
-    ] = 30.0,
+    max_body_bytes: ServeMaxBody = 16 << 20,
+    timeout_keep_alive: ServeKeepAlive = 5.0,
+    timeout_header: ServeHeaderTimeout = 10.0,
+    timeout_body: ServeBodyTimeout = 30.0,
     limit_concurrency: Annotated[
         int, typer.Option("--limit-concurrency", min=1, help="Open connections beyond which requests get HTTP 503.")
     ] = 512,
@@ -539,72 +610,14 @@ def serve(
     served_model_name: Annotated[
         str | None, typer.Option("--served-model-name", help="Model id clients use (default: the folder name).")
     ] = None,
-    worker_threads: Annotated[
-        int,
-        typer.Option(
-            "--worker-threads",
-            min=0,
-            help="CPU threads per worker (0: this machine's cores split among the local workers).",
-        ),
-    ] = 0,
-    kv_cache_tokens: Annotated[
-        int | None,
-        typer.Option(
-            "--kv-cache-tokens",
-            help="KV cache pool of each decode (or --no-disagg) worker, in tokens (default: --max-batch sequences of "
-            "the full context). The context served is at most this; when the pool is full, new sequences wait and the "
-            "newest running one is swapped out.",
-        ),
-    ] = None,
-    dtype: Annotated[
-        str,
-        typer.Option(
-            "--dtype",
-            help="Compute dtype, as vLLM's --dtype: auto (bfloat16 on a GPU and on a CPU with AVX512_BF16, float32 "
-            "on other CPUs), bfloat16 or float32. "
-            "The weights are exact in either; bfloat16 rounds activations (docs/runtime.md).",
-        ),
-    ] = "auto",
-    kv_cache_dtype: Annotated[
-        str,
-        typer.Option(
-            "--kv-cache-dtype",
-            help="The KV cache's dtype: auto (the compute dtype), bfloat16 or float32. bfloat16 "
-            "halves the cache and the hand-off; the text may then differ from float32's (docs/serving.md).",
-        ),
-    ] = "auto",
-    kv_compression: Annotated[
-        str,
-        typer.Option(
-            "--kv-compression",
-            help="Code the KV hand-off losslessly: auto (when the link, measured, is slower than the codec), on, off.",
-        ),
-    ] = "auto",
-    kv_encryption: Annotated[
-        str,
-        typer.Option(
-            "--kv-encryption",
-            help="Seal the KV hand-off with ChaCha20-Poly1305 under the control secret: auto (off loopback), on, off. "
-            "A decode worker with it on refuses unsealed KV.",
-        ),
-    ] = "auto",
-    control_secret_file: Annotated[
-        Path | None,
-        typer.Option(
-            "--control-secret-file",
-            help="File (mode 600, one line of >= 32 characters) holding the secret that authenticates router and "
-            "workers to each other. Needed by --role router and by workers started by hand; without it the router "
-            "makes one for the workers it starts.",
-        ),
-    ] = None,
-    worker_timeout: Annotated[
-        float,
-        typer.Option(
-            "--worker-timeout",
-            envvar="UNWEIGHT_WORKER_TIMEOUT",
-            help="Seconds without a heartbeat after which a worker counts as hung and its requests fail (503).",
-        ),
-    ] = 10.0,
+    worker_threads: ServeWorkerThreads = 0,
+    kv_cache_tokens: ServeKVTokens = None,
+    dtype: ServeDtype = "auto",
+    kv_cache_dtype: ServeKVDtype = "auto",
+    kv_compression: ServeKVCompression = "auto",
+    kv_encryption: ServeKVEncryption = "auto",
+    control_secret_file: ServeSecretFile = None,
+    worker_timeout: ServeWorkerTimeout = 10.0,
 ) -> None:
     """Serve a compressed model behind an OpenAI-compatible API.
 
@@ -629,62 +642,21 @@ def serve(
     The control plane (router <-> workers) is ZeroMQ CURVE with keys derived from the control
     secret: no process without it can join as a worker, or pose as the router.
     """
+    settings = dict(locals())
+    for flag in ("model", "role", "name", "router_address", "no_disagg"):
+        del settings[flag]
 
     def body() -> None:
-        from unweight.runtime.serve.protocol import ROLES, ServeConfig, parse_address, read_secret_file
+        from unweight.runtime.serve.launch import launch
 
-        if role not in ("all", *ROLES):
-            raise ValueError(f"role {role!r} is not one of all, {', '.join(ROLES)}")
-        if not model.is_dir():
-            raise ValueError(f"{model}: no such model folder")
-        cfg = ServeConfig(
-            str(model),
-            host,
-            port,
-            prefill_workers,
-            decode_workers,
-            max_batch,
-            max_model_len,
-            max_queue,
-            device,
-            api_key,
-            not no_disagg,
-            control_port,
-            served_model_name,
-            worker_threads,
-            public_health=public_health,
-            max_body_bytes=max_body_bytes,
-            timeout_keep_alive=timeout_keep_alive,
-            timeout_header=timeout_header,
-            timeout_body=timeout_body,
-            limit_concurrency=limit_concurrency,
-            control_secret_file=str(control_secret_file) if control_secret_file else None,
-            worker_timeout=worker_timeout,
-            kv_cache_tokens=kv_cache_tokens,
-            dtype=dtype,
-            kv_cache_dtype=kv_cache_dtype,
-            kv_compression=kv_compression,
-            kv_encryption=kv_encryption,
+        secret_file = str(control_secret_file) if control_secret_file else None
+        launch(
+            model,
+            role=role,
+            name=name,
+            router_address=router_address,
+            **{**settings, "disaggregated": not no_disagg, "control_secret_file": secret_file},
         )
-        if cfg.control_secret_file:
-            read_secret_file(cfg.control_secret_file)  # a clear error now, not from inside a process
-        if role in ("all", "router"):
-            if role == "router":
-                if not control_secret_file:
-                    raise ValueError(
-                        "--role router needs --control-secret-file PATH: the workers started elsewhere authenticate "
-                        "with the same file"
-                    )
-                cfg.prefill_workers = cfg.decode_workers = 0
-            from unweight.runtime.serve.app import serve as _serve
-
-            _serve(cfg)
-            return
-        if router_address is None:
-            raise ValueError(f"--role {role} needs --router-address HOST:PORT")
-        from unweight.runtime.serve.app import run_worker
-
-        run_worker(role, name or f"{role}-{os.getpid()}", cfg, parse_address(router_address, "--router-address"), None)
 
     _run(body, kernels=True)
 

@@ -273,8 +273,13 @@ class BadMessage(ValueError):
 
 def unpack(data: bytes, schema: TypeAdapter) -> dict:
     """The message as a dict, every field checked against its op's model; else BadMessage (one line)."""
+    return parse(data, schema).model_dump()
+
+
+def parse(data: bytes, schema: TypeAdapter) -> BaseModel:
+    """The message as its op's typed model (Hello, Beat, ...), every field checked; else BadMessage (one line)."""
     try:
-        return schema.validate_json(data).model_dump()
+        return schema.validate_json(data)
     except ValidationError as e:
         err = e.errors(include_url=False)[0]
         where = ".".join(str(p) for p in err["loc"])
@@ -376,8 +381,10 @@ def parse_address(text: str, what: str) -> tuple[str, int]:
     return host, int(port)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class ServeConfig:
+    """The server's settings, one per CLI flag of `unweight serve` (built by keywords only)."""
+
     model: str
     host: str = "127.0.0.1"
     port: int = 8000
@@ -445,7 +452,7 @@ class ServeConfig:
 SPEC_ENV = "UNWEIGHT_WORKER_SPEC"  # how the router hands a worker it starts its WorkerSpec
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class WorkerSpec:
     """Everything a worker process needs, whole: the server's config, its role and name, where the
     router's control socket is. The router starts its workers with this (as JSON

@@ -24,6 +24,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from pydantic import BaseModel
+
 from ..model.sampling import SamplingParams, Sequence
 from .kv_link import Rendezvous
 from .metrics import Metrics
@@ -33,15 +35,23 @@ from .protocol import (
     SECRET_ENV,
     SPEC_ENV,
     BadMessage,
+    Beat,
+    Failed,
+    Hello,
+    Prefilled,
+    Prefilling,
+    PromptLogprobs,
     RateLimitedLog,
     ServeConfig,
+    TokensMsg,
     ToRouter,
+    Transferred,
     WorkerSpec,
     curve_keys,
     new_secret,
     pack,
+    parse,
     read_secret_file,
-    unpack,
 )
 
 log = logging.getLogger(__name__)
@@ -183,12 +193,12 @@ class Router:
         ):  # the worker's own entry point, its whole config as a WorkerSpec: no CLI flags to keep in step
             local = sum(n for _, n in self._local_workers()) or 1
             spec = WorkerSpec(
-                cfg,
-                w.role,
-                w.name,
-                (_connect_host(cfg.host), self.control_port),
-                os.getpid(),
-                cfg.worker_threads or max(1, _cpus() // local),
+                cfg=cfg,
+                role=w.role,
+                name=w.name,
+                router=(_connect_host(cfg.host), self.control_port),
+                parent_pid=os.getpid(),
+                threads=cfg.worker_threads or max(1, _cpus() // local),
             )
             w.command = [sys.executable, "-m", "unweight.runtime.serve.worker"]
             w.spec = spec.to_json()
@@ -240,24 +250,24 @@ class Router:
                     raise BadMessage(f"{len(frames) - 1} frames, not 1", None)
                 ident, data = frames
                 name, _, channel = ident.decode("ascii", "replace").partition("#")  # NAME, NAME#beat or NAME#kv
-                msg = unpack(data, ToRouter)
+                msg = parse(data, ToRouter)
             except BadMessage as e:
                 self.rejected.warning("dropped a bad control message from %r: %s", frames[0][:64], e)
                 self._bad_message_from(frames[0].decode("ascii", "replace").partition("#")[0], e.rid)
                 continue
             try:
-                want = CHANNELS.get(msg["op"], "")
+                want = CHANNELS.get(msg.op, "")
                 if channel != want:
                     self.rejected.warning(
-                        "dropped %s from %r: it comes on NAME%s", msg["op"], ident[:64], f"#{want}" if want else ""
+                        "dropped %s from %r: it comes on NAME%s", msg.op, ident[:64], f"#{want}" if want else ""
                     )
                     continue
                 if channel == "kv":
-                    self._rendezvous(name, msg)
+                    self._rendezvous(name, msg.model_dump())
                 else:
                     self._handle(name, msg)
             except Exception:  # noqa: BLE001 - a bug here must not take the router down
-                log.exception("error handling %s from %r", msg["op"], name)
+                log.exception("error handling %s from %r", msg.op, name)
 
     def _rendezvous(self, name: str, msg: dict) -> None:
         """A KV rendezvous request (kv_set, kv_get) from a worker's NAME#kv socket: answered there."""
@@ -300,87 +310,118 @@ class Router:
                 event["value"],
             )
 
-    def _handle(self, name: str, msg: dict) -> None:
+    def _handle(self, name: str, msg: BaseModel) -> None:
+        """A message on a worker's main or beat socket, to its op's handler (`_ON`); nothing but a
+        hello is taken from a worker that has not said hello."""
+        if isinstance(msg, Hello):
+            w = self._on_hello(name, msg)
+            if w is not None:
+                w.last_seen = time.monotonic()
+            return
         w = self.workers.get(name)
-        op = msg["op"]
-        if op == "hello":
-            if w is None:  # a worker started by hand (--role prefill|decode on another host)
-                w = self.workers[name] = WorkerHandle(name, msg["role"])
-            elif w.role != msg["role"]:
-                self.rejected.warning(
-                    "dropped hello from %s: it says role %s, it was registered as %s", name, msg["role"], w.role
-                )
-                return
-            if (
-                w.incarnation is not None and w.incarnation != msg["incarnation"]
-            ):  # restarted by hand: it holds nothing now
-                self._fail_held(w, f"worker {name} restarted while serving this request")
-            w.pid, w.incarnation, w.state = msg["pid"], msg["incarnation"], "ready"
         if w is None:
-            self.rejected.warning("dropped %s from %r: no hello from it yet", op, name)
-            if op == "beat":  # its hello was lost (a connection that failed), or this router restarted
+            self.rejected.warning("dropped %s from %r: no hello from it yet", msg.op, name)
+            if isinstance(msg, Beat):  # its hello was lost (a connection that failed), or this router restarted
                 asyncio.get_running_loop().create_task(self._send(name, {"op": "announce"}))
             return
         w.last_seen = time.monotonic()
-        if op == "beat":
-            w.running, w.queued = msg["running"], msg["queued"]
-            w.kv_blocks_used, w.kv_blocks_total = msg["kv_blocks_used"], msg["kv_blocks_total"]
-            if w.state == "unresponsive":
-                w.state = "ready"
-        elif op == "prefilling":  # its KV starts streaming now: the decode worker posts its receive
-            rid = msg["id"]
+        handler = self._ON.get(msg.op)
+        if handler is not None:
+            handler(self, w, msg)
+
+    def _on_hello(self, name: str, msg: Hello) -> WorkerHandle | None:
+        """The worker, registered and ready; None if it claims another role than it was registered with."""
+        w = self.workers.get(name)
+        if w is None:  # a worker started by hand (--role prefill|decode on another host)
+            w = self.workers[name] = WorkerHandle(name, msg.role)
+        elif w.role != msg.role:
+            self.rejected.warning(
+                "dropped hello from %s: it says role %s, it was registered as %s", name, msg.role, w.role
+            )
+            return None
+        if w.incarnation is not None and w.incarnation != msg.incarnation:  # restarted by hand: it holds nothing now
+            self._fail_held(w, f"worker {name} restarted while serving this request")
+        w.pid, w.incarnation, w.state = msg.pid, msg.incarnation, "ready"
+        return w
+
+    def _on_beat(self, w: WorkerHandle, msg: Beat) -> None:
+        w.running, w.queued = msg.running, msg.queued
+        w.kv_blocks_used, w.kv_blocks_total = msg.kv_blocks_used, msg.kv_blocks_total
+        if w.state == "unresponsive":
+            w.state = "ready"
+
+    def _on_prefilling(self, w: WorkerHandle, msg: Prefilling) -> None:
+        """Its KV starts streaming now: the decode worker posts its receive."""
+        rid = msg.id
+        r = self.requests.get(rid)
+        live = r is not None and not r.done and rid in w.inflight
+        decode = r.decode if live else w.draining.get(rid, (None,))[0]
+        if decode is None or decode not in self.workers:
+            self.rejected.warning("dropped prefilling for %s from %s: not a request it holds", rid, w.name)
+            return
+        expect = {"op": "expect", "id": rid, "tag": msg.tag, "tokens": msg.tokens, "prefill": w.name}
+        expect |= {"prefill_incarnation": w.incarnation, "discard": not live}  # discard: it was cancelled
+        asyncio.get_running_loop().create_task(self._send(decode, expect))
+
+    def _on_prefilled(self, w: WorkerHandle, msg: Prefilled) -> None:
+        """The first token: streamed now, and the sequence's decode job goes to its decode worker."""
+        rid = msg.id
+        r = self.requests.get(rid)
+        if rid in w.draining:  # cancelled during its prefill: its decode worker was told to drop the KV
+            del w.draining[rid]
+            return
+        if r is None or rid not in w.inflight or r.done:
+            self.rejected.warning("dropped prefilled for %s from %s: not a request it holds", rid, w.name)
+            return
+        w.inflight.discard(rid)
+        w.sending.add(rid)
+        self.metrics.kv_sent(w.name, r.decode, msg.kv_bytes)
+        self._token(r, msg.first_token, None, msg.logprobs)
+        d = self.workers.get(r.decode)
+        if d is None or d.state != "ready":  # (_release tells it, should it wake up, to drop the KV)
+            self._finish_error(r, f"decode worker {r.decode} is {'gone' if d is None else d.state}")
+            return
+        r.holder = d.name
+        d.inflight.add(r.rid)
+        d.served += 1
+        job = {"op": "decode", "id": r.rid, "seq": msg.seq.model_dump()}
+        asyncio.get_running_loop().create_task(self._send(d.name, job))
+
+    def _on_tokens(self, w: WorkerHandle, msg: TokensMsg) -> None:
+        for rid, token, finish, logprobs in msg.items:
             r = self.requests.get(rid)
-            live = r is not None and not r.done and rid in w.inflight
-            decode = r.decode if live else w.draining.get(rid, (None,))[0]
-            if decode is None or decode not in self.workers:
-                self.rejected.warning("dropped prefilling for %s from %s: not a request it holds", rid, name)
-                return
-            expect = {"op": "expect", "id": rid, "tag": msg["tag"], "tokens": msg["tokens"], "prefill": name}
-            expect |= {"prefill_incarnation": w.incarnation, "discard": not live}  # discard: it was cancelled
-            asyncio.get_running_loop().create_task(self._send(decode, expect))
-        elif op == "prefilled":
-            rid = msg["id"]
-            r = self.requests.get(rid)
-            if rid in w.draining:  # cancelled during its prefill: its decode worker was told to drop the KV
-                del w.draining[rid]
-                return
-            if r is None or rid not in w.inflight or r.done:
-                self.rejected.warning("dropped prefilled for %s from %s: not a request it holds", rid, name)
-                return
-            w.inflight.discard(rid)
-            w.sending.add(rid)
-            self.metrics.kv_sent(name, r.decode, msg["kv_bytes"])
-            self._token(r, msg["first_token"], None, msg["logprobs"])
-            d = self.workers.get(r.decode)
-            if d is None or d.state != "ready":  # (_release tells it, should it wake up, to drop the KV)
-                self._finish_error(r, f"decode worker {r.decode} is {'gone' if d is None else d.state}")
-                return
-            r.holder = d.name
-            d.inflight.add(r.rid)
-            d.served += 1
-            asyncio.get_running_loop().create_task(self._send(d.name, {"op": "decode", "id": r.rid, "seq": msg["seq"]}))
-        elif op == "tokens":
-            for rid, token, finish, logprobs in msg["items"]:
-                r = self.requests.get(rid)
-                if rid not in w.inflight:  # finished or cancelled meanwhile, or never its request
-                    continue
-                if r is not None and not r.done:
-                    self._token(r, token, finish, logprobs)
-        elif op == "prompt_logprobs":
-            r = self.requests.get(msg["id"])
-            if r is not None and not r.done and msg["id"] in w.inflight and len(msg["items"]) == len(r.tokens) - 1:
-                r.events.put_nowait(("prompt", msg["items"], None, None))
-        elif op == "transferred":
-            peer = self.workers.get(msg["peer"])
-            if w.role in ("prefill", "decode") and peer is not None and peer.role != w.role:
-                self.metrics.kv_transferred(w.role, name, msg)
-        elif op == "failed":
-            rid = msg["id"]
-            if w.draining.pop(rid, None) is not None:
-                return
-            r = self.requests.get(rid)
-            if r is not None and (rid in w.inflight or rid in w.sending):
-                self._finish_error(r, msg["error"])
+            if rid not in w.inflight:  # finished or cancelled meanwhile, or never its request
+                continue
+            if r is not None and not r.done:
+                self._token(r, token, finish, logprobs)
+
+    def _on_prompt_logprobs(self, w: WorkerHandle, msg: PromptLogprobs) -> None:
+        r = self.requests.get(msg.id)
+        if r is not None and not r.done and msg.id in w.inflight and len(msg.items) == len(r.tokens) - 1:
+            r.events.put_nowait(("prompt", msg.items, None, None))
+
+    def _on_transferred(self, w: WorkerHandle, msg: Transferred) -> None:
+        peer = self.workers.get(msg.peer)
+        if w.role in ("prefill", "decode") and peer is not None and peer.role != w.role:
+            self.metrics.kv_transferred(w.role, w.name, msg.model_dump())
+
+    def _on_failed(self, w: WorkerHandle, msg: Failed) -> None:
+        rid = msg.id
+        if w.draining.pop(rid, None) is not None:
+            return
+        r = self.requests.get(rid)
+        if r is not None and (rid in w.inflight or rid in w.sending):
+            self._finish_error(r, msg.error)
+
+    _ON = {  # op -> handler, for every op but hello (which registers the worker) and the kv_ ops (_rendezvous)
+        "beat": _on_beat,
+        "prefilling": _on_prefilling,
+        "prefilled": _on_prefilled,
+        "tokens": _on_tokens,
+        "prompt_logprobs": _on_prompt_logprobs,
+        "transferred": _on_transferred,
+        "failed": _on_failed,
+    }
 
     def _fail_held(self, w: WorkerHandle, error: str, gone: bool = True) -> None:
         """Fail the requests the worker holds. Those whose KV it was sending are held by their decode
