@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from unweight.runtime.serve import kv_link, kv_wire
-from unweight.runtime.serve.kv_link import KVLink, Rendezvous, Transfer
+from unweight.runtime.serve.kv_link import KVLink, Rendezvous, Transfer, TransferResult
 from unweight.runtime.serve.protocol import kv_link_key
 
 KEY = kv_link_key("s" * 40)
@@ -26,7 +26,7 @@ def pair(prefill_key: bytes, decode_key: bytes, sender=KVLink, **kw) -> tuple[KV
     return sender(store, prefill_key, "inc-p", 0, **kw), KVLink(store, decode_key, "inc-d", 1, **kw)
 
 
-def hand_off(p: KVLink, d: KVLink, kv: torch.Tensor, tag: int) -> tuple[Transfer, Transfer]:
+def hand_off(p: KVLink, d: KVLink, kv: torch.Tensor, tag: int) -> tuple[TransferResult, TransferResult]:
     p.submit(Transfer(f"r{tag}", tag, "decode-0", "inc-d", tensor=kv))
     d.submit(
         Transfer(

@@ -54,28 +54,52 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class Transfer:
+    """What a worker asks of its link: send a request's KV cache to a peer, or receive one from it.
+    A send is a whole cache (`tensor`) or one streamed as the prefill makes it (`shape`, `dtype` and
+    `layers`); a receive gives the `shape` and `dtype` it expects. The link answers with a
+    TransferResult."""
+
     rid: str
     tag: int
     peer: str
     peer_incarnation: str
-    tensor: torch.Tensor | None = None  # what to send, or what was received
-    shape: tuple[int, ...] = ()
+    tensor: torch.Tensor | None = None  # a whole cache to send
+    shape: tuple[int, ...] = ()  # (layers, 2, tokens, kv_heads, head_dim)
     dtype: str = "float32"
-    error: str | None = None
-    # a streamed send: shape and dtype set, and each layer's (2, tokens, kv_heads, head_dim) host
-    # tensor put here in order as the prefill makes it; None in its place aborts the transfer
+    # a streamed send: each layer's (2, tokens, kv_heads, head_dim) host tensor put here in order as
+    # the prefill makes it; None in its place aborts the transfer
     layers: queue.Queue | None = None
-    aborted: bool = False
-    # what it cost, for the metrics: the cache's own bytes, the bytes on the wire (framing
-    # included), the transfer's wall time and the part of it this side spent coding and sealing
-    raw_bytes: int = 0
-    wire_bytes: int = 0
-    seconds: float = 0.0
-    codec_seconds: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.tensor is None and not self.shape:
+            raise ValueError(f"transfer of {self.rid}: neither a tensor to send nor a shape to expect")
+
+
+@dataclass(slots=True)
+class TransferResult:
+    """What the link reports about one Transfer once it is over: the cache received, or the error,
+    and what it cost (for the metrics)."""
+
+    request: Transfer
+    tensor: torch.Tensor | None = None  # what was received (None for a send, and for a failed receive)
+    error: str | None = None
+    aborted: bool = False  # the request ended during its prefill (the sender said so): nobody's fault
+    raw_bytes: int = 0  # the cache's own bytes
+    wire_bytes: int = 0  # the bytes on the wire, framing included
+    seconds: float = 0.0  # the transfer's wall time
+    codec_seconds: float = 0.0  # the part of it this side spent coding and sealing
     compressed: bool = False
     sealed: bool = False
+
+    @property
+    def rid(self) -> str:
+        return self.request.rid
+
+    @property
+    def peer(self) -> str:
+        return self.request.peer
 
 
 @dataclass(slots=True)
@@ -257,7 +281,7 @@ class KVLink:
         self.compression = compression
         self.sealed = encryption == "on" or (encryption == "auto" and bind_host not in LOOPBACK)
         self._codec_rates: dict[torch.dtype, float] = {}
-        self.done: queue.Queue[Transfer] = queue.Queue()  # finished transfers, for the worker loop
+        self.done: queue.Queue[TransferResult] = queue.Queue()  # finished transfers, for the worker loop
         self._groups: dict[tuple[str, str], Group] = {}
         self._queues: dict[tuple[str, str], queue.Queue] = {}
         self._lock = threading.Lock()
@@ -356,79 +380,82 @@ class KVLink:
         pg.recv([body], 0, tag).wait()
         return body.numpy().tobytes()
 
-    def _send(self, g: Group, t: Transfer) -> None:
+    def _send(self, g: Group, t: Transfer, out: TransferResult) -> None:
         shape, dtype = (
             (tuple(t.shape), DTYPES[t.dtype]) if t.tensor is None else (tuple(t.tensor.shape), t.tensor.dtype)
         )
         header = kv_wire.pack_header(t.rid, t.tag, dtype, shape, self.sealed, kv_wire.new_salt())
         sealer = kv_wire.Sealer(g.session, header) if self.sealed else None
-        t.compressed, t.sealed = self._compress(g, dtype), self.sealed
+        out.compressed, out.sealed = self._compress(g, dtype), self.sealed
         inflight = self._post(g.pg, header, t.tag)
-        t.wire_bytes = len(header)
+        out.wire_bytes = len(header)
         for i in range(shape[0]):
             layer = t.tensor[i] if t.layers is None else t.layers.get()
             c0 = time.perf_counter()
             if layer is None:  # the request ended during its prefill: say so, sealed, and stop
-                t.aborted, t.error = True, "the request ended during its prefill"
+                out.aborted, out.error = True, "the request ended during its prefill"
                 frame = bytes([kv_wire.ABORT])
             else:
                 if tuple(layer.shape) != shape[1:] or layer.dtype != dtype:
                     raise ValueError(
                         f"layer {i} of KV is {layer.dtype} {list(layer.shape)}, not {dtype} {list(shape[1:])}"
                     )
-                frame = kv_wire.encode_layer(layer, t.compressed)
-                t.raw_bytes += layer.numel() * layer.element_size()
+                frame = kv_wire.encode_layer(layer, out.compressed)
+                out.raw_bytes += layer.numel() * layer.element_size()
             if sealer is not None:
                 frame = sealer.seal(i, frame)
-            t.codec_seconds += time.perf_counter() - c0
+            out.codec_seconds += time.perf_counter() - c0
             for work, _ in inflight:  # layer i - 1 leaves while layer i was coded
                 work.wait()
             inflight = self._post(g.pg, frame, t.tag)
-            t.wire_bytes += len(frame)
-            if t.aborted:
+            out.wire_bytes += len(frame)
+            if out.aborted:
                 break
         for work, _ in inflight:
             work.wait()
 
-    def _receive(self, g: Group, t: Transfer) -> None:
+    def _receive(self, g: Group, t: Transfer, out: TransferResult) -> None:
         shape, dtype = tuple(t.shape), DTYPES[t.dtype]
         header = self._take(g.pg, t.tag, kv_wire.HEADER.size + kv_wire.RID_MAX)
-        t.sealed = kv_wire.check_header(header, t.rid, t.tag, dtype, shape, self.sealed)
-        sealer = kv_wire.Sealer(g.session, header) if t.sealed else None
-        most = kv_wire.max_frame_bytes(shape, dtype, t.sealed)
-        out = torch.empty(shape, dtype=dtype)
-        t.wire_bytes = len(header)
+        out.sealed = kv_wire.check_header(header, t.rid, t.tag, dtype, shape, self.sealed)
+        sealer = kv_wire.Sealer(g.session, header) if out.sealed else None
+        most = kv_wire.max_frame_bytes(shape, dtype, out.sealed)
+        kv = torch.empty(shape, dtype=dtype)
+        out.wire_bytes = len(header)
         for i in range(shape[0]):
             frame = self._take(g.pg, t.tag, most)
-            t.wire_bytes += len(frame)
+            out.wire_bytes += len(frame)
             c0 = time.perf_counter()
             if sealer is not None:
                 frame = sealer.open(i, frame)
-            t.compressed |= frame[0] != kv_wire.RAW
-            kv_wire.decode_layer(frame, out[i])
-            t.codec_seconds += time.perf_counter() - c0
-        t.tensor = out
+            out.compressed |= frame[0] != kv_wire.RAW
+            kv_wire.decode_layer(frame, kv[i])
+            out.codec_seconds += time.perf_counter() - c0
+        out.tensor = kv
 
     def _serve_peer(self, key: tuple[str, str], q: queue.Queue) -> None:
         while True:
             t = q.get()
             if t is None:
                 return
+            out = TransferResult(t)
             t0 = time.perf_counter()
             try:
                 g = self._group(key, t.tag)
                 t0 = time.perf_counter()
-                self._send(g, t) if self.rank == 0 else self._receive(g, t)
+                self._send(g, t, out) if self.rank == 0 else self._receive(g, t, out)
                 if self.rank == 1:
-                    t.raw_bytes = t.tensor.numel() * t.tensor.element_size()
+                    out.raw_bytes = out.tensor.numel() * out.tensor.element_size()
             except kv_wire.Aborted as e:  # on purpose, and both sides are in step: the group stays
-                t.aborted, t.error, t.tensor = True, str(e), None
+                out.aborted, out.error, out.tensor = True, str(e), None
             except Exception as e:  # noqa: BLE001 - a dead or hostile peer surfaces as many error types; the request fails, the worker lives
-                t.error = f"KV transfer with {t.peer} failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+                out.error = (
+                    f"KV transfer with {t.peer} failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+                )
                 self._groups.pop(key, None)  # the group is broken (or out of step): rebuild it for the next transfer
-                t.tensor = None
-            t.seconds = time.perf_counter() - t0
-            self.done.put(t)
+                out.tensor = None
+            out.seconds = time.perf_counter() - t0
+            self.done.put(out)
 
     def close(self) -> None:
         with self._lock:
