@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 
 import unweight
 from unweight.codec import CODECS
+from unweight.codec.entries import check_entry
 from unweight.codec.reference import decode_reference
-from unweight.codec.tensor_codec import check_entry
 from unweight.formats import ContainerReader
 
 HANG_SECONDS = 120

@@ -1,4 +1,5 @@
-"""The dependency rule of DESIGN.md §2: cli -> runtime -> unweight (codec core) -> formats.
+"""The dependency rule: cli -> runtime -> unweight (codec core) -> formats, rooms inside runtime/ that point
+down (docs/architecture.md), and no import circle.
 
 Every import is seen: at module level or inside functions, absolute or relative (resolved against
 the file's package, as Python resolves it), and a string that is a module's name (an argv item of
@@ -123,6 +124,79 @@ def test_runtime_rooms_point_down():
             assert not ours(mods, *forbidden), f"{f} imports {ours(mods, *forbidden)}"
     loose = {p.name for p in (REPO / "runtime").glob("*.py")} - {"__init__.py"}
     assert loose == {f"{t}.py" for t in ON_TOP if (REPO / "runtime" / f"{t}.py").exists()}, loose
+
+
+def module_graph() -> dict[str, set[str]]:
+    """Each of our modules -> the modules of ours it imports, at module level or inside functions
+    (`from pkg import mod` names the module mod, `from pkg import name` the package pkg)."""
+    files = {}
+    for folder in PACKAGES:
+        for path in (REPO / folder).rglob("*.py"):
+            name = package_of(path) if path.name == "__init__.py" else f"{package_of(path)}.{path.stem}"
+            files[name] = path
+    graph = {}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names if a.name in files}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    base = ".".join(up + ([node.module] if node.module else []))
+                for a in node.names:
+                    deps |= {f"{base}.{a.name}"} if f"{base}.{a.name}" in files else {base} & files.keys()
+        graph[name] = deps - {name}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index, low, stack, on, found = {}, {}, [], set(), []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on.add(root)
+        while work:
+            v, edges = work[-1]
+            w = next(edges, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on.add(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                elif w in on:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = set()
+                while True:
+                    w = stack.pop()
+                    on.discard(w)
+                    comp.add(w)
+                    if w == v:
+                        break
+                if len(comp) > 1:
+                    found.append(comp)
+    return found
+
+
+def test_no_import_circle():
+    """No module of ours reaches itself through imports, counting those inside functions (a lazy
+    import hides a circle from Python, not from the reader)."""
+    graph = module_graph()
+    assert "unweight.codec.tensor_codec" in graph["unweight.codec"]  # `from .tensor_codec import ...`
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]  # the finder finds
+    assert not circles(graph), circles(graph)
 
 
 def test_runtime_does_not_import_cli():

@@ -19,7 +19,8 @@ import re
 from pathlib import Path
 
 CONFIG_NAME = "config.json"
-QUANTIZATION_CONFIG = {"quant_method": "unweight"}
+QUANT_METHOD = "unweight"  # the quantization method transformers and vLLM know compressed folders by
+QUANTIZATION_CONFIG = {"quant_method": QUANT_METHOD}
 SOURCE_KEY = "source_quantization_config"  # the source's own, when NESTED names its method
 NESTED = ("compressed-tensors",)  # quantization methods whose checkpoints compress and serve (through vLLM)
 _TAIL = re.compile(rb"\}\s*\Z")  # the closing brace, and whitespace after it
@@ -64,7 +65,7 @@ def source_quantization(config: dict) -> dict | None:
     """The source checkpoint's own quantization_config, kept in a compressed folder's (None: a
     BF16 source, or `config` is not an unweight one)."""
     q = config.get("quantization_config")
-    return q.get(SOURCE_KEY) if isinstance(q, dict) and q.get("quant_method") == "unweight" else None
+    return q.get(SOURCE_KEY) if isinstance(q, dict) and q.get("quant_method") == QUANT_METHOD else None
 
 
 def untag(data: bytes) -> bytes:
@@ -80,7 +81,7 @@ def untag(data: bytes) -> bytes:
         q = json.loads(data).get("quantization_config")
     except (ValueError, RecursionError, AttributeError):
         return data
-    if not isinstance(q, dict) or q.get("quant_method") != "unweight":
+    if not isinstance(q, dict) or q.get("quant_method") != QUANT_METHOD:
         return data
     insert = _insert(q)
     if not head.endswith(insert):

@@ -1,9 +1,10 @@
 """transformers' door: `from_pretrained` on a compressed folder, its weights kept compressed.
 
 transformers has no plugin discovery, so `import unweight` registers the `unweight` quantization
-method (`UnweightConfig`, `UnweightHfQuantizer`, quantizer.py) when transformers' quantizer registry
-is imported: at once if it already is, else right after it loads (a one-shot import hook, so that
-importing unweight never imports transformers). `register()` does it by hand.
+method (`UnweightConfig`, `UnweightHfQuantizer`: quantizer.py, whose `register` does it) when
+transformers' quantizer registry is imported: at once if it already is, else right after it loads
+(a one-shot import hook, so that importing unweight never imports transformers). `register()` does
+it by hand.
 
 A compressed folder opened by transformers without unweight fails loudly: every tensor has a
 placeholder of the wrong shape under its name (formats/SPEC.md §1).
@@ -15,7 +16,6 @@ import importlib.abc
 import importlib.util
 import sys
 
-QUANT_METHOD = "unweight"
 _REGISTRY = "transformers.quantizers.auto"
 
 
@@ -23,17 +23,16 @@ def register() -> None:
     """Register the quantizer and its config with transformers (idempotent)."""
     from transformers.quantizers import auto
 
+    from unweight.hf_config import QUANT_METHOD
+
     if QUANT_METHOD in auto.AUTO_QUANTIZER_MAPPING:
         return
     being_imported = sys.modules.get(f"{__name__}.quantizer")
-    if being_imported is not None and not hasattr(being_imported, "UnweightHfQuantizer"):
+    if being_imported is not None and not hasattr(being_imported, "register"):
         return  # its own import loaded transformers' registry: it registers itself once it is done
-    from .quantizer import UnweightConfig, UnweightHfQuantizer
+    from .quantizer import register as register_quantizer
 
-    if QUANT_METHOD in auto.AUTO_QUANTIZER_MAPPING:  # the quantizer's own import registered it
-        return
-    auto.register_quantization_config(QUANT_METHOD)(UnweightConfig)
-    auto.register_quantizer(QUANT_METHOD)(UnweightHfQuantizer)
+    register_quantizer()
 
 
 class _RegisterAfterImport(importlib.abc.MetaPathFinder):

@@ -31,9 +31,8 @@ from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from unweight.errors import FormatError, SourceError
-from unweight.hf_config import SOURCE_KEY
+from unweight.hf_config import QUANT_METHOD, SOURCE_KEY
 
-from . import QUANT_METHOD, register
 from . import modules as m
 from .plan import LoadPlan, Target, make_plan
 
@@ -290,6 +289,16 @@ def _fill(model, ckpt: CompressedCheckpoint, plan: LoadPlan) -> dict:
             setattr(owner, attr, getattr(model.get_submodule(src_module), src_attr))
     report["resident_bytes"] = model.get_memory_footprint()
     return report
+
+
+def register() -> None:
+    """Register UnweightConfig and UnweightHfQuantizer under QUANT_METHOD (idempotent); the package's
+    `register()` and import hook call this."""
+    from transformers.quantizers import auto
+
+    if QUANT_METHOD not in auto.AUTO_QUANTIZER_MAPPING:
+        auto.register_quantization_config(QUANT_METHOD)(UnweightConfig)
+        auto.register_quantizer(QUANT_METHOD)(UnweightHfQuantizer)
 
 
 register()  # when this module is imported first, transformers' registry loaded inside its import

@@ -18,7 +18,7 @@ from unweight.formats import TensorEntry
 
 from . import rans, tiles
 from .checksum import crc32
-from .tensor_codec import check_entry, rans_params, transposed, untranspose
+from .entries import check_entry, rans_params, transposed, untranspose
 
 
 def decode_pieces(
