@@ -53,7 +53,7 @@ from side_by_side import cpu_flags
 from unweight.codec import tiles
 from unweight.runtime.kernels import cpu_gemv
 from unweight.runtime.kernels.cpu_gemv import BF16_DOT, CHUNK_DOT, CHUNKS, FAST_PATH, tiles_gemv_cpu
-from unweight.runtime.kernels.tile_tensors import tile_tensors
+from unweight.runtime.kernels.weight import TilesWeight
 
 # label -> (N, K, tensor names stacked in this order, {layer} filled in)
 SHAPES = {
@@ -128,7 +128,7 @@ def check(label: str, w, p, dense: torch.Tensor, batches) -> None:
         for xv in (x, x.bfloat16()) if BF16_DOT else (x,):
             ref = F.linear(xv.double(), dense.double())
             bound = cols * 2.0**-23 * F.linear(xv.double().abs(), dense.double().abs()) + 1e-30
-            got = tiles_gemv_cpu(xv, w, p.base, p.block, rows, cols)
+            got = tiles_gemv_cpu(xv, w)
             err = (got.double() - ref).abs()
             if got.shape != (m, rows) or not torch.all(err <= bound):
                 sys.exit(
@@ -200,7 +200,7 @@ def main(argv=None) -> None:
         vals, source = mats[label]
         rows, cols = vals.shape
         p, s = tiles.encode(vals.ravel(), rows, cols)
-        w = tile_tensors(s)
+        w = TilesWeight.from_numpy(s, p, rows, cols)
         dense = torch.from_numpy(vals.view(np.int16).copy()).view(torch.bfloat16)
         check(label, w, p, dense, batches)
         esc = len(s["esc"]) / vals.size
@@ -209,7 +209,7 @@ def main(argv=None) -> None:
             f"M={','.join(map(str, batches))}"
         )
         copies = max(1, -(-int(args.cold_mb * 2**20) // (2 * vals.size))) if args.cold else 1
-        ws = [w] + [tile_tensors(s) for _ in range(copies - 1)]
+        ws = [w] + [TilesWeight.from_numpy(s, p, rows, cols) for _ in range(copies - 1)]
         dense_copies = [dense] + [dense.clone() for _ in range(copies - 1)]
         prepared[label] = (ws, p, dense_copies, [d.float() for d in dense_copies], esc, source)
 
@@ -241,10 +241,10 @@ def main(argv=None) -> None:
             variants = {
                 "torch_bf16": lambda: F.linear(xb, pick(dense)),
                 "torch_fp32": lambda: F.linear(x, pick(dense32)),
-                "fused": lambda: tiles_gemv_cpu(x, pick(ws), p.base, p.block, rows, cols),
-                "groups": lambda: groups(lambda: tiles_gemv_cpu(x, pick(ws), p.base, p.block, rows, cols)),
-                "fused_bf16": lambda: tiles_gemv_cpu(xb, pick(ws), p.base, p.block, rows, cols),
-                "groups_bf16": lambda: groups(lambda: tiles_gemv_cpu(xb, pick(ws), p.base, p.block, rows, cols)),
+                "fused": lambda: tiles_gemv_cpu(x, pick(ws)),
+                "groups": lambda: groups(lambda: tiles_gemv_cpu(x, pick(ws))),
+                "fused_bf16": lambda: tiles_gemv_cpu(xb, pick(ws)),
+                "groups_bf16": lambda: groups(lambda: tiles_gemv_cpu(xb, pick(ws))),
             }
             variants = {n: variants[n] for n in names}
             reps = {}

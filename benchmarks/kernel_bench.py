@@ -45,6 +45,7 @@ import kernel_isa  # noqa: E402  (its constants; it runs in a process of its own
 from unweight.runtime.kernels import qtiles  # noqa: E402
 from unweight.runtime.kernels.qtiles_decode import qtiles_decode  # noqa: E402
 from unweight.runtime.kernels.qtiles_matmul import MAX_M, qtiles_linear  # noqa: E402
+from unweight.runtime.kernels.weight import QTilesWeight  # noqa: E402
 
 BATCHES = (1, 2, 4, 8, 12, 16, 32, 64, 256, 1024, 4096)
 DRY_SHAPES = {"q/o 96x64": (96, 64), "down 40x200": (40, 200)}
@@ -62,12 +63,10 @@ def make_weight(out_f: int, in_f: int, seed: int, device: str) -> torch.Tensor:
     return (torch.randn(out_f, in_f, generator=g, device=device) * 0.02).to(torch.bfloat16)
 
 
-def resident(w: torch.Tensor) -> dict[str, torch.Tensor]:
+def resident(w: torch.Tensor) -> QTilesWeight:
     rows, cols = w.shape
     host = w.view(torch.int16).cpu().numpy().view(np.uint16)
-    return {
-        k: torch.from_numpy(np.ascontiguousarray(a)).to(w.device) for k, a in qtiles.encode(host, rows, cols).items()
-    }
+    return QTilesWeight.from_streams(qtiles.encode(host, rows, cols), rows, cols, device=w.device)
 
 
 def time_ms(fn, device: str) -> float:
@@ -93,10 +92,10 @@ def copy_bandwidth(device: str) -> float:
 
 
 def pipelines(q, out_f: int, in_f: int, m: int):
-    mode = int(q["mode"].cpu()[0])  # read once here: the launchers take it from the host, as UnweightLinear's do
-    pipes = {"decode_matmul": lambda x: F.linear(x, qtiles_decode(q, out_f, in_f, mode=mode))}
+    """`q`: a QTilesWeight, its mode on the host as UnweightLinear's value holds it."""
+    pipes = {"decode_matmul": lambda x: F.linear(x, qtiles_decode(q))}
     if m <= MAX_M:
-        pipes["fused"] = lambda x: qtiles_linear(x, q, out_f, in_f, mode=mode)
+        pipes["fused"] = lambda x: qtiles_linear(x, q)
     return pipes
 
 
@@ -107,13 +106,13 @@ def fail(msg: str) -> None:
 
 def check(label: str, w: torch.Tensor, q, batches, device: str) -> None:
     out_f, in_f = w.shape
-    if not torch.equal(qtiles_decode(q, out_f, in_f).view(torch.int16), w.view(torch.int16)):
+    if not torch.equal(qtiles_decode(q).view(torch.int16), w.view(torch.int16)):
         fail(f"{label}: the decode kernel is not bit-exact")
     rows = torch.tensor([out_f - 1, 0, out_f // 2], device=device)
-    if not torch.equal(qtiles_decode(q, out_f, in_f, rows).view(torch.int16), w[rows].view(torch.int16)):
+    if not torch.equal(qtiles_decode(q, rows).view(torch.int16), w[rows].view(torch.int16)):
         fail(f"{label}: the decode kernel's row gather is not bit-exact")
     wf = w.float()
-    host = {k: t.cpu().numpy() for k, t in q.items()}
+    host = {k: t.cpu().numpy() for k, t in q.streams().items()} | {"mode": np.array([q.mode], np.uint8)}
     stand = (
         torch.from_numpy(qtiles.stand_ins_reference(host, out_f, in_f).view(np.int16))
         .view(torch.bfloat16)
@@ -229,7 +228,7 @@ def main(argv=None) -> None:
         w = make_weight(out_f, in_f, seed=i, device=device)
         q = resident(w)
         check(label, w, q, batches, device)
-        prepared[label] = (w, q, sum(t.numel() * t.element_size() for t in q.values()))
+        prepared[label] = (w, q, q.stored_bytes)
 
     print("compile-only predictions (benchmarks/kernel_isa.py) ...", flush=True)
     pred = predictions(args.out, shapes, batches, name, bw)

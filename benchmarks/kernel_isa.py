@@ -112,20 +112,25 @@ class Recorder:
         return launch
 
 
-def fake_streams(rows: int, cols: int) -> dict[str, torch.Tensor]:
-    """Resident-layout streams (runtime.qtiles) of the right dtypes and lengths, taking no memory."""
+def fake_streams(rows: int, cols: int, mode: int = 0):
+    """A resident-layout weight (runtime.qtiles, as a QTilesWeight) whose streams have the right
+    dtypes and lengths, taking no memory."""
+    from unweight.runtime.kernels.weight import QTilesWeight
+
     g = -(-cols // 32)
     n_esc = int(rows * cols * ESCAPE_RATE)
     one = lambda dt: torch.zeros(1, dtype=dt)  # noqa: E731
-    return {
-        "sm": one(torch.uint8).expand(rows * g * 32),
-        "codes": one(torch.uint8).expand(rows * g * 12),
-        "base": one(torch.uint8).expand(rows),
-        "esc_row": one(torch.int32).expand(rows + 1),
-        "esc_col": one(torch.int16 if cols <= 1 << 16 else torch.int32).expand(max(1, n_esc)),
-        "esc_exp": one(torch.uint8).expand(max(1, n_esc)),
-        "mode": one(torch.uint8),
-    }
+    return QTilesWeight(
+        sm=one(torch.uint8).expand(rows * g * 32),
+        codes=one(torch.uint8).expand(rows * g * 12),
+        base=one(torch.uint8).expand(rows),
+        esc_row=one(torch.int32).expand(rows + 1),
+        esc_col=one(torch.uint16 if cols <= 1 << 16 else torch.int32).expand(max(1, n_esc)),
+        esc_exp=one(torch.uint8).expand(max(1, n_esc)),
+        rows=rows,
+        cols=cols,
+        mode=mode,
+    )
 
 
 def record_launches(
@@ -151,22 +156,22 @@ def record_launches(
         for mode in modes:
             tag = "" if mode == 0 else " mode=1"
             for label, (n, k) in shapes.items():
-                w = fake_streams(n, k)
+                w = fake_streams(n, k, mode)
                 for m in batches:
                     if m <= qm.MAX_M:
-                        qm.qtiles_linear(torch.empty(m, k, dtype=torch.bfloat16), w, n, k, mode=mode)
+                        qm.qtiles_linear(torch.empty(m, k, dtype=torch.bfloat16), w)
                         cases.append(f"fused {label} m={m}{tag}")
-                qd.qtiles_decode(w, n, k, mode=mode)
+                qd.qtiles_decode(w)
                 cases.append(f"decode {label}{tag}")
-            emb = fake_streams(128256, 4096)
+            emb = fake_streams(128256, 4096, mode)
             for t in gathers:
-                qd.qtiles_decode(emb, 128256, 4096, torch.zeros(t, dtype=torch.int64), mode=mode)
+                qd.qtiles_decode(emb, torch.zeros(t, dtype=torch.int64))
                 cases.append(f"embed-gather 128256x4096 ids={t}{tag}")
             for label, (n, k, e, topk) in (experts or {}).items():
-                w = fake_streams(e * n, k)
+                w = fake_streams(e * n, k, mode)
                 for t in EXPERT_TOKENS:
                     ids = torch.zeros(t * topk, dtype=torch.int64 if topk == 1 else torch.int32)
-                    qm.qtiles_experts_linear(torch.empty(t, k, dtype=torch.bfloat16), w, ids, n, k, topk, mode=mode)
+                    qm.qtiles_experts_linear(torch.empty(t, k, dtype=torch.bfloat16), w, ids, n, topk)
                     cases.append(f"experts {label} pairs={t * topk}{tag}")
     finally:
         for name, mod in MODULES.items():

@@ -85,15 +85,9 @@ def main(argv=None) -> int:
                 Recorder("qtiles_dot_kernel", log),
             )
             try:
-                qm.qtiles_linear(
-                    x,
-                    w,
-                    n,
-                    k,
-                    mode=0,
-                    # one call records the launch that the triton part binds (the mode from the host, as UnweightLinear
-                    # gives it)
-                )
+                # one call records the launch that the triton part binds (the mode from the host, as
+                # UnweightLinear's value holds it)
+                qm.qtiles_linear(x, w)
                 launch = log[-1]
                 bind = triton_binding(dict(zip(("qtiles_gemv_kernel", "qtiles_dot_kernel"), saved))[launch[0]], launch)
                 noop = {"qtiles_gemv_kernel": lambda *a, **kw: None, "qtiles_dot_kernel": lambda *a, **kw: None}
@@ -105,7 +99,7 @@ def main(argv=None) -> int:
                 qm.qtiles_gemv_kernel = qm.qtiles_dot_kernel = Noop()
                 ours, theirs = [], []
                 for _ in range(args.repeats):
-                    ours.append(per_call_us(lambda: qm.qtiles_linear(x, w, n, k, mode=0), args.calls))
+                    ours.append(per_call_us(lambda: qm.qtiles_linear(x, w), args.calls))
                     theirs.append(per_call_us(bind, args.calls))
             finally:
                 qm.qtiles_gemv_kernel, qm.qtiles_dot_kernel = saved

@@ -152,10 +152,10 @@ def _run_one_part_gemvs() -> None:
     layer = UnweightLinear.from_weight(
         (torch.randn(16, 64, generator=torch.Generator().manual_seed(0)) * 0.02).bfloat16()
     )
-    p, plan = layer.params, layer._cpu_gemv()
+    plan = layer._cpu_gemv()
     for dtype in (torch.float32, torch.bfloat16):
         x = torch.ones(2, 64, dtype=dtype)
-        tiles_gemv_cpu(x, layer.streams(), p.base, p.block, 16, 64)
+        tiles_gemv_cpu(x, layer.compressed_weight)
         if plan is not None:
             plan(x)
 

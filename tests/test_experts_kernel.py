@@ -22,6 +22,7 @@ from unweight.runtime.kernels import (
     qtiles_matmul,  # noqa: E402
 )
 from unweight.runtime.kernels.qtiles_matmul import qtiles_experts_linear  # noqa: E402
+from unweight.runtime.kernels.weight import QTilesWeight  # noqa: E402
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -45,8 +46,11 @@ def stacked_experts(experts: int, rows: int, cols: int, seed: int) -> np.ndarray
     return np.concatenate(parts)
 
 
-def on_device(q: dict[str, np.ndarray], device: str = DEVICE) -> dict[str, torch.Tensor]:
-    return {k: torch.from_numpy(np.ascontiguousarray(a)).to(device) for k, a in q.items()}
+def on_device(
+    q: dict[str, np.ndarray], rows: int, cols: int, device: str = DEVICE, mode: int | None = None
+) -> QTilesWeight:
+    """The stacked experts' weight (rows, cols) as the launcher takes it, in q's mode unless `mode` is given."""
+    return QTilesWeight.from_streams(q, rows, cols, mode, device)
 
 
 def as_bf16(bits: np.ndarray, rows: int, cols: int) -> torch.Tensor:
@@ -74,7 +78,12 @@ def check_experts(
     tokens = len(ids) // x_div
     x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16).to(DEVICE)
     y = qtiles_experts_linear(
-        x, on_device(q), torch.tensor(ids, dtype=id_dtype, device=DEVICE), rows, cols, x_div, torch.float32, mode
+        x,
+        on_device(q, E * rows, cols, mode=mode),
+        torch.tensor(ids, dtype=id_dtype, device=DEVICE),
+        rows,
+        x_div,
+        torch.float32,
     )
     assert y.shape == (len(ids), rows) and y.dtype == torch.float32
     terms = cols + int(np.diff(q["esc_row"]).max(initial=0)) + 1
@@ -137,7 +146,7 @@ def test_experts_linear_reads_only_its_rows_of_x():
     buf[:, :cols] = torch.randn(2, cols, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
     x = buf.to(DEVICE)[:, :cols]
     ids = torch.tensor([[2, 9], [0, 9]], device=DEVICE)[:, 0]  # stride 2
-    y = qtiles_experts_linear(x, on_device(q), ids, rows, cols, out_dtype=torch.float32)
+    y = qtiles_experts_linear(x, on_device(q, E * rows, cols), ids, rows, out_dtype=torch.float32)
     assert torch.isfinite(y).all()
     for p, e in enumerate((2, 0)):
         ref = F.linear(x[p].float(), dense[e * rows : (e + 1) * rows])
@@ -146,43 +155,44 @@ def test_experts_linear_reads_only_its_rows_of_x():
 
 def test_experts_linear_no_pairs():
     v = stacked_experts(E, 48, 96, seed=1)
-    q = on_device(qtiles.encode(v, E * 48, 96))
+    q = on_device(qtiles.encode(v, E * 48, 96), E * 48, 96, mode=0)
     x = torch.ones(0, 96, dtype=torch.bfloat16, device=DEVICE)
     for dt in (torch.int32, torch.int64):
-        y = qtiles_experts_linear(x, q, torch.zeros(0, dtype=dt, device=DEVICE), 48, 96, x_div=2, mode=0)
+        y = qtiles_experts_linear(x, q, torch.zeros(0, dtype=dt, device=DEVICE), 48, x_div=2)
         assert y.shape == (0, 48) and y.dtype == torch.bfloat16
 
 
 def test_experts_linear_checks_its_inputs():
     v = stacked_experts(E, 48, 96, seed=2)
-    q = on_device(qtiles.encode(v, E * 48, 96))
+    streams = qtiles.encode(v, E * 48, 96)
+    q = on_device(streams, E * 48, 96)
     x = torch.ones(2, 96, dtype=torch.bfloat16, device=DEVICE)
     ids = torch.zeros(2, dtype=torch.int64, device=DEVICE)
     with pytest.raises(ValueError, match="bfloat16"):
-        qtiles_experts_linear(x.float(), q, ids, 48, 96)
+        qtiles_experts_linear(x.float(), q, ids, 48)
     with pytest.raises(ValueError, match="96"):
-        qtiles_experts_linear(x[:, :95], q, ids, 48, 96)
+        qtiles_experts_linear(x[:, :95], q, ids, 48)
     with pytest.raises(ValueError, match="tokens"):
-        qtiles_experts_linear(x.reshape(2, 1, 96), q, ids, 48, 96)
+        qtiles_experts_linear(x.reshape(2, 1, 96), q, ids, 48)
     with pytest.raises(ValueError, match="float32"):
-        qtiles_experts_linear(x, q, ids.float(), 48, 96)
+        qtiles_experts_linear(x, q, ids.float(), 48)
     with pytest.raises(ValueError, match="int16"):
-        qtiles_experts_linear(x, q, ids.to(torch.int16), 48, 96)
+        qtiles_experts_linear(x, q, ids.to(torch.int16), 48)
     with pytest.raises(ValueError, match=r"\(2, 1\)"):
-        qtiles_experts_linear(x, q, ids.reshape(2, 1), 48, 96)
+        qtiles_experts_linear(x, q, ids.reshape(2, 1), 48)
     with pytest.raises(ValueError, match="2 ids for 2 rows of x with x_div 2"):
-        qtiles_experts_linear(x, q, ids, 48, 96, x_div=2)
+        qtiles_experts_linear(x, q, ids, 48, x_div=2)
     with pytest.raises(ValueError, match="x_div"):
-        qtiles_experts_linear(x, q, ids, 48, 96, x_div=0)
+        qtiles_experts_linear(x, q, ids, 48, x_div=0)
     with pytest.raises(ValueError, match="192-row matrix"):
-        qtiles_experts_linear(x, q, ids, 50, 96)  # 192 rows are not whole experts of 50
+        qtiles_experts_linear(x, q, ids, 50)  # 192 rows are not whole experts of 50
     with pytest.raises(ValueError, match="192-row matrix"):
-        qtiles_experts_linear(x[:, :64], q, ids, 48, 64)  # 96 stored columns, not 64
+        qtiles_experts_linear(x[:, :64], on_device(streams, E * 48, 64), ids, 48)  # 96 stored columns, not 64
     with pytest.raises(ValueError, match="mode"):
-        qtiles_experts_linear(x, q, ids, 48, 96, mode=2)
+        qtiles_experts_linear(x, on_device(streams, E * 48, 96, mode=2), ids, 48)
     if torch.cuda.is_available():
         with pytest.raises(ValueError, match="ids on cpu"):
-            qtiles_experts_linear(x, q, ids.cpu(), 48, 96)
+            qtiles_experts_linear(x, q, ids.cpu(), 48)
 
 
 @gpu
@@ -192,23 +202,23 @@ def test_experts_linear_on_gpu_without_a_sync_and_in_a_graph():
     rows, cols, topk = 512, 1024, 4
     v = stacked_experts(E, rows, cols, seed=11)
     check_experts(v, rows, cols, [3, 1, 0, 2, 2, 2, 1, 3], topk, 0, seed=11)
-    q = on_device(qtiles.encode(v, E * rows, cols, mode=0))
+    q = on_device(qtiles.encode(v, E * rows, cols, mode=0), E * rows, cols, mode=0)
     x = torch.randn(2, cols, device=DEVICE).to(torch.bfloat16)
     ids = torch.tensor([0, 1, 2, 3, 3, 2, 1, 0], dtype=torch.int32, device=DEVICE)
-    eager = qtiles_experts_linear(x, q, ids, rows, cols, topk, mode=0)  # compiles outside the capture
+    eager = qtiles_experts_linear(x, q, ids, rows, topk)  # compiles outside the capture
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        qtiles_experts_linear(x, q, ids, rows, cols, topk, mode=0)
+        qtiles_experts_linear(x, q, ids, rows, topk)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        y = qtiles_experts_linear(x, q, ids, rows, cols, topk, mode=0)
+        y = qtiles_experts_linear(x, q, ids, rows, topk)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(y, eager)
     ids.copy_(ids.flip(0))
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(y, qtiles_experts_linear(x, q, ids, rows, cols, topk, mode=0))
+    assert torch.equal(y, qtiles_experts_linear(x, q, ids, rows, topk))

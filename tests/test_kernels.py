@@ -27,6 +27,7 @@ from unweight.runtime.kernels import (
 from unweight.runtime.kernels.qtiles_common import bf16_pair  # noqa: E402
 from unweight.runtime.kernels.qtiles_decode import qtiles_decode  # noqa: E402
 from unweight.runtime.kernels.qtiles_matmul import qtiles_linear  # noqa: E402
+from unweight.runtime.kernels.weight import QTilesWeight  # noqa: E402
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -60,13 +61,8 @@ def as_u16(t: torch.Tensor) -> np.ndarray:
     return t.cpu().view(torch.int16).numpy().view(np.uint16).ravel()
 
 
-def resident(
-    v: np.ndarray, rows: int, cols: int, device: str = DEVICE, mode: int | None = None
-) -> dict[str, torch.Tensor]:
-    return {
-        k: torch.from_numpy(np.ascontiguousarray(a)).to(device)
-        for k, a in qtiles.encode(v, rows, cols, mode=mode).items()
-    }
+def resident(v: np.ndarray, rows: int, cols: int, device: str = DEVICE, mode: int | None = None) -> QTilesWeight:
+    return QTilesWeight.from_streams(qtiles.encode(v, rows, cols, mode=mode), rows, cols, device=device)
 
 
 # -- the layout ------------------------------------------------------------------------------
@@ -203,7 +199,7 @@ def test_bf16_pair_model_is_prmt():
 @pytest.mark.parametrize("rows,cols", [(16, 64), (9, 100), (3, 5), (1, 300), (5, 1100)])
 def test_qtiles_decode_kernel_is_bit_exact(rows, cols, mode):
     v = edge_case_matrix(rows, cols, seed=rows * cols)
-    out = qtiles_decode(resident(v, rows, cols, mode=mode), rows, cols)
+    out = qtiles_decode(resident(v, rows, cols, mode=mode))
     assert out.dtype == torch.bfloat16 and tuple(out.shape) == (rows, cols)
     assert np.array_equal(as_u16(out), v)
 
@@ -213,17 +209,15 @@ def test_qtiles_decode_gathers_rows_bit_exact(rows, cols):
     """The embedding lookup: only the rows asked for (repeats and any order), bit-exact."""
     v = edge_case_matrix(rows, cols, seed=rows + cols)
     ids = torch.tensor([rows - 1, 0, 3, 3, rows // 2, rows - 1])
-    got = qtiles_decode(resident(v, rows, cols), rows, cols, ids.to(DEVICE))
+    got = qtiles_decode(resident(v, rows, cols), ids.to(DEVICE))
     assert np.array_equal(as_u16(got).reshape(len(ids), cols), v.reshape(rows, cols)[ids.numpy()])
-    assert qtiles_decode(
-        resident(v, rows, cols), rows, cols, torch.zeros(0, dtype=torch.int64, device=DEVICE)
-    ).shape == (0, cols)
+    assert qtiles_decode(resident(v, rows, cols), torch.zeros(0, dtype=torch.int64, device=DEVICE)).shape == (0, cols)
 
 
 @gpu
 def test_qtiles_decode_on_gpu_large():
     v = edge_case_matrix(4096, 1024, seed=7)
-    assert np.array_equal(as_u16(qtiles_decode(resident(v, 4096, 1024), 4096, 1024)), v)
+    assert np.array_equal(as_u16(qtiles_decode(resident(v, 4096, 1024))), v)
 
 
 # -- fused products ----------------------------------------------------------------------------
@@ -245,7 +239,7 @@ def check_product(v: np.ndarray, rows: int, cols: int, m: int, seed: int = 0, mo
         .float()
     )
     x = torch.randn(m, cols, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16).to(DEVICE)
-    y = qtiles_linear(x, resident(v, rows, cols, mode=mode), rows, cols, out_dtype=torch.float32)
+    y = qtiles_linear(x, resident(v, rows, cols, mode=mode), out_dtype=torch.float32)
     ref = F.linear(x.float(), dense.float())
     bound = F.linear(x.float().abs(), stand.abs() + (dense.float() - stand).abs())
     terms = cols + int(np.diff(q["esc_row"]).max(initial=0)) + 1
@@ -271,7 +265,7 @@ def test_qtiles_dot_split_k(m, split_k):
     dense = torch.from_numpy(v.view(np.int16)).view(torch.bfloat16).reshape(rows, cols).to(DEVICE)
     for seed in (0, 1):  # twice: the counters must be back at 0
         x = torch.randn(m, cols, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16).to(DEVICE)
-        y = qtiles_linear(x, q, rows, cols, out_dtype=torch.float32, split_k=split_k)
+        y = qtiles_linear(x, q, out_dtype=torch.float32, split_k=split_k)
         ref = F.linear(x.float(), dense.float())
         assert torch.all((y - ref).abs() <= cols * 2.0**-24 * F.linear(x.float().abs(), dense.float().abs()))
     assert not qtiles_matmul._WORKSPACES[torch.device(DEVICE) if DEVICE == "cpu" else x.device][1].any()
@@ -294,15 +288,13 @@ def test_qtiles_gemv_reads_only_its_rows_of_x():
         buf = torch.full((m, 46), float("inf")).to(torch.bfloat16)
         buf[:, :45] = torch.randn(m, 45).to(torch.bfloat16)
         x = buf[:, :45]  # rows of odd length, each followed by an inf
-        y = qtiles_linear(x.to(DEVICE), q, 5, 45, out_dtype=torch.float32).cpu()
+        y = qtiles_linear(x.to(DEVICE), q, out_dtype=torch.float32).cpu()
         assert torch.isfinite(y).all()
         assert torch.allclose(y, F.linear(x.float(), dense.float()), rtol=1e-4, atol=1e-5)
         flat = torch.full((m * 45 + 1,), float("inf")).to(torch.bfloat16)
         flat[1:] = x.reshape(-1)
         shifted = flat[1:].view(m, 45)  # 2 bytes past an aligned start
-        y = qtiles_linear(
-            shifted.to(DEVICE) if DEVICE == "cpu" else shifted.cuda(), q, 5, 45, out_dtype=torch.float32
-        ).cpu()
+        y = qtiles_linear(shifted.to(DEVICE) if DEVICE == "cpu" else shifted.cuda(), q, out_dtype=torch.float32).cpu()
         assert torch.isfinite(y).all()
 
 
@@ -343,7 +335,7 @@ def test_qtiles_linear_propagates_nan_and_inf_like_f_linear():
     dense = torch.from_numpy(v.view(np.int16)).view(torch.bfloat16).reshape(8, 64)
     for m in (1, 6):
         x = torch.ones(m, 64, dtype=torch.bfloat16)
-        y = qtiles_linear(x.to(DEVICE), resident(v, 8, 64), 8, 64, out_dtype=torch.float32).cpu()
+        y = qtiles_linear(x.to(DEVICE), resident(v, 8, 64), out_dtype=torch.float32).cpu()
         ref = F.linear(x.float(), dense.float())
         assert torch.equal(torch.isnan(y), torch.isnan(ref)) and torch.equal(torch.isinf(y), torch.isinf(ref))
         assert torch.equal(y[torch.isinf(ref)], ref[torch.isinf(ref)])
@@ -355,7 +347,7 @@ def test_qtiles_linear_zero_rows_are_exact():
     v[2 * 96 : 3 * 96] = 0
     for m in (1, 8):
         x = torch.randn(m, 96).to(torch.bfloat16)
-        y = qtiles_linear(x.to(DEVICE), resident(v, 6, 96), 6, 96, out_dtype=torch.float32).cpu()
+        y = qtiles_linear(x.to(DEVICE), resident(v, 6, 96), out_dtype=torch.float32).cpu()
         assert torch.all(y[:, 2] == 0)
 
 
@@ -363,14 +355,14 @@ def test_qtiles_linear_checks_its_inputs():
     v = finite_matrix(4, 64, seed=1)
     q = resident(v, 4, 64)
     with pytest.raises(ValueError, match="bfloat16"):
-        qtiles_linear(torch.ones(1, 64, device=DEVICE), q, 4, 64)
+        qtiles_linear(torch.ones(1, 64, device=DEVICE), q)
     with pytest.raises(ValueError, match="features"):
-        qtiles_linear(torch.ones(1, 63, dtype=torch.bfloat16, device=DEVICE), q, 4, 64)
+        qtiles_linear(torch.ones(1, 63, dtype=torch.bfloat16, device=DEVICE), q)
     with pytest.raises(ValueError, match="at most"):
-        qtiles_linear(torch.ones(qtiles_matmul.MAX_M + 1, 64, dtype=torch.bfloat16, device=DEVICE), q, 4, 64)
+        qtiles_linear(torch.ones(qtiles_matmul.MAX_M + 1, 64, dtype=torch.bfloat16, device=DEVICE), q)
     x = torch.ones(3, 64, dtype=torch.bfloat16, device=DEVICE)
-    assert qtiles_linear(x[:0], q, 4, 64).shape == (0, 4)
-    assert qtiles_linear(x.reshape(3, 1, 64), q, 4, 64).shape == (3, 1, 4)
+    assert qtiles_linear(x[:0], q).shape == (0, 4)
+    assert qtiles_linear(x.reshape(3, 1, 64), q).shape == (3, 1, 4)
 
 
 @gpu
@@ -389,10 +381,10 @@ def test_kernels_launch_on_the_inputs_device():
     assert torch.cuda.current_device() == 0
     for m in (1, 8):
         x = torch.randn(m, 256, device="cuda:1").to(torch.bfloat16)
-        y = qtiles_linear(x, q, 64, 256, out_dtype=torch.float32)
+        y = qtiles_linear(x, q, out_dtype=torch.float32)
         assert y.device == x.device
         assert torch.allclose(y, F.linear(x.float(), dense.float()), rtol=1e-4, atol=1e-4)
-    assert torch.equal(qtiles_decode(q, 64, 256).view(torch.int16), dense.view(torch.int16))
+    assert torch.equal(qtiles_decode(q).view(torch.int16), dense.view(torch.int16))
 
 
 @settings(max_examples=40, deadline=None)

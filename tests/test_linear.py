@@ -177,32 +177,32 @@ def test_cpu_fast_and_portable_paths_agree(rows, cols, m, chunks, monkeypatch):
     w.view(torch.int16).view(-1)[::11] = 0x0001  # subnormal escapes
     w.view(torch.int16).view(-1)[3::17] = -15872  # 0xC200 = -32.0, above the window
     lin = UnweightLinear.from_weight(w)
-    s, p = lin.streams(), lin.params
+    s = lin.compressed_weight
     x = torch.randn(m, cols, generator=g)
     ids = torch.tensor([rows - 1, 0, rows // 2, rows - 1])
     whole = torch.empty(rows, cols, dtype=torch.bfloat16)
     fast = (
-        cpu_gemv.tiles_gemv_cpu(x, s, p.base, p.block, rows, cols),
-        cpu_gemv.tiles_rows_cpu(s, p.base, p.block, rows, cols, ids),
-        cpu_gemv.tiles_rows_cpu(s, p.base, p.block, rows, cols, ids, torch.bfloat16),
-        cpu_gemv.tiles_rows_cpu(s, p.base, p.block, rows, cols, None, torch.bfloat16, out=whole),
+        cpu_gemv.tiles_gemv_cpu(x, s),
+        cpu_gemv.tiles_rows_cpu(s, ids),
+        cpu_gemv.tiles_rows_cpu(s, ids, torch.bfloat16),
+        cpu_gemv.tiles_rows_cpu(s, None, torch.bfloat16, out=whole),
     )
     assert fast[3] is whole
     monkeypatch.setattr(cpu_gemv, "FAST_PATH", False)
     slow = (
-        cpu_gemv.tiles_gemv_cpu(x, s, p.base, p.block, rows, cols),
-        cpu_gemv.tiles_rows_cpu(s, p.base, p.block, rows, cols, ids),
-        cpu_gemv.tiles_rows_cpu(s, p.base, p.block, rows, cols, ids, torch.bfloat16),
-        cpu_gemv.tiles_rows_cpu(s, p.base, p.block, rows, cols, None, torch.bfloat16, out=torch.empty_like(whole)),
+        cpu_gemv.tiles_gemv_cpu(x, s),
+        cpu_gemv.tiles_rows_cpu(s, ids),
+        cpu_gemv.tiles_rows_cpu(s, ids, torch.bfloat16),
+        cpu_gemv.tiles_rows_cpu(s, None, torch.bfloat16, out=torch.empty_like(whole)),
     )
     for got in (fast[2], fast[3][ids], slow[2], slow[3][ids]):
         assert got.dtype == torch.bfloat16 and torch.equal(got.view(torch.int16), w[ids].view(torch.int16))
     with pytest.raises(ValueError, match="out must be a contiguous torch.bfloat16 tensor of shape"):
-        cpu_gemv.tiles_rows_cpu(s, p.base, p.block, rows, cols, ids, torch.bfloat16, out=whole)
+        cpu_gemv.tiles_rows_cpu(s, ids, torch.bfloat16, out=whole)
     ref = tiles.decode_reference(
-        {k: v.numpy() for k, v in s.items() if k != "esc_index"}
-        | {"esc_index": s["esc_index"].numpy().astype("<u4").view(np.uint8)},
-        p,
+        {k: v.numpy() for k, v in s.streams().items() if k != "esc_index"}
+        | {"esc_index": s.esc_index.numpy().astype("<u4").view(np.uint8)},
+        s.params,
         rows,
         cols,
     )
@@ -248,10 +248,10 @@ def test_cpu_bf16_kernel_sums_bf16_products_in_fp32(rows, cols, chunks, monkeypa
     w = (torch.randn(rows, cols, generator=g) * 0.02).to(torch.bfloat16)
     w.view(torch.int16).view(-1)[3::17] = -15872  # escapes
     lin = UnweightLinear.from_weight(w)
-    s, p = lin.streams(), lin.params
+    s = lin.compressed_weight
     for m in (1, 3, 9, 16, 37, 31, 10, 53, 64):
         x = torch.randn(m, cols, generator=g).to(torch.bfloat16)
-        y = cpu_gemv.tiles_gemv_cpu(x, s, p.base, p.block, rows, cols)
+        y = cpu_gemv.tiles_gemv_cpu(x, s)
         exact = x.double() @ w.double().T
         bound = cols * 2.0**-23 * (x.double().abs() @ w.double().abs().T)
         assert y.dtype == torch.float32 and torch.all((y.double() - exact).abs() <= bound)
@@ -277,14 +277,14 @@ def test_cpu_bf16_prompt_gemm_sums_bf16_products_in_fp32(rows, cols, m):
     w = (torch.randn(rows, cols, generator=g) * 0.02).to(torch.bfloat16)
     w.view(torch.int16).view(-1)[3::17] = -15872  # escapes
     lin = UnweightLinear.from_weight(w)
-    s, p = lin.streams(), lin.params
+    s = lin.compressed_weight
     x = torch.randn(m, cols, generator=g).to(torch.bfloat16)
-    y = cpu_gemv.tiles_gemv_cpu(x, s, p.base, p.block, rows, cols)
+    y = cpu_gemv.tiles_gemv_cpu(x, s)
     exact = x.double() @ w.double().T
     bound = cols * 2.0**-23 * (x.double().abs() @ w.double().abs().T)
     assert y.dtype == torch.float32 and torch.all((y.double() - exact).abs() <= bound)
     assert torch.equal(lin.run("fused", x).view(torch.int16), y.to(torch.bfloat16).view(torch.int16))
-    part = cpu_gemv.tiles_gemv_cpu(x, s, p.base, p.block, rows, cols, rows=(17, rows - 5))
+    part = cpu_gemv.tiles_gemv_cpu(x, s, rows=(17, rows - 5))
     assert torch.equal(part.view(torch.int32), y[:, 17 : rows - 5].contiguous().view(torch.int32))
 
 
@@ -301,16 +301,16 @@ def test_cpu_gemv_of_a_row_range_is_those_rows_of_the_whole(fast, monkeypatch):
     w = (torch.randn(rows, cols, generator=g) * 0.02).to(torch.bfloat16)
     w.view(torch.int16).view(-1)[5::13] = -15872  # escapes
     lin = UnweightLinear.from_weight(w)
-    s, p = lin.streams(), lin.params
+    s = lin.compressed_weight
     for m in (1, 3, 9):
         x = torch.randn(m, cols, generator=g)
-        whole = cpu_gemv.tiles_gemv_cpu(x, s, p.base, p.block, rows, cols)
+        whole = cpu_gemv.tiles_gemv_cpu(x, s)
         for r0, r1 in ((0, 32), (32, 64), (64, 96), (50, 51), (7, 7)):
-            part = cpu_gemv.tiles_gemv_cpu(x, s, p.base, p.block, rows, cols, rows=(r0, r1))
+            part = cpu_gemv.tiles_gemv_cpu(x, s, rows=(r0, r1))
             assert part.shape == (m, r1 - r0)
             assert torch.equal(part.view(torch.int32), whole[:, r0:r1].contiguous().view(torch.int32))
     with pytest.raises(ValueError, match="outside"):
-        cpu_gemv.tiles_gemv_cpu(x, s, p.base, p.block, rows, cols, rows=(90, 100))
+        cpu_gemv.tiles_gemv_cpu(x, s, rows=(90, 100))
 
 
 # Run in a child: each stream of a layer copied to the end of a page that an unreadable page follows,
@@ -340,8 +340,8 @@ for rows, cols in ((5, 64), (9, 576), (3, 136)):
     w = (torch.randn(rows, cols, generator=g) * 0.02).to(torch.bfloat16)
     w.view(torch.int16).view(-1)[rows * cols - 1] = -15872  # an escape in the last chunk
     lin = UnweightLinear.from_weight(w)
-    for role in ("sm", "codes", "esc", "esc_index"):
-        lin._buffers[role] = guarded(lin._buffers[role])
+    s = lin.compressed_weight
+    lin.assign_weight(s.with_streams({role: guarded(t) for role, t in s.streams().items()}))
     assert torch.equal(lin.decoded_weight().view(torch.int16), w.view(torch.int16))
     for m in (1, 2, 4, 8, 16):
         for dtype in (torch.float32, torch.bfloat16):
@@ -380,19 +380,19 @@ def test_cpu_grouped_gemv_is_each_groups_row_range(fast, monkeypatch):
     w = (torch.randn(rows, cols, generator=g) * 0.02).to(torch.bfloat16)
     w.view(torch.int16).view(-1)[5::13] = -15872
     lin = UnweightLinear.from_weight(w)
-    s, p = lin.streams(), lin.params
+    s = lin.compressed_weight
     x = torch.randn(12, cols, generator=g)
     starts, rows0 = np.array([0, 3, 3, 7, 12]), np.array([72, 0, 24, 48])
     for xv in (x, x.bfloat16()):  # BF16 x: vdpbf16ps where the CPU has it, as tiles_gemv_cpu
-        y = cpu_gemv.tiles_grouped_gemv_cpu(xv, s, p.base, p.block, rows, cols, starts, rows0, r)
+        y = cpu_gemv.tiles_grouped_gemv_cpu(xv, s, starts, rows0, r)
         assert y.shape == (12, r) and y.dtype == torch.float32
         for a, b, r0 in zip(starts[:-1], starts[1:], rows0):
-            want = cpu_gemv.tiles_gemv_cpu(xv[a:b], s, p.base, p.block, rows, cols, rows=(r0, r0 + r))
+            want = cpu_gemv.tiles_gemv_cpu(xv[a:b], s, rows=(r0, r0 + r))
             assert torch.equal(y[a:b].view(torch.int32), want.view(torch.int32))
     with pytest.raises(ValueError, match="do not split 12 rows"):
-        cpu_gemv.tiles_grouped_gemv_cpu(x, s, p.base, p.block, rows, cols, np.array([0, 3, 6]), rows0[:2], r)
+        cpu_gemv.tiles_grouped_gemv_cpu(x, s, np.array([0, 3, 6]), rows0[:2], r)
     with pytest.raises(ValueError, match="outside the weight"):
-        cpu_gemv.tiles_grouped_gemv_cpu(x, s, p.base, p.block, rows, cols, np.array([0, 12]), np.array([80]), r)
+        cpu_gemv.tiles_grouped_gemv_cpu(x, s, np.array([0, 12]), np.array([80]), r)
 
 
 def test_archive_linear_stacks_parts_of_any_size_and_codec_bit_exactly():
@@ -555,18 +555,20 @@ def test_moving_to_a_gpu_transcodes_the_streams_and_back():
     lin = UnweightLinear.from_weight(w)
     tiles_bytes = lin.stored_bytes
     lin._transcode("cuda")
-    assert set(lin.streams()) == set(qtiles.ROLES) and "qtiles" in repr(lin)
-    q = {k: v.numpy() for k, v in lin.streams().items()}
-    assert lin.qmode == 1  # one weight in seven is a subnormal: the zero code lists none of them
+    assert set(lin.compressed_weight.streams()) == set(qtiles.ROLES) and "qtiles" in repr(lin)
+    q = {k: v.numpy() for k, v in lin.compressed_weight.streams().items()}
+    assert lin.compressed_weight.mode == 1  # one weight in seven is a subnormal: the zero code lists none of them
     assert np.array_equal(
-        qtiles.decode_reference({**q, "mode": np.array([lin.qmode])}, 40, 96),
+        qtiles.decode_reference({**q, "mode": np.array([lin.compressed_weight.mode])}, 40, 96),
         w.view(torch.int16).numpy().view(np.uint16),
     )
     assert lin.stored_bytes < w.numel() * 2  # (11 % of these weights are listed escapes)
     lin._transcode("cpu")
-    assert set(lin.streams()) == {"sm", "codes", "esc", "esc_index"} and lin.stored_bytes == tiles_bytes
+    assert (
+        set(lin.compressed_weight.streams()) == {"sm", "codes", "esc", "esc_index"} and lin.stored_bytes == tiles_bytes
+    )
     assert torch.equal(lin.decoded_weight().view(torch.int16), w.view(torch.int16))
-    assert lin.to("cpu") is lin and set(lin.streams()) == {
+    assert lin.to("cpu") is lin and set(lin.compressed_weight.streams()) == {
         "sm",
         "codes",
         "esc",
@@ -596,12 +598,14 @@ def test_a_layer_built_for_a_gpu_is_encoded_once_in_its_layout():
     w = random_bf16(24, 160, seed=8)
     values = w.view(torch.int16).numpy().view(np.uint16)
     lin = UnweightLinear.from_weight(w, device="cuda")
-    assert lin._roles == qtiles.ROLES
+    assert lin.compressed_weight.ROLES == qtiles.ROLES
     want = qtiles.encode(values, 24, 160)
-    assert lin.qmode == int(want.pop("mode")[0])
-    assert all(np.array_equal(lin.streams()[k].numpy(), want[k]) for k in want)
+    assert lin.compressed_weight.mode == int(want.pop("mode")[0])
+    assert all(np.array_equal(lin.compressed_weight.streams()[k].numpy(), want[k]) for k in want)
     lin.to("cpu")
-    assert lin._roles != qtiles.ROLES and torch.equal(lin.decoded_weight().view(torch.int16), w.view(torch.int16))
+    assert lin.compressed_weight.ROLES != qtiles.ROLES and torch.equal(
+        lin.decoded_weight().view(torch.int16), w.view(torch.int16)
+    )
 
 
 @pytest.mark.parametrize("rows,cols,m", [(48, 64, 5), (24, 1544, 16)])
@@ -616,8 +620,8 @@ def test_cpu_gemv_plan_follows_its_streams(rows, cols, m, tmp_path, monkeypatch)
     mod = UnweightLinear.from_weight(w, autotuner=Autotuner(tmp_path / "t.json"))
     g = torch.Generator().manual_seed(2)
     xs = [torch.randn(3, cols, generator=g), torch.randn(m, cols, generator=g).to(torch.bfloat16)]
-    s, p = mod.streams(), mod.params
-    want = [cpu_gemv.tiles_gemv_cpu(x, s, p.base, p.block, rows, cols).to(x.dtype) for x in xs]
+    s = mod.compressed_weight
+    want = [cpu_gemv.tiles_gemv_cpu(x, s).to(x.dtype) for x in xs]
 
     def same(layer):
         return all(torch.equal(layer(x).view(torch.int16), y.view(torch.int16)) for x, y in zip(xs, want))
@@ -646,9 +650,9 @@ def test_cpu_gemv_serial_kernels_give_the_parallel_ones_bits(m):
     w = random_bf16(rows, cols, seed=9, std=0.02)
     w.view(torch.int16).view(-1)[5::23] = -15872  # escapes
     lin = UnweightLinear.from_weight(w)
-    s, p = lin.streams(), lin.params
-    streams = (s["sm"].data_ptr(), *cpu_gemv._addresses(s["codes"], s["esc"], s["esc_index"]), rows, cols)
-    streams += (-(-cols // p.block), p.base, 0, rows)
+    s = lin.compressed_weight
+    streams = (s.sm.data_ptr(), *cpu_gemv._addresses(s.codes, s.esc, s.esc_index), rows, cols)
+    streams += (-(-cols // s.block), s.base, 0, rows)
     pairs = [("fp32", cpu_gemv._FP32, torch.float32, torch.float32)]
     if cpu_gemv.CHUNKS:
         pairs.append(("fp32 chunks", cpu_gemv._CHUNK_F32, torch.float32, torch.float32))

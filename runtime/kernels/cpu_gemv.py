@@ -6,10 +6,11 @@ same rebuild serves gathers of whole rows (`tiles_rows_cpu`: embedding lookups, 
 decode-then-matmul pipeline), producing fp32 or BF16 directly, the dtype the CPU computes in
 (exact either way: every BF16 value is an fp32 value).
 
-The launchers: `tiles_gemv_cpu`, `tiles_grouped_gemv_cpu` and `tiles_rows_cpu` check their
-arguments and hand the streams' addresses to the x86 kernels when the CPU and the layout allow
-(cpu_avx512.py's 64-weight chunks for BF16 and fp32 x where the CPU has AVX-512 VBMI2 and GFNI,
-else cpu_avx2.py's 8-weight groups), else the arrays to the portable ones (cpu_reference.py).
+The launchers: `tiles_gemv_cpu`, `tiles_grouped_gemv_cpu`, `tiles_rows_cpu` and `gemv_plan` take
+W as one `TilesWeight` (weight.py), check their arguments and hand the streams' addresses to the
+x86 kernels when the CPU and the layout allow (cpu_avx512.py's 64-weight chunks for BF16 and fp32
+x where the CPU has AVX-512 VBMI2 and GFNI, else cpu_avx2.py's 8-weight groups), else the arrays to
+the portable ones (cpu_reference.py).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from .cpu_avx512 import (
     _rows_chunk_bf16_at,
 )
 from .cpu_reference import LOWBIT, SPREAD, _gemv_portable, _rows_portable
+from .weight import TilesWeight
 
 ROWS_PER_PART = 16  # rows a thread takes at least: fewer parts than this many rows each cost more than they save
 # Row ranges the fused kernels split a call into: one per thread numba launches (set_num_threads
@@ -57,8 +59,8 @@ _THREADS = max(1, config.NUMBA_NUM_THREADS)
 _PARALLEL = threading.Lock()
 
 
-def _args(weight: dict[str, torch.Tensor]) -> tuple:
-    return weight["sm"].numpy(), weight["codes"].numpy(), weight["esc"].numpy(), weight["esc_index"].numpy()
+def _args(w: TilesWeight) -> tuple:
+    return w.sm.numpy(), w.codes.numpy(), w.esc.numpy(), w.esc_index.numpy()
 
 
 def _addresses(codes, esc, esc_index) -> tuple:
@@ -120,21 +122,14 @@ def _fused_parts(rows: int) -> int:
     return _THREADS if parts > _THREADS else parts or 1
 
 
-def tiles_gemv_cpu(
-    x: torch.Tensor,
-    weight: dict[str, torch.Tensor],
-    base: int,
-    block: int,
-    out_features: int,
-    in_features: int,
-    rows: tuple[int, int] | None = None,
-) -> torch.Tensor:
+def tiles_gemv_cpu(x: torch.Tensor, w: TilesWeight, rows: tuple[int, int] | None = None) -> torch.Tensor:
     """y = x @ W^T in fp32 for x (..., in_features) on the CPU, W (out_features, in_features) in the
     serving layout; with `rows` (r0, r1), only W's rows [r0, r1): y is (..., r1 - r0) (one expert
     of a stacked MoE weight). BF16 x on a CPU with AVX512_BF16 goes through vdpbf16ps: products of
     BF16 pairs summed in fp32, as a BF16 GEMM sums them; any other x is multiplied in fp32."""
-    sm, codes, esc, esc_index = weight["sm"], weight["codes"], weight["esc"], weight["esc_index"]
-    bpr = -(-in_features // block)
+    sm, codes, esc, esc_index = w.sm, w.codes, w.esc, w.esc_index
+    out_features, in_features, base = w.rows, w.cols, w.base
+    bpr = -(-in_features // w.block)
     if rows is None:
         r0, n_out = 0, out_features
     else:
@@ -164,22 +159,23 @@ def tiles_gemv_cpu(
     y = np.empty((x2.shape[0], n_out), dtype=np.float32)
     if x2.shape[0] and n_out:
         with _PARALLEL:
-            _gemv_portable(x2, *_args(weight), in_features, bpr, base, y, r0, SPREAD, LOWBIT, _parts(n_out))
+            _gemv_portable(x2, *_args(w), in_features, bpr, base, y, r0, SPREAD, LOWBIT, _parts(n_out))
     return torch.from_numpy(y).reshape(*lead, n_out)
 
 
-def gemv_plan(weight: dict[str, torch.Tensor], base: int, block: int, out_features: int, in_features: int):
+def gemv_plan(w: TilesWeight):
     """tiles_gemv_cpu of all of W for a layer's repeated calls: a function x -> x @ W^T for a CPU x
     (..., in_features), the layout checked and the streams' addresses read once (a forward of a
     small layer takes tens of microseconds, and those steps took several), or None where the x86
     kernels do not take the streams. y is BF16 for BF16 x on the 64-weight chunk kernels (each fp32
     sum rounded to nearest even, as .to(torch.bfloat16) rounds it), fp32 otherwise. Valid while the
-    streams stay where they are; the caller keys it by their addresses."""
-    sm, codes, esc, esc_index = weight["sm"], weight["codes"], weight["esc"], weight["esc_index"]
-    if not _fast_layout(sm, codes, esc, esc_index, in_features):
+    streams stay where they are: the caller keys it by the value `w` (a layer makes a new value
+    whenever its streams move)."""
+    sm, codes, esc, esc_index = w.sm, w.codes, w.esc, w.esc_index
+    if not _fast_layout(sm, codes, esc, esc_index, w.cols):
         return None
-    n, k = out_features, in_features
-    streams = (sm.data_ptr(), *_addresses(codes, esc, esc_index), n, k, -(-k // block), base, 0, n)
+    n, k = w.rows, w.cols
+    streams = (sm.data_ptr(), *_addresses(codes, esc, esc_index), n, k, -(-k // w.block), w.base, 0, n)
     parts = _fused_parts(n)
 
     def gemv(x: torch.Tensor) -> torch.Tensor:
@@ -200,15 +196,7 @@ def gemv_plan(weight: dict[str, torch.Tensor], base: int, block: int, out_featur
 
 
 def tiles_grouped_gemv_cpu(
-    x: torch.Tensor,
-    weight: dict[str, torch.Tensor],
-    base: int,
-    block: int,
-    out_features: int,
-    in_features: int,
-    starts: np.ndarray,
-    rows0: np.ndarray,
-    rows: int,
+    x: torch.Tensor, w: TilesWeight, starts: np.ndarray, rows0: np.ndarray, rows: int
 ) -> torch.Tensor:
     """y (P, rows) in fp32: for each group g, rows [starts[g], starts[g + 1]) of x (P, in_features)
     times W's rows [rows0[g], rows0[g] + rows) transposed, W (out_features, in_features) in the
@@ -217,17 +205,15 @@ def tiles_grouped_gemv_cpu(
     BF16 x goes through vdpbf16ps where the CPU has the 64-weight chunks and AVX512_BF16 (products
     of BF16 pairs summed in fp32), else in fp32 like any other x."""
     starts, rows0 = np.ascontiguousarray(starts, np.int64), np.ascontiguousarray(rows0, np.int64)
+    out_features, in_features = w.rows, w.cols
     p = x.shape[0]
     if len(starts) != len(rows0) + 1 or starts[0] != 0 or starts[-1] != p or np.any(np.diff(starts) < 0):
         raise ValueError(f"group starts {starts.tolist()} do not split {p} rows of x into {len(rows0)} groups")
     if len(rows0) and (rows0.min() < 0 or rows0.max() + rows > out_features):
         raise ValueError(f"row ranges of {rows} from {rows0.tolist()} lie outside the weight's {out_features} rows")
-    sm, codes, esc, esc_index = weight["sm"], weight["codes"], weight["esc"], weight["esc_index"]
+    sm, codes, esc, esc_index = w.sm, w.codes, w.esc, w.esc_index
     if not (x.is_cpu and _fast_layout(sm, codes, esc, esc_index, in_features)):
-        parts = [
-            tiles_gemv_cpu(x[a:b], weight, base, block, out_features, in_features, rows=(r0, r0 + rows))
-            for a, b, r0 in zip(starts[:-1], starts[1:], rows0)
-        ]
+        parts = [tiles_gemv_cpu(x[a:b], w, rows=(r0, r0 + rows)) for a, b, r0 in zip(starts[:-1], starts[1:], rows0)]
         return torch.cat(parts) if parts else torch.empty(0, rows)
     if x.dtype is torch.bfloat16 and CHUNK_DOT:  # vdpbf16ps, as tiles_gemv_cpu's BF16 x
         kernel, x = _gemv_grouped_chunk_bf16_at, x.contiguous()
@@ -244,8 +230,8 @@ def tiles_grouped_gemv_cpu(
                 *_addresses(codes, esc, esc_index),
                 out_features,
                 in_features,
-                -(-in_features // block),
-                base,
+                -(-in_features // w.block),
+                w.base,
                 starts,
                 rows0,
                 rows,
@@ -256,11 +242,7 @@ def tiles_grouped_gemv_cpu(
 
 
 def tiles_rows_cpu(
-    weight: dict[str, torch.Tensor],
-    base: int,
-    block: int,
-    out_features: int,
-    in_features: int,
+    w: TilesWeight,
     ids: torch.Tensor | None = None,
     dtype: torch.dtype = torch.float32,
     out: torch.Tensor | None = None,
@@ -269,8 +251,9 @@ def tiles_rows_cpu(
     fp32 and BF16 (every BF16 value is an fp32 value), written into `out` if given (contiguous, of
     that shape and dtype). The fused kernels write fp32 or BF16 directly; another dtype is converted
     from fp32. The caller checks that ids lie in [0, out_features)."""
-    sm, codes, esc, esc_index = weight["sm"], weight["codes"], weight["esc"], weight["esc_index"]
-    bpr = -(-in_features // block)
+    sm, codes, esc, esc_index = w.sm, w.codes, w.esc, w.esc_index
+    out_features, in_features, base = w.rows, w.cols, w.base
+    bpr = -(-in_features // w.block)
     r = out_features if ids is None else ids.numel()
     if out is not None and (out.shape != (r, in_features) or out.dtype != dtype or not out.is_contiguous()):
         raise ValueError(f"out must be a contiguous {dtype} tensor of shape {(r, in_features)}")
@@ -299,10 +282,10 @@ def tiles_rows_cpu(
                 )
         return out
     if out is not None:
-        return out.copy_(tiles_rows_cpu(weight, base, block, out_features, in_features, ids))
+        return out.copy_(tiles_rows_cpu(w, ids))
     idx = np.arange(out_features, dtype=np.int64) if ids is None else ids.reshape(-1).to(torch.int64).numpy()
     out = np.empty((len(idx), in_features), dtype=np.uint32)
     if len(idx) and in_features:
         with _PARALLEL:
-            _rows_portable(*_args(weight), in_features, bpr, base, idx, out, SPREAD, LOWBIT, _parts(len(idx)))
+            _rows_portable(*_args(w), in_features, bpr, base, idx, out, SPREAD, LOWBIT, _parts(len(idx)))
     return torch.from_numpy(out.view(np.float32)).to(dtype)

@@ -37,20 +37,10 @@ if os.environ.get("TRITON_INTERPRET") == "1" and tuple(int(v) for v in triton.__
     _interpreter_index_fix()
 
 
-def kernel_streams(q: dict) -> tuple:
-    """The resident streams in the order every kernel takes them: sm, codes, base, esc_row,
-    esc_col, esc_exp (qtiles.py)."""
-    return q["sm"], q["codes"], q["base"], q["esc_row"], q["esc_col"], q["esc_exp"]
-
-
-def stream_mode(q: dict, mode: int | None) -> int:
-    """The matrix's mode: as given, else read from its `mode` stream (a wait, if that is on a GPU:
-    callers that care, as UnweightLinear does, keep the mode on the host and pass it)."""
-    if mode is None:
-        mode = int(q["mode"].reshape(-1)[0])
-    if mode not in (0, 1):
-        raise ValueError(f"qtiles mode must be 0 or 1, not {mode}")
-    return mode
+def kernel_streams(w) -> tuple:
+    """The resident streams of a QTilesWeight (weight.py) in the order every kernel takes them: sm,
+    codes, base, esc_row, esc_col, esc_exp (qtiles.py)."""
+    return w.sm, w.codes, w.base, w.esc_row, w.esc_col, w.esc_exp
 
 
 @triton.jit

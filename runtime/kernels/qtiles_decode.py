@@ -16,7 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .qtiles_common import group_words, kernel_streams, quad_pairs, row_offsets, stream_mode
+from .qtiles_common import group_words, kernel_streams, quad_pairs, row_offsets
+from .weight import QTilesWeight
 
 _NO_GUARD = contextlib.nullcontext()
 
@@ -94,15 +95,11 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def qtiles_decode(
-    q: dict[str, torch.Tensor], rows: int, cols: int, ids: torch.Tensor | None = None, mode: int | None = None
-) -> torch.Tensor:
-    """The (rows, cols) BF16 matrix of resident-layout streams `q` (runtime.qtiles, as torch
-    tensors), decoded on their device; with `ids` (int64, on that device, each in [0, rows): the
-    caller checks), only those rows, as a (len(ids), cols) matrix. Never synchronises (given
-    `mode`; see qtiles_common.stream_mode)."""
-    mode = stream_mode(q, mode)
-    sm = q["sm"]
+def qtiles_decode(w: QTilesWeight, ids: torch.Tensor | None = None) -> torch.Tensor:
+    """The (w.rows, w.cols) BF16 matrix W, decoded on its streams' device; with `ids` (int64, on
+    that device, each in [0, rows): the caller checks), only those rows, as a (len(ids), cols)
+    matrix. Never synchronises."""
+    rows, cols, mode, sm = w.rows, w.cols, w.mode, w.sm
     gather = ids is not None
     if gather:
         ids = ids.reshape(-1)
@@ -114,7 +111,7 @@ def qtiles_decode(
         block_n = 4
         with torch.cuda.device(sm.device) if sm.device.type == "cuda" else _NO_GUARD:
             qtiles_decode_kernel[(-(-n_out // block_n),)](
-                *kernel_streams(q),
+                *kernel_streams(w),
                 rows,
                 cols,
                 -(-cols // 32),

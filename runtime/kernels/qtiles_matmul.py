@@ -28,7 +28,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .qtiles_common import escape_delta, group_words, kernel_streams, pair_f32, quad_pairs, row_offsets, stream_mode
+from .qtiles_common import escape_delta, group_words, kernel_streams, pair_f32, quad_pairs, row_offsets
+from .weight import QTilesWeight
 
 GEMV_M = 2  # rows of x up to which the CUDA-core GEMV runs; beyond, the tensor-core kernel (at 3-4 rows
 # the GEMV's FFMAs cost 14 instructions a weight, the 16-row tensor-core tile 11)
@@ -292,23 +293,19 @@ def _workspace(device: torch.device, floats: int, counters: int) -> tuple[torch.
 
 
 def qtiles_linear(
-    x: torch.Tensor,
-    q: dict[str, torch.Tensor],
-    out_features: int,
-    in_features: int,
-    out_dtype: torch.dtype | None = None,
-    split_k: int | None = None,
-    mode: int | None = None,
+    x: torch.Tensor, w: QTilesWeight, out_dtype: torch.dtype | None = None, split_k: int | None = None
 ) -> torch.Tensor:
-    """y = x @ W^T for W (out_features, in_features) in the resident layout, W never materialised.
+    """y = x @ W^T for W (out_features, in_features) = (w.rows, w.cols) in the resident layout, W
+    never materialised.
 
-    `x` is (..., in_features) BF16 with at most MAX_M rows, on the device of the streams `q`
-    (runtime.qtiles, as torch tensors); returns (..., out_features) in `out_dtype` (default x's),
-    accumulated in fp32. Launches one kernel on x's device and never synchronises (given `mode`).
+    `x` is (..., in_features) BF16 with at most MAX_M rows, on the device of w's streams; returns
+    (..., out_features) in `out_dtype` (default x's), accumulated in fp32. Launches one kernel on
+    x's device and never synchronises.
     Above GEMV_M rows, `split_k` (default: enough splits for MIN_PROGRAMS programs) splits K among
     programs."""
     if x.dtype != torch.bfloat16:
         raise ValueError(f"x must be bfloat16, not {x.dtype}")
+    out_features, in_features = w.rows, w.cols
     if x.shape[-1] != in_features:
         raise ValueError(f"x has {x.shape[-1]} features, the weight {in_features}")
     lead = x.shape[:-1]
@@ -322,13 +319,12 @@ def qtiles_linear(
     m = x2.shape[0]
     if m > MAX_M:
         raise ValueError(f"the fused kernels take at most {MAX_M} rows of x, not {m}")
-    sm = q["sm"]
-    if sm.device != x.device:
-        raise ValueError(f"weight streams are on {sm.device}, x on {x.device}")
+    if w.device != x.device:
+        raise ValueError(f"weight streams are on {w.device}, x on {x.device}")
     y = torch.empty((m, out_features), dtype=out_dtype or x.dtype, device=x.device)
     if m == 0:
         return y.reshape(*lead, out_features)
-    mode = stream_mode(q, mode)
+    mode = w.mode
     g = -(-in_features // 32)
     args = (
         x2,
@@ -336,7 +332,7 @@ def qtiles_linear(
         m,
         x2.stride(0),
         y.stride(0),
-        *kernel_streams(q),
+        *kernel_streams(w),
         out_features,
         in_features,
         g,
@@ -388,20 +384,18 @@ def qtiles_linear(
 
 def qtiles_experts_linear(
     x: torch.Tensor,
-    q: dict[str, torch.Tensor],
+    w: QTilesWeight,
     ids: torch.Tensor,
     out_features: int,
-    in_features: int,
     x_div: int = 1,
     out_dtype: torch.dtype | None = None,
-    mode: int | None = None,
 ) -> torch.Tensor:
     """y (P, out_features): y[p] = x[p // x_div] @ W_e^T with e = ids[p], W_e = rows [e*out_features,
-    (e+1)*out_features) of the stacked W in q.
+    (e+1)*out_features) of the stacked W in w.
 
-    `q` holds E experts' (out_features, in_features) weights stacked into one (E out_features,
-    in_features) matrix in the resident layout (runtime.qtiles: rows are independent, so expert e
-    is a plain range of rows). `x` is (T, in_features) BF16 on the streams' device and `ids` a 1-D
+    `w` holds E experts' (out_features, in_features) weights stacked into one (E out_features,
+    in_features = w.cols) matrix in the resident layout (runtime.qtiles: rows are independent, so
+    expert e is a plain range of rows). `x` is (T, in_features) BF16 on the streams' device and `ids` a 1-D
     int32 or int64 tensor of P = T x_div expert ids there (e.g. a (T, topk) routing reshaped,
     x_div = topk). Returns y (P, out_features) in `out_dtype` (default x's), accumulated in fp32.
 
@@ -410,10 +404,11 @@ def qtiles_experts_linear(
     rows of x (whole rows, P in all). Program (i, p) reads ids[p] on the device, so the call
     never synchronises and can be captured in a CUDA graph with ids changing between replays.
     x_div is compiled in (one variant per top-k: a runtime divisor cost registers, see the kernel). The
-    ids are trusted: the caller guarantees 0 <= ids < E = rows(q) / out_features (checking them
+    ids are trusted: the caller guarantees 0 <= ids < E = w.rows / out_features (checking them
     here would wait for the device); an id outside it reads past the streams (garbage, or a fault)."""
     if x.dtype != torch.bfloat16:
         raise ValueError(f"x must be bfloat16, not {x.dtype}")
+    in_features = w.cols
     if x.dim() != 2 or x.shape[1] != in_features:
         raise ValueError(f"x must be (tokens, {in_features}) to match the weight's features, not {tuple(x.shape)}")
     if ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64):
@@ -422,13 +417,12 @@ def qtiles_experts_linear(
         raise ValueError(f"x_div must be an int in [1, {MAX_PAIRS}], not {x_div!r}")
     if ids.shape[0] != x.shape[0] * x_div:
         raise ValueError(f"{ids.shape[0]} ids for {x.shape[0]} rows of x with x_div {x_div}: need {x.shape[0] * x_div}")
-    sm = q["sm"]
-    if sm.device != x.device or ids.device != x.device:
-        raise ValueError(f"weight streams are on {sm.device}, ids on {ids.device}, x on {x.device}")
-    rows, g = q["base"].numel(), -(-in_features // 32)
-    if out_features < 1 or rows % out_features or sm.numel() != rows * 32 * g:
+    if w.device != x.device or ids.device != x.device:
+        raise ValueError(f"weight streams are on {w.device}, ids on {ids.device}, x on {x.device}")
+    rows, g = w.rows, -(-in_features // 32)
+    if out_features < 1 or rows % out_features:
         raise ValueError(
-            f"the streams hold a {rows}-row matrix of {sm.numel() // max(rows, 1)} stored columns, not experts of "
+            f"the streams hold a {rows}-row matrix of {w.sm.numel() // max(rows, 1)} stored columns, not experts of "
             f"({out_features}, {in_features}) stacked"
         )
     x2 = x if x.stride(-1) == 1 else x.contiguous()
@@ -439,7 +433,7 @@ def qtiles_experts_linear(
     y = torch.empty((pairs, out_features), dtype=out_dtype or x.dtype, device=x.device)
     if pairs == 0:
         return y
-    mode = stream_mode(q, mode)
+    mode = w.mode
     _, block_n, groups = _blocks(1, out_features)
     chunk = MAX_PAIRS // x_div * x_div  # whole rows of x per launch: chunk c0 starts at x row c0 // x_div
     interpreted = _interpreted()
@@ -452,7 +446,7 @@ def qtiles_experts_linear(
                 1,
                 x2.stride(0),
                 y.stride(0),
-                *kernel_streams(q),
+                *kernel_streams(w),
                 out_features,
                 in_features,
                 g,

@@ -172,7 +172,7 @@ class UnweightExperts(nn.Module):
             )
         if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
             raise ValueError(f"topk_ids {list(topk_ids.shape)} must be (tokens, k) for {x.shape[0]} tokens")
-        device = self.w13.sm.device
+        device = self.w13.compressed_weight.device
         if x.device != device:
             raise ValueError(f"input is on {x.device}, the experts on {device}")
         if torch.is_grad_enabled() and (x.requires_grad or topk_weights.requires_grad):
@@ -236,10 +236,7 @@ class UnweightExperts(nn.Module):
     @staticmethod
     def _grouped_gemv(lin: UnweightLinear, x: torch.Tensor, starts, rows0, rows: int) -> torch.Tensor:
         """For each group g, x[starts[g] : starts[g + 1]] @ W[rows0[g] : rows0[g] + rows]^T (CPU, numba)."""
-        p = lin.params
-        return tiles_grouped_gemv_cpu(
-            x, lin.streams(), p.base, p.block, lin.out_features, lin.in_features, starts, rows0, rows
-        )
+        return tiles_grouped_gemv_cpu(x, lin.compressed_weight, starts, rows0, rows)
 
     def _fused_cuda(self, x, w, topk_ids, activation, weights_on_input) -> torch.Tensor:
         """Two grouped GEMV launches over all (token, slot) pairs, the expert ids read on the device."""
@@ -251,11 +248,8 @@ class UnweightExperts(nn.Module):
             x, x_div = (x[:, None, :] * w[:, :, None]).reshape(t * k, self.hidden), 1
         else:
             x_div = k
-        q13, q2 = self.w13.streams(), self.w2.streams()
-        h = qtiles_experts_linear(x, q13, ids, 2 * self.intermediate, self.hidden, x_div, mode=self.w13.qmode)
-        y = qtiles_experts_linear(
-            act_and_mul(h, activation), q2, ids, self.hidden, self.intermediate, 1, mode=self.w2.qmode
-        )
+        h = qtiles_experts_linear(x, self.w13.compressed_weight, ids, 2 * self.intermediate, x_div)
+        y = qtiles_experts_linear(act_and_mul(h, activation), self.w2.compressed_weight, ids, self.hidden, 1)
         y = y.view(t, k, self.hidden)
         return y.sum(1) if weights_on_input else (y.float() * w[:, :, None].float()).sum(1)
 

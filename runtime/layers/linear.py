@@ -35,15 +35,14 @@ from torch import nn
 
 from unweight.codec import tiles
 
-from ..kernels import qtiles
 from ..kernels.cpu_gemv import gemv_plan, tiles_gemv_cpu, tiles_rows_cpu
-from ..kernels.tile_tensors import tile_tensors
+from ..kernels.transcode import encode_weight, qtiles_to_tiles, tiles_to_qtiles
+from ..kernels.weight import QTilesWeight, TilesWeight
 from .autotune import DEFAULT, FORCE_ENV, Autotuner, batch_bucket, code_version, device_name
 from .transfer import to_device
 
 log = logging.getLogger(__name__)
 PIPELINES = ("decode_matmul", "fused")
-TILES_ROLES = ("sm", "codes", "esc", "esc_index")
 
 
 def compute_dtype(device: torch.device | str) -> torch.dtype:
@@ -158,31 +157,36 @@ class UnweightLinear(nn.Module):
         super().__init__()
         p = tiles.TilesParams.from_json(params)
         tiles.check(streams, p, out_features, in_features)  # a corrupt tile set stops here
-        self._setup(in_features, out_features, p, TILES_ROLES, tile_tensors(streams), bias, autotuner)
+        self._setup(TilesWeight.from_numpy(streams, p, out_features, in_features), bias, autotuner)
 
-    def _setup(
-        self,
-        in_features: int,
-        out_features: int,
-        params: tiles.TilesParams,
-        roles: tuple[str, ...],
-        buffers: dict[str, torch.Tensor],
-        bias,
-        autotuner,
-        qmode: int = 0,
-    ) -> None:
-        self.in_features, self.out_features = in_features, out_features
-        # of the qtiles layout (kernels/qtiles.py), kept on the host: the launchers take it from here, no device read
-        self.qmode = qmode
-        self.params = params  # of the tiles layout (its block size is kept when moving back to the CPU)
-        self._roles = roles  # the layout the buffers hold: tiles (CPU) or qtiles (CUDA)
-        for role in roles:
-            self.register_buffer(role, buffers[role])
+    def _setup(self, weight: TilesWeight | QTilesWeight, bias, autotuner) -> None:
+        self.out_features, self.in_features = weight.shape
+        # the tiles block size a weight held as qtiles takes when it moves back to the CPU
+        self._tiles_block = weight.block if isinstance(weight, TilesWeight) else tiles.DEFAULT_BLOCK
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
         self.autotuner = autotuner or DEFAULT
         self._warned: set[str] = set()
         self._chosen: dict[tuple, str] = {}
-        self._plan_key, self._plan = None, None  # the CPU GEMV's plan (_cpu_gemv)
+        self.assign_weight(weight)
+
+    def assign_weight(self, weight: TilesWeight | QTilesWeight) -> None:
+        """Hold `weight` (W of this layer's shape, in either layout): its streams become the
+        module's buffers (state_dict, .to, memory accounting), named by role, and the launchers
+        take the value itself, `compressed_weight`. Whoever replaces the streams calls this (the
+        layer does at every move: nn.Module._apply), so the value never lags its buffers."""
+        if weight.shape != (self.out_features, self.in_features):
+            raise ValueError(
+                f"a {weight.shape} weight cannot replace this layer's {(self.out_features, self.in_features)}"
+            )
+        old = self.__dict__.get("compressed_weight")
+        if old is not None:
+            for role in old.ROLES:
+                self._buffers.pop(role, None)
+        for role, t in weight.streams().items():
+            self.register_buffer(role, t)
+        self.compressed_weight = weight
+        # the fused CPU GEMV's plan and the value it was made for (_cpu_gemv)
+        self._plan_key, self._plan = None, None
 
     @classmethod
     def from_values(
@@ -190,17 +194,9 @@ class UnweightLinear(nn.Module):
     ) -> UnweightLinear:
         """A layer from W as uint16 values, encoded once into the layout `device` reads: for a GPU
         straight into qtiles, without the tiles encode and decode that moving it there would run."""
-        if device is None or torch.device(device).type != "cuda":
-            p, streams = tiles.encode(values, out_f, in_f)
-            return cls(in_f, out_f, streams, p.to_json(), bias, autotuner)
-        q = qtiles.encode(values, out_f, in_f)
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
-        qmode = int(q.pop("mode")[0])
-        buffers = {k: torch.from_numpy(v) for k, v in q.items()}
-        layer._setup(
-            in_f, out_f, tiles.TilesParams(0, tiles.DEFAULT_BLOCK), qtiles.ROLES, buffers, bias, autotuner, qmode
-        )
+        layer._setup(encode_weight(values, out_f, in_f, device), bias, autotuner)
         return layer
 
     @classmethod
@@ -271,42 +267,40 @@ class UnweightLinear(nn.Module):
     @property
     def stored_bytes(self) -> int:
         """Resident bytes of the weight (the streams), as held on the module's device."""
-        return sum(b.numel() * b.element_size() for b in self.streams().values())
-
-    def streams(self) -> dict[str, torch.Tensor]:
-        """The resident streams by role, as the launchers take them: `tiles` roles on the CPU
-        (with `params`), `qtiles` roles on CUDA (with `qmode`). Read from `_buffers` directly, as
-        every forward does: nn.Module's attribute lookup of four buffers costs 2 µs a call."""
-        buffers = self._buffers
-        return {role: buffers[role] for role in self._roles}
+        return self.compressed_weight.stored_bytes
 
     def _apply(self, fn, recurse=True):
-        """Transcode the streams when the layer moves between the CPU and a GPU, then move them."""
-        target = fn(torch.empty(0, dtype=torch.uint8, device=self.sm.device)).device.type
-        if (target == "cuda") != (self._roles == qtiles.ROLES):
+        """Transcode the streams when the layer moves between the CPU and a GPU, then move them, and
+        hold the value of the streams as they lie afterwards (moved, or shared: share_memory_ moves
+        a tensor's storage in place)."""
+        w = self.compressed_weight
+        target = fn(torch.empty(0, dtype=torch.uint8, device=w.device)).device.type
+        if (target == "cuda") != isinstance(w, QTilesWeight):
             self._transcode(target)
-        return super()._apply(fn, recurse)
+        out = super()._apply(fn, recurse)
+        self._reassign()
+        return out
+
+    def _load_from_state_dict(self, *args, **kw):
+        """Loaded streams (copied in place, or assigned: load_state_dict(assign=True)) make a new value."""
+        super()._load_from_state_dict(*args, **kw)
+        self._reassign()
+
+    def _reassign(self) -> None:
+        """A new value over the buffers as they are now."""
+        b, w = self._buffers, self.compressed_weight
+        self.assign_weight(w.with_streams({role: b[role] for role in w.ROLES}))
 
     def _transcode(self, target: str) -> None:
-        rows, cols = self.out_features, self.in_features
-        host = {role: t.cpu().numpy() for role, t in self.streams().items()}
+        """Hold the weight in the layout `target` reads (qtiles for "cuda", else tiles), its streams
+        on the CPU (nn.Module._apply moves them after)."""
+        w = self.compressed_weight
         if target == "cuda":
-            host["esc_index"] = host["esc_index"].astype("<u4").view(np.uint8)
-            host["esc"] = host["esc"][: int(host["esc_index"].view("<u4")[-1])]
-            new = qtiles.from_tiles(host, self.params.to_json(), rows, cols)
-            self.qmode = int(new.pop("mode")[0])
-            tensors, roles = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in new.items()}, qtiles.ROLES
+            self.assign_weight(tiles_to_qtiles(w))
         else:
-            values = qtiles.decode_reference({**host, "mode": np.array([self.qmode], np.uint8)}, rows, cols).ravel()
-            p, streams = tiles.encode(values, rows, cols, self.params.block)
-            self.params = p
-            tensors, roles = tile_tensors(streams), TILES_ROLES
-        device = self.sm.device
-        for role in self._roles:
-            del self._buffers[role]
-        self._roles = roles
-        for role, t in tensors.items():
-            self.register_buffer(role, t.to(device))
+            new = qtiles_to_tiles(w, self._tiles_block)
+            self._tiles_block = new.block
+            self.assign_weight(new)
 
     def decoded_weight(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """The weight, decoded now into a temporary tensor on the module's device (exact in BF16
@@ -320,16 +314,12 @@ class UnweightLinear(nn.Module):
         checked already with check=False (a captured graph may not wait)."""
         if check:
             _check_row_ids(ids, self.out_features)
-        if self.sm.device.type == "cuda":
+        w = self.compressed_weight
+        if w.device.type == "cuda":
             from unweight.runtime.kernels.qtiles_decode import qtiles_decode
 
-            ids_dev = None if ids is None else to_device(ids, self.sm.device)
-            return qtiles_decode(self.streams(), self.out_features, self.in_features, ids_dev, mode=self.qmode).to(
-                dtype
-            )
-        return tiles_rows_cpu(
-            self.streams(), self.params.base, self.params.block, self.out_features, self.in_features, ids, dtype
-        )
+            return qtiles_decode(w, None if ids is None else to_device(ids, w.device)).to(dtype)
+        return tiles_rows_cpu(w, ids, dtype)
 
     def _pipelines(self, m: int, device: torch.device) -> tuple[str, ...]:
         """The pipelines that can take m rows of x on the device."""
@@ -348,50 +338,32 @@ class UnweightLinear(nn.Module):
             # with before any other layer decodes there: no fresh pages to fault in, no fp32 copy
             buf = _WORKSPACE.take(nbytes)
             w = torch.from_numpy(buf).view(x.dtype).view(self.out_features, self.in_features)
-            p = self.params
-            return F.linear(x, tiles_rows_cpu(self.streams(), p.base, p.block, *w.shape, None, x.dtype, out=w))
+            return F.linear(x, tiles_rows_cpu(self.compressed_weight, None, x.dtype, out=w))
         if x.is_cuda:  # (is_cuda, not device.type: a fifth of a microsecond a call)
             from unweight.runtime.kernels.qtiles_matmul import qtiles_linear
 
-            return qtiles_linear(x, self.streams(), self.out_features, self.in_features, mode=self.qmode)
+            return qtiles_linear(x, self.compressed_weight)
         plan = self._cpu_gemv()
-        y = (
-            plan(x)
-            if plan is not None
-            else tiles_gemv_cpu(
-                x, self.streams(), self.params.base, self.params.block, self.out_features, self.in_features
-            )
-        )
+        y = plan(x) if plan is not None else tiles_gemv_cpu(x, self.compressed_weight)
         return y if y.dtype is x.dtype else y.to(x.dtype)
 
     def __getstate__(self) -> dict:
         """Pickled or deep-copied without the CPU GEMV's plan (a closure over the streams' addresses),
-        which the copy makes again for its own streams."""
+        which the copy makes again for its own streams (its value is a copy too: another key)."""
         return {**super().__getstate__(), "_plan_key": None, "_plan": None}
 
     def _cpu_gemv(self):
-        """The fused CPU GEMV's plan for the streams as they lie now (cpu_gemv.gemv_plan), made again
-        when they move or are replaced: keyed by their addresses and sizes, never by the tensors
-        themselves (a deep copy of the layer copies those with it, not the memory the plan reads)."""
-        b = self._buffers
-        sm, codes, esc, index = b["sm"], b["codes"], b["esc"], b["esc_index"]
-        key = (
-            sm.data_ptr(),
-            codes.data_ptr(),
-            esc.data_ptr(),
-            index.data_ptr(),
-            codes.numel(),
-            esc.numel(),
-            index.numel(),
-        )
-        if self._plan_key != key:
-            p = self.params
-            self._plan = gemv_plan(self.streams(), p.base, p.block, self.out_features, self.in_features)
-            self._plan_key = key
+        """The fused CPU GEMV's plan for the streams as they lie now (cpu_gemv.gemv_plan), keyed by
+        the value it was made for, by identity: a move or a replacement of the streams makes a new
+        value (assign_weight), and a copy of the layer drops the plan (__getstate__)."""
+        w = self.compressed_weight
+        if self._plan_key is not w:
+            self._plan = gemv_plan(w)
+            self._plan_key = w
         return self._plan
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        device = self._buffers["sm"].device
+        device = self.compressed_weight.device
         x = _compute_input(x, device, self._note)
         if x.device != device:
             raise ValueError(f"input is on {x.device}, the layer on {device}")
@@ -419,7 +391,7 @@ class UnweightLinear(nn.Module):
             log.info("UnweightLinear(%d, %d): %s", self.in_features, self.out_features, message)
 
     def extra_repr(self) -> str:
-        layout = "qtiles" if self._roles == qtiles.ROLES else "tiles"
+        layout = self.compressed_weight.layout
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, layout={layout}, "
             f"stored_bytes={self.stored_bytes}"

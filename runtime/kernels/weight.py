@@ -1,0 +1,218 @@
+"""The resident compressed weight: one typed value per layout, what every launcher takes and every
+layer holds.
+
+A weight W (rows, cols) in BF16 lies in memory as a few byte streams plus a handful of layout
+numbers. Each kind below holds its streams (torch tensors on one device), W's shape and the layout
+parameters the kernels need, validated once when the value is made; the launchers (cpu_gemv.py,
+qtiles_matmul.py, qtiles_decode.py) take the value and hand the numba or Triton kernels its
+streams and numbers as flat arguments.
+
+| kind | layout | device | streams | parameters |
+| --- | --- | --- | --- | --- |
+| `TilesWeight` | `tiles` (unweight/codec/tiles.py), stored | CPU | sm, codes, esc, esc_index | base, block |
+| `QTilesWeight` | `qtiles` (qtiles.py), resident | CUDA | sm, codes, base, esc_row, esc_col, esc_exp | mode |
+
+A value is immutable and compares by identity: whoever caches something made from its streams
+(the CPU GEMV's plan over their addresses) keys the cache by the value, and a layer makes a new
+value whenever its streams change (moved, transcoded, replaced). The transcoders between the two
+layouts are in transcode.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import ClassVar
+
+import numpy as np
+import torch
+
+from unweight.codec import tiles
+
+
+def _check_streams(kind: str, streams: dict[str, torch.Tensor], dtypes: dict[str, tuple[torch.dtype, ...]]):
+    """The streams' one device; each stream a 1-D tensor of one of its dtypes (ValueError naming it)."""
+    device = None
+    for role, t in streams.items():
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{kind} stream {role!r} must be a torch.Tensor, not {type(t).__name__}")
+        if t.dtype not in dtypes[role]:
+            raise ValueError(f"{kind} stream {role!r} must be {' or '.join(map(str, dtypes[role]))}, not {t.dtype}")
+        if t.dim() != 1:
+            raise ValueError(f"{kind} stream {role!r} must be 1-D, not of shape {tuple(t.shape)}")
+        if device is None:
+            device = t.device
+        elif t.device != device:
+            raise ValueError(f"{kind} streams lie on {device} and {t.device} ({role!r}): they must share a device")
+    return device
+
+
+def _check_shape(kind: str, rows, cols) -> None:
+    for name, v in (("rows", rows), ("cols", cols)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"{kind} {name} {v!r} is not a non-negative integer")
+
+
+class _Streams:
+    """What both kinds share: their streams by role, bytes and device."""
+
+    __slots__ = ()
+    ROLES: ClassVar[tuple[str, ...]]
+
+    def streams(self) -> dict[str, torch.Tensor]:
+        """The streams by role, in ROLES order."""
+        return {role: getattr(self, role) for role in self.ROLES}
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes the streams hold on their device."""
+        return sum(t.numel() * t.element_size() for t in self.streams().values())
+
+    nbytes = stored_bytes
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.rows, self.cols
+
+    def with_streams(self, streams: dict[str, torch.Tensor]):
+        """The same weight over other tensors of its streams (moved, shared, replaced), validated again."""
+        return replace(self, **streams)
+
+    def to(self, device: torch.device | str):
+        """The same weight, its streams on `device` (in the same layout)."""
+        return self.with_streams({role: t.to(device) for role, t in self.streams().items()})
+
+    def __repr__(self) -> str:
+        sizes = ", ".join(f"{role}={getattr(self, role).numel()}" for role in self.ROLES)
+        return f"{type(self).__name__}({self.rows}x{self.cols}, {self._params_repr()}, {sizes}, device={self.device})"
+
+
+@dataclass(frozen=True, slots=True, eq=False, repr=False)
+class TilesWeight(_Streams):
+    """W (rows, cols) BF16 in the stored `tiles` layout, as the CPU kernels read it: every weight
+    its sign+mantissa byte and a 3-bit exponent code (base + code, 7 an escape), escapes' exponents
+    listed in `esc`, indexed per block of `block` columns."""
+
+    sm: torch.Tensor  # (rows * cols,) uint8: sign and mantissa bits of each weight, row-major
+    codes: torch.Tensor  # (ceil(rows * cols / 8) * 3,) uint8: 3-bit codes, 8 weights in 3 bytes
+    esc: torch.Tensor  # (escapes, at least 1) uint8: escaped weights' exponents in row-major order
+    esc_index: torch.Tensor  # (rows * ceil(cols / block) + 1,) int64: escapes before each block
+    rows: int
+    cols: int
+    base: int  # exponent of code 0
+    block: int  # columns per escape-index block (a multiple of 8)
+    device: torch.device = field(init=False)
+
+    ROLES: ClassVar[tuple[str, ...]] = ("sm", "codes", "esc", "esc_index")
+    layout: ClassVar[str] = "tiles"
+
+    def __post_init__(self) -> None:
+        _check_shape("tiles", self.rows, self.cols)
+        tiles.TilesParams(self.base, self.block)  # ValueError naming base or block
+        u8, i64 = (torch.uint8,), (torch.int64,)
+        device = _check_streams("tiles", self.streams(), {"sm": u8, "codes": u8, "esc": u8, "esc_index": i64})
+        n = self.rows * self.cols
+        want = {"sm": n, "codes": -(-n // 8) * 3, "esc_index": self.rows * -(-self.cols // self.block) + 1}
+        for role, length in want.items():
+            if getattr(self, role).numel() != length:
+                raise ValueError(
+                    f"tiles stream {role!r} holds {getattr(self, role).numel()} entries; a ({self.rows}, {self.cols}) "
+                    f"weight in blocks of {self.block} needs {length}"
+                )
+        if self.esc.numel() < 1:
+            raise ValueError("tiles stream 'esc' must hold at least one byte (kernels take its address)")
+        object.__setattr__(self, "device", device)
+
+    @property
+    def params(self) -> tiles.TilesParams:
+        return tiles.TilesParams(self.base, self.block)
+
+    def _params_repr(self) -> str:
+        return f"base={self.base}, block={self.block}"
+
+    @classmethod
+    def from_numpy(
+        cls,
+        streams: dict[str, np.ndarray],
+        params: tiles.TilesParams,
+        rows: int,
+        cols: int,
+        device: torch.device | str = "cpu",
+    ) -> TilesWeight:
+        """A weight from the tiles streams as the codec writes them (esc_index in little-endian uint32
+        bytes), laid out as the kernels read them (tile_tensors: in the stream arena on the CPU)."""
+        from .tile_tensors import tile_tensors
+
+        return cls(**tile_tensors(streams, device), rows=rows, cols=cols, base=params.base, block=params.block)
+
+
+_QTILES_DTYPES = {
+    "sm": (torch.uint8,),
+    "codes": (torch.uint8,),
+    "base": (torch.uint8,),
+    "esc_row": (torch.int32,),
+    "esc_col": (torch.uint16, torch.int32),
+    "esc_exp": (torch.uint8,),
+}
+
+
+@dataclass(frozen=True, slots=True, eq=False, repr=False)
+class QTilesWeight(_Streams):
+    """W (rows, cols) BF16 in the resident `qtiles` layout (qtiles.py), as the CUDA kernels read it:
+    groups of 32 columns, four weights per 32-bit word, a base exponent per row, escapes listed per
+    row. `mode` (0 or 1) picks the kernels' variant; it is kept on the host, so no launch waits to
+    read it."""
+
+    sm: torch.Tensor  # (rows * 32 G,) uint8, G = ceil(cols / 32): sign and mantissa bits
+    codes: torch.Tensor  # (rows * G * 12,) uint8: three words of code bits per group
+    base: torch.Tensor  # (rows,) uint8: each row's base exponent
+    esc_row: torch.Tensor  # (rows + 1,) int32: first listed escape of each row
+    esc_col: torch.Tensor  # (escapes,) uint16 (cols <= 65536) or int32: their columns
+    esc_exp: torch.Tensor  # (escapes,) uint8: their exponents
+    rows: int
+    cols: int
+    mode: int  # 0: eight-exponent windows; 1: seven and a zero code
+    device: torch.device = field(init=False)
+
+    ROLES: ClassVar[tuple[str, ...]] = ("sm", "codes", "base", "esc_row", "esc_col", "esc_exp")
+    layout: ClassVar[str] = "qtiles"
+
+    def __post_init__(self) -> None:
+        _check_shape("qtiles", self.rows, self.cols)
+        if self.mode not in (0, 1) or isinstance(self.mode, bool):
+            raise ValueError(f"qtiles mode must be 0 or 1, not {self.mode!r}")
+        device = _check_streams("qtiles", self.streams(), _QTILES_DTYPES)
+        held, g = self.base.numel(), -(-self.cols // 32)
+        if held != self.rows or self.sm.numel() != held * 32 * g or self.codes.numel() != held * 12 * g:
+            raise ValueError(
+                f"the qtiles streams hold a {held}-row matrix of {self.sm.numel() // max(held, 1)} stored columns, "
+                f"not ({self.rows}, {self.cols})"
+            )
+        if self.esc_row.numel() != held + 1 or self.esc_col.numel() != self.esc_exp.numel():
+            raise ValueError(
+                f"qtiles escape lists do not match: esc_row holds {self.esc_row.numel()} entries for {held} rows, "
+                f"esc_col {self.esc_col.numel()} and esc_exp {self.esc_exp.numel()}"
+            )
+        object.__setattr__(self, "device", device)
+
+    def _params_repr(self) -> str:
+        return f"mode={self.mode}"
+
+    @classmethod
+    def from_streams(
+        cls, streams: dict, rows: int, cols: int, mode: int | None = None, device: torch.device | str | None = None
+    ) -> QTilesWeight:
+        """A weight from qtiles streams as qtiles.encode returns them (numpy arrays) or as tensors;
+        `mode` as given, else read from the `mode` stream (a wait, if that lies on a GPU). With
+        `device`, the streams are moved there."""
+        if mode is None:
+            m = streams["mode"]
+            mode = int((m.cpu().numpy() if isinstance(m, torch.Tensor) else np.asarray(m)).reshape(-1)[0])
+        tensors = {}
+        for role in cls.ROLES:
+            t = streams[role]
+            t = torch.from_numpy(np.ascontiguousarray(t)) if isinstance(t, np.ndarray) else t
+            tensors[role] = t if device is None else t.to(device)
+        return cls(**tensors, rows=rows, cols=cols, mode=mode)
+
+
+CompressedWeight = TilesWeight | QTilesWeight
