@@ -419,6 +419,7 @@ def test_archive_linear_rows_and_fp32_forward_in_row_blocks(monkeypatch):
     few rows at a time (a block size that leaves a short last block), matches F.linear on W."""
     from unweight.codec import CodecOptions, encode_tensor
     from unweight.runtime.layers import linear as L
+    from unweight.runtime.layers import workspace
 
     weights = [random_bf16(300, 64, seed=21), random_bf16(37, 64, seed=22)]
     parts = [
@@ -436,7 +437,7 @@ def test_archive_linear_rows_and_fp32_forward_in_row_blocks(monkeypatch):
     assert mod.rows(torch.tensor([], dtype=torch.long)).shape == (0, 64)
     with pytest.raises(ValueError, match=r"\[0, 337\)"):
         mod.rows(torch.tensor([337]))
-    monkeypatch.setattr(L, "ROW_BLOCK_BYTES", 64 * 4 * 50)  # 50 rows a block: 7 blocks, the last of 37
+    monkeypatch.setattr(workspace, "ROW_BLOCK_BYTES", 64 * 4 * 50)  # 50 rows a block: 7 blocks, the last of 37
     for shape in ((64,), (3, 64), (2, 5, 64)):
         x = torch.randn(shape, generator=torch.Generator().manual_seed(23))
         y = mod(x)
@@ -451,6 +452,7 @@ def test_archive_linear_forwards_share_one_workspace_and_return_their_own_tensor
 
     from unweight.codec import CodecOptions, encode_tensor
     from unweight.runtime.layers import linear as L
+    from unweight.runtime.layers import workspace
 
     def layer(w):
         return L.ArchiveLinear(
@@ -466,16 +468,16 @@ def test_archive_linear_forwards_share_one_workspace_and_return_their_own_tensor
             threads=1,
         )
 
-    monkeypatch.setattr(L, "_WORKSPACE", L._Workspace())  # empty, whatever ran before in this process
+    monkeypatch.setattr(workspace, "WORKSPACE", workspace.Workspace())  # empty, whatever ran before in this process
     small, big = random_bf16(64, 128, seed=41), random_bf16(512, 128, seed=42)
     a, b = layer(small), layer(big)
     x = random_bf16(3, 128, seed=43)
     ya = a(x)
     yb = b(x)
-    buf = L._WORKSPACE.buf
+    buf = workspace.WORKSPACE.buf
     assert buf is not None and buf.nbytes == big.numel() * 2
     ya2 = a(x)
-    assert L._WORKSPACE.buf is buf  # a smaller W reuses the larger buffer
+    assert workspace.WORKSPACE.buf is buf  # a smaller W reuses the larger buffer
     for y, w in ((ya, small), (yb, big), (ya2, small)):  # ya survived b's decode into the workspace
         assert torch.equal(y.view(torch.int16), F.linear(x, w).view(torch.int16))
     assert torch.allclose(b(x.float()), F.linear(x.float(), big.float()), rtol=1e-5, atol=1e-6)
@@ -483,7 +485,7 @@ def test_archive_linear_forwards_share_one_workspace_and_return_their_own_tensor
     a(x)
     assert torch.equal(w.view(torch.int16), big.view(torch.int16))
     other = []
-    t = threading.Thread(target=lambda: (a(x), other.append(L._WORKSPACE.buf)))
+    t = threading.Thread(target=lambda: (a(x), other.append(workspace.WORKSPACE.buf)))
     t.start()
     t.join()
     assert other[0] is not buf and other[0].nbytes == small.numel() * 2  # a thread has its own
@@ -501,25 +503,25 @@ def test_cpu_decode_matmul_decodes_into_the_workspace_in_xs_dtype(monkeypatch):
     """UnweightLinear's CPU decode-then-matmul writes W in x's dtype into the thread's workspace and
     multiplies it as F.linear does, bit for bit; layers take turns there, their results do not alias
     it; a W over WORKSPACE_MAX_BYTES, or one autograd keeps, gets fresh memory."""
-    from unweight.runtime.layers import linear as L
+    from unweight.runtime.layers import workspace as W
 
-    monkeypatch.setattr(L, "_WORKSPACE", L._Workspace())
+    monkeypatch.setattr(W, "WORKSPACE", W.Workspace())
     small, big = random_bf16(64, 128, seed=51), random_bf16(300, 128, seed=52)
     a, b = UnweightLinear.from_weight(small), UnweightLinear.from_weight(big)
     for dtype in (torch.bfloat16, torch.float32):
         x = random_bf16(7, 128, seed=53).to(dtype)
         ya, yb, ya2 = a.run("decode_matmul", x), b.run("decode_matmul", x), a.run("decode_matmul", x)
-        assert L._WORKSPACE.buf.nbytes == 300 * 128 * x.element_size()  # the largest W seen, in x's dtype
+        assert W.WORKSPACE.buf.nbytes == 300 * 128 * x.element_size()  # the largest W seen, in x's dtype
         for y, w in ((ya, small), (yb, big), (ya2, small)):
             assert torch.equal(y.view(torch.int16), F.linear(x, w.to(dtype)).view(torch.int16))
-    monkeypatch.setattr(L, "WORKSPACE_MAX_BYTES", 64 * 128 * 2)
-    monkeypatch.setattr(L, "_WORKSPACE", L._Workspace())
+    monkeypatch.setattr(W, "WORKSPACE_MAX_BYTES", 64 * 128 * 2)
+    monkeypatch.setattr(W, "WORKSPACE", W.Workspace())
     x = random_bf16(7, 128, seed=54)
     b.run("decode_matmul", x)
-    assert L._WORKSPACE.buf is None  # too large for it
+    assert W.WORKSPACE.buf is None  # too large for it
     xg = x.clone().requires_grad_()
     a.run("decode_matmul", xg).sum().backward()
-    assert L._WORKSPACE.buf is None and xg.grad is not None
+    assert W.WORKSPACE.buf is None and xg.grad is not None
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -1,128 +1,47 @@
 """`UnweightLinear`: a linear layer whose weight stays in the serving layout.
 
-Resident memory is the compressed size: the module holds the `tiles` streams as buffers and never
-keeps a decoded copy (the CPU's decode-then-matmul reuses one buffer per thread, shared by every
-layer, of at most WORKSPACE_MAX_BYTES). Each forward picks a pipeline for (device, shape, batch bucket) through the
-autotuner:
+Resident memory is the compressed size: the module holds one compressed weight value
+(`compressed_weight`, runtime/kernels/weight.py), its streams registered as buffers, and never keeps
+a decoded copy (the CPU's decode-then-matmul reuses one buffer per thread, shared by every layer, of
+at most workspace.WORKSPACE_MAX_BYTES). Each forward picks a pipeline for (device, shape, batch
+bucket) through the autotuner, among the rows of the kernel table (linear_kernels.py) that take its
+weight: `decode_matmul` (decode W, then F.linear) and `fused` (W rebuilt in cache or in registers).
 
-| pipeline | CPU (`tiles` streams) | CUDA (`qtiles` streams, runtime/kernels/qtiles.py) |
-| --- | --- | --- |
-| `decode_matmul` | numba decode in x's dtype into a workspace, then F.linear | Triton decode to BF16, then F.linear |
-| `fused` | numba GEMV that rebuilds each row in cache | Triton kernel that decodes W in registers (batches up to 32) |
-
-Moving the layer between the CPU and a GPU (`.to`, `.cuda`, `.cpu`) transcodes its streams: the
-stored `tiles` layout on the CPU, the resident `qtiles` layout that the CUDA kernels read.
+Moving the layer between the CPU and a GPU (`.to`, `.cuda`, `.cpu`) transcodes its weight
+(kernels/transcode.py): the stored `tiles` layout on the CPU, the resident `qtiles` layout that the
+CUDA kernels read.
 
 The CPU computes in fp32 by default (every BF16 weight is exactly an fp32 value, and CPUs without
 BF16 units are faster in fp32), or in BF16 when x is BF16; CUDA computes in BF16. Input of another
 dtype is cast, the reason logged once.
 `rows(ids)` decodes whole rows: the embedding lookup of a (possibly tied) embedding matrix.
 
-`ArchiveLinear` is the same layer over archive-layout streams (any codec): the smallest resident
-size, decoded on the CPU at every forward. It is for memory-starved runs, not for speed.
+`ArchiveLinear` (archive_linear.py), the same layer over archive-layout streams, is re-exported here.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import threading
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from unweight.codec import tiles
 
-from ..kernels.cpu_gemv import gemv_plan, tiles_gemv_cpu, tiles_rows_cpu
+from ..kernels.cpu_gemv import gemv_plan, tiles_rows_cpu
 from ..kernels.transcode import encode_weight, qtiles_to_tiles, tiles_to_qtiles
 from ..kernels.weight import QTilesWeight, TilesWeight
+from .archive_linear import ArchiveLinear
 from .autotune import DEFAULT, FORCE_ENV, Autotuner, batch_bucket, code_version, device_name
+from .inputs import check_parts, check_row_ids, compute_dtype, compute_input
+from .linear_kernels import KERNELS, PIPELINES, kernels_for
 from .transfer import to_device
 
+__all__ = ["KERNELS", "PIPELINES", "ArchiveLinear", "UnweightLinear", "compute_dtype"]
+
 log = logging.getLogger(__name__)
-PIPELINES = ("decode_matmul", "fused")
-
-
-def compute_dtype(device: torch.device | str) -> torch.dtype:
-    """The dtype activations take on a device: fp32 on the CPU, BF16 on CUDA."""
-    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-
-
-def _compute_input(x: torch.Tensor, device: torch.device, note) -> torch.Tensor:
-    if x.dtype is torch.bfloat16 or x.dtype is torch.float32 and device.type != "cuda":
-        return x  # (the common case first: every forward passes here)
-    want = compute_dtype(device)
-    note(f"input is {x.dtype}; computing in {want}")
-    return x.to(want)
-
-
-def _check_parts(entries) -> int:
-    """in_features shared by 2-D BF16 tensors that are stacked by rows; errors name the tensor."""
-    for e in entries:
-        if not tiles.applies(e.dtype, e.shape):
-            raise ValueError(f"tensor {e.name!r}: a linear weight must be 2-D BF16, not {e.dtype}{list(e.shape)}")
-        if e.shape[1] != entries[0].shape[1]:
-            raise ValueError(
-                f"tensor {e.name!r} has {e.shape[1]} columns, {entries[0].name!r} {entries[0].shape[1]}: they cannot "
-                f"be stacked"
-            )
-    return entries[0].shape[1]
-
-
-# Bytes of W (in x's dtype) converted at a time: about a Zen 3 core's L2. SmolLM2-135M decode steps in
-# the archive layout, against 256 KiB: 128 KiB 1.00x, 512 KiB and 1 MiB 1.12x, 4 MiB 0.95x.
-ROW_BLOCK_BYTES = 512 << 10
-
-
-def _linear_in_row_blocks(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """F.linear(x, w.to(x.dtype)) for a BF16 `w` on the CPU, converting w a block of rows at a time
-    into one small buffer that stays in cache, instead of writing and reading back a whole copy
-    of W in x's dtype (twice W's bytes)."""
-    n, k = w.shape
-    xs = x.reshape(-1, k)
-    step = max(1, ROW_BLOCK_BYTES // (k * x.element_size()))
-    yt = torch.empty(n, xs.shape[0], dtype=x.dtype)
-    buf = torch.empty(min(step, n), k, dtype=x.dtype)
-    xt = xs.t()
-    for r0 in range(0, n, step):
-        r1 = min(n, r0 + step)
-        block = buf[: r1 - r0]
-        block.copy_(w[r0:r1])
-        torch.mm(block, xt, out=yt[r0:r1])
-    return yt.t().reshape(*x.shape[:-1], n)
-
-
-class _Workspace(threading.local):
-    """One growing, 8-byte aligned byte buffer per thread. ArchiveLinear.forward decodes W into it
-    and consumes W before returning, so W's pages are faulted in once per thread instead of at
-    every forward (an 8B-shaped 14336x4096 layer's CPU forward ran 1.17x faster, 1536x576 1.28x).
-    Peak memory is what decoding into fresh memory reached; between forwards the buffer stays, the
-    size of the largest weight decoded on that thread."""
-
-    buf: np.ndarray | None = None
-
-    def take(self, nbytes: int) -> np.ndarray:
-        if self.buf is None or self.buf.nbytes < nbytes:
-            self.buf = None  # drop the old one before allocating the larger
-            self.buf = np.empty(-(-nbytes // 8), dtype=np.uint64).view(np.uint8)
-        return self.buf[:nbytes]
-
-
-_WORKSPACE = _Workspace()
-# The largest W (in x's dtype) that UnweightLinear's CPU decode-then-matmul decodes into the
-# workspace; a larger one (an 8B's MLP, a vocabulary) gets fresh memory, freed after its product,
-# so the workspace never holds more than this. 256-row BF16 products of SmolLM2's shapes against
-# fresh memory and a BF16 copy of an fp32 decode: 3-10% less time each.
-WORKSPACE_MAX_BYTES = 32 << 20
-
-
-def _check_row_ids(ids: torch.Tensor | None, rows: int) -> None:
-    """Row ids (None: all rows) must lie in [0, rows): a bad token id is refused before any
-    kernel indexes with it."""
-    if ids is not None and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= rows):
-        raise ValueError(f"row ids must lie in [0, {rows})")
 
 
 class _CompressedMatmul(torch.autograd.Function):
@@ -185,6 +104,7 @@ class UnweightLinear(nn.Module):
         for role, t in weight.streams().items():
             self.register_buffer(role, t)
         self.compressed_weight = weight
+        self._kernels = kernels_for(weight)  # the rows of KERNELS that read it, by pipeline
         # the fused CPU GEMV's plan and the value it was made for (_cpu_gemv)
         self._plan_key, self._plan = None, None
 
@@ -259,7 +179,7 @@ class UnweightLinear(nn.Module):
             return cls.from_entry(*parts[0], bias, threads, device, **kw)
         from unweight.codec import decode_tensor
 
-        in_f = _check_parts([e for e, _ in parts])
+        in_f = check_parts([e for e, _ in parts])
         values = np.concatenate([decode_tensor(e, st, threads).view(np.uint16) for e, st in parts])
         out_f = sum(e.shape[0] for e, _ in parts)
         return cls.from_values(values, out_f, in_f, bias, device, **kw)
@@ -313,7 +233,7 @@ class UnweightLinear(nn.Module):
         when they lie on a GPU: give host ids (the model does) and the lookup never waits, or ids
         checked already with check=False (a captured graph may not wait)."""
         if check:
-            _check_row_ids(ids, self.out_features)
+            check_row_ids(ids, self.out_features)
         w = self.compressed_weight
         if w.device.type == "cuda":
             from unweight.runtime.kernels.qtiles_decode import qtiles_decode
@@ -322,30 +242,15 @@ class UnweightLinear(nn.Module):
         return tiles_rows_cpu(w, ids, dtype)
 
     def _pipelines(self, m: int, device: torch.device) -> tuple[str, ...]:
-        """The pipelines that can take m rows of x on the device."""
-        from unweight.runtime.kernels.qtiles_matmul import MAX_M
-
-        return PIPELINES if device.type != "cuda" or m <= MAX_M else ("decode_matmul",)
+        """The pipelines that can take m rows of x on the device: the names of the kernel table's
+        rows (linear_kernels.KERNELS) that implement this weight there."""
+        w = self.compressed_weight
+        return tuple(name for name, k in self._kernels.items() if k.can_implement(w, m, device))
 
     def run(self, pipeline: str, x: torch.Tensor) -> torch.Tensor:
         """x @ W^T through one pipeline, without the autotuner or the bias (forward adds both); a
         subclass may replace one (the vLLM plugin's multiplies through vLLM's own GEMM)."""
-        if pipeline == "decode_matmul":
-            nbytes = self.out_features * self.in_features * x.element_size()
-            if x.device.type != "cpu" or nbytes > WORKSPACE_MAX_BYTES or torch.is_grad_enabled() and x.requires_grad:
-                return F.linear(x, self.decoded_weight(x.dtype))
-            # W written straight in x's dtype into this thread's workspace, which F.linear is done
-            # with before any other layer decodes there: no fresh pages to fault in, no fp32 copy
-            buf = _WORKSPACE.take(nbytes)
-            w = torch.from_numpy(buf).view(x.dtype).view(self.out_features, self.in_features)
-            return F.linear(x, tiles_rows_cpu(self.compressed_weight, None, x.dtype, out=w))
-        if x.is_cuda:  # (is_cuda, not device.type: a fifth of a microsecond a call)
-            from unweight.runtime.kernels.qtiles_matmul import qtiles_linear
-
-            return qtiles_linear(x, self.compressed_weight)
-        plan = self._cpu_gemv()
-        y = plan(x) if plan is not None else tiles_gemv_cpu(x, self.compressed_weight)
-        return y if y.dtype is x.dtype else y.to(x.dtype)
+        return self._kernels[pipeline].apply(self, x)
 
     def __getstate__(self) -> dict:
         """Pickled or deep-copied without the CPU GEMV's plan (a closure over the streams' addresses),
@@ -364,7 +269,7 @@ class UnweightLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         device = self.compressed_weight.device
-        x = _compute_input(x, device, self._note)
+        x = compute_input(x, device, self._note)
         if x.device != device:
             raise ValueError(f"input is on {x.device}, the layer on {device}")
         m = x.numel() // self.in_features if self.in_features else 0
@@ -394,105 +299,5 @@ class UnweightLinear(nn.Module):
         layout = self.compressed_weight.layout
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, layout={layout}, "
-            f"stored_bytes={self.stored_bytes}"
-        )
-
-
-class ArchiveLinear(nn.Module):
-    """y = x @ W^T + b with W kept in its archive-layout streams (rans, zstd or raw) on the CPU.
-
-    W may be several checkpoint tensors stacked by rows (parts). Every forward decodes W on the
-    CPU threads (numba) into a workspace shared by all layers on the thread (`_Workspace`), then
-    multiplies on the input's device (on the CPU in fp32, converting W a block of rows at a time).
-    Resident memory is the archive size plus that workspace, the size of the largest W decoded.
-    `rows(ids)` decodes only the rans chunks that hold those rows."""
-
-    def __init__(self, parts: list[tuple], bias: torch.Tensor | None = None, threads: int | None = None):
-        super().__init__()
-        from unweight.codec.tensor_codec import check_entry
-
-        self.in_features = _check_parts([e for e, _ in parts])
-        self.out_features = sum(e.shape[0] for e, _ in parts)
-        self.entries = [e for e, _ in parts]
-        self.threads = threads
-        self._names: list[dict[str, str]] = []
-        for i, (entry, streams) in enumerate(parts):
-            check_entry(entry, streams)
-            names = {role: f"stream{i}_{role}" for role in sorted(streams)}
-            for role, buf in names.items():  # owned copies: the module must outlive the file mapping
-                self.register_buffer(buf, torch.from_numpy(np.array(streams[role], dtype=np.uint8)), persistent=False)
-            self._names.append(names)
-        self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
-
-    @property
-    def stored_bytes(self) -> int:
-        return sum(getattr(self, b).numel() for names in self._names for b in names.values())
-
-    @property
-    def _weight_bytes(self) -> int:  # W in BF16: every part is 2-D BF16 (_check_parts)
-        return 2 * self.out_features * self.in_features
-
-    def _part_streams(self, part: int) -> dict[str, np.ndarray]:
-        return {role: getattr(self, b).numpy() for role, b in self._names[part].items()}
-
-    def decoded_weight(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        """W decoded afresh, a tensor the caller owns."""
-        return self._decode_into(np.empty(self._weight_bytes, dtype=np.uint8)).to(dtype)
-
-    def _decode_into(self, buf: np.ndarray) -> torch.Tensor:
-        """W decoded into `buf` (W's BF16 bytes), each part straight into its rows (a part that would
-        start off an 8-byte boundary, which decode_tensor's `out` needs, is decoded and copied)."""
-        from unweight.codec import decode_tensor
-
-        at = 0
-        for i, entry in enumerate(self.entries):
-            streams = self._part_streams(i)
-            rows = buf[at : at + entry.nbytes]
-            if rows.ctypes.data % 8:
-                rows[:] = decode_tensor(entry, streams, self.threads, verify=False)
-            else:
-                decode_tensor(entry, streams, self.threads, verify=False, out=rows)
-            at += entry.nbytes
-        return torch.from_numpy(buf).view(torch.bfloat16).reshape(self.out_features, self.in_features)
-
-    def rows(self, ids: torch.Tensor | None, dtype: torch.dtype = torch.bfloat16, check: bool = True) -> torch.Tensor:
-        """Rows `ids` (all if None, on the CPU), shape (len(ids), in_features), on ids' device:
-        each part decodes only what holds the rows asked of it (codec.decode_rows), so an embedding
-        lookup of a few tokens decodes a few chunks instead of the whole matrix. The ids are always
-        checked (check is accepted as UnweightLinear.rows takes it: this lookup runs on the host)."""
-        _check_row_ids(ids, self.out_features)
-        if ids is None:
-            return self.decoded_weight(dtype)
-        from unweight.codec import decode_rows
-
-        flat = ids.reshape(-1).cpu().numpy().astype(np.int64)
-        out = torch.empty(len(flat), self.in_features, dtype=torch.bfloat16)
-        start = 0
-        for i, entry in enumerate(self.entries):
-            stop = start + entry.shape[0]
-            where = np.flatnonzero((flat >= start) & (flat < stop))
-            if len(where):
-                got = decode_rows(entry, self._part_streams(i), flat[where] - start, self.threads)
-                out[torch.from_numpy(where)] = torch.from_numpy(got.view(np.int16)).view(torch.bfloat16)
-            start = stop
-        return out.to(device=ids.device, dtype=dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = _compute_input(x, x.device, lambda m: None)
-        nbytes = self._weight_bytes
-        # W is consumed before returning, unless autograd keeps it for a backward pass: then it gets
-        # its own memory, and the product is a plain F.linear (the blocked one writes with out=)
-        keeps_w = torch.is_grad_enabled() and x.requires_grad
-        w = self._decode_into(np.empty(nbytes, dtype=np.uint8) if keeps_w else _WORKSPACE.take(nbytes))
-        if x.device.type == "cpu" and x.dtype != torch.bfloat16 and not keeps_w:
-            y = _linear_in_row_blocks(x, w)
-        else:
-            y = F.linear(x, w.to(device=x.device, dtype=x.dtype))
-        return y + self.bias if self.bias is not None else y
-
-    def extra_repr(self) -> str:
-        codecs = ",".join(sorted({e.codec for e in self.entries}))
-        return (
-            f"in_features={self.in_features}, out_features={self.out_features}, layout=archive ({codecs}), "
             f"stored_bytes={self.stored_bytes}"
         )
