@@ -14,7 +14,7 @@ second of wall time) and bit-exactness of:
 
 Then unweight and zipnn run back to back --paired times (encode, then decode, one thread
 each, the order alternating); the median of the per-pair speed ratios is the figure that
-survives this VM's drift.
+survives a shared machine's drift.
 Each pair also decodes unweight into one buffer allocated once, as decompress and verify do
 (decode_tensor(out=...)): the ratio without the cost of faulting in fresh output memory. The
 process's user and system CPU time over each call (getrusage) is reported beside: user time is
@@ -204,8 +204,8 @@ def bench_zipnn(buf: np.ndarray, orig, args):
 
 def paired_vs_zipnn(tensors, buf: np.ndarray, args):
     """unweight and zipnn (one thread each) timed back to back, `--paired` times: encode then
-    decode, each method right after the other. This VM's speed drifts by up to 2x within minutes
-    (a shared host), so the ratio of each pair is the robust figure; its median is reported.
+    decode, each method right after the other. A shared machine's speed drifts by up to 2x within
+    minutes, so the ratio of each pair is the robust figure; its median is reported.
 
     The order alternates (unweight first in even pairs, zipnn first in odd ones): what ran just
     before changes the cost of fresh memory. The kernel faults in the output pages of a decode, and
