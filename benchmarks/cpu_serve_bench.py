@@ -299,7 +299,10 @@ def main() -> None:
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
 
     from unweight.defaults import cache_dir
-    from unweight.testing import smollm2_bf16, vllm_env
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # test support: envs, hosts, peak_rss
+    from envs import vllm_env
+    from unweight.testing import smollm2_bf16
 
     python = vllm_env()
     src = Path(args.source_dir) if args.source_dir else smollm2_bf16(cache_dir() / "smollm2-bf16")

@@ -12,7 +12,7 @@ Goodput = requests meeting both / the schedule's duration. DistServe (Zhong et a
 defines it so, and compares systems at the rate where one stops meeting the SLOs.
 
 Set-ups, the same 2 cores in all (1 thread a worker when disaggregated, 2 for the one worker):
-  hosts   router, prefill, decode and client each in a network namespace (unweight.testing.Hosts),
+  hosts   router, prefill, decode and client each in a network namespace (tests/hosts.py),
           the prefill host's link shaped to --link (tc tbf), KV streamed, coded and sealed
   disagg  the same roles on loopback, started by `unweight serve`
   agg     `unweight serve --no-disagg`
@@ -39,7 +39,8 @@ from kv_handoff_bench import ROLES, serve, stop
 from serve_bench import Job, Server, prepare_model, run_workload
 from side_by_side import cpu_flags, write_record
 
-from unweight.testing import Hosts
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # test support: network namespaces
+from hosts import Hosts  # noqa: E402
 
 
 def schedule(args, rate: float, name: str) -> list[Job]:

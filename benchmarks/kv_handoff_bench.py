@@ -1,7 +1,7 @@
 """The KV hand-off between hosts: bytes on the wire and time, coded or raw, at 1 and 10 Gbit/s.
 
 The router, the prefill worker, the decode worker and the client each run in a network namespace of
-their own (unweight.testing.Hosts: veth links to a bridge), so the KV cache crosses a real link;
+their own (tests/hosts.py: veth links to a bridge), so the KV cache crosses a real link;
 `tc tbf` shapes what the prefill host sends to --rates. Sealing is on (the workers are not on
 loopback), as it would be between machines.
 
@@ -33,7 +33,8 @@ from pathlib import Path
 from serve_bench import prepare_model
 from side_by_side import cpu_flags, write_record
 
-from unweight.testing import Hosts
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # test support: network namespaces
+from hosts import Hosts  # noqa: E402
 
 ROLES = ("router", "prefill", "decode", "client")
 CLIENT = r"""

@@ -13,7 +13,7 @@ safetensors file, then runs each command in its own process through the CLI:
   verify serving, decompress serving, inspect serving: the same on the tiles layout
 
 and reads the child's own peak resident set (ru_maxrss from wait4, through
-unweight.testing.run_measured). "python" is the interpreter with unweight and its codec imported
+tests/peak_rss.py's run_measured). "python" is the interpreter with unweight and its codec imported
 and nothing done: the floor every command starts from. Peak RSS is
 memory, not time: a busy machine does not change it.
 
@@ -84,8 +84,9 @@ def _write(path: Path, entries, norm: np.ndarray, row_blocks) -> None:
 
 def run_child(args: list[str]) -> tuple[int, int, str]:
     """(exit status, peak RSS in bytes, stderr tail) of one process: its own peak, not this
-    process's (unweight.testing.run_measured says why that needs care)."""
-    from unweight.testing import run_measured
+    process's (tests/peak_rss.py says why that needs care)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # test support: envs, hosts, peak_rss
+    from peak_rss import run_measured
 
     code, peak, _, err = run_measured(args)
     return code, peak, err[-2000:]

@@ -35,9 +35,10 @@ def main() -> None:
     args = ap.parse_args()
     sys.path.insert(0, str(TESTS))
     import unweight
+    from envs import vllm_env
     from helpers import zstd_bomb
     from unweight.defaults import cache_dir
-    from unweight.testing import smollm2_bf16, vllm_env
+    from unweight.testing import smollm2_bf16
 
     python = vllm_env()
     src = smollm2_bf16(cache_dir() / "smollm2-bf16")

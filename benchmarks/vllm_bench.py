@@ -2,7 +2,7 @@
 (or, with --model moe, a random Qwen3-MoE: MOE_SIZES), one stream, FP32 compute on both sides
 (what vLLM computes correctly on this AVX2 machine).
 
-Each side runs in a fresh process of the vLLM environment (unweight.testing.vllm_env), the sides
+Each side runs in a fresh process of the vLLM environment (tests/envs.py's vllm_env), the sides
 alternated over --rounds, so a slow spell of the machine hits both. In each: the engine starts,
 then --reps times a greedy chat answer of 1 token (TTFT) and of --tokens tokens (decode tokens/s =
 (tokens - 1) / (time - TTFT)); and the model's weight bytes (its parameters and buffers, with the
@@ -101,7 +101,10 @@ def main() -> None:
         return worker(*args.worker, args.reps, args.tokens)
 
     from unweight.defaults import cache_dir
-    from unweight.testing import smollm2_bf16, vllm_env
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # test support: envs, hosts, peak_rss
+    from envs import vllm_env
+    from unweight.testing import smollm2_bf16
 
     python = vllm_env()
     src = smollm2_bf16(cache_dir() / "smollm2-bf16")

@@ -12,7 +12,7 @@ of BF16 x (--batches), per shape, the time of one call of all 30 layers through:
   decode_linear  the plugin's layer, W decoded into a workspace, then F.linear
   dense_linear   F.linear on the dense weight: decode_linear without the decode
 
-The worker runs in the vLLM environment (unweight.testing.vllm_env) on --cores cores with as many
+The worker runs in the vLLM environment (tests/envs.py's vllm_env) on --cores cores with as many
 threads (vLLM's CPU worker on a 2-vCPU box gets one), the variants' order alternated from one
 repeat to the next. Prints medians and ranges over --reps repeats with each over vllm's median,
 the CPU flags with them, and each variant's medians summed over the four shapes (a decoder layer's
@@ -104,7 +104,10 @@ def main() -> None:
         return worker(*args.worker, batches, args.reps, args.cores, shapes)
 
     from unweight.defaults import cache_dir
-    from unweight.testing import smollm2_bf16, vllm_env
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # test support: envs, hosts, peak_rss
+    from envs import vllm_env
+    from unweight.testing import smollm2_bf16
 
     python, src = vllm_env(), smollm2_bf16(cache_dir() / "smollm2-bf16")
     with tempfile.TemporaryDirectory() as td:

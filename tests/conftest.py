@@ -18,6 +18,17 @@ REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("UNWEIGHT_NO_WARMUP", "1")
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` skip cleanly where torch sees no CUDA device."""
+    gpu = [item for item in items if item.get_closest_marker("gpu")]
+    if gpu:
+        import torch
+
+        if not torch.cuda.is_available():
+            for item in gpu:
+                item.add_marker(pytest.mark.skip(reason="needs CUDA"))
+
+
 @pytest.fixture(scope="session")
 def minilm_dir() -> Path:
     """A Hugging Face folder of all-MiniLM-L6-v2 in BF16 (config, tokenizer, model.safetensors)."""

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from unweight.testing import gpu_stack_env
+from envs import gpu_stack_env
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "device_run.py"

@@ -24,7 +24,7 @@ from unweight.runtime.kernels import (
 from unweight.runtime.kernels.qtiles_matmul import qtiles_experts_linear  # noqa: E402
 from unweight.runtime.kernels.weight import QTilesWeight  # noqa: E402
 
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+gpu = pytest.mark.gpu  # skipped without CUDA (conftest.py)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 E = 4  # experts
 

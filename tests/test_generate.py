@@ -306,7 +306,7 @@ def test_cli_generate_bad_paths(smollm2_dir, smollm2_uw, tmp_path):
     assert r.returncode == 1 and "no usable tokenizer" in r.stderr and "Traceback" not in r.stderr
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 def test_decode_step_never_waits_for_the_gpu(smollm2_uw):
     """With CUDA's sync debug mode set to error, any operation that waits for the device raises:
     a decode step (embedding, every layer, lm_head) runs through without one; only reading the

@@ -101,7 +101,7 @@ def test_a_bad_mode_is_refused(model):
     assert model.graph_decoder is None
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 def test_cuda_graph_replay_equals_the_eager_step(tmp_path):
     """On CUDA the model replays captured graphs by default; the logits are the eager graph
     step's, bit for bit, and the per-sequence path's tokens. A tiny random Llama made here, so

@@ -308,8 +308,8 @@ def test_moe_folder_missing_an_expert(tiny, tmp_path):
 @pytest.mark.slow
 def test_oldest_transformers(tmp_path):
     """This module again under transformers 5.17 (the GPU machine's), from a folder put first on
-    PYTHONPATH (unweight.testing.transformers_site)."""
-    from unweight.testing import transformers_site
+    PYTHONPATH (tests/envs.py transformers_site)."""
+    from envs import transformers_site
 
     site = transformers_site()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}

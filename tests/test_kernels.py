@@ -29,7 +29,7 @@ from unweight.runtime.kernels.qtiles_decode import qtiles_decode  # noqa: E402
 from unweight.runtime.kernels.qtiles_matmul import qtiles_linear  # noqa: E402
 from unweight.runtime.kernels.weight import QTilesWeight  # noqa: E402
 
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+gpu = pytest.mark.gpu  # skipped without CUDA (conftest.py)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -372,6 +372,7 @@ def test_qtiles_linear_on_gpu_every_bucket():
         check_product(finite, 1000, 4096, m, seed=m)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_kernels_launch_on_the_inputs_device():
     """A layer on cuda:1 runs there although cuda:0 is the current device."""

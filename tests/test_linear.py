@@ -524,7 +524,7 @@ def test_cpu_decode_matmul_decodes_into_the_workspace_in_xs_dtype(monkeypatch):
     assert W.WORKSPACE.buf is None and xg.grad is not None
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 def test_archive_linear_answers_on_the_inputs_device():
     """The streams stay on the CPU; rows and products come back where the ids and x are."""
     from unweight.codec import CodecOptions, encode_tensor
@@ -578,7 +578,7 @@ def test_moving_to_a_gpu_transcodes_the_streams_and_back():
     }  # no transcode to the same kind
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 def test_layer_on_gpu_matches_f_linear_every_pipeline(monkeypatch):
     w = random_bf16(300, 512, seed=4)
     lin = UnweightLinear.from_weight(w).to("cuda")

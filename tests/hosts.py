@@ -1,0 +1,73 @@
+"""Hosts that are really separate on one machine, in network namespaces: what the tests and
+benchmarks of the server's multi-host roles run on (root only). Test support only: the package does
+not ship it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+
+def _sh(*cmd: str) -> None:
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode:
+        raise RuntimeError(f"{' '.join(cmd)}: {r.stderr.strip()}")
+
+
+class Hosts:
+    """Hosts that are really separate on one machine: a network namespace for each of `roles`, each
+    with one link (eth0, a veth) to a bridge in a namespace of its own. Addresses are 10.231.N.i/24
+    (N from this process's id, i from 1 in the order of `roles`) and exist only inside these
+    namespaces; `close` removes them all. Needs root (CAP_NET_ADMIN, CAP_SYS_ADMIN) and iproute2;
+    raises RuntimeError naming the command that failed."""
+
+    def __init__(self, roles: tuple[str, ...]):
+        tag = os.getpid() % 10000
+        self.ns = {role: f"uw{tag}-{role}" for role in (*roles, "switch")}
+        self.addr = {role: f"10.231.{tag % 250}.{i + 1}" for i, role in enumerate(roles)}
+        self.port = {role: f"uwb{tag}{role[0]}{i}" for i, role in enumerate(roles)}  # the bridge's end of each link
+        made = []
+        try:
+            for ns in self.ns.values():
+                _sh("ip", "netns", "add", ns)
+                made.append(ns)
+                _sh("ip", "-n", ns, "link", "set", "lo", "up")
+            sw = self.ns["switch"]
+            _sh("ip", "-n", sw, "link", "add", "br0", "type", "bridge")
+            _sh("ip", "-n", sw, "link", "set", "br0", "up")
+            for role in roles:
+                ns = self.ns[role]
+                _sh(
+                    *("ip", "link", "add", "eth0", "netns", ns),
+                    *("type", "veth", "peer", "name", self.port[role]),
+                    *("netns", sw),
+                )
+                _sh("ip", "-n", ns, "addr", "add", f"{self.addr[role]}/24", "dev", "eth0")
+                _sh("ip", "-n", ns, "link", "set", "eth0", "up")
+                _sh("ip", "-n", sw, "link", "set", self.port[role], "master", "br0")
+                _sh("ip", "-n", sw, "link", "set", self.port[role], "up")
+        except Exception:
+            for ns in made:
+                subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+            raise
+
+    def link(self, role: str, up: bool) -> None:
+        _sh("ip", "-n", self.ns["switch"], "link", "set", self.port[role], "up" if up else "down")
+
+    def limit(self, role: str, rate: str | None) -> None:
+        """Shape what `role` sends to `rate` (tc's token bucket, e.g. "1gbit"); None: no limit."""
+        ns = self.ns[role]
+        subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", "eth0", "root"], capture_output=True)
+        if rate is not None:
+            # a bucket of 256 KiB, up to 50 ms of queue: the shape of a switched link, not of a burst
+            _sh(
+                *("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", "root"),
+                *("tbf", "rate", rate, "burst", "256kb", "latency", "50ms"),
+            )
+
+    def run(self, role: str, *cmd: str, **kw) -> subprocess.Popen:
+        return subprocess.Popen(["ip", "netns", "exec", self.ns[role], *cmd], start_new_session=True, **kw)
+
+    def close(self) -> None:
+        for ns in self.ns.values():
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
