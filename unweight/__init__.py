@@ -52,7 +52,7 @@ def compress(
     kw = {k: v for k, v in {"precision": precision, "chunk": chunk}.items() if v is not None}
     options = CodecOptions(threads=threads, verify=verify, layout=layout, **kw)
     if not os.path.exists(src) and _looks_like_repo_id(str(src)):
-        from .hub import resolve_source  # the only network code, imported only for a Hub id
+        from .hub import resolve_source  # the only code that reaches the Hub, imported only for a Hub id
 
         src = resolve_source(str(src), revision)
     return _compress(src, dst, options, progress, max_memory)

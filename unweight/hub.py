@@ -1,4 +1,4 @@
-"""Hub access for `unweight compress REPO_ID`: the only network code in the project."""
+"""Hub access for `unweight compress REPO_ID` and `unweight plan REPO_ID`: the only code that reaches the Hub."""
 
 from __future__ import annotations
 
