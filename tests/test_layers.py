@@ -91,7 +91,7 @@ def test_library_never_imports_runtime_or_cli():
         bad = ours(mods, "unweight.cli") | {m for m in mods if top(m) in {"typer", "rich", "triton"}}
         if f != "unweight/__init__.py":  # the facade (next test)
             bad |= ours(mods, "unweight.runtime")
-        if f != "unweight/hub.py":  # the only network code, imported by the facade for a Hub id only
+        if f != "unweight/hub.py":  # the only code that reaches the Hub, imported by the facade for a Hub id only
             bad |= {m for m in mods if top(m) == "huggingface_hub"}
         assert not bad, f"{f} imports {bad}"
 
