@@ -199,6 +199,15 @@ def test_no_import_circle():
     assert not circles(graph), circles(graph)
 
 
+def test_every_package_folder_is_installed():
+    """pyproject.toml lists every folder of ours that holds Python files (a wheel has only those)."""
+    import tomllib
+
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {package_of(p) for folder in PACKAGES for p in (REPO / folder).rglob("*.py")}
+    assert found == listed, (found - listed, listed - found)
+
+
 def test_runtime_does_not_import_cli():
     for f, mods in imports_of("runtime").items():
         assert not ours(mods, "unweight.cli"), f"{f} imports {ours(mods, 'unweight.cli')}"
