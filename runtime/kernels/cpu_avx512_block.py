@@ -74,9 +74,8 @@ def _chunk_block(xt, sm, codes, esc, esc_index, K, bpr, base, y, n0, n1, c0):
     """y[:16 * passes, n - c0] = x @ W[n] for n in [n0, n1), x's passes of 16 rows in the pairs
     layout (`xt`): W's rows decoded _BLOCK_T at a time into a buffer in L1, once, each block then
     met by every pass, _BLOCK_P at a time. Where x has several passes this beats decoding W for
-    each (`_chunk_sixteen`), whose decode overlaps its products but is repeated: SmolLM2's linears
-    at 32 rows of x, out of cache, one core, 2 alternated runs: 0.91-1.0x the time per shape; at
-    one pass 1.12-1.22x, so one pass stays with `_chunk_sixteen`."""
+    each (`_chunk_sixteen`), whose decode overlaps its products but is repeated; at one pass it
+    does not, so one pass stays with `_chunk_sixteen` (measured: docs/kernels.md, "CPU kernels")."""
     G = K >> 3
     passes, chunks = xt.shape[0], xt.shape[1]
     w = aligned_zeros_u16(_BLOCK_T * chunks * 64).reshape((_BLOCK_T, chunks * 64))

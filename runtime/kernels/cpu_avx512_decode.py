@@ -115,8 +115,7 @@ class _ChunkEmitter:
         if groups is None:
             # a plain 64-byte load wherever the stream holds 64 bytes from the chunk on (all but its
             # last chunks), the bytes past the chunk's 24 zeroed by the vpermb's mask: a masked load
-            # costs about two cycles more beside vdpbf16ps (SmolLM2's linears out of cache, one core,
-            # 6 alternated runs: 0.95-0.98x the time at one row of x, 0.95-0.99x at 16)
+            # costs about two cycles more beside vdpbf16ps (measured: docs/kernels.md, "CPU kernels")
             with b.if_else(b.icmp_signed("<=", off, self.codes_room), likely=True) as (plain, masked):
                 with plain:
                     wide, wide_at = simd.load(b, at, _const(0), _V64I8), b.basic_block
@@ -167,10 +166,10 @@ def _loop(rows, G, body, ahead=False):
     < G, the rows decoded side by side: groups is None for whole chunks, the i64 count of groups
     left for the rows' last, shorter one. With `ahead`, each whole chunk is decoded one turn before
     its body runs, so that the body's vdpbf16ps find their operands ready and the next chunk's
-    decode overlaps them (rather than waiting behind them for the scheduler's room): passes of 8
-    rows of x (W's rows in pairs) took 0.84-0.93x the time (SmolLM2's linears out of cache, one core,
-    6 alternated runs); at one row and in `_make_dot`'s 16-row pass it gained nothing
-    (`_make_dot_t` decodes a chunk ahead into memory instead)."""
+    decode overlaps them (rather than waiting behind them for the scheduler's room). Passes of 8
+    rows of x (W's rows in pairs) gain from it; at one row and in `_make_dot`'s 16-row pass it gains
+    nothing (`_make_dot_t` decodes a chunk ahead into memory instead). Measured: docs/kernels.md,
+    "CPU kernels"."""
     b = rows[0].b
     full = b.lshr(G, _const(3))
     if not ahead:

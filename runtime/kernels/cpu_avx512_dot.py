@@ -232,13 +232,11 @@ def _make_dot_t(W: int):
     chunks are decoded side by side and stored: each of a chunk's 32 pairs of W, broadcast from
     there (vdpbf16ps's 4-byte broadcast operand), meets that pair's vector of x, loaded once for the
     W rows. A sum holds the 16 rows of x in its lanes, so nothing is folded at the end, and a chunk
-    reads 2 KiB of x per W rows rather than per row. The 16-row pass of `_make_dot` ran at 60-62
-    GMAC/s with W in cache (one Zen 4 core; vdpbf16ps alone issues 117): beside its 32 vdpbf16ps a
-    chunk, the decoder's zmm instructions, its 32 loads of x and the fold each took issue slots
-    from them. Here each row's decode is spread over four rows' products and the broadcasts ride
-    in vdpbf16ps's own memory operand: 68-70 GMAC/s in cache, and SmolLM2's 120 linears out of
-    cache at 16 rows took 0.84-0.88x the time (one core, alternated runs; eight rows of W side by
-    side: 60-64 GMAC/s in cache). Each chunk's next one is decoded and stored into the other of
+    reads 2 KiB of x per W rows rather than per row. In the 16-row pass of `_make_dot`, beside its
+    32 vdpbf16ps a chunk, the decoder's zmm instructions, its 32 loads of x and the fold each take
+    issue slots from them. Here each row's decode is spread over four rows' products and the
+    broadcasts ride in vdpbf16ps's own memory operand (the two passes' rates, measured:
+    docs/kernels.md, "CPU kernels"). Each chunk's next one is decoded and stored into the other of
     two buffers before the chunk's products, so that no decoded register is held across them, and
     _DOT_T_SUMS sums per row of W (pair d in sum d mod _DOT_T_SUMS) keep that many chains of
     vdpbf16ps a row in flight; a row sums alike whatever W it goes with. The arguments and `part`

@@ -101,10 +101,9 @@ def _chunk_pass(x, m0, P, sm, codes, esc, esc_index, K, bpr, base, y, n0, n1, c0
 @njit(nogil=True, cache=True)
 def _chunk_pairs(x, m0, P, sm, codes, esc, esc_index, K, bpr, base, y, n0, n1, c0):
     """_chunk_pass for P = 8 or 4 rows of x, W's rows two at a time (`_dot_pairs`: each load of x
-    meets both, so a weight costs half the loads of x; SmolLM2's shapes out of cache, one core,
-    against one row of W at a time: 0.83-0.92x the time at 8 rows, 0.84-0.94x at 3 and 4), the last
-    of an odd count alone. Each pair keeps its sums (lane P * w + m for row n + w) in
-    `part[n - n0]` and its two places in esc in `pos`."""
+    meets both, so a weight costs half the loads of x; measured against one row of W at a time:
+    docs/kernels.md, "CPU kernels"), the last of an odd count alone. Each pair keeps its sums (lane
+    P * w + m for row n + w) in `part[n - n0]` and its two places in esc in `pos`."""
     G = K >> 3
     step, segs = _segments(G, P, x.itemsize)
     kept = n1 - n0 if segs > 1 else 2
@@ -178,9 +177,8 @@ def _pass_rows(r):
     """Rows of x the next pass multiplies, r rows of x left: 16 from 11 rows on, 8 from 5, else r
     rounded up to a power of two (passes of 8 and 4 take W's rows in pairs, `_chunk_pairs`). A pass
     past the rows left reads padding (zeros, or rows whose sums are not written): one pass costs
-    less than several smaller ones. SmolLM2's shapes out of cache, one core, against passes of 16,
-    8, 4, 2 and 1 as the rows allow: 0.60-0.64x the time at 3 rows, 0.47-0.54x at 7, 0.58-0.65x at
-    15; at 9 rows, 8 + 1 take 0.84-0.95x the time of one pass of 16."""
+    less than several smaller ones (measured against passes of 16, 8, 4, 2 and 1 as the rows allow:
+    docs/kernels.md, "CPU kernels")."""
     if r >= 11:
         return 16
     if r >= 5:
