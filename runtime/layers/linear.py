@@ -63,6 +63,7 @@ class UnweightLinear(nn.Module):
     """y = x @ W^T + b with W (out_features, in_features) BF16 stored as `tiles` streams."""
 
     AUTOTUNE_TAG = ""  # a subclass whose pipelines differ keeps its choices apart in the autotuner's cache
+    KERNELS = KERNELS  # the kernel table its pipelines come from (a subclass may bring its own rows)
 
     def __init__(
         self,
@@ -104,7 +105,7 @@ class UnweightLinear(nn.Module):
         for role, t in weight.streams().items():
             self.register_buffer(role, t)
         self.compressed_weight = weight
-        self._kernels = kernels_for(weight)  # the rows of KERNELS that read it, by pipeline
+        self._kernels = kernels_for(weight, self.KERNELS)  # the rows of the table that read it, by pipeline
         # the fused CPU GEMV's plan and the value it was made for (_cpu_gemv)
         self._plan_key, self._plan = None, None
 
@@ -248,8 +249,7 @@ class UnweightLinear(nn.Module):
         return tuple(name for name, k in self._kernels.items() if k.can_implement(w, m, device))
 
     def run(self, pipeline: str, x: torch.Tensor) -> torch.Tensor:
-        """x @ W^T through one pipeline, without the autotuner or the bias (forward adds both); a
-        subclass may replace one (the vLLM plugin's multiplies through vLLM's own GEMM)."""
+        """x @ W^T through one pipeline, without the autotuner or the bias (forward adds both)."""
         return self._kernels[pipeline].apply(self, x)
 
     def __getstate__(self) -> dict:

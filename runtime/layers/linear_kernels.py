@@ -109,6 +109,8 @@ KERNELS: tuple[type[LinearKernel], ...] = (CpuDecodeMatmul, CudaDecodeMatmul, Cp
 PIPELINES = tuple(dict.fromkeys(k.name for k in KERNELS))  # ("decode_matmul", "fused")
 
 
-def kernels_for(weight: TilesWeight | QTilesWeight) -> dict[str, type[LinearKernel]]:
-    """The rows that read `weight`'s kind, by pipeline name, in table order."""
-    return {k.name: k for k in KERNELS if isinstance(weight, k.weight_kind)}
+def kernels_for(
+    weight: TilesWeight | QTilesWeight, table: tuple[type[LinearKernel], ...] = KERNELS
+) -> dict[str, type[LinearKernel]]:
+    """The rows of `table` that read `weight`'s kind, by pipeline name, in table order."""
+    return {k.name: k for k in table if isinstance(weight, k.weight_kind)}

@@ -366,24 +366,24 @@ class _VocabLoader:
 def _linear_class() -> type:
     """UnweightLinear whose CPU decode + matmul multiplies with vLLM's CPU GEMM dispatch, the one
     that vLLM's unquantized layers use, rather than F.linear (see the module docstring)."""
+    from unweight.runtime.layers import linear_kernels as lk
     from unweight.runtime.layers.linear import UnweightLinear
+
+    class VllmDecodeMatmul(lk.CpuDecodeMatmul):
+        """W decoded, then vLLM's CPU GEMM dispatch (which packs W at each call)."""
+
+        @staticmethod
+        def apply(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+            return _vllm_cpu_gemm(layer.decoded_weight(x.dtype))(x)
+
+    class DecodeLinear(lk.CpuDecodeMatmul):
+        """UnweightLinear's own CPU decode + F.linear: no repacking per call."""
+
+        name = "decode_linear"
 
     class VllmUnweightLinear(UnweightLinear):
         AUTOTUNE_TAG = "vllm"
-
-        def _pipelines(self, m: int, device: torch.device) -> tuple[str, ...]:
-            return (
-                (*super()._pipelines(m, device), "decode_linear")
-                if device.type == "cpu"
-                else super()._pipelines(m, device)
-            )
-
-        def run(self, pipeline: str, x: torch.Tensor) -> torch.Tensor:
-            if pipeline == "decode_linear":  # UnweightLinear's CPU decode + F.linear: no repacking per call
-                return super().run("decode_matmul", x)
-            if pipeline != "decode_matmul" or not x.is_cpu:
-                return super().run(pipeline, x)
-            return _vllm_cpu_gemm(self.decoded_weight(x.dtype))(x)
+        KERNELS = tuple(VllmDecodeMatmul if k is lk.CpuDecodeMatmul else k for k in lk.KERNELS) + (DecodeLinear,)
 
     return VllmUnweightLinear
 
