@@ -46,6 +46,7 @@ def from_pretrained(path: Path):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
 
 
+@pytest.mark.slow
 def test_a_missing_shard_is_named_by_every_reader(uw, tmp_path):
     (uw / NORMS).unlink()
     listed = sorted(k for k, v in json.loads((uw / INDEX).read_text())["weight_map"].items() if v == NORMS)

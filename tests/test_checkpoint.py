@@ -188,6 +188,7 @@ def _partials(dst) -> list:
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
+@pytest.mark.slow
 def test_signals_remove_the_partial_folder(tmp_path, signum):
     """SIGTERM (timeout, docker, systemd), SIGHUP (a closed terminal) and Ctrl-C in the middle of a
     run: no DST, no hidden staging folder, exit 128 + the signal, one line saying so."""
@@ -204,6 +205,7 @@ def test_signals_remove_the_partial_folder(tmp_path, signum):
     assert not dst.exists() and _partials(dst) == []
 
 
+@pytest.mark.slow
 def test_next_run_removes_stale_partials_only(tmp_path):
     """SIGKILL leaves a staging folder (nothing can clean up); the next run to that DST removes it
     but leaves a live run's folder alone, and that live run, finding DST made meanwhile, says so."""
@@ -445,6 +447,7 @@ def test_symbolic_links_must_stay_inside_the_folder(tmp_path):
         (b'{"weight_map": ', "JSONDecodeError"),
     ],
 )
+@pytest.mark.slow
 def test_a_bad_index_is_a_typed_error_naming_it(tmp_path, index_bytes, why):
     from helpers import run_cli
 
@@ -499,6 +502,7 @@ def test_a_tensor_named_metadata_is_refused(tmp_path):
         write_safetensors(f, [("__metadata__", "F32", [2])], [np.zeros(2, np.float32)])
 
 
+@pytest.mark.slow
 def test_a_container_its_readers_would_refuse_is_not_written(tmp_path):
     """100k tensors with long names make a header over the cap every reader applies: the writer
     refuses to finish (naming the file and the way out), and leaves nothing behind."""

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from helpers import random_bf16, run_cli, write_checkpoint
 
 
+@pytest.mark.slow
 def test_compress_verify_inspect_decompress(minilm_dir, tmp_path):
     out = tmp_path / "uw"
     r = run_cli("compress", minilm_dir, out, "--json", "--threads", "2")
@@ -46,6 +48,7 @@ def one_line_error(r, *words: str) -> None:
         assert w in lines[0], (w, lines[0])
 
 
+@pytest.mark.slow
 def test_errors_are_one_line(tmp_path):
     one_line_error(run_cli("compress", tmp_path / "missing", tmp_path / "o"), "no such")
     (tmp_path / "pickled").mkdir()
@@ -61,6 +64,7 @@ def test_errors_are_one_line(tmp_path):
     assert not (tmp_path / "o").exists() and not (tmp_path / "o2").exists()
 
 
+@pytest.mark.slow
 def test_verify_fails_on_damaged_file(tmp_path):
     src = write_checkpoint(tmp_path / "m" / "model.safetensors", {"w": random_bf16(256, 256)})
     out = tmp_path / "uw"
@@ -125,6 +129,7 @@ def _run_on_a_terminal(*args) -> tuple[int, str, str]:
     return proc.returncode, stdout, b"".join(chunks).decode("utf-8", "replace")
 
 
+@pytest.mark.slow
 def test_names_and_paths_are_text_not_markup(tmp_path):
     """Tensor names and paths holding rich markup or terminal escapes are printed literally: no
     crash after the output was written, no hyperlink, no terminal sequence, no extra line."""
@@ -167,6 +172,7 @@ def test_names_and_paths_are_text_not_markup(tmp_path):
     one_line_error(run_cli("compress", tmp_path / "no[/]such\nfolder", tmp_path / "o"), "no[/]such\\nfolder")
 
 
+@pytest.mark.slow
 def test_a_fifo_is_refused_not_waited_on(tmp_path):
     import os
 
@@ -199,6 +205,7 @@ def _hand_made_safetensors(path, tensors: dict) -> None:
     )
 
 
+@pytest.mark.slow
 def test_newer_safetensors_dtypes_are_stored_bit_exact(tmp_path):
     """F4, F6_*, F8_E8M0, the FNUZ float8s and C64 (dtypes safetensors 0.8 accepts and the codec has
     no model of) are stored with zstd or raw, said so in the summary, and come back bit for bit."""

@@ -112,6 +112,7 @@ def one_error_line(stderr: str) -> str:
     return lines[0]
 
 
+@pytest.mark.slow
 def test_compress_needs_room_for_the_output_alone(checkpoint, compressed, tmp_path):
     """A disk the finished output fits on, with one tensor's worth to spare, is enough (the writer
     once kept the data in side files while it copied them after the header: twice the room)."""

@@ -121,6 +121,7 @@ def test_bad_input_is_refused_with_the_reason():
 
 
 @pytest.mark.parametrize("on_input", [False, True])
+@pytest.mark.slow
 def test_cuda_fused_pipeline_composes_the_grouped_gemv(on_input):
     """The CUDA `fused` pipeline (two grouped GEMV launches and the activation between them) on
     experts encoded for a GPU (qtiles), through Triton's interpreter without one: BF16 compute,

@@ -107,6 +107,7 @@ def check_experts(
         (1, 100, 1, [0, 2, 2], torch.int32),
     ],
 )
+@pytest.mark.slow
 def test_experts_linear_matches_f_linear_per_pair(mode, cols, x_div, ids, id_dtype):
     v = stacked_experts(E, 48, cols, seed=cols + mode)
     check_experts(v, 48, cols, ids, x_div, mode, id_dtype, seed=mode)
@@ -123,6 +124,7 @@ class CountingLaunches:
         return self.kernel[grid]
 
 
+@pytest.mark.slow
 def test_experts_linear_chunks_pairs_past_the_grid_limit(monkeypatch):
     """More pairs than grid dimension 1 takes go in launches of whole rows of x (MAX_PAIRS lowered
     to 3: x_div 2 gives launches of 2 pairs); N = 47 leaves a dead lane in every expert's last

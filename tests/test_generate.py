@@ -79,6 +79,7 @@ def our_greedy(model, ids: list[int], n: int) -> tuple[list[int], torch.Tensor]:
 
 
 @pytest.mark.parametrize("kind,text", PROMPTS)
+@pytest.mark.slow
 def test_greedy_tokens_identical_to_transformers(model, hf, tok, kind, text):
     ids = prompt_ids(tok, kind, text)
     ours, our_logits = our_greedy(model, ids, 64)
@@ -89,6 +90,7 @@ def test_greedy_tokens_identical_to_transformers(model, hf, tok, kind, text):
     assert (our_logits - their_logits).abs().max() < LOGIT_ATOL
 
 
+@pytest.mark.slow
 def test_a_bfloat16_kv_cache_is_the_float32_one_rounded_as_stored(smollm2_uw, model, tok, monkeypatch):
     """--kv-cache-dtype bfloat16 with FP32 compute: the oracle is the FP32 cache whose K and V are
     rounded to BF16 where they are written, and nothing else: attention widens them back exactly,
@@ -115,6 +117,7 @@ def test_a_bfloat16_kv_cache_is_the_float32_one_rounded_as_stored(smollm2_uw, mo
         unweight.load(smollm2_uw[0], kv_cache_dtype="float16")
 
 
+@pytest.mark.slow
 def test_bfloat16_compute_rounds_as_transformers_bfloat16(smollm2_uw, smollm2_dir, hf, tok, monkeypatch):
     """dtype="bfloat16" rounds activations where transformers' BF16 run rounds them: through
     decode-then-GEMM (the pipeline prefills take, forced here) every matmul is the BF16 GEMM
@@ -172,6 +175,7 @@ class _Dense(torch.nn.Module):
         return (self.weight if ids is None else self.weight[ids.reshape(-1).long()]).to(dtype)
 
 
+@pytest.mark.slow
 def test_bfloat16_text_is_the_engines_on_the_uncompressed_weights(smollm2_uw, smollm2_dir, tok, monkeypatch):
     """BF16 compute's guarantee: the compressed model gives the text, and the logits bit for bit, that
     the same engine gives with the uncompressed BF16 weights read from the source folder in place of
@@ -322,6 +326,7 @@ def test_stop_strings_and_sampling(model, tok):
     assert k1.token_ids == unweight.generate(model, tok, "Once upon a time", max_new_tokens=8).token_ids
 
 
+@pytest.mark.slow
 def test_cli_generate_streams_then_prints_stats(smollm2_uw):
     # (the demo's question: without "Answer in one sentence." its first token is a near tie in FP32,
     # "The" 25.36 against "L" 25.26, which BF16 sums in another order can flip; see docs/runtime.md)
@@ -352,12 +357,14 @@ def test_cli_generate_streams_then_prints_stats(smollm2_uw):
         (["--dtype", "float16"], "dtype 'float16' is not one of auto, bfloat16, float32"),
     ],
 )
+@pytest.mark.slow
 def test_cli_generate_bad_values(smollm2_uw, args, message):
     r = run_cli("generate", smollm2_uw[0], "--prompt", "Hi", *args)
     assert r.returncode == 1 and message in r.stderr and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_cli_generate_bad_paths(smollm2_dir, smollm2_uw, tmp_path):
     plain = run_cli("generate", smollm2_dir, "--prompt", "Hi")  # not compressed
     assert plain.returncode == 1 and "not an Unweight container" in plain.stderr
@@ -414,6 +421,7 @@ def test_choose_rows_is_choose_per_row():
 
 
 @pytest.mark.parametrize("name", ["config.json", "generation_config.json"])
+@pytest.mark.slow
 def test_a_fifo_among_the_model_files_is_refused_not_waited_on(smollm2_uw, tmp_path, name):
     folder = tmp_path / "uw"
     folder.mkdir()

@@ -39,6 +39,7 @@ def greedy(model, mode: str | None, steps: int = 6) -> list[torch.Tensor]:
         model.set_decode_graph(None)
 
 
+@pytest.mark.slow
 def test_graph_step_gives_the_per_sequence_paths_tokens(model):
     """Batch 3 runs padded to 4; the rows' logits are the per-sequence path's within fp32 rounding
     (the attention sums run over padded keys whose weights are exactly zero), the tokens the same."""
@@ -50,6 +51,7 @@ def test_graph_step_gives_the_per_sequence_paths_tokens(model):
     assert model.cache.used_blocks == 0  # every sequence's blocks, and the scratch block, given back
 
 
+@pytest.mark.slow
 def test_step_compiles_whole_and_decodes_like_the_eager_step(model):
     """torch.compile(step, fullgraph=True) traces the whole decode step, every layer, the paged
     attention, the K/V writes and the custom ops' fake kernels, with no graph break; the model's

@@ -109,6 +109,7 @@ def test_serving_layout_and_shards(tiny, tmp_path, monkeypatch):
         assert same_bits(load(dst, "decode_matmul", monkeypatch)(IDS).logits, ref(IDS).logits)
 
 
+@pytest.mark.slow
 def test_smollm2_answers_as_transformers_does(smollm2_dir, smollm2_uw, monkeypatch):
     """Real trained weights: the same greedy answer, bit-identical logits in float32 and bfloat16
     with decode-then-matmul, resident weights at most 0.72x the BF16 bytes."""
@@ -136,6 +137,7 @@ def test_pipeline_and_auto_model(smollm2_uw, tiny):
     assert type(base.layers[0].self_attn.q_proj).__name__ == "CompressedLinear"
 
 
+@pytest.mark.slow
 def test_hub_repo_id_offline(tiny, tmp_path, monkeypatch):
     """A compressed model on the Hub (here huggingface_hub's cache, offline) loads by its repo id."""
     src, dst = tiny("qwen3")
@@ -176,6 +178,7 @@ def test_save_pretrained_is_refused(tiny, tmp_path):
     assert not any((tmp_path / "out").glob("*.safetensors"))
 
 
+@pytest.mark.slow
 def test_without_import_unweight_a_compressed_folder_never_loads(tiny):
     """transformers alone (no `import unweight` in the process) must fail, not load random weights:
     every tensor's placeholder has the wrong shape (formats/SPEC.md §1). The same through pipeline."""

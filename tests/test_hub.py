@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+
 from helpers import fake_hub_cache, random_bf16, run_cli, write_checkpoint
 
 
+@pytest.mark.slow
 def test_repo_id_from_the_local_cache_offline(tmp_path, monkeypatch):
     src = write_checkpoint(tmp_path / "src" / "model.safetensors", {"w": random_bf16(128, 64)}).parent
     (src / "config.json").write_text("{}")

@@ -295,6 +295,7 @@ def test_reader_streams_check_and_name_the_file(folders, tmp_path):
             ckpt.streams(O_PROJ)
 
 
+@pytest.mark.slow
 def test_cli_generate_refuses_a_damaged_smollm2(smollm2_uw, tmp_path):
     """The real model through the real CLI: one line naming the file and tensor, exit status 1,
     where it used to generate from the damaged weight."""

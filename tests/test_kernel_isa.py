@@ -20,6 +20,7 @@ def triton_cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("triton-cache")
 
 
+@pytest.mark.slow
 def test_kernels_compile_within_budget(tmp_path, triton_cache):
     out = tmp_path / "isa.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "kernel_isa.py"), "--quick", "--json", str(out)]
@@ -48,6 +49,7 @@ def test_kernels_compile_within_budget(tmp_path, triton_cache):
     assert all(r["mma"] > 0 for r in rows if " dot " in r["variant"])  # the tensor cores do the products
 
 
+@pytest.mark.slow
 def test_check_fails_on_a_budget_it_misses(triton_cache):
     """The check is not a formality: with every budget tightened below what the kernels take, it
     exits 1 and names the variants (the variants come from the cache the first test filled)."""

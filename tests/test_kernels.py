@@ -197,6 +197,7 @@ def test_bf16_pair_model_is_prmt():
 
 @pytest.mark.parametrize("mode", [0, 1])
 @pytest.mark.parametrize("rows,cols", [(16, 64), (9, 100), (3, 5), (1, 300), (5, 1100)])
+@pytest.mark.slow
 def test_qtiles_decode_kernel_is_bit_exact(rows, cols, mode):
     v = edge_case_matrix(rows, cols, seed=rows * cols)
     out = qtiles_decode(resident(v, rows, cols, mode=mode))
@@ -250,12 +251,14 @@ def check_product(v: np.ndarray, rows: int, cols: int, m: int, seed: int = 0, mo
 # every batch the launcher maps to a distinct kernel: GEMV at BLOCK_M 1, 2; tensor cores at 16, 32
 @pytest.mark.parametrize("mode", [0, 1])
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 16, 17, 32])
+@pytest.mark.slow
 def test_qtiles_linear_matches_f_linear(m, mode):
     rows, cols = 70, 200
     check_product(finite_matrix(rows, cols, seed=m), rows, cols, m, seed=m, mode=mode)
 
 
 @pytest.mark.parametrize("m,split_k", [(3, 2), (20, 3), (32, 8)])
+@pytest.mark.slow
 def test_qtiles_dot_split_k(m, split_k):
     """Split K: each program adds its columns and every split_k-th escape of its rows; the last of
     a tile adds the partials in order and leaves the tile counter at 0 for the next call."""

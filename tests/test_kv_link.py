@@ -121,6 +121,7 @@ class Hostile(KVLink):
 
 
 @pytest.mark.parametrize("mischief", ["flip", "replay", "other request", "oversized", "truncated"])
+@pytest.mark.slow
 def test_a_tampered_or_misplaced_kv_block_is_refused_and_the_pair_serves_on(mischief, monkeypatch):
     monkeypatch.setattr(kv_link, "KV_TIMEOUT_S", 1.0)  # a sender whose peer gave up stops within this
     p, d = pair(KEY, KEY, sender=Hostile, compression="on", encryption="on")

@@ -351,6 +351,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow
 def test_cpu_kernels_read_nothing_past_a_stream():
     """Every stream ends where an unreadable page begins: the fused GEMV (passes of 1 to 16 rows,
     fp32 and BF16 x) and the row decode read none of it (the 64-weight chunk kernels load a

@@ -85,6 +85,7 @@ READER = """
 
 @pytest.mark.parametrize("where", ["main", "thread"])
 @pytest.mark.parametrize("faulthandler", [False, True])
+@pytest.mark.slow
 def test_a_container_truncated_under_a_reader_ends_it_with_a_line_naming_the_file(folder, where, faulthandler):
     container = folder / "model.safetensors"
     flags = ("-X", "faulthandler") if faulthandler else ()

@@ -74,6 +74,7 @@ def zstd_bomb(path: Path, n: int) -> Path:
     return write_container(path, entry, {"data": np.frombuffer(frame, dtype=np.uint8)})
 
 
+@pytest.mark.slow
 def test_a_rans_bomb_is_verified_and_inspected_in_pieces_and_refused_whole(tmp_path):
     path, n = rans_bomb(tmp_path / "bomb.safetensors", 512)
     assert path.stat().st_size < 25_000 and n == 2 << 30
@@ -99,6 +100,7 @@ def test_a_rans_bomb_is_verified_and_inspected_in_pieces_and_refused_whole(tmp_p
     assert "available" in out
 
 
+@pytest.mark.slow
 def test_a_damaged_rans_bomb_fails_its_crc_within_the_cap(tmp_path):
     path, _ = rans_bomb(tmp_path / "bomb.safetensors", 256, good_crc=False)
     code, peak, out, err = run_measured(cli("verify", path, "-q", "--max-memory", "64M"))
@@ -106,6 +108,7 @@ def test_a_damaged_rans_bomb_fails_its_crc_within_the_cap(tmp_path):
     assert peak < BOMB_CAP
 
 
+@pytest.mark.slow
 def test_a_zstd_bomb_is_decoded_in_pieces(tmp_path):
     path = zstd_bomb(tmp_path / "bomb.safetensors", 1 << 30)
     assert path.stat().st_size < 64_000
@@ -188,6 +191,7 @@ def test_tiles_row_ranges_check_what_a_whole_decode_checks():
         tiles.decode(shifted, p, 64, 40)
 
 
+@pytest.mark.slow
 def test_every_command_within_the_memory_target(tmp_path):
     """benchmarks/memory_bench.py at 160 MiB: peak RSS of each command <= 1.5 × tensor + 256 MiB.
     Not smaller: the interpreter's own peak (numba and llvmlite imported) is 100-165 MiB depending

@@ -241,6 +241,7 @@ def test_decode_rows_reads_only_the_chunks_of_those_rows():
 
 
 @pytest.mark.parametrize("dtype", ["I32", "U32", "I16", "U16", "I64", "U64"])
+@pytest.mark.slow
 def test_integers_wider_than_a_byte_are_coded_byte_by_byte(dtype):
     """compressed-tensors' INT4 codes, eight to an I32 (Kimi K2.5's experts): `rans` codes them as
     bytes, two codes a symbol (SPEC.md §3.3, format 2.1), and beats zstd on codes of a peaked

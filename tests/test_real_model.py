@@ -25,6 +25,7 @@ def compressed(smollm2_uw):
     return smollm2_uw
 
 
+@pytest.mark.slow
 def test_smollm2_round_trip_is_byte_identical(smollm2_dir, compressed, tmp_path):
     out, summary = compressed
     # Weights from 4-bit blocks compress far better than trained BF16; only check that it shrank.

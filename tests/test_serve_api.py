@@ -55,6 +55,7 @@ def chat_ids(local, messages) -> list[int]:
     return encode_prompt(local[1], messages)
 
 
+@pytest.mark.slow
 def test_chat_logprobs_match_the_model(client, local):
     r = client.chat.completions.create(
         model="uw", messages=CHAT, max_tokens=8, temperature=0, logprobs=True, top_logprobs=3
@@ -133,6 +134,7 @@ def test_batched_and_token_id_prompts_are_choices_of_their_own(client, local):
     assert r.usage.prompt_tokens == sum(len(i) for i in ids)
 
 
+@pytest.mark.slow
 def test_content_parts_tool_histories_and_nulls(server, client):
     plain = (
         client.chat.completions.create(model="uw", messages=CHAT, max_tokens=8, temperature=0)
@@ -223,6 +225,7 @@ def test_content_parts_tool_histories_and_nulls(server, client):
     assert r.status_code == 400 and "image_url" in r.json()["error"]["message"]
 
 
+@pytest.mark.slow
 def test_n_and_best_of(client):
     r = client.chat.completions.create(model="uw", messages=CHAT, max_tokens=6, temperature=0, n=2)
     assert [c.index for c in r.choices] == [0, 1] and r.choices[0].message.content == r.choices[1].message.content
@@ -235,6 +238,7 @@ def test_n_and_best_of(client):
     assert best.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in three)
 
 
+@pytest.mark.slow
 def test_penalties_bias_and_stop_controls(client, local):
     model, tok = local
     plain = (
