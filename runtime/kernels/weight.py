@@ -21,12 +21,22 @@ layouts are in transcode.py.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 import torch
 
-from unweight.codec import tiles
+if TYPE_CHECKING:
+    from unweight.codec import tiles
+
+
+def _tiles_params(base: int, block: int) -> tiles.TilesParams:
+    """tiles.TilesParams(base, block), checked (ValueError naming the bad one). Imported here, not
+    with the module: the codec package needs zstandard, which the GPU machine lacks, and the CUDA
+    launchers import this module for QTilesWeight alone."""
+    from unweight.codec import tiles
+
+    return tiles.TilesParams(base, block)
 
 
 def _check_streams(kind: str, streams: dict[str, torch.Tensor], dtypes: dict[str, tuple[torch.dtype, ...]]):
@@ -107,7 +117,7 @@ class TilesWeight(_Streams):
 
     def __post_init__(self) -> None:
         _check_shape("tiles", self.rows, self.cols)
-        tiles.TilesParams(self.base, self.block)  # ValueError naming base or block
+        _tiles_params(self.base, self.block)  # ValueError naming base or block
         u8, i64 = (torch.uint8,), (torch.int64,)
         device = _check_streams("tiles", self.streams(), {"sm": u8, "codes": u8, "esc": u8, "esc_index": i64})
         n = self.rows * self.cols
@@ -124,7 +134,7 @@ class TilesWeight(_Streams):
 
     @property
     def params(self) -> tiles.TilesParams:
-        return tiles.TilesParams(self.base, self.block)
+        return _tiles_params(self.base, self.block)
 
     def _params_repr(self) -> str:
         return f"base={self.base}, block={self.block}"
