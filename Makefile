@@ -9,6 +9,10 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 DEMO   ?= demo-out
 export UNWEIGHT_CACHE ?= $(HOME)/.cache/unweight
+# pytest's workers (pytest-xdist): each takes a whole test module at a time, the vLLM module first
+# (tests/conftest.py); JOBS=0 runs the tests in this process
+JOBS   ?= 2
+PYTEST := $(BIN)/python -m pytest -q -n $(JOBS) --dist loadgroup --no-loadscope-reorder
 
 .PHONY: install demo check test bench clean
 
@@ -34,7 +38,7 @@ demo: install
 
 check: install
 	$(BIN)/python -m unweight.testing
-	$(BIN)/python -m pytest -q -m "not slow and not gpu"
+	$(PYTEST) -m "not slow and not gpu"
 
 # the fixtures' wheels and the environments some tests run in (vLLM's CPU build, the oldest transformers,
 # the GPU machine's stack) are made once in $(UNWEIGHT_CACHE); then the whole suite
@@ -44,7 +48,7 @@ test: install
 	$(BIN)/python tests/envs.py vllm && \
 	$(BIN)/python tests/envs.py transformers && \
 	$(BIN)/python tests/envs.py gpu-stack && \
-	$(BIN)/python -m pytest -q; rc=$$?; \
+	$(PYTEST); rc=$$?; \
 	echo "make test: $$(( $$(date +%s) - start )) s in all"; exit $$rc
 
 bench: install

@@ -18,8 +18,21 @@ REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("UNWEIGHT_NO_WARMUP", "1")
 
 
+# Under xdist (make test runs `pytest -n 2 --dist loadgroup --no-loadscope-reorder`) a module is one unit
+# of work, queued in this order: the longest first, so that the other worker takes the rest meanwhile.
+LONGEST_FIRST = ("test_vllm.py", "test_device_run.py")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups set here
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `gpu` skip cleanly where torch sees no CUDA device."""
+    """Each test's xdist group is its module, so that a module's fixtures (servers, engines, compressed
+    models) are made once, on one worker, and two vLLM engines never
+    run at once (one takes a fifth of RAM per rank; at TP=2 its ranks bind both cores). Tests marked
+    `gpu` skip cleanly where torch sees no CUDA device."""
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(item.path.name))
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: collection order otherwise
     gpu = [item for item in items if item.get_closest_marker("gpu")]
     if gpu:
         import torch
