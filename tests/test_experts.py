@@ -14,6 +14,7 @@ if not torch.cuda.is_available():
 
 from unweight.runtime.layers.autotune import FORCE_ENV  # noqa: E402
 from unweight.runtime.layers.experts import UnweightExperts, act_and_mul, reference_experts  # noqa: E402
+from unweight.runtime.layers.experts_kernels import CudaFused  # noqa: E402
 
 
 def make_experts(e: int, h: int, i: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,7 +137,7 @@ def test_cuda_fused_pipeline_composes_the_grouped_gemv(on_input):
     ids[0, 0] = ids[-1, 0]  # an expert taken by two tokens
     x = torch.randn(t, h, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
     wb = weights.to(torch.bfloat16)
-    got = layer._fused_cuda(x.to(device), wb.to(device), ids.to(device), "silu", on_input)
+    got = CudaFused.apply(layer, x.to(device), wb.to(device), ids.to(device), "silu", on_input)
     # the reference, rounded to BF16 where the pipeline rounds: each GEMV's output and the activation's
     want = torch.zeros(t, h)
     for tok in range(t):

@@ -8,12 +8,12 @@ qtiles on CUDA) keep rows independent, so an expert is a row range, and moving t
 devices transcodes it as UnweightLinear does.
 
 `forward(x, topk_weights, topk_ids)` takes the router's choice (T tokens, k experts each) and
-picks a pipeline per (shape, batch bucket) with the autotuner:
+picks a pipeline per (shape, batch bucket) with the autotuner, among the rows of the experts' kernel
+table (experts_kernels.py) that take the call:
 
 - `fused`: on the CPU, one grouped numba GEMV call a weight, each routed expert's rows times the
-  tokens routed to it (tiles_grouped_gemv_cpu); on CUDA,
-  one grouped Triton GEMV launch per weight over all (token, slot) pairs, the expert ids read on
-  the device (`qtiles_experts_linear`, runtime/kernels/qtiles_matmul.py): no host sync;
+  tokens routed to it; on CUDA, one grouped Triton GEMV launch per weight over all (token, slot)
+  pairs, the expert ids read on the device: no host sync;
 - `decode_matmul`: the routed experts decoded (in the compute dtype: BF16 for BF16 x and on CUDA,
   else fp32), then F.linear per expert.
 
@@ -29,26 +29,14 @@ import os
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.cpu_gemv import tiles_grouped_gemv_cpu
 from .autotune import DEFAULT, FORCE_ENV, Autotuner, batch_bucket, code_version, device_name
-from .linear import UnweightLinear, compute_dtype
+from .experts_kernels import ACTIVATIONS, FUSED_MAX_PAIRS, KERNELS, PIPELINES, act_and_mul
+from .linear import UnweightLinear
+from .linear_kernels import kernels_for
 
-PIPELINES = ("decode_matmul", "fused")
-ACTIVATIONS = ("silu", "gelu")  # act_and_mul(h) = act(h[:, :I]) * h[:, I:]
-FUSED_MAX_PAIRS = 256  # (token, expert) pairs up to which `fused` competes; larger batches decode and multiply
-
-
-def act_and_mul(h: torch.Tensor, activation: str) -> torch.Tensor:
-    """(..., 2I) -> (..., I): the activation of the gate half times the up half."""
-    gate, up = h.chunk(2, dim=-1)
-    if activation == "silu":
-        return F.silu(gate) * up
-    if activation == "gelu":
-        return F.gelu(gate) * up
-    raise ValueError(f"activation {activation!r} is not one of {', '.join(ACTIVATIONS)}")
+__all__ = ["ACTIVATIONS", "FUSED_MAX_PAIRS", "PIPELINES", "UnweightExperts", "act_and_mul", "reference_experts"]
 
 
 def reference_experts(
@@ -77,6 +65,7 @@ class UnweightExperts(nn.Module):
     """E routed experts with w13 (E, 2I, H) and w2 (E, H, I) as stacked UnweightLinear layers."""
 
     AUTOTUNE_TAG = "experts"
+    KERNELS = KERNELS  # the kernel table this class chooses from (experts_kernels.py)
 
     def __init__(self, w13: UnweightLinear, w2: UnweightLinear, num_experts: int, autotuner: Autotuner | None = None):
         super().__init__()
@@ -194,64 +183,17 @@ class UnweightExperts(nn.Module):
             self._chosen[memo] = name
         return self.run(name, *args) if y is None else y
 
+    def _kernels(self) -> dict:
+        """The rows of the class's kernel table that read the experts' weight kind, by pipeline."""
+        return kernels_for(self.w13.compressed_weight, self.KERNELS)
+
     def _pipelines(self, pairs: int, device: torch.device) -> tuple[str, ...]:
-        return PIPELINES if pairs <= FUSED_MAX_PAIRS else ("decode_matmul",)
+        w = self.w13.compressed_weight
+        return tuple(name for name, k in self._kernels().items() if k.can_implement(w, pairs, device))
 
     def run(self, pipeline: str, x, topk_weights, topk_ids, activation, weights_on_input) -> torch.Tensor:
-        """The experts through one pipeline, without the autotuner (the vLLM plugin replaces one)."""
-        dtype = torch.bfloat16 if x.dtype is torch.bfloat16 else compute_dtype(x.device)
-        xc, w = x.to(dtype), topk_weights.to(dtype)
-        if pipeline == "fused" and x.device.type == "cuda":
-            return self._fused_cuda(xc, w, topk_ids, activation, weights_on_input).to(x.dtype)
-        # the (token, slot) pairs sorted by expert (stable: within an expert, in token order)
-        t, k = topk_ids.shape
-        flat = topk_ids.reshape(-1).to(torch.int64)
-        order = torch.argsort(flat, stable=True)
-        if flat.numel():
-            lo, hi = (int(v) for v in torch.aminmax(flat))
-            if lo < 0 or hi >= self.num_experts:
-                raise ValueError(f"expert ids must lie in [0, {self.num_experts})")
-        counts = torch.bincount(flat, minlength=self.num_experts).cpu()
-        experts = torch.nonzero(counts).reshape(-1)  # the routed experts, ascending
-        starts = np.concatenate([[0], np.cumsum(counts[experts].numpy())])  # their groups of pairs
-        tokens, scale = order // k, w.reshape(-1)[order][:, None]  # (P,), (P, 1)
-        xs = xc[tokens] * scale if weights_on_input else xc[tokens]  # (P, H)
-        if pipeline == "fused":  # CPU: one grouped GEMV call a weight
-            i2 = 2 * self.intermediate
-            h = self._grouped_gemv(self.w13, xs, starts, experts.numpy() * i2, i2)  # fp32 sums
-            hid = act_and_mul(h.to(dtype), activation)  # in BF16 as decode_matmul's F.linear gives it
-            y = self._grouped_gemv(self.w2, hid, starts, experts.numpy() * self.hidden, self.hidden)
-        else:
-            w13, w2 = self.expert_weights(experts, dtype)
-            y = torch.cat(
-                [
-                    F.linear(act_and_mul(F.linear(xs[a:b], w13[g]), activation), w2[g])
-                    for g, (a, b) in enumerate(zip(starts[:-1], starts[1:]))
-                ]
-            )
-        out = torch.zeros(t, self.hidden, dtype=dtype, device=x.device)
-        out.index_add_(0, tokens, (y if weights_on_input else y * scale).to(dtype))
-        return out.to(x.dtype)
-
-    @staticmethod
-    def _grouped_gemv(lin: UnweightLinear, x: torch.Tensor, starts, rows0, rows: int) -> torch.Tensor:
-        """For each group g, x[starts[g] : starts[g + 1]] @ W[rows0[g] : rows0[g] + rows]^T (CPU, numba)."""
-        return tiles_grouped_gemv_cpu(x, lin.compressed_weight, starts, rows0, rows)
-
-    def _fused_cuda(self, x, w, topk_ids, activation, weights_on_input) -> torch.Tensor:
-        """Two grouped GEMV launches over all (token, slot) pairs, the expert ids read on the device."""
-        from ..kernels.qtiles_matmul import qtiles_experts_linear
-
-        t, k = topk_ids.shape
-        ids = topk_ids.reshape(-1)
-        if weights_on_input:  # pair p = (t, j) reads x[t] * w[t, j]
-            x, x_div = (x[:, None, :] * w[:, :, None]).reshape(t * k, self.hidden), 1
-        else:
-            x_div = k
-        h = qtiles_experts_linear(x, self.w13.compressed_weight, ids, 2 * self.intermediate, x_div)
-        y = qtiles_experts_linear(act_and_mul(h, activation), self.w2.compressed_weight, ids, self.hidden, 1)
-        y = y.view(t, k, self.hidden)
-        return y.sum(1) if weights_on_input else (y.float() * w[:, :, None].float()).sum(1)
+        """The experts through one pipeline (a row of the kernel table), without the autotuner."""
+        return self._kernels()[pipeline].apply(self, x, topk_weights, topk_ids, activation, weights_on_input)
 
     def extra_repr(self) -> str:
         return (

@@ -11,7 +11,8 @@ to qtiles on CUDA). The largest decoded memory at any time is one expert's rank-
 whose pipeline the autotuner picks per batch bucket:
 - `fused`: UnweightExperts' own (one grouped numba GEMV call per weight on the CPU, one grouped
   Triton GEMV launch per weight on CUDA): only the routed experts' compressed bytes are read;
-- `decode_matmul`: the routed experts decoded and handed to **vLLM's own fused-MoE kernel** (the
+- `decode_matmul` (the plugin's own row in the experts' kernel table, runtime/layers/experts_kernels.py):
+  the routed experts decoded and handed to **vLLM's own fused-MoE kernel** (the
   one its unquantized method would run, prepacked as that method prepacks, their ids renumbered),
   so that forced (`UNWEIGHT_PIPELINE=decode_matmul`) it gives vLLM's unquantized output bit for bit.
 
@@ -275,19 +276,23 @@ _EXPERTS = Registry()  # the live built experts layers of this process, by uw_in
 
 @functools.cache
 def _experts_class() -> type:
-    """UnweightExperts whose `decode_matmul` runs vLLM's own fused-MoE kernel on the routed experts."""
+    """UnweightExperts whose `decode_matmul` row runs vLLM's own fused-MoE kernel on the routed experts."""
+    from unweight.runtime.layers import experts_kernels as ek
     from unweight.runtime.layers.experts import UnweightExperts
+
+    class VllmDecodeMatmul(ek.DecodeMatmul):
+        """The routed experts decoded, then vLLM's unquantized fused-MoE kernel on them."""
+
+        @staticmethod
+        def apply(layer, x, topk_weights, topk_ids, activation, weights_on_input):
+            return _vllm_moe(layer, x, topk_weights, topk_ids)
 
     class VllmUnweightExperts(UnweightExperts):
         AUTOTUNE_TAG = "vllm-experts"
+        KERNELS = tuple(VllmDecodeMatmul if k is ek.DecodeMatmul else k for k in ek.KERNELS)
         uw_method: UnweightMoEMethod  # set by _finish: the layer's method, its activation and router-weight mode
         uw_activation = None
         uw_on_input = False
-
-        def run(self, pipeline, x, topk_weights, topk_ids, activation, weights_on_input):
-            if pipeline != "decode_matmul":
-                return super().run(pipeline, x, topk_weights, topk_ids, activation, weights_on_input)
-            return _vllm_moe(self, x, topk_weights, topk_ids)
 
     return VllmUnweightExperts
 
