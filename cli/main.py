@@ -15,6 +15,7 @@ from rich.console import Console
 import unweight
 from unweight.defaults import DEFAULT_CHUNK, DEFAULT_PRECISION, PRECISION_RANGE
 from unweight.errors import UnweightError
+from unweight.folder import MEMBERS_NAME
 
 from .render import safe
 
@@ -246,8 +247,10 @@ def verify(
 
     Each tensor's decoded bytes are checked against their stored CRC-32, and its stored streams
     against theirs (format 1.1); with --against, against the original bytes, dtypes and shapes.
-    A sharded folder is checked against its index: a missing shard or tensor fails. The first
-    difference is reported. Run it after every download.
+    A sharded folder is checked against its index: a missing shard or tensor fails. A folder is
+    checked to be one model: every container one that compress wrote with the others (its
+    member list, unweight-folder.json), none of another model or revision. The first difference is
+    reported. Run it after every download.
 
     Examples:
 
@@ -267,6 +270,12 @@ def verify(
                 f"OK: {report.checked_tensors} tensors ({report.checked_bytes / 1e6:,.1f} MB) in "
                 f"{report.checked_files} files, {what}"
             )
+            if not report.vouched and path.is_dir() and not against:
+                err.print(
+                    f"note: this folder has no {MEMBERS_NAME} (compressed by an older unweight): verify cannot "
+                    "vouch that its files come from one compress of one model; --against the original can",
+                    highlight=False,
+                )
         else:
             err.print(f"[bold red]MISMATCH:[/] {safe(report.mismatches[0])}", highlight=False, soft_wrap=True)
             if len(report.mismatches) > 1:

@@ -190,6 +190,11 @@ class ContainerReader:
         return {role: self._file.bytes_of(s) for role, s in entry.streams.items()}
 
     @property
+    def header_digest(self) -> str:
+        """The SHA-256 of the header this reader reads the file by (safetensors_file.digest_header)."""
+        return self._file.header_digest
+
+    @property
     def file_size(self) -> int:
         return os.path.getsize(self.path)
 

@@ -6,6 +6,7 @@ through `SafetensorsFile`, which trusts nothing in the header (SPEC.md §4, rule
 
 from __future__ import annotations
 
+import hashlib
 import json
 import mmap
 import operator
@@ -108,6 +109,12 @@ def declared_header_bytes(path: str | os.PathLike) -> int:
     return struct.unpack("<Q", head)[0] if len(head) == 8 else 0
 
 
+def digest_header(raw: bytes) -> str:
+    """ "sha256:" and the hex SHA-256 of a safetensors header (its 8-byte length, then `raw`, the
+    JSON with its padding): a container's header holds every tensor's CRC-32 and its streams'."""
+    return "sha256:" + hashlib.sha256(struct.pack("<Q", len(raw)) + raw).hexdigest()
+
+
 _KINDS = (
     (stat.S_ISDIR, "a folder"),
     (stat.S_ISFIFO, "a FIFO"),
@@ -165,6 +172,7 @@ class SafetensorsFile:
                 self.path, f"header claims {n} bytes but the file has {size - 8} after the length (truncated?)"
             )
         raw = self._file.read(n)
+        self.header_digest = digest_header(raw)  # of the header this mapping's tensors are read by
         try:
             self.header_text = raw.decode("utf-8")
         except UnicodeDecodeError as e:

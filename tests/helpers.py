@@ -96,7 +96,9 @@ def shard_of(folder: Path, tensor: str) -> Path:
 def rewrite_container(path: Path, edit) -> None:
     """Write the container at `path` again, its tensors passed through `edit`: a function of
     {name: (TensorEntry, {role: stream bytes})} that returns such a dict (a crafted file: the
-    CRCs are whatever the edit leaves them)."""
+    CRCs are whatever the edit leaves them). The folder's member list, if it names the file, records
+    the new header, as a hostile producer would write it: the list says which files make one
+    folder, it seals nothing, and the checks behind it must hold alone."""
     from unweight.formats import ContainerReader, ContainerWriter
 
     with ContainerReader(path) as r:
@@ -109,6 +111,19 @@ def rewrite_container(path: Path, edit) -> None:
             w.add(entry, streams)
         w.finish(source_header=None if source_header is None else _drop_header(source_header, tensors))
     tmp.replace(path)
+    record_in_members(path)
+
+
+def record_in_members(path: Path) -> None:
+    """Make the member list of `path`'s folder, if it names the file, record the file's header as it is now."""
+    from unweight.folder import MEMBERS_NAME, header_digest
+
+    members = path.parent / MEMBERS_NAME
+    if members.exists():
+        data = json.loads(members.read_text())
+        if path.name in data["containers"]:
+            data["containers"][path.name] = header_digest(path)
+            members.write_text(json.dumps(data))
 
 
 def _drop_header(source_header: str, tensors: dict) -> str | None:

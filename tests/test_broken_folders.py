@@ -138,3 +138,81 @@ def test_streams_swapped_with_their_crcs_are_refused_where_the_tensor_is_decoded
     for door in (unweight.load, from_pretrained):  # both decode the archive layout to lay out tiles
         with pytest.raises(CorruptDataError, match=crc):
             door(uw)
+
+
+# A folder is one model: compress lists its containers with their header digests (unweight-folder.json),
+# and every door refuses a container of another model, or of another compress, naming the file.
+MEMBERS = "unweight-folder.json"
+
+
+def every_door_refuses(uw: Path, message: str, tmp_path: Path) -> None:
+    r = run_cli("verify", uw)
+    assert r.returncode == 1 and message in r.stderr and "OK" not in r.stdout, r.stdout + r.stderr
+    r = run_cli("decompress", uw, tmp_path / "back")
+    assert r.returncode == 1 and message in r.stderr and not (tmp_path / "back").exists(), r.stderr
+    r = run_cli("inspect", uw)
+    assert r.returncode == 1 and message in r.stderr, r.stderr
+    for door in (unweight.open, unweight.load, from_pretrained):
+        with pytest.raises(SourceError, match=message):
+            door(uw)
+
+
+@pytest.mark.slow
+def test_a_stale_container_beside_the_shards_is_refused_by_every_door(uw, folders, tmp_path):
+    """Another model's model.safetensors left beside the shards (transformers reads a
+    model.safetensors before an index): no door reads it, or the shards, as the model."""
+    other = tmp_path / "other"
+    unweight.compress(folders[0].parent / "tiny", other)
+    shutil.copy(other / "model.safetensors", uw / "model.safetensors")
+    every_door_refuses(uw, f"{uw / 'model.safetensors'}: a container that {MEMBERS} does not list", tmp_path)
+
+
+@pytest.mark.slow
+def test_a_shard_from_another_compress_is_refused_by_every_door(uw, folders, tmp_path):
+    """A mixed-revision download: one shard of a compress of other weights under the same names and
+    shapes (every CRC of its own honest) in place of the folder's own."""
+    src = four_shards(folders[0].parent / "tiny", tmp_path / "src2", lambda ts: {n: -t for n, t in ts.items()})
+    unweight.compress(src, tmp_path / "uw2")
+    shutil.copy(tmp_path / "uw2" / LAYER_1, uw / LAYER_1)
+    every_door_refuses(uw, f"{uw / LAYER_1}: not the container {MEMBERS} lists", tmp_path)
+
+
+def test_decompress_gives_the_source_back_without_the_manifest(folders, tmp_path):
+    src, uw = folders
+    members = json.loads((uw / MEMBERS).read_text())["containers"]
+    assert members.keys() == {p.name for p in src.glob("*.safetensors")}
+    assert all(d.startswith("sha256:") and len(d) == 7 + 64 for d in members.values())
+    unweight.decompress(uw, tmp_path / "back")
+    assert sorted(p.name for p in (tmp_path / "back").iterdir()) == sorted(p.name for p in src.iterdir())
+    for f in src.iterdir():
+        assert (tmp_path / "back" / f.name).read_bytes() == f.read_bytes(), f.name
+
+
+@pytest.mark.slow
+def test_a_folder_compressed_before_member_lists_loads_but_verify_cannot_vouch(uw, folders, tmp_path):
+    """Without the member list (an older unweight's folder) the shards still load and verify passes,
+    saying it cannot vouch for their unity; a container the index does not list is still refused."""
+    (uw / MEMBERS).unlink()
+    with unweight.open(uw) as ckpt:
+        assert not ckpt.vouched and len(ckpt) == len(json.loads((uw / INDEX).read_text())["weight_map"])
+    r = run_cli("verify", uw)
+    assert r.returncode == 0 and "OK" in r.stdout and "cannot vouch" in r.stderr, r.stdout + r.stderr
+    assert json.loads(run_cli("verify", uw, "--json").stdout)["vouched"] is False
+    shutil.copy(uw / NORMS, uw / "model.safetensors")
+    with pytest.raises(SourceError, match=f"{uw / 'model.safetensors'}: a container that {INDEX} does not list"):
+        unweight.load(uw)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "{",
+        "[1]",
+        '{"format": "other", "containers": {}}',
+        '{"format": "unweight-folder/1", "containers": {"../x": "a"}}',
+    ],
+)
+def test_a_member_list_that_is_not_one_is_named(uw, text):
+    (uw / MEMBERS).write_text(text)
+    with pytest.raises(SourceError, match=str(uw / MEMBERS)):
+        unweight.open(uw)

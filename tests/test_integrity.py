@@ -23,7 +23,7 @@ import unweight
 from helpers import container_header as _header
 from helpers import container_manifest as _manifest
 from helpers import flip_stream_byte as _flip
-from helpers import run_cli
+from helpers import record_in_members, run_cli
 from unweight.errors import CorruptDataError
 from unweight.reader import CompressedCheckpoint
 
@@ -66,7 +66,7 @@ def _copy(src: Path, dst: Path) -> Path:
     return dst
 
 
-def _rewrite_manifest(folder: Path, edit, version: str | None = None) -> None:
+def _rewrite_members(folder: Path, edit, version: str | None = None) -> None:
     """Re-serialise the container header after `edit(tensors)`; the data section is unchanged."""
     path = folder / "model.safetensors"
     n, header = _header(path)
@@ -80,11 +80,12 @@ def _rewrite_manifest(folder: Path, edit, version: str | None = None) -> None:
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+    record_in_members(path)  # a crafted folder, consistent with its member list
 
 
 def _as_version_1_0(folder: Path) -> Path:
     """The folder as a format 1.0 writer made it: no stream CRCs."""
-    _rewrite_manifest(folder, lambda ts: [t.pop("stream_crc32") for t in ts.values()], "1.0")
+    _rewrite_members(folder, lambda ts: [t.pop("stream_crc32") for t in ts.values()], "1.0")
     assert all("stream_crc32" not in t for t in _manifest(folder / "model.safetensors").values())
     return folder
 
@@ -154,7 +155,7 @@ def test_a_wrong_stream_crc_is_refused_by_load_and_reported_by_verify(folders, t
     def edit(ts):
         ts[O_PROJ]["stream_crc32"]["esc"] ^= 1
 
-    _rewrite_manifest(folder, edit)
+    _rewrite_members(folder, edit)
     _refused(folder, "serving", O_PROJ)
     report = unweight.verify(folder, threads=1)
     assert not report.ok and len(report.mismatches) == 1

@@ -4,7 +4,9 @@ not this module).
 
 A compressed checkpoint mirrors its source folder: every `*.safetensors` file becomes an Unweight
 container of the same name, and every other file (config, tokenizer, the shard index) is copied as
-is: the index stays valid because shard file names and tensor names do not change. Outputs are built in a hidden sibling
+is: the index stays valid because shard file names and tensor names do not change. One file is
+added: the member list (folder.MEMBERS_NAME), which lists the containers with their header digests,
+so that readers take the folder as one model or refuse it. Outputs are built in a hidden sibling
 folder and renamed into place at the end, so an interrupted run never leaves a folder that looks
 complete.
 """
@@ -39,7 +41,16 @@ from unweight.formats.safetensors_file import parse_header, safetensors_header
 
 from . import hf_config
 from .decoding import INLINE_TENSOR_BYTES, PARALLEL_TENSOR_BYTES, decode_in_order
-from .folder import check_source, containers_of, read_index, walk
+from .folder import (
+    MEMBERS_NAME,
+    check_members,
+    check_source,
+    containers_of,
+    member_problems,
+    read_index,
+    walk,
+    write_members,
+)
 from .report import CompressReport, TensorReport, VerifyReport
 
 # Memory a tensor takes while it is encoded, its mapped source pages included, as a multiple of
@@ -208,6 +219,8 @@ def compress(
     t0 = time.perf_counter()
     tensor_files, others, pickles = check_source(src)
     root = src if src.is_dir() else src.parent
+    if Path(MEMBERS_NAME) in others:
+        raise SourceError(f"{root / MEMBERS_NAME}: this folder is compressed already (decompress gives it back)")
     report = CompressReport(str(src), str(dst), skipped_files=[str(p) for p in pickles])
     if src.is_file() and dst.suffix == ".safetensors":
         raise DestinationError(f"{dst}: the destination is a folder; drop the .safetensors suffix")
@@ -237,6 +250,7 @@ def compress(
                     (tmp / rel).write_bytes(data)
                     report.file_notes += [note] if note else []
                 report.copied_files.append(str(rel))
+            write_members(tmp, tensor_files)  # last: what the folder holds, as one model
     finally:
         for sf in sources:
             sf.close()
@@ -290,6 +304,8 @@ def decompress(
     readers = [ContainerReader(root / c) for c in containers]
     count = 0
     try:
+        if Path(src).is_dir():  # one model: no container of another one, no shard of another revision
+            check_members(root, containers, index, digests={c: r.header_digest for c, r in zip(containers, readers)})
         if index is not None:  # the folder written must be the whole checkpoint, not what is left of it
             index.check({c: r.tensors for c, r in zip(containers, readers)})
         total = sum(e.nbytes for r in readers for e in r.tensors.values())
@@ -434,6 +450,11 @@ def verify(
     try:
         if index is not None:  # a partial download: its missing shards and tensors are mismatches
             report.mismatches, report.missing = index.problems({c: r.tensors for c, r in zip(containers, readers)})
+        # and containers of another model or another compress
+        whole = Path(path).is_dir() and not (against is not None and against.is_file())
+        digests = {c: r.header_digest for c, r in zip(containers, readers)}
+        lines, report.vouched = member_problems(root, containers, index, whole, digests)
+        report.mismatches += lines
         progress.start(sum(e.nbytes for r in readers for e in r.tensors.values()))
         for rel, reader in zip(containers, readers):
             original = None

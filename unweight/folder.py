@@ -1,21 +1,25 @@
 """What a checkpoint folder holds, for reading and writing alike: which files are tensors, which
-are copied, the shard index, and the rules every file must pass (regular files only; links stay
-inside the folder; no pickle)."""
+are copied, the shard index, the list of containers that makes a compressed folder one model
+(its member list), and the rules every file must pass (regular files only; links stay inside the
+folder; no pickle)."""
 
 from __future__ import annotations
 
 import json
 import os
 import stat
+import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
-from unweight.errors import SourceError
-from unweight.formats.safetensors_file import file_kind
+from unweight.errors import FormatError, SourceError
+from unweight.formats.safetensors_file import MAX_HEADER_BYTES, digest_header, file_kind, open_regular
 
 INDEX_NAME = "model.safetensors.index.json"
+MEMBERS_NAME = "unweight-folder.json"  # written by compress: the folder's containers and their header digests
+MEMBERS_FORMAT = "unweight-folder/1"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 SKIP_DIRS = {".git", ".cache", "__pycache__"}
 
@@ -155,6 +159,10 @@ class Index:
     def shards(self) -> list[Path]:
         return sorted(self._by_shard)
 
+    @property
+    def shard_set(self) -> set[Path]:
+        return set(self._by_shard)
+
     def tensors_in(self, shard: Path) -> set[str]:
         return self._by_shard.get(shard, set())
 
@@ -219,7 +227,8 @@ def read_index(root: Path) -> Index | None:
 
 
 def containers_of(path: str | os.PathLike) -> tuple[Path, list[Path], list[Path]]:
-    """(root, container files, other files) of a compressed folder or single container file."""
+    """(root, container files, other files) of a compressed folder or single container file; the
+    other files are the source's (the folder's member list, compress's own, is not one of them)."""
     path = Path(path)
     if not path.exists():
         raise SourceError(f"{path}: no such file or folder")
@@ -230,4 +239,111 @@ def containers_of(path: str | os.PathLike) -> tuple[Path, list[Path], list[Path]
     containers = [f for f in files if f.suffix == ".safetensors"]
     if not containers:
         raise SourceError(f"{path}: no compressed *.safetensors files in this folder")
-    return path, containers, [f for f in files if f.suffix != ".safetensors"]
+    return path, containers, [f for f in files if f.suffix != ".safetensors" and f != Path(MEMBERS_NAME)]
+
+
+def header_digest(path: Path) -> str:
+    """digest_header of the container at `path`, reading its header only."""
+    with open_regular(os.fspath(path)) as f:
+        head = f.read(8)
+        n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+        if not 0 < n <= MAX_HEADER_BYTES:
+            raise FormatError(os.fspath(path), "not a safetensors file (no valid header length)")
+        raw = f.read(n)
+    if len(raw) != n:
+        raise FormatError(os.fspath(path), f"header truncated: {len(raw)} of {n} bytes")
+    return digest_header(raw)
+
+
+def write_members(root: Path, containers: Iterable[Path]) -> None:
+    """Record `containers` (relative to `root`, all written) as the folder's members, each with its
+    header digest, in root / MEMBERS_NAME."""
+    members = {str(rel): header_digest(root / rel) for rel in sorted(containers)}
+    text = json.dumps({"format": MEMBERS_FORMAT, "containers": members}, indent=1) + "\n"
+    (root / MEMBERS_NAME).write_text(text)
+
+
+def read_members(root: Path) -> dict[Path, str] | None:
+    """The folder's members (relative path -> header digest) as compress recorded them, or None for
+    a folder without one (compressed before unweight wrote member lists). SourceError names a file
+    that is not one."""
+    path = root / MEMBERS_NAME
+    if not root.is_dir() or not (path.exists() or path.is_symlink()):
+        return None
+    data = read_json(path)
+    members = data.get("containers") if isinstance(data, dict) else None  # (a list, a number: refused below)
+    if (
+        not isinstance(data, dict)
+        or data.get("format") != MEMBERS_FORMAT
+        or not isinstance(members, dict)
+        or not all(isinstance(k, str) and isinstance(v, str) for k, v in members.items())
+    ):
+        raise SourceError(f"{path}: not an unweight member list ({MEMBERS_FORMAT}: containers and their digests)")
+    for rel in members:
+        if "\x00" in rel or ".." in Path(rel).parts or Path(rel).is_absolute():
+            raise SourceError(f"{path}: container path {rel!r} leaves the folder or is not a path")
+    return {Path(rel): digest for rel, digest in members.items()}
+
+
+def member_problems(
+    root: Path,
+    containers: Iterable[Path],
+    index: Index | None,
+    whole: bool = True,
+    digests: dict[Path, str] | None = None,
+) -> tuple[list[str], bool]:
+    """(one line per container that does not belong to the folder's model, whether the folder's
+    unity was checked). `containers` are those found in the folder (`whole`), or the one file a
+    reader was given (not whole: the list's other members are not looked for); `digests`, the
+    header digests of those the caller has open (the header its mapping is read by: no second read
+    of the file to race with a writer), the others' are read. With a member list, each must be
+    one it lists, with the header digest it records (a shard of another compress or revision has
+    other CRC-32s); without one (a folder compressed before member lists), unity cannot be checked, but
+    a container the shard index does not list is still refused: readers would read some other
+    model's file (transformers reads a model.safetensors before the index)."""
+    members = read_members(root)
+    lines = []
+    if members is None:
+        if index is not None:
+            listed = index.shard_set
+            lines += [
+                f"{root / rel}: a container that {INDEX_NAME} does not list, in a folder compressed without "
+                f"{MEMBERS_NAME}: remove it (or compress the model again)"
+                for rel in containers
+                if rel not in listed
+            ]
+        return lines, False
+    found = set(containers)
+    for rel in sorted(found):
+        if rel not in members:
+            lines.append(
+                f"{root / rel}: a container that {MEMBERS_NAME} does not list: not part of this compressed "
+                "model (left from another one?); remove it"
+            )
+        elif ((digests or {}).get(rel) or header_digest(root / rel)) != members[rel]:
+            lines.append(
+                f"{root / rel}: not the container {MEMBERS_NAME} lists (its header differs): a file from "
+                "another compress or revision of the model; download it again"
+            )
+    lines += [
+        f"{root / rel}: no such file; {MEMBERS_NAME} lists it: the download is incomplete"
+        for rel in sorted(set(members) - found)
+        if whole and (index is None or rel not in index.shard_set)  # (the index names those, with their tensors)
+    ]
+    return lines, True
+
+
+def check_members(
+    root: Path,
+    containers: Iterable[Path],
+    index: Index | None,
+    whole: bool = True,
+    digests: dict[Path, str] | None = None,
+) -> bool:
+    """member_problems, raised as SourceError with the first (and how many more); else whether the
+    folder's unity was checked."""
+    lines, vouched = member_problems(root, containers, index, whole, digests)
+    if lines:
+        more = f" (and {len(lines) - 1} more)" if len(lines) > 1 else ""
+        raise SourceError(lines[0] + more)
+    return vouched

@@ -24,7 +24,7 @@ from . import memory
 from .codec.parallel import default_threads
 from .decoding import decode_in_order
 from .errors import UnweightError
-from .folder import containers_of, read_index
+from .folder import check_members, containers_of, read_index
 from .report import CLASS_ORDER, TensorReport
 
 # dtype -> (word dtype, exponent shift, exponent mask)
@@ -183,6 +183,7 @@ def inspect(
     index = read_index(root) if Path(path).is_dir() else None
     if index is not None:  # a missing shard is named before anything is decoded
         index.check_files()
+    check_members(root, files, index, whole=Path(path).is_dir())  # no container of another model or compress
     stats = _inspect_files(root, files, threads or default_threads(), budget, processes)
     if index is not None:  # the shards hold what the index lists, no more and no less
         held: dict[Path, list[str]] = {Path(rel): [] for rel in files}

@@ -18,7 +18,7 @@ from unweight.formats import ContainerReader, TensorEntry
 from unweight.formats.dtypes import DTYPE_SIZES, TORCH_DTYPES
 
 from .decoding import decode_one
-from .folder import containers_of, read_index
+from .folder import check_members, containers_of, read_index
 from .memory import PIECE_BYTES, check_budget, require
 
 # safetensors dtype -> torch dtype name (resolved lazily: torch loads only when a tensor is asked for)
@@ -52,8 +52,11 @@ class CompressedCheckpoint:
         self.max_memory = check_budget(max_memory)  # a tensor asked for whole must fit (else MemoryLimitError)
         root, files, _ = containers_of(self.path)
         # A sharded folder is read as its index lists it (as transformers and vLLM read one): only
-        # the shards it names, and only once they hold exactly the tensors it says.
+        # the shards it names, and only once they hold exactly the tensors it says. And a folder is
+        # one model: every container in it one that compress wrote with the others (its member list),
+        # none of another model or revision. `vouched` says whether a member list checked that.
         self.index = read_index(root) if self.path.is_dir() else None
+        found = files
         if self.index is not None:
             self.index.check_files()
             files = self.index.shards
@@ -71,6 +74,8 @@ class CompressedCheckpoint:
                     if name in self._where:
                         raise SourceError(f"{self.path}: tensor {name!r} is in both {self._where[name]} and {rel}")
                     self._where[name] = str(rel)
+            digests = {Path(rel): r.header_digest for rel, r in self._readers.items()}
+            self.vouched = check_members(root, found, self.index, self.path.is_dir(), digests)
             if self.index is not None:
                 self.index.check({Path(rel): reader.tensors for rel, reader in self._readers.items()})
         except BaseException:

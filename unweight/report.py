@@ -143,6 +143,7 @@ class VerifyReport:
     checked_files: int = 0
     mismatches: list[str] = field(default_factory=list)  # one line each, first found first
     missing: list[str] = field(default_factory=list)  # tensors the shard index lists that are not where it says
+    vouched: bool = False  # the containers were checked against the folder's manifest (one compress of one model)
 
     @property
     def ok(self) -> bool:

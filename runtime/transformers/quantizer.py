@@ -97,8 +97,9 @@ class UnweightHfQuantizer(HfQuantizer):
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, dtype=None, **kwargs):
         if not checkpoint_files:
             raise SourceError("unweight: transformers gave the quantizer no checkpoint files to read")
-        files = [os.fspath(f) for f in checkpoint_files]
-        path = files[0] if len(files) == 1 else os.path.dirname(files[0])
+        # the folder, as its index and member list say, whichever files transformers picked: it takes a
+        # model.safetensors before an index, and a stale one beside the shards must be refused, not read
+        path = os.path.dirname(os.fspath(checkpoint_files[0]))
         from unweight.reader import CompressedCheckpoint
 
         self._t0 = time.perf_counter()
