@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import unweight
+from unweight.errors import SourceError
 from unweight.runtime.model.config import UnsupportedModelError
 
 ATOL = 2e-4  # fp32 accumulation order on logits of magnitude ~0.1 (random N(0, 0.02) weights)
@@ -41,6 +42,7 @@ def _configs():
             tie_word_embeddings=True,
         ),
         "mistral-sliding-window": MistralConfig(**COMMON, sliding_window=8, tie_word_embeddings=False),
+        "llama-attention-and-mlp-bias": LlamaConfig(**COMMON, attention_bias=True, mlp_bias=True),
         "qwen2-qkv-bias": Qwen2Config(**COMMON, tie_word_embeddings=True),
         "qwen3-qk-norm": Qwen3Config(**COMMON, head_dim=24, tie_word_embeddings=False),
     }
@@ -100,3 +102,47 @@ def test_unknown_architecture_is_refused_with_the_list(tmp_path):
     unweight.compress(tmp_path / "gpt2", tmp_path / "uw")
     with pytest.raises(UnsupportedModelError, match=r"'gpt2'.*supported: llama, mistral, qwen2, qwen3"):
         unweight.load(tmp_path / "uw")
+
+
+def without(folder, drop) -> None:
+    """Rewrite the folder's model.safetensors without the tensors whose names `drop` accepts."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(folder / "model.safetensors")
+    save_file({n: t for n, t in tensors.items() if not drop(n)}, folder / "model.safetensors", {"format": "pt"})
+
+
+def test_a_bias_the_config_gives_and_the_checkpoint_lacks_is_refused_by_both_doors(configs, tmp_path):
+    """A qwen2 config (q/k/v biases, always) over weights without them: transformers' door and
+    unweight.load refuse the folder, naming the bias."""
+    from transformers import AutoModelForCausalLM
+
+    src = make_model(configs["qwen2-qkv-bias"], tmp_path / "bf16")
+    without(src, lambda n: n.endswith(".bias"))
+    unweight.compress(src, tmp_path / "uw")
+    with pytest.raises(SourceError, match=r"lacks model\.layers\.0\.self_attn\.q_proj\.bias, which a qwen2 config"):
+        unweight.load(tmp_path / "uw")
+    with pytest.raises(SourceError, match=r"self_attn\.q_proj\.bias"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "uw")
+
+
+def test_a_bias_the_config_gives_no_layer_is_left_as_transformers_leaves_it(configs, tmp_path, caplog):
+    """Biases in the checkpoint of a Llama whose config has no attention_bias: the model the config
+    describes, as transformers builds it (the biases unused, with a warning), not another."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    src = make_model(configs["llama-attention-and-mlp-bias"], tmp_path / "bf16")
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**cfg, "attention_bias": False, "mlp_bias": False}))
+    unweight.compress(src, tmp_path / "uw")
+    with caplog.at_level("WARNING"):
+        ours = unweight.load(tmp_path / "uw", dtype="float32")
+    assert "model.layers.0.self_attn.q_proj.bias" in caplog.text and "not used" in caplog.text
+    assert ours.model.layers[0].self_attn.qkv_proj.bias is None
+    ref = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    ids = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(1))
+    got = ours.prefill(ours.new_sequence(), ids, all_logits=True)
+    with torch.no_grad():
+        assert (got - ref(ids[None]).logits[0]).abs().max() < ATOL

@@ -1,7 +1,8 @@
 """`ModelConfig`: the few numbers of a Llama-family model, read from a Hugging Face config.json.
 
 One skeleton covers Llama 2/3/3.1 (rope scaling), Mistral (sliding window), Qwen2/2.5 (q/k/v bias)
-and Qwen3 (q/k RMS norms); the switches are fields here, the checkpoint decides biases.
+and Qwen3 (q/k RMS norms); the switches are fields here. Which linears have a bias is the config's
+to say, as transformers' modules say it (`biases`): the loader refuses a checkpoint that lacks one.
 """
 
 from __future__ import annotations
@@ -17,6 +18,28 @@ FAMILIES: dict[str, dict] = {
     "qwen3": {"qk_norm": True},
 }
 ROPE_TYPES = ("default", "linear", "llama3")
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+def config_biases(model_type: str, cfg: dict) -> frozenset[str]:
+    """The linears (by their Hugging Face names) that transformers' module for `model_type` gives a
+    bias: Qwen2 q/k/v always; Llama's and Qwen3's attention with attention_bias, Llama's MLP with
+    mlp_bias; Mistral none."""
+    flags = {}
+    for key in ("attention_bias", "mlp_bias"):
+        v = cfg.get(key, False)
+        if not isinstance(v, bool):
+            raise ValueError(f"config {key} must be true or false, not {v!r}")
+        flags[key] = v
+    if model_type == "qwen2":
+        return frozenset(ATTENTION[:3])
+    if model_type == "mistral":
+        return frozenset()
+    out = set(ATTENTION) if flags["attention_bias"] else set()
+    if model_type == "llama" and flags["mlp_bias"]:
+        out |= set(MLP)
+    return frozenset(out)
 
 
 class UnsupportedModelError(ValueError):
@@ -41,6 +64,7 @@ class ModelConfig:
     qk_norm: bool = False
     sliding_window: int | None = None  # attend to at most this many most recent positions
     eos_token_ids: tuple[int, ...] = ()
+    biases: frozenset[str] = frozenset()  # the linears with a bias (config_biases)
 
     def __post_init__(self) -> None:
         for name in (
@@ -108,6 +132,7 @@ class ModelConfig:
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 sliding_window=window,
                 eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
+                biases=config_biases(mt, cfg),
                 **FAMILIES[mt],
             )
         except KeyError as e:

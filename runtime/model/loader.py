@@ -168,7 +168,7 @@ def _fill(
 ) -> int:
     """Fill the model (norms and biases in `dtype`); returns how many weights were decoded (CRC-32
     checked) to be re-encoded."""
-    transcoded = 0
+    transcoded, ignored = 0, []
     tied = "lm_head.weight" not in ckpt
     if tied and not model.config.tie_word_embeddings:
         raise SourceError(f"{ckpt.path}: no lm_head.weight, and the config does not tie embeddings")
@@ -176,7 +176,9 @@ def _fill(
         if name == "lm_head" and tied:
             continue
         if isinstance(module, (nn.Linear, nn.Embedding)):
-            linear, n = _linear(ckpt, name, tuple(module.weight.shape), dev, layout, threads, dtype)
+            linear, n = _linear(
+                ckpt, name, tuple(module.weight.shape), dev, layout, threads, dtype, model.config, ignored
+            )
             _set(model, name, linear)
             transcoded += n
         elif isinstance(module, RMSNorm):
@@ -185,6 +187,8 @@ def _fill(
             )
     if tied:
         model.lm_head = model.model.embed_tokens
+    if ignored:  # as transformers leaves a checkpoint's tensors that its modules have no place for
+        log.warning("%s: biases the config gives these layers none of, not used: %s", ckpt.path, ", ".join(ignored))
     return transcoded
 
 
@@ -196,10 +200,14 @@ def _linear(
     layout: str,
     threads: int | None,
     dtype: torch.dtype,
+    cfg: ModelConfig,
+    ignored: list[str],
 ) -> tuple[nn.Module, int]:
     """The module `name` of shape (out, in) (for the embedding: (vocab, hidden)), from one
     checkpoint weight or from the several that PACKED stacks into it, and how many of those were
-    decoded to be re-encoded (which checks the CRC-32 of their original bytes)."""
+    decoded to be re-encoded (which checks the CRC-32 of their original bytes). Its bias is there
+    where the config gives the layer one (a missing one is refused); a bias the config gives it
+    none of is left, its name added to `ignored`."""
     parent, _, leaf = name.rpartition(".")
     sources = [f"{parent}.{p}" for p in PACKED[leaf]] if leaf in PACKED else [name]
     entries, biases = [], []
@@ -211,8 +219,13 @@ def _linear(
         if entry.dtype != "BF16":
             raise UnsupportedModelError(f"{wname} is {entry.dtype}; the runtime serves BF16 checkpoints")
         entries.append(entry)
-        if f"{src}.bias" in ckpt:
-            biases.append(_dense(ckpt, f"{src}.bias", (entry.shape[0],), dtype, dev))
+        bname, wanted = f"{src}.bias", src.rpartition(".")[2] in cfg.biases
+        if wanted and bname not in ckpt:
+            raise SourceError(f"{ckpt.path}: the checkpoint lacks {bname}, which a {cfg.model_type} config gives it")
+        if wanted:
+            biases.append(_dense(ckpt, bname, (entry.shape[0],), dtype, dev))
+        elif bname in ckpt:
+            ignored.append(bname)
     # A weight kept as stored (the archive layout; a lone tiles weight) is checked by its stream
     # CRC-32s; one that is decoded here to be re-encoded, by the CRC-32 of its decoded bytes.
     decoded = layout != "archive" and (len(entries) > 1 or entries[0].codec != "tiles")
@@ -223,7 +236,7 @@ def _linear(
             f"{ckpt.path}: {', '.join(e.name for e, _ in parts)} have shapes {[list(e.shape) for e, _ in parts]}, the "
             f"config implies {list(shape)}"
         )
-    if biases and len(biases) != len(parts):
+    if biases and len(biases) != len(parts):  # (a config that gives some of a stack a bias: no family does)
         raise SourceError(f"{ckpt.path}: only some of {', '.join(sources)} have a bias")
     bias = torch.cat(biases) if biases else None
     try:
