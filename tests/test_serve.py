@@ -140,6 +140,34 @@ def test_prefill_and_decode_ran_in_different_processes(server):
     assert "vllm:time_to_first_token_seconds_bucket" in metrics and "vllm:inter_token_latency_seconds_count" in metrics
 
 
+def prefix_counters(server) -> tuple[float, float]:
+    from test_serve_http import metric
+
+    text = server.http.get("/metrics").text
+    return metric(text, "vllm:prefix_cache_queries_total"), metric(text, "vllm:prefix_cache_hits_total")
+
+
+def test_a_prompts_choices_share_one_prefill(server, expected):
+    """n choices of one prompt: the prefill worker runs the prompt once and starts the others from
+    a copy of its KV cache and logits (vLLM's prefix-cache counters say so, in tokens); each choice
+    is still what `generate` says. test_aggregated_mode checks the same of --no-disagg."""
+    check_shared_prefill(server, expected)
+
+
+def check_shared_prefill(server, expected) -> None:
+    before = prefix_counters(server)
+    r = server.chat(MESSAGES[0], max_tokens=16, n=4)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [c["message"]["content"] for c in body["choices"]] == [expected[0].text] * 4
+    prompt = body["usage"]["prompt_tokens"]
+    want = (before[0] + 4 * prompt, before[1] + 3 * prompt)
+    deadline = time.monotonic() + 30
+    while prefix_counters(server) != want and time.monotonic() < deadline:  # they come with heartbeats
+        time.sleep(0.2)
+    assert prefix_counters(server) == want
+
+
 def test_streaming_equals_non_streaming_with_the_openai_client(server):
     from openai import OpenAI
 
@@ -302,6 +330,7 @@ def test_aggregated_mode(uw, expected):
         h = s.health()
         assert h["mode"] == "aggregated" and [w["role"] for w in h["workers"]] == ["worker"]
         assert staggered_chats(s) == [e.text for e in expected]
+        check_shared_prefill(s, expected)
     finally:
         s.stop()
 

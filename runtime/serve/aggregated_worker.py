@@ -7,7 +7,7 @@ import torch
 
 from ..model.sampling import Sequence
 from .batch import BatchWorker, Slot
-from .worker_base import _job_error, lp_item
+from .worker_base import _job_error, _prompt_key, lp_item
 
 
 class AggregatedWorker(BatchWorker):
@@ -29,7 +29,14 @@ class AggregatedWorker(BatchWorker):
             and self._fits(len(self.waiting[0]["seq"]["prompt"]))
         ):
             job = self.waiting.popleft()  # the whole prompt now: every running sequence waits for it
-            if self.running and job.get("prompt_logprobs") is None and self.model.graph_decoder is None:
+            if (
+                self.running
+                and job.get("prompt_logprobs") is None
+                and self.model.graph_decoder is None
+                and not (
+                    self.shared is not None and self.shared.key == _prompt_key(job)  # a copy beats riding along
+                )
+            ):
                 self._prefill_with_step(job)
                 return
             done = self._first_token(job)
@@ -67,6 +74,8 @@ class AggregatedWorker(BatchWorker):
             self.model.free(cache)
             self.fail(job["id"], _job_error(e))
         else:
+            self._share(_prompt_key(job), cache, first, None)
+            self.prompt_tokens += len(seq.prompt)
             reason = seq.append(pick.token)
             stop = reason == "stop"
             self.emit([[job["id"], None if stop else pick.token, reason, None if stop else lp_item(pick)]])

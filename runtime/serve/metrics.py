@@ -301,6 +301,14 @@ class _StateCollector:
         )
         g.add_metric([name], sum(w.kv_blocks_used for w in caches) / max(1, sum(w.kv_blocks_total for w in caches)))
         yield g
+        # vLLM's prefix-cache counters, in tokens: a prompt that the one before it repeats (a request's
+        # n or best_of choices) is copied from it, not prefilled again (worker_base.SharedPrompt)
+        c = CounterMetricFamily("vllm:prefix_cache_queries", "Prompt tokens looked up.", labels=["model_name"])
+        c.add_metric([name], sum(w.prompt_tokens for w in workers))
+        yield c
+        c = CounterMetricFamily("vllm:prefix_cache_hits", "Prompt tokens found, not prefilled.", labels=["model_name"])
+        c.add_metric([name], sum(w.prompt_tokens_reused for w in workers))
+        yield c
         labels = ["model_name", "worker", "role"]
         per_worker = [
             (

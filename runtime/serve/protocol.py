@@ -80,6 +80,7 @@ Name = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.
 Rid = Annotated[str, Field(min_length=1, max_length=128)]
 Incarnation = Annotated[str, Field(min_length=1, max_length=64)]
 Count = Annotated[int, Field(ge=0, le=1 << 31)]
+Total = Annotated[int, Field(ge=0, le=1 << 62)]  # a counter over the worker's life
 Tag = Annotated[int, Field(ge=1, lt=1 << 31)]  # 0 is kv_link.PROOF_TAG
 TokenId = Annotated[int, Field(ge=0, lt=1 << 31)]
 Tokens = Annotated[list[TokenId], Field(min_length=1, max_length=1 << 21)]
@@ -175,6 +176,8 @@ class Beat(_Msg):
     queued: Count
     kv_blocks_used: Count
     kv_blocks_total: Count
+    prompt_tokens: Total = 0  # prompt tokens the worker prefilled or copied from a SharedPrompt, since it started
+    prompt_tokens_reused: Total = 0  # those it copied
 
 
 class Prefilling(_Msg):

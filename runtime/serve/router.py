@@ -86,6 +86,8 @@ class WorkerHandle:
     queued: int = 0
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
+    prompt_tokens: int = 0  # prompt tokens prefilled or copied (last heartbeat)
+    prompt_tokens_reused: int = 0  # of those, copied from a prompt just run (SharedPrompt)
     restarts: int = 0
     served: int = 0  # requests this worker took part in
     inflight: set[str] = field(default_factory=set)
@@ -347,6 +349,7 @@ class Router:
     def _on_beat(self, w: WorkerHandle, msg: Beat) -> None:
         w.running, w.queued = msg.running, msg.queued
         w.kv_blocks_used, w.kv_blocks_total = msg.kv_blocks_used, msg.kv_blocks_total
+        w.prompt_tokens, w.prompt_tokens_reused = msg.prompt_tokens, msg.prompt_tokens_reused
         if w.state == "unresponsive":
             w.state = "ready"
 

@@ -14,6 +14,7 @@ import threading
 import time
 import uuid
 from collections import deque
+from dataclasses import dataclass
 
 import torch
 
@@ -66,6 +67,23 @@ def lp_item(pick: Pick) -> list | None:
     return None if pick.logprob is None else [finite(pick.logprob), [[t, finite(v)] for t, v in pick.top]]
 
 
+@dataclass(slots=True)
+class SharedPrompt:
+    """A prompt just prefilled whose choices (n, best_of) or repeats wait behind it: its KV cache on
+    the host (layers, 2, tokens, kv_heads, head_dim), its last logits and its scored prompt, so that
+    each of them starts from a copy instead of prefilling the prompt again (as vLLM's prefix cache
+    shares a prompt's blocks between a request's sequences). Bit for bit what a prefill gives."""
+
+    key: tuple  # (prompt token ids, prompt_logprobs)
+    kv: torch.Tensor
+    logits: torch.Tensor
+    scored: list | None
+
+
+def _prompt_key(job: dict) -> tuple:
+    return tuple(job["seq"]["prompt"]), job.get("prompt_logprobs")
+
+
 class Worker:
     """What every worker does: talk to the router (CURVE, typed messages, heartbeats), cancel,
     prefill a prompt. Its role (a subclass) takes one kind of job (`JOB`), runs one loop (`step`),
@@ -98,6 +116,9 @@ class Worker:
         self.poller.register(self.monitor, zmq.POLLIN)
         self.kv_store = self.link = None  # a role with a KV link gets it from worker.open_link before it runs
         self.waiting: deque = deque()  # jobs (or, decode: received caches with their jobs) not yet running
+        self.shared: SharedPrompt | None = None  # the last prompt, while jobs that repeat it wait
+        self.deferred: deque[dict] = deque()  # messages a poll between a step's phases kept for the next
+        self.prompt_tokens = self.prompt_tokens_reused = 0  # prompt tokens prefilled or copied; copied
         self.stopping = False
         self.cores = governor() if self.model.device.type == "cpu" else None
         self.send({"op": "hello", "role": self.role, "pid": os.getpid(), "incarnation": self.incarnation})
@@ -182,9 +203,15 @@ class Worker:
             pass
         sock.connect(self.router_url)
 
-    def poll(self, timeout_ms: int) -> None:
+    def poll(self, timeout_ms: int, jobs_only: bool = False) -> None:
+        """Take in the router's messages. `jobs_only` (from within a step, between its phases): take
+        in new jobs only, and keep every other message (a cancel, a shutdown) for the next poll,
+        which handles them first: the step in progress is not changed under it."""
         import zmq
 
+        if not jobs_only:
+            while self.deferred:
+                self._dispatch(self.deferred.popleft())
         events = dict(self.poller.poll(timeout_ms))
         if self.monitor in events:
             last = self._handshakes(self.monitor)
@@ -209,12 +236,18 @@ class Worker:
                     if e.rid is not None:
                         self.fail(e.rid, f"{self.name} got an invalid job: {e}")
                     continue
-                try:
-                    self.handle(msg)
-                except Exception as e:  # noqa: BLE001 - one job's problem is that job's failure, not the worker's
-                    log.exception("%s: cannot take %s %s", self.name, msg["op"], msg.get("id"))
-                    if msg.get("id") is not None:
-                        self.fail(msg["id"], f"{self.name} could not take this job: {type(e).__name__}: {e}")
+                if jobs_only and msg["op"] != self.JOB:
+                    self.deferred.append(msg)
+                else:
+                    self._dispatch(msg)
+
+    def _dispatch(self, msg: dict) -> None:
+        try:
+            self.handle(msg)
+        except Exception as e:  # noqa: BLE001 - one job's problem is that job's failure, not the worker's
+            log.exception("%s: cannot take %s %s", self.name, msg["op"], msg.get("id"))
+            if msg.get("id") is not None:
+                self.fail(msg["id"], f"{self.name} could not take this job: {type(e).__name__}: {e}")
 
     def _beat(self) -> None:
         """Heartbeats from a thread with a socket of its own (`NAME#beat`; ZeroMQ sockets are not
@@ -239,6 +272,8 @@ class Worker:
                             "queued": self.queued_count(),
                             "kv_blocks_used": cache.used_blocks,
                             "kv_blocks_total": cache.max_blocks,
+                            "prompt_tokens": self.prompt_tokens,
+                            "prompt_tokens_reused": self.prompt_tokens_reused,
                         }
                     )
                 )
@@ -279,17 +314,30 @@ class Worker:
     def prefill(self, job: dict, on_layer=None) -> tuple[SeqCache, Sequence, Pick, str | None]:
         """Run a prompt: its KV cache, its generation state, the first token and a finish reason.
         With `prompt_logprobs` set, the prompt's own logprobs go to the router first.
-        `on_layer(cache, i)`: called once layer i's K and V of the whole prompt are stored."""
+        `on_layer(cache, i)`: called once layer i's K and V of the whole prompt are stored. A prompt
+        that the last one repeats (SharedPrompt) is copied, not run; one that jobs waiting behind it
+        repeat is kept for them."""
         seq = Sequence.from_state(job["seq"], self.model.config.vocab_size)
-        if self.cores is not None:
+        key = _prompt_key(job)
+        shared = self.shared if self.shared is not None and self.shared.key == key else None
+        if shared is None and self.cores is not None:
             self.cores.step()
         cache = self.model.new_sequence()
         hook = None if on_layer is None else (lambda i: on_layer(cache, i))
         try:
-            tokens = torch.tensor(seq.prompt, dtype=torch.int64)
-            top = job.get("prompt_logprobs")
-            if top is not None:
-                logits, scored = self.model.prefill_logprobs(cache, tokens, top, on_layer=hook)
+            if shared is not None:
+                cache = self.model.cache.import_(shared.kv)
+                for i in range(self.model.cache.layers if hook is not None else 0):
+                    on_layer(cache, i)
+                logits, scored = shared.logits, shared.scored
+            else:
+                tokens = torch.tensor(seq.prompt, dtype=torch.int64)
+                top = job.get("prompt_logprobs")
+                if top is not None:
+                    logits, scored = self.model.prefill_logprobs(cache, tokens, top, on_layer=hook)
+                else:
+                    logits, scored = self.model.prefill(cache, tokens, on_layer=hook), None
+            if scored is not None:
                 self.send(
                     {
                         "op": "prompt_logprobs",
@@ -297,13 +345,24 @@ class Worker:
                         "items": [[finite(lp), [[t, finite(v)] for t, v in alts]] for lp, alts in scored],
                     }
                 )
-            else:
-                logits = self.model.prefill(cache, tokens, on_layer=hook)
             pick = seq.choose(logits)
+            self._share(key, cache, logits, scored)
+            self.prompt_tokens += len(seq.prompt)
+            self.prompt_tokens_reused += len(seq.prompt) if shared is not None else 0
         except BaseException:
             self.model.free(cache)
             raise
         return cache, seq, pick, seq.append(pick.token)
+
+    def _share(self, key: tuple, cache: SeqCache, logits: torch.Tensor, scored: list | None) -> None:
+        """Keep the prompt just run for the waiting jobs that repeat it (a request's other choices,
+        which follow its first within a moment: the jobs sent meanwhile are taken in first), until
+        another prompt runs; else let it go."""
+        if self.shared is not None and self.shared.key == key:
+            return
+        self.poll(0, jobs_only=True)
+        followers = any(_prompt_key(w) == key for w in self.waiting)
+        self.shared = SharedPrompt(key, self.model.cache.export(cache).cpu(), logits, scored) if followers else None
 
     def fail(self, rid: str, error: str) -> None:
         self.send({"op": "failed", "id": rid, "error": error})

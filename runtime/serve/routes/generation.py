@@ -124,6 +124,15 @@ async def _unless_disconnected(request: Request, work):
         watch.cancel()
         if not job.done():
             job.cancel()
+            job.add_done_callback(_retrieved)  # else asyncio logs the gather's CancelledError with a traceback
     if job.done() and not job.cancelled():
         return job.result()
     raise ClientGone()
+
+
+def _retrieved(future: asyncio.Future) -> None:
+    """Take a cancelled gather's outcome: cancelling a gather cancels its children, and it then ends
+    with their CancelledError as its exception, which asyncio logs, traceback and all, unless
+    someone asked for it: a traceback per client that hangs up, for any client to flood the log with."""
+    if not future.cancelled():
+        future.exception()
