@@ -365,7 +365,9 @@ def plan(
     compressed-tensors checkpoint as 4-bit codes and BF16 scales, kept as they are); unweight's
     resident layout is estimated at 0.71 of the BF16 bytes it compresses; vLLM's activation
     reserve is estimated too. KV tokens are counted at the model's own KV layout (MLA's latent
-    cache for DeepSeek-V3 and Kimi).
+    cache for DeepSeek-V3 and Kimi). A config.json with a field missing, mistyped or out of bounds,
+    and a --tp that vLLM would refuse (one that does not divide the attention heads, the kv heads
+    or the dense MLP), are refused with one line naming the field.
 
     Examples:
 
@@ -380,9 +382,12 @@ def plan(
         gpu_bytes = planning.GPUS.get(gpu.lower())
         if gpu_bytes is None:
             try:
-                gpu_bytes = int(float(gpu) * (1 << 30))
+                gib = float(gpu)
             except ValueError:
-                raise ValueError(f"--gpu {gpu!r}: not h100, h200 or a number of GiB") from None
+                gib = float("nan")
+            if not 0 < gib <= 1 << 20:  # (NaN and infinity fail too)
+                raise ValueError(f"--gpu {gpu!r}: not h100, h200 or a number of GiB (above 0, up to 1048576)")
+            gpu_bytes = max(1, int(gib * (1 << 30)))
         kv_bytes = {"auto": 2, "bfloat16": 2, "fp8": 1}.get(kv_cache_dtype)
         if kv_bytes is None:
             raise ValueError(f"--kv-cache-dtype {kv_cache_dtype!r}: not auto, bfloat16 or fp8")
@@ -393,7 +398,7 @@ def plan(
             from unweight.hub import resolve_source
 
             folder = Path(resolve_source(model, patterns=["config.json"]))
-        config = json.loads((folder / "config.json").read_text())
+        config = planning.read_config(folder)
         result = planning.plan(
             config, gpu_bytes, tp, pp, kv_dtype_bytes=kv_bytes, gpu_memory_utilization=gpu_memory_utilization
         )

@@ -11,14 +11,22 @@ No weights are read. The counts follow the layers vLLM builds; the resident layo
 estimate at RESIDENT_RATIO of the BF16 bytes for the tensors the plugin compresses (a
 compressed folder's measured ratio depends on its weights); the activation reserve is an
 estimate of what vLLM's start-up profiling finds (see `reserve_bytes`).
+
+A config is checked before anything is counted (`check_config`): every field the counts read has
+its type and bounds, and tp must divide what vLLM's layers divide; what fails is refused with a
+ValueError naming the field. Layers are counted in closed form, not one by one.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from . import hf_config
+from .errors import SourceError
+from .folder import read_json
 
 GB = 10**9
 GIB = 1 << 30
@@ -39,6 +47,44 @@ MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mix
 CLASSES = ("embedding", "attention", "mlp", "router", "experts", "shared_experts", "norms", "lm_head")
 # Classes the vLLM plugin keeps compressed (the others stay dense there: docs/vllm.md; so does MLA's kv_b_proj)
 COMPRESSED = ("embedding", "attention", "mlp", "experts", "shared_experts", "lm_head")
+
+CONFIG_NAME = "config.json"
+MAX_CONFIG_BYTES = 16 << 20  # a real config.json is a few KiB; a bigger one is not read
+# Bounds of the config's fields, far past any real model's (Kimi K2: 61 layers, 384 experts, hidden
+# 7168, vocab 163840), that keep every count a number of bits a float carries
+MAX_SIZE = 1 << 24  # widths: hidden, intermediate, vocabulary, head and LoRA dimensions
+MAX_COUNT = 1 << 20  # layers, heads, experts, and the layer numbers and steps that pick MoE layers
+# field -> (least, most) of the ints the counts read; null (or absence) is allowed where the counts
+# have a default, and 0 where it means "none" (kv_lora_rank 0: no MLA)
+INT_FIELDS = {
+    "hidden_size": (1, MAX_SIZE),
+    "num_hidden_layers": (1, MAX_COUNT),
+    "num_attention_heads": (1, MAX_COUNT),
+    "num_key_value_heads": (1, MAX_COUNT),
+    "head_dim": (1, MAX_SIZE),
+    "vocab_size": (1, MAX_SIZE),
+    "intermediate_size": (1, MAX_SIZE),
+    "intermediate_size_mlp": (1, MAX_SIZE),
+    "moe_intermediate_size": (1, MAX_SIZE),
+    "kv_lora_rank": (0, MAX_SIZE),
+    "q_lora_rank": (0, MAX_SIZE),
+    "qk_nope_head_dim": (1, MAX_SIZE),
+    "qk_rope_head_dim": (1, MAX_SIZE),
+    "v_head_dim": (1, MAX_SIZE),
+    "n_routed_experts": (0, MAX_COUNT),
+    "n_shared_experts": (0, MAX_COUNT),
+    "num_local_experts": (0, MAX_COUNT),
+    "num_experts": (0, MAX_COUNT),
+    "first_k_dense_replace": (0, MAX_COUNT),
+    "moe_layer_freq": (1, MAX_COUNT),
+    "interleave_moe_layer_step": (1, MAX_COUNT),
+    "decoder_sparse_step": (1, MAX_COUNT),
+    "num_nextn_predict_layers": (0, MAX_COUNT),
+    "attention_chunk_size": (0, 1 << 40),
+}
+LIST_FIELDS = ("moe_layers", "mlp_only_layers")  # layer numbers
+BOOL_FIELDS = ("tie_word_embeddings", "attention_bias")
+STR_FIELDS = ("model_type", "topk_method")
 
 
 @dataclass(slots=True)
@@ -79,29 +125,132 @@ def text_config(config: dict) -> dict:
     return config.get("text_config") or config
 
 
+def read_config(folder: str | os.PathLike) -> dict:
+    """The config.json of `folder`, read by folder.read_json (a FIFO, a device or a link to one, bad
+    UTF-8 or JSON, nesting past the recursion limit: SourceError naming the file), and refused
+    unread past MAX_CONFIG_BYTES. Its fields are checked by `check_config`."""
+    path = Path(folder) / CONFIG_NAME
+    try:
+        size = path.stat().st_size  # (0 for a FIFO or a device: read_json refuses those)
+    except FileNotFoundError:
+        raise SourceError(f"{path}: no such file (the plan reads the model's config.json)") from None
+    except OSError as e:
+        raise SourceError(f"{path}: cannot read: {e.strerror}") from None
+    if size > MAX_CONFIG_BYTES:
+        raise SourceError(f"{path}: {size} bytes, over the {MAX_CONFIG_BYTES >> 20} MiB a config.json may have")
+    return read_json(path)
+
+
+def _show(value) -> str:
+    """A field's value for a one-line message: a scalar's repr, cut short; a list or an object by
+    its kind (its repr may be megabytes, or nested past the recursion limit)."""
+    if isinstance(value, list | dict):
+        return "a list" if isinstance(value, list) else "an object"
+    text = repr(value) if isinstance(value, str | int | float | bool | None) else type(value).__name__
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _check_int(c: dict, key: str, lo: int, hi: int, where: str) -> None:
+    value = c.get(key)
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{CONFIG_NAME}: {where}{key} is {_show(value)}, not an integer")
+    if not lo <= value <= hi:
+        raise ValueError(f"{CONFIG_NAME}: {where}{key} is {value}, outside [{lo}, {hi}]")
+
+
+def _check_fields(c: dict, where: str) -> None:
+    """Type and bounds of every field of INT_FIELDS, LIST_FIELDS, BOOL_FIELDS and STR_FIELDS in `c`."""
+    for key, (lo, hi) in INT_FIELDS.items():
+        _check_int(c, key, lo, hi, where)
+    for key in LIST_FIELDS:
+        value = c.get(key)
+        if value is not None and not isinstance(value, list):
+            raise ValueError(f"{CONFIG_NAME}: {where}{key} is {_show(value)}, not a list of layer numbers")
+        for n in value or ():
+            if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_COUNT:
+                raise ValueError(f"{CONFIG_NAME}: {where}{key} holds {_show(n)}, not a layer number")
+    for key, kind, name in [(k, bool, "true or false") for k in BOOL_FIELDS] + [
+        (k, str, "a string") for k in STR_FIELDS
+    ]:
+        value = c.get(key)
+        if value is not None and not isinstance(value, kind):
+            raise ValueError(f"{CONFIG_NAME}: {where}{key} is {_show(value)}, not {name}")
+
+
+def check_config(config) -> dict:
+    """The language model's config (`text_config`), once every field the counts read has its JSON
+    type and lies in its bounds (INT_FIELDS), the fields its family needs are there, and the
+    attention heads split into whole kv groups and head dimensions; else ValueError naming the field."""
+    if not isinstance(config, dict):
+        raise ValueError(f"{CONFIG_NAME}: not a JSON object but a {type(config).__name__}")
+    inner = config.get("text_config")
+    if inner is not None and not isinstance(inner, dict):
+        raise ValueError(f"{CONFIG_NAME}: text_config is {_show(inner)}, not an object")
+    c, where = (inner, "text_config.") if inner else (config, "")
+    model_type = c.get("model_type")
+    if not isinstance(model_type, str) or model_type not in MODEL_TYPES:
+        raise ValueError(
+            f"{CONFIG_NAME}: {where}model_type {_show(model_type)}: the plan knows the layers of "
+            + ", ".join(sorted(MODEL_TYPES))
+        )
+    _check_fields(c, where)
+    if c is not config:
+        _check_fields({k: config.get(k) for k in BOOL_FIELDS}, "")
+    needed = ["hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"]
+    if c.get("kv_lora_rank"):
+        needed += ["qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"]
+    kind = _moe_kind(c)
+    needed += {"deepseek": ["moe_intermediate_size"], "qwen3_moe": ["moe_intermediate_size"]}.get(kind, [])
+    needed += {"llama4": ["intermediate_size", "num_local_experts"], "mixtral": ["intermediate_size"]}.get(kind, [])
+    missing = [k for k in needed if c.get(k) is None]
+    if kind == "qwen3_moe" and not (c.get("num_experts") or c.get("num_local_experts")):
+        missing.append("num_experts")
+    if not missing and _moe_layer_count(c) < c["num_hidden_layers"] and not _dense_intermediate(c):
+        missing.append("intermediate_size")  # the dense layers' MLP
+    if missing:
+        raise ValueError(f"{CONFIG_NAME} has no {', '.join(where + k for k in missing)}")
+    if not c.get("kv_lora_rank"):
+        heads, kv_heads = c["num_attention_heads"], c.get("num_key_value_heads") or c["num_attention_heads"]
+        if not (c.get("head_dim") or c["hidden_size"] // heads):
+            raise ValueError(
+                f"{CONFIG_NAME}: {where}hidden_size {c['hidden_size']} is less than num_attention_heads {heads}, "
+                "and there is no head_dim"
+            )
+        if heads % kv_heads:  # (transformers' repeat_kv and vLLM's attention both need whole groups)
+            raise ValueError(
+                f"{CONFIG_NAME}: {where}num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}"
+            )
+    _int4_group(config)
+    return c
+
+
 def weights(config: dict, resident_ratio: float = RESIDENT_RATIO) -> list[Weights]:
-    """The whole model's weights by tensor class (CLASSES), as its checkpoint stores them."""
-    c = text_config(config)
+    """The whole model's weights by tensor class (CLASSES), as its checkpoint stores them; ValueError
+    names a field of `config` that `check_config` refuses."""
+    return _weights(config, check_config(config), resident_ratio)
+
+
+def _weights(config: dict, c: dict, resident_ratio: float) -> list[Weights]:
     h, layers = c["hidden_size"], c["num_hidden_layers"]
+    moe, n_moe = _moe(c), _moe_layer_count(c)  # every MoE layer has the same experts
     counts = dict.fromkeys(CLASSES, 0)
     counts["embedding"] = c["vocab_size"] * h
     if not config.get("tie_word_embeddings", c.get("tie_word_embeddings", False)):
         counts["lm_head"] = c["vocab_size"] * h
-    counts["norms"] = h  # the final norm
+    counts["attention"] = layers * _attention(c)
+    counts["norms"] = h + layers * (2 * h + _attention_norms(c))  # the final norm, and each layer's
     fp32 = 0  # parameters stored in FP32 (the router's score correction biases)
-    for layer in range(layers):
-        counts["attention"] += _attention(c)
-        counts["norms"] += 2 * h + _attention_norms(c)
-        moe = _moe(c, layer)
-        if moe is None:
-            counts["mlp"] += 3 * h * _dense_intermediate(c)
-            continue
+    if n_moe < layers:
+        counts["mlp"] = (layers - n_moe) * 3 * h * _dense_intermediate(c)
+    if moe is not None:
         experts, inter, shared = moe
-        counts["experts"] += experts * 3 * h * inter
-        counts["shared_experts"] += shared
-        counts["router"] += experts * h
+        counts["experts"] = n_moe * experts * 3 * h * inter
+        counts["shared_experts"] = n_moe * shared
+        counts["router"] = n_moe * experts * h
         if c.get("topk_method") == "noaux_tc":  # DeepSeek-V3's score correction bias, stored in FP32
-            fp32 += experts
+            fp32 = n_moe * experts
     int4 = _int4_group(config)
     out = []
     for name in CLASSES:
@@ -119,6 +268,10 @@ def weights(config: dict, resident_ratio: float = RESIDENT_RATIO) -> list[Weight
     return out
 
 
+def _head_dim(c: dict) -> int:
+    return c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+
+
 def _attention(c: dict) -> int:
     h, heads = c["hidden_size"], c["num_attention_heads"]
     if c.get("kv_lora_rank"):  # MLA: a LoRA'd query (or a plain one), the latent kv projections
@@ -127,7 +280,7 @@ def _attention(c: dict) -> int:
         kv = h * (c["kv_lora_rank"] + c["qk_rope_head_dim"])
         kv += c["kv_lora_rank"] * heads * (c["qk_nope_head_dim"] + c["v_head_dim"])
         return q + kv + heads * c["v_head_dim"] * h
-    head = c.get("head_dim") or h // heads
+    head = _head_dim(c)
     kv_heads = c.get("num_key_value_heads") or heads
     bias = (heads + 2 * kv_heads) * head if c.get("model_type") == "qwen2" or c.get("attention_bias") else 0
     return 2 * h * heads * head + 2 * h * kv_heads * head + bias
@@ -137,48 +290,95 @@ def _attention_norms(c: dict) -> int:
     if c.get("kv_lora_rank"):
         return c["kv_lora_rank"] + (c.get("q_lora_rank") or 0)
     if c.get("model_type") in ("qwen3", "qwen3_moe"):  # q_norm and k_norm, per head
-        return 2 * (c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"])
+        return 2 * _head_dim(c)
     return 0  # Llama 4's qk-norm has no weights
 
 
-def _dense_intermediate(c: dict) -> int:
-    return c.get("intermediate_size_mlp") or c["intermediate_size"]  # Llama 4 names its dense MLP's so
+def _dense_intermediate(c: dict) -> int | None:
+    return c.get("intermediate_size_mlp") or c.get("intermediate_size")  # Llama 4 names its dense MLP's so
 
 
-def _moe(c: dict, layer: int) -> tuple[int, int, int] | None:
-    """(routed experts, their intermediate size, shared experts' parameters) of a MoE layer, else None."""
-    h = c["hidden_size"]
-    if c.get("n_routed_experts"):  # DeepSeek-V3, Kimi
-        if layer < c.get("first_k_dense_replace", 0) or layer % c.get("moe_layer_freq", 1):
-            return None
-        inter = c["moe_intermediate_size"]
-        return c["n_routed_experts"], inter, 3 * h * inter * c.get("n_shared_experts", 0)
+def _moe_kind(c: dict) -> str | None:
+    """Which family's MoE layers the model has: deepseek (DeepSeek-V3, Kimi), llama4, qwen3_moe,
+    mixtral (any other with num_local_experts), or None (dense)."""
+    if c.get("n_routed_experts"):
+        return "deepseek"
     if c.get("model_type", "").startswith("llama4"):
-        step = c.get("interleave_moe_layer_step", 1)
-        moe_layers = c.get("moe_layers") or list(range(step - 1, c["num_hidden_layers"], step))
-        if layer not in moe_layers:
-            return None
-        return c["num_local_experts"], c["intermediate_size"], 3 * h * c["intermediate_size"]
+        return "llama4"
     if c.get("model_type") == "qwen3_moe":  # (transformers 5 writes num_experts as num_local_experts)
-        if layer in c.get("mlp_only_layers", []) or (layer + 1) % c.get("decoder_sparse_step", 1):
-            return None
+        return "qwen3_moe"
+    return "mixtral" if c.get("num_local_experts") else None
+
+
+def _moe(c: dict) -> tuple[int, int, int] | None:
+    """(routed experts, their intermediate size, shared experts' parameters) of each MoE layer, or
+    None for a dense model."""
+    kind, h = _moe_kind(c), c["hidden_size"]
+    if kind == "deepseek":
+        inter = c["moe_intermediate_size"]
+        return c["n_routed_experts"], inter, 3 * h * inter * (c.get("n_shared_experts") or 0)
+    if kind == "llama4":
+        return c["num_local_experts"], c["intermediate_size"], 3 * h * c["intermediate_size"]
+    if kind == "qwen3_moe":
         return c.get("num_experts") or c["num_local_experts"], c["moe_intermediate_size"], 0
-    if c.get("num_local_experts"):  # Mixtral
+    if kind == "mixtral":
         return c["num_local_experts"], c["intermediate_size"], 0
     return None
 
 
+def _is_moe_layer(c: dict, layer: int) -> bool:
+    kind, layers = _moe_kind(c), c["num_hidden_layers"]
+    if kind == "deepseek":
+        return layer >= (c.get("first_k_dense_replace") or 0) and layer % (c.get("moe_layer_freq") or 1) == 0
+    if kind == "llama4":
+        step = c.get("interleave_moe_layer_step") or 1
+        return layer in (c.get("moe_layers") or range(step - 1, layers, step))
+    if kind == "qwen3_moe":
+        return layer not in (c.get("mlp_only_layers") or ()) and (layer + 1) % (c.get("decoder_sparse_step") or 1) == 0
+    return kind == "mixtral"
+
+
+def _moe_layer_count(c: dict) -> int:
+    """How many of the layers are MoE layers (those `_is_moe_layer` picks), in closed form."""
+    kind, layers = _moe_kind(c), c["num_hidden_layers"]
+    if kind == "deepseek":  # the multiples of the frequency in [first_k_dense_replace, layers)
+        first, freq = min(c.get("first_k_dense_replace") or 0, layers), c.get("moe_layer_freq") or 1
+        return -(-layers // freq) + (-first // freq)  # ceil(layers / freq) - ceil(first / freq)
+    if kind == "llama4":
+        if c.get("moe_layers"):
+            return len({n for n in c["moe_layers"] if n < layers})
+        step = c.get("interleave_moe_layer_step") or 1
+        return len(range(step - 1, layers, step))
+    if kind == "qwen3_moe":  # the layers n with (n + 1) a multiple of the step, less the dense ones among them
+        step = c.get("decoder_sparse_step") or 1
+        dense = {n for n in c.get("mlp_only_layers") or () if n < layers and (n + 1) % step == 0}
+        return layers // step - len(dense)
+    return layers if kind == "mixtral" else 0
+
+
 def _int4_group(config: dict) -> int:
     """The group size of compressed-tensors INT4 weights (applied to the routed experts, as Kimi
-    K2.5 quantizes them), or 0. A folder compressed from such a checkpoint keeps its config."""
-    q = config.get("quantization_config") or text_config(config).get("quantization_config") or {}
-    q = hf_config.source_quantization({"quantization_config": q}) or q
+    K2.5 quantizes them), or 0. A folder compressed from such a checkpoint keeps its config.
+    ValueError names a part of the quantization_config that is not what it should be."""
+    name = "quantization_config"
+    q = config.get(name) or text_config(config).get(name) or {}
+    if not isinstance(q, dict):
+        raise ValueError(f"{CONFIG_NAME}: {name} is {_show(q)}, not an object")
+    q = hf_config.source_quantization({name: q}) or q
+    if not isinstance(q, dict):
+        raise ValueError(f"{CONFIG_NAME}: {name}.{hf_config.SOURCE_KEY} is {_show(q)}, not an object")
     if q.get("quant_method") != "compressed-tensors":
         return 0
-    for group in (q.get("config_groups") or {}).values():
+    groups = q.get("config_groups") or {}
+    if not isinstance(groups, dict) or not all(isinstance(g, dict) for g in groups.values()):
+        raise ValueError(f"{CONFIG_NAME}: {name}.config_groups is {_show(groups)}, not an object of objects")
+    for key, group in groups.items():
         w = group.get("weights") or {}
+        if not isinstance(w, dict):
+            raise ValueError(f"{CONFIG_NAME}: {name}.config_groups.{key}.weights is {_show(w)}, not an object")
+        _check_int(w, "group_size", 1, MAX_SIZE, f"{name}.config_groups.{key}.weights.")
         if w.get("num_bits") == 4:
-            return int(w.get("group_size") or 0)
+            return w.get("group_size") or 0
     return 0
 
 
@@ -186,27 +386,75 @@ def kv_bytes_per_token(config: dict, tp: int, pp: int, dtype_bytes: int = 2) -> 
     """One GPU's KV cache per token: its layers' K and V for its share of the kv heads (replicated
     where there are fewer kv heads than ranks, as vLLM does); for MLA, the latent and its RoPE
     part, which every rank holds whole."""
-    c = text_config(config)
+    return _kv_bytes_per_token(check_config(config), tp, pp, dtype_bytes)
+
+
+def _kv_bytes_per_token(c: dict, tp: int, pp: int, dtype_bytes: int) -> int:
     layers = math.ceil(c["num_hidden_layers"] / pp)
     if c.get("kv_lora_rank"):
         return layers * (c["kv_lora_rank"] + c["qk_rope_head_dim"]) * dtype_bytes
-    heads = c["num_attention_heads"]
-    head = c.get("head_dim") or c["hidden_size"] // heads
-    kv_heads = max(1, (c.get("num_key_value_heads") or heads) // tp)
-    return layers * 2 * kv_heads * head * dtype_bytes
+    kv_heads = max(1, (c.get("num_key_value_heads") or c["num_attention_heads"]) // tp)
+    return layers * 2 * kv_heads * _head_dim(c) * dtype_bytes
 
 
 def reserve_bytes(config: dict, tp: int) -> int:
     """What vLLM keeps beside weights and KV cache, estimated: the activations of one batch of
     MAX_NUM_BATCHED_TOKENS (residual, attention and MLP intermediates in FP32, per rank), the
     sampler's FP32 logits for MAX_NUM_SEQS sequences, and NON_TORCH_BYTES."""
-    c = text_config(config)
+    return _reserve_bytes(check_config(config), tp)
+
+
+def _reserve_bytes(c: dict, tp: int) -> int:
     h = c["hidden_size"]
-    moe = _moe(c, c["num_hidden_layers"] - 1)
-    inter = max(_dense_intermediate(c) if "intermediate_size" in c else 0, moe[1] * 2 if moe else 0)
+    moe = _moe(c) if _is_moe_layer(c, c["num_hidden_layers"] - 1) else None
+    inter = max(_dense_intermediate(c) if c.get("intermediate_size") else 0, moe[1] * 2 if moe else 0)
     activations = MAX_NUM_BATCHED_TOKENS * (4 * h + 2 * inter // tp) * 4
     logits = MAX_NUM_SEQS * c["vocab_size"] * 4 * 2
     return activations + logits + NON_TORCH_BYTES
+
+
+def _is_count(value, lo: int = 1) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= lo
+
+
+def check_parallel(config: dict, tp: int, pp: int) -> None:
+    """ValueError unless vLLM would build `config`'s model on tp × pp ranks: at least one stage a
+    layer, and tp dividing what its tensor-parallel layers split (the attention heads, the kv heads
+    or tp a multiple of them where each is replicated, the dense and shared MLPs' intermediate size)."""
+    _check_parallel(check_config(config), tp, pp)
+
+
+def _check_parallel(c: dict, tp: int, pp: int) -> None:
+    if not (_is_count(tp) and _is_count(pp)):
+        raise ValueError(f"tp and pp must be at least 1, not {_show(tp)} and {_show(pp)}")
+    layers, heads = c["num_hidden_layers"], c["num_attention_heads"]
+    if layers < pp:
+        raise ValueError(f"pp={pp} is more stages than the model's {layers} layers")
+    refuse = "vLLM refuses a tensor-parallel size that does not divide it"
+    if heads % tp:
+        raise ValueError(f"tp={tp} does not divide num_attention_heads {heads}: {refuse}")
+    kv_heads = c.get("num_key_value_heads") or heads
+    if not c.get("kv_lora_rank"):  # (MLA's latent is held whole at every rank)
+        if kv_heads >= tp and kv_heads % tp:
+            raise ValueError(f"tp={tp} does not divide num_key_value_heads {kv_heads}: {refuse}")
+        if kv_heads < tp and tp % kv_heads:
+            raise ValueError(
+                f"tp={tp} is not a multiple of num_key_value_heads {kv_heads}: vLLM replicates each kv head on "
+                "a whole number of ranks"
+            )
+    sizes = []
+    if _moe_layer_count(c) < layers:
+        sizes.append(("intermediate_size_mlp" if c.get("intermediate_size_mlp") else "intermediate_size", None))
+    moe = _moe(c)
+    if moe is not None and moe[2]:
+        sizes.append(
+            ("moe_intermediate_size", "n_shared_experts") if _moe_kind(c) == "deepseek" else ("intermediate_size", None)
+        )
+    for key, times in sizes:
+        size = c[key] * (c[times] if times else 1)
+        if size % tp:
+            what = f"{key} x {times} = {size}" if times else f"{key} {size}"
+            raise ValueError(f"tp={tp} does not divide {what}: {refuse}")
 
 
 def plan(
@@ -220,22 +468,18 @@ def plan(
     resident_ratio: float = RESIDENT_RATIO,
 ) -> Plan:
     """One GPU's share of `config`'s model on tp × pp GPUs of `gpu_bytes` each (see the module
-    docstring). Raises ValueError naming what the config lacks or the bad value."""
-    if tp < 1 or pp < 1:
-        raise ValueError(f"tp and pp must be at least 1, not {tp} and {pp}")
-    if not 0 < gpu_memory_utilization <= 1:
-        raise ValueError(f"gpu_memory_utilization must lie in (0, 1], not {gpu_memory_utilization}")
-    c = text_config(config)
-    if c.get("model_type") not in MODEL_TYPES:
-        raise ValueError(
-            f"model_type {c.get('model_type')!r}: the plan knows the layers of {', '.join(sorted(MODEL_TYPES))}"
-        )
-    missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size") if k not in c]
-    if missing:
-        raise ValueError(f"config.json has no {', '.join(missing)}")
-    if c["num_hidden_layers"] < pp:
-        raise ValueError(f"pp={pp} is more stages than the model's {c['num_hidden_layers']} layers")
-    ws = weights(config, resident_ratio)
+    docstring). Raises ValueError naming the config's field that `check_config` refuses, or what
+    vLLM would refuse of tp and pp (`check_parallel`), or the bad argument."""
+    if not _is_count(gpu_bytes):
+        raise ValueError(f"gpu_bytes must be a positive integer, not {_show(gpu_bytes)}")
+    if not _is_count(kv_dtype_bytes) or kv_dtype_bytes > 8:
+        raise ValueError(f"kv_dtype_bytes must be 1 to 8, not {_show(kv_dtype_bytes)}")
+    for name, share in (("gpu_memory_utilization", gpu_memory_utilization), ("resident_ratio", resident_ratio)):
+        if isinstance(share, bool) or not isinstance(share, int | float) or not 0 < share <= 1:  # (NaN fails too)
+            raise ValueError(f"{name} must lie in (0, 1], not {_show(share)}")
+    c = check_config(config)
+    _check_parallel(c, tp, pp)
+    ws = _weights(config, c, resident_ratio)
     by = {w.name: w for w in ws}
     layers = c["num_hidden_layers"]
     stage = math.ceil(layers / pp) / layers  # the largest stage's share of the layers
@@ -252,8 +496,8 @@ def plan(
         return round(body + (sum(ends) if pp == 1 else max(ends)))
 
     total = int(gpu_bytes * gpu_memory_utilization)
-    reserve = reserve_bytes(config, tp)
-    per_token = kv_bytes_per_token(config, tp, pp, kv_dtype_bytes)
+    reserve = _reserve_bytes(c, tp)
+    per_token = _kv_bytes_per_token(c, tp, pp, kv_dtype_bytes)
     stored, resident = gpu("stored_bytes"), gpu("resident_bytes")
     notes = []
     if "vision_config" in config:
