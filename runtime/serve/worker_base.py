@@ -35,7 +35,13 @@ from .protocol import (
 )
 
 log = logging.getLogger("unweight.runtime.serve.worker")
-RECONNECT_AFTER_REFUSAL_S = 1.0
+RECONNECT_AFTER_REFUSAL_S = 1.0  # the least time between two handshakes of one control socket
+GIVE_UP_AFTER_TIMEOUTS = 3  # a worker whose every handshake is refused for this many --worker-timeout exits
+
+
+class RefusedByRouter(ValueError):
+    """Every CURVE handshake with the router failed for GIVE_UP_AFTER_TIMEOUTS x --worker-timeout:
+    this worker does not hold its router's control secret (or something else listens there)."""
 
 
 def _handshake_events() -> int:
@@ -111,6 +117,8 @@ class Worker:
         # a peer that fails the CURVE handshake (not the router of this server) is logged here
         self.monitor = self.sock.get_monitor_socket(_handshake_events())
         self._reconnect_at: float | None = None
+        self._refused_since: float | None = None  # the first of an unbroken run of failed handshakes
+        self.give_up_after = GIVE_UP_AFTER_TIMEOUTS * cfg.worker_timeout
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
         self.poller.register(self.monitor, zmq.POLLIN)
@@ -146,6 +154,9 @@ class Worker:
         sock.setsockopt(zmq.IDENTITY, identity.encode())
         sock.setsockopt(zmq.LINGER, 1000)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        # ZeroMQ retries a refused handshake by itself, every 100 ms by default: a worker holding
+        # another secret would knock on the router ten times a second per socket
+        sock.setsockopt(zmq.RECONNECT_IVL, int(RECONNECT_AFTER_REFUSAL_S * 1000))
         sock.curve_publickey, sock.curve_secretkey = self.keys["worker"]
         sock.curve_serverkey = self.keys["router"][0]
         return sock
@@ -216,9 +227,18 @@ class Worker:
         if self.monitor in events:
             last = self._handshakes(self.monitor)
             if last is True:
-                self._reconnect_at = None
-            elif last is False and self._reconnect_at is None:
-                self._reconnect_at = time.monotonic() + RECONNECT_AFTER_REFUSAL_S
+                self._reconnect_at = self._refused_since = None
+            elif last is False:
+                if self._reconnect_at is None:
+                    self._reconnect_at = time.monotonic() + RECONNECT_AFTER_REFUSAL_S
+                if self._refused_since is None:
+                    self._refused_since = time.monotonic()
+        if self._refused_since is not None and time.monotonic() - self._refused_since > self.give_up_after:
+            raise RefusedByRouter(
+                f"{self.name}: every CURVE handshake with {self.router_url} failed for {self.give_up_after:.0f} s "
+                f"(3 x --worker-timeout): the router there does not hold this worker's control secret (give the "
+                f"worker the router's --control-secret-file)"
+            )
         if self._reconnect_at is not None and time.monotonic() >= self._reconnect_at:
             self._reconnect_at = None
             self._reconnect(self.sock)
@@ -259,10 +279,12 @@ class Worker:
         sock.setsockopt(zmq.LINGER, 0)
         monitor = sock.get_monitor_socket(_handshake_events())
         sock.connect(self.router_url)
+        reconnected = time.monotonic()
         try:
             while not self.stopping:
-                if self._handshakes(monitor) is False:
-                    self._reconnect(sock)  # at most once a heartbeat
+                if self._handshakes(monitor) is False and time.monotonic() - reconnected >= RECONNECT_AFTER_REFUSAL_S:
+                    self._reconnect(sock)
+                    reconnected = time.monotonic()
                 cache = self.model.cache
                 sock.send(
                     pack(
