@@ -221,3 +221,41 @@ def test_the_control_store_refuses_what_gloo_does_not_need(method):
     store = ControlStore(lambda: pytest.fail("no socket is opened for a refused operation"))
     with pytest.raises(RuntimeError, match="only sets, waits for and gets"):
         getattr(store, method)("k", 1)
+
+
+def test_kv_encryption_off_across_hosts_is_warned_at_start_and_logged_as_it_is(caplog):
+    """#51 item 8: unsealed frames off loopback (--kv-encryption off) carry prompts in clear: a
+    warning when the link opens, and the link's log says so (it said "unsealed (loopback)" whatever
+    the address)."""
+    import logging
+
+    from unweight.runtime.serve.worker import local_address_towards
+
+    host = local_address_towards("203.0.113.1")  # this host's address on its default route
+    if host in kv_link.LOOPBACK:
+        pytest.skip("this host has no address but loopback")
+    caplog.set_level(logging.INFO, logger=kv_link.log.name)
+    store = dist.HashStore()
+    p = KVLink(store, KEY, "inc-p", 0, bind_host=host, encryption="off")
+    d = KVLink(store, KEY, "inc-d", 1, bind_host=host, encryption="off")
+    try:
+        warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warned) == 2 and all(host in w and "in clear" in w for w in warned), warned
+        sent, got = hand_off(p, d, torch.ones(2, 2, 3, 4, 64, dtype=torch.bfloat16), 1)
+        assert sent.error is None and got.error is None and not sent.sealed, (sent.error, got.error)
+        said = [r for r in caplog.records if "KV link to" in r.getMessage()]
+        assert len(said) == 1 and said[0].levelno == logging.WARNING, [r.getMessage() for r in said]
+        assert "loopback" not in said[0].getMessage() and "UNSEALED over the network" in said[0].getMessage()
+    finally:
+        p.close()
+        d.close()
+    caplog.clear()
+    p, d = pair(KEY, KEY, encryption="off")  # on loopback: nothing to warn about
+    try:
+        sent, got = hand_off(p, d, torch.ones(2, 2, 3, 4, 64, dtype=torch.bfloat16), 1)
+        assert sent.error is None and got.error is None
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+        assert any("unsealed (loopback)" in r.getMessage() for r in caplog.records)
+    finally:
+        p.close()
+        d.close()

@@ -278,8 +278,15 @@ class KVLink:
         self.options._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host)]
         self.options._timeout = timeout
         self.incarnation, self.rank, self.timeout = incarnation, rank, timeout
-        self.compression = compression
+        self.compression, self.bind_host = compression, bind_host
         self.sealed = encryption == "on" or (encryption == "auto" and bind_host not in LOOPBACK)
+        if not self.sealed and bind_host not in LOOPBACK:
+            log.warning(
+                "--kv-encryption off: this worker's KV link listens on %s, not loopback: every prompt's KV cache "
+                "will cross the network in clear (readable, and alterable, by anyone on the path); use "
+                "--kv-encryption auto",
+                bind_host,
+            )
         self._codec_rates: dict[torch.dtype, float] = {}
         self.done: queue.Queue[TransferResult] = queue.Queue()  # finished transfers, for the worker loop
         self._groups: dict[tuple[str, str], Group] = {}
@@ -314,11 +321,16 @@ class KVLink:
             rate = PROBE_BYTES / max(time.perf_counter() - t0, 1e-9) if self.rank == 0 else 0.0
             g = self._groups[key] = Group(pg, session, rate)
             if self.rank == 0:
-                log.info(
+                clear = not self.sealed and self.bind_host not in LOOPBACK
+                (log.warning if clear else log.info)(
                     "KV link to %s: %.0f MB/s measured; frames %s",
                     key[0],
                     rate / 1e6,
-                    "sealed (ChaCha20-Poly1305)" if self.sealed else "unsealed (loopback)",
+                    "sealed (ChaCha20-Poly1305)"
+                    if self.sealed
+                    else f"UNSEALED over the network ({self.bind_host}): --kv-encryption off"
+                    if clear
+                    else "unsealed (loopback)",
                 )
         return g
 
