@@ -8,6 +8,7 @@ with another key gets nothing, and its sends are not taken.
 from __future__ import annotations
 
 import base64
+import logging
 import time
 
 import pytest
@@ -122,7 +123,7 @@ class Hostile(KVLink):
 
 @pytest.mark.parametrize("mischief", ["flip", "replay", "other request", "oversized", "truncated"])
 @pytest.mark.slow
-def test_a_tampered_or_misplaced_kv_block_is_refused_and_the_pair_serves_on(mischief, monkeypatch):
+def test_a_tampered_or_misplaced_kv_block_is_refused_and_the_pair_serves_on(mischief, monkeypatch, caplog):
     monkeypatch.setattr(kv_link, "KV_TIMEOUT_S", 1.0)  # a sender whose peer gave up stops within this
     p, d = pair(KEY, KEY, sender=Hostile, compression="on", encryption="on")
     try:
@@ -140,11 +141,34 @@ def test_a_tampered_or_misplaced_kv_block_is_refused_and_the_pair_serves_on(misc
         }[mischief]
         assert expect in got.error, got.error
         assert time.monotonic() - t0 < 10
+        # a security event: one WARNING naming the peer, the request and the reason (#51 item 6)
+        warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert any("prefill-0" in w and "inc-p" in w and "r1" in w and expect in w for w in warned), warned
         # the pair serves on: both ends drop the broken group and prove a new one
         p.mischief, p._sent = None, -1
         sent, got = hand_off(p, d, kv, 2)
         assert sent.error is None and got.error is None, (sent.error, got.error)
         assert torch.equal(got.tensor.view(torch.int16), kv.view(torch.int16))
+    finally:
+        p.close()
+        d.close()
+
+
+def test_refusals_are_logged_at_a_bounded_rate(caplog, monkeypatch):
+    """#51 item 6: a peer that keeps sending bad frames gets one WARNING per kind every few seconds,
+    the rest counted, not a line each."""
+    monkeypatch.setattr(kv_link, "KV_TIMEOUT_S", 1.0)  # a sender whose peer gave up stops within this
+    p, d = pair(KEY, KEY, sender=Hostile, compression="on", encryption="on")
+    try:
+        kv = torch.randn(2, 2, 5, 4, 64).to(torch.bfloat16)
+        for tag in range(1, 5):
+            p.mischief, p._sent = "other request", -1
+            sent, got = hand_off(p, d, kv, tag)
+            assert "is for request r-other" in got.error, got.error
+        warned = [
+            r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "refused" in r.getMessage()
+        ]
+        assert len(warned) == 1, warned
     finally:
         p.close()
         d.close()
@@ -163,7 +187,7 @@ def test_a_receiver_off_loopback_refuses_unsealed_frames(monkeypatch):
         d.close()
 
 
-def test_a_peer_without_the_secret_gets_no_kv_and_sends_none_that_is_taken():
+def test_a_peer_without_the_secret_gets_no_kv_and_sends_none_that_is_taken(caplog):
     p, d = pair(KEY, kv_link_key("t" * 40))
     try:
         sent, got = hand_off(p, d, torch.ones(1, 2, 3, 1, 4), 1)
@@ -173,6 +197,9 @@ def test_a_peer_without_the_secret_gets_no_kv_and_sends_none_that_is_taken():
             )
         assert got.tensor is None and sent.tensor is None
         assert not p._groups and not d._groups  # a group that failed its proof is not kept
+        warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        for peer in ("decode-0", "prefill-0"):  # each end logs the other's failed proof (#51 item 6)
+            assert any(peer in w and "r1" in w and "did not prove" in w for w in warned), warned
     finally:
         p.close()
         d.close()

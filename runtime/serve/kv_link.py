@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from . import kv_wire
-from .protocol import KV_TIMEOUT_S, KV_VALUE_BYTES, BadMessage, ToKVClient, pack, unpack
+from .protocol import KV_TIMEOUT_S, KV_VALUE_BYTES, BadMessage, RateLimitedLog, ToKVClient, pack, unpack
 
 log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -292,6 +292,7 @@ class KVLink:
         self._groups: dict[tuple[str, str], Group] = {}
         self._queues: dict[tuple[str, str], queue.Queue] = {}
         self._lock = threading.Lock()
+        self.rejected = RateLimitedLog(log)  # refused frames and failed proofs: logged, rate-limited
 
     def submit(self, t: Transfer) -> None:
         """Queue a send (rank 0, t.tensor set) or a receive (rank 1, t.shape/t.dtype set)."""
@@ -461,13 +462,36 @@ class KVLink:
             except kv_wire.Aborted as e:  # on purpose, and both sides are in step: the group stays
                 out.aborted, out.error, out.tensor = True, str(e), None
             except Exception as e:  # noqa: BLE001 - a dead or hostile peer surfaces as many error types; the request fails, the worker lives
-                out.error = (
-                    f"KV transfer with {t.peer} failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
-                )
+                reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+                out.error = f"KV transfer with {t.peer} failed: {reason}"
+                self._log_refusal(t, e, reason)
                 self._groups.pop(key, None)  # the group is broken (or out of step): rebuild it for the next transfer
                 out.tensor = None
             out.seconds = time.perf_counter() - t0
             self.done.put(out)
+
+    def _log_refusal(self, t: Transfer, e: Exception, reason: str) -> None:
+        """A security event (a frame that failed authentication, belongs to another request or is
+        too big; a peer that failed its proof): one WARNING naming the peer, the request and the
+        reason, rate-limited so that a hostile peer cannot flood the log."""
+        if isinstance(e, PermissionError):
+            self.rejected.warning(
+                "KV link: %s (incarnation %s) failed its proof for request %s (tag %d): %s",
+                t.peer,
+                t.peer_incarnation,
+                t.rid,
+                t.tag,
+                reason,
+            )
+        elif self.rank == 1 and isinstance(e, ValueError):  # WireError, or the codec's check of a frame
+            self.rejected.warning(
+                "KV link: refused a KV frame from %s (incarnation %s) for request %s (tag %d): %s",
+                t.peer,
+                t.peer_incarnation,
+                t.rid,
+                t.tag,
+                reason,
+            )
 
     def close(self) -> None:
         with self._lock:
