@@ -154,6 +154,26 @@ def test_a_tampered_or_misplaced_kv_block_is_refused_and_the_pair_serves_on(misc
         d.close()
 
 
+@pytest.mark.parametrize("compression", ["off", "on"])
+def test_a_scrambled_unsealed_frame_fails_its_checksum_and_is_not_decoded(compression, monkeypatch):
+    """#51 item 7: unsealed (the loopback default), a frame with one bit flipped in flight was
+    decoded into a wrong cache; its CRC refuses it, and the pair serves on."""
+    monkeypatch.setattr(kv_link, "KV_TIMEOUT_S", 1.0)  # a sender whose peer gave up stops within this
+    p, d = pair(KEY, KEY, sender=Hostile, compression=compression, encryption="off")
+    try:
+        kv = torch.randn(3, 2, 5, 4, 64).to(torch.bfloat16)
+        p.mischief = "flip"
+        sent, got = hand_off(p, d, kv, 1)
+        assert got.tensor is None and got.error is not None and "failed its checksum" in got.error, got.error
+        p.mischief, p._sent = None, -1
+        sent, got = hand_off(p, d, kv, 2)
+        assert sent.error is None and got.error is None, (sent.error, got.error)
+        assert torch.equal(got.tensor.view(torch.int16), kv.view(torch.int16)) and not got.sealed
+    finally:
+        p.close()
+        d.close()
+
+
 def test_refusals_are_logged_at_a_bounded_rate(caplog, monkeypatch):
     """#51 item 6: a peer that keeps sending bad frames gets one WARNING per kind every few seconds,
     the rest counted, not a line each."""

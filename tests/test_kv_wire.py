@@ -90,3 +90,25 @@ def test_headers_name_their_request_shape_and_dtype():
         kv_wire.check_header(plain, "cmpl-1", 7, torch.bfloat16, shape, True)
     with pytest.raises(kv_wire.WireError):
         kv_wire.check_header(h[:10], "cmpl-1", 7, torch.bfloat16, shape, True)
+
+
+def test_unsealed_frames_carry_a_checksum_checked_before_decoding():
+    """#51 item 7: a scrambled unsealed frame decoded into a wrong cache (a 200 with garbage text);
+    its CRC-32, over its index and bytes, refuses it first."""
+    layer = torch.randn(2, 8, 2, 32, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    for compress in (False, True):
+        frame = kv_wire.encode_layer(layer, compress)
+        sent = kv_wire.add_check(3, frame)
+        assert len(sent) <= kv_wire.max_frame_bytes((1, *layer.shape), layer.dtype, False)
+        out = torch.empty_like(layer)
+        kv_wire.decode_layer(kv_wire.strip_check(3, sent), out)
+        assert torch.equal(out.view(torch.int16), layer.view(torch.int16))
+        rng = np.random.default_rng(compress)
+        for at in [0, 1, len(sent) // 2, len(sent) - 1, *rng.integers(0, len(sent), 20)]:
+            bad = bytearray(sent)
+            bad[at] ^= 1 << int(rng.integers(0, 8))
+            with pytest.raises(kv_wire.WireError, match="failed its checksum"):
+                kv_wire.strip_check(3, bytes(bad))
+        for bad, index in [(sent, 4), (sent[:-1], 3), (sent[1:], 3), (sent + b"\0", 3), (b"\0" * 4, 3)]:
+            with pytest.raises(kv_wire.WireError, match="failed its checksum"):
+                kv_wire.strip_check(index, bad)

@@ -415,8 +415,7 @@ class KVLink:
                     )
                 frame = kv_wire.encode_layer(layer, out.compressed)
                 out.raw_bytes += layer.numel() * layer.element_size()
-            if sealer is not None:
-                frame = sealer.seal(i, frame)
+            frame = sealer.seal(i, frame) if sealer is not None else kv_wire.add_check(i, frame)
             out.codec_seconds += time.perf_counter() - c0
             for work, _ in inflight:  # layer i - 1 leaves while layer i was coded
                 work.wait()
@@ -439,8 +438,7 @@ class KVLink:
             frame = self._take(g.pg, t.tag, most)
             out.wire_bytes += len(frame)
             c0 = time.perf_counter()
-            if sealer is not None:
-                frame = sealer.open(i, frame)
+            frame = sealer.open(i, frame) if sealer is not None else kv_wire.strip_check(i, frame)
             out.compressed |= frame[0] != kv_wire.RAW
             kv_wire.decode_layer(frame, kv[i])
             out.codec_seconds += time.perf_counter() - c0

@@ -23,6 +23,13 @@ its own salt, each group its own session), a nonce is never reused under a key, 
 another place or another transfer does not open, and a truncated transfer is missing a frame the
 receiver waits for.
 
+Checking (`add_check`, `strip_check`): an unsealed frame (on loopback, or --kv-encryption off)
+carries no tag, so it ends with 4 bytes of CRC-32 over its index and its bytes, checked before it
+is decoded: a frame scrambled in flight, cut, or sent in another frame's place is refused, not
+decoded into a wrong cache. It is the CRC-32 the codec's containers use (unweight/codec/checksum.py:
+ISA-L's, several GB/s where the codec runs at tens of MB/s a thread); it guards against accidents,
+not against an attacker (sealing does that).
+
 Every bound the receiver uses comes from what it expects (the shape and dtype the router told it),
 never from the peer: a frame longer than the raw layer plus its framing is refused before it is
 received.
@@ -40,11 +47,13 @@ import numpy as np
 import torch
 
 from unweight.codec import rans
+from unweight.codec.checksum import crc32
 
 MAGIC = b"UWKV"
-VERSION = 1
+VERSION = 2  # 2: unsealed frames end with their CRC-32
 SALT_BYTES = 16
 TAG_BYTES = 16  # Poly1305's
+CHECK = struct.Struct("<I")  # an unsealed frame's CRC-32, after its bytes
 RID_MAX = 256
 # magic, version, dtype, sealed, 2, layers, tokens, kv_heads, head_dim, salt, tag, length of the request id
 HEADER = struct.Struct("<4sBB?BIIII16sIH")
@@ -107,7 +116,28 @@ def check_header(
 
 def max_frame_bytes(shape: tuple[int, ...], dtype: torch.dtype, sealed: bool) -> int:
     """The most bytes a frame of one layer may take: raw, framed, and sealed."""
-    return 1 + int(np.prod(shape[1:])) * torch.empty(0, dtype=dtype).element_size() + (TAG_BYTES if sealed else 0)
+    raw = 1 + int(np.prod(shape[1:])) * torch.empty(0, dtype=dtype).element_size()
+    return raw + (TAG_BYTES if sealed else CHECK.size)
+
+
+def _check(index: int, frame) -> int:
+    return crc32(frame, crc32(CHECK.pack(index)))
+
+
+def add_check(index: int, frame: bytes) -> bytes:
+    """Frame `index` of an unsealed transfer as it is sent: its bytes, then their CRC-32."""
+    return frame + CHECK.pack(_check(index, frame))
+
+
+def strip_check(index: int, data: bytes) -> memoryview:
+    """Frame `index` of an unsealed transfer without its CRC-32; WireError if the CRC does not match
+    (scrambled, cut, or another frame)."""
+    view = memoryview(data)
+    if len(view) < 1 + CHECK.size or CHECK.unpack_from(view, len(view) - CHECK.size)[0] != _check(
+        index, view[: -CHECK.size]
+    ):
+        raise WireError(f"KV frame {index} failed its checksum (scrambled in flight, cut short, or out of place)")
+    return view[: -CHECK.size]
 
 
 def _words(layer: torch.Tensor) -> np.ndarray:
