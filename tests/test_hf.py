@@ -68,7 +68,7 @@ def load(path, pipeline_name: str | None = None, monkeypatch=None, **kw):
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    view = {torch.float32: torch.int32, torch.bfloat16: torch.int16}[a.dtype]
+    view = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}[a.dtype]
     return a.dtype == b.dtype and torch.equal(a.view(view), b.view(view))
 
 
@@ -92,6 +92,24 @@ def test_families_match_transformers_on_the_bf16_folder(tiny, model_type, monkey
     # MoE families keep their experts compressed
     moe = {"qwen3_moe": 2, "mixtral": 2, "llama4_text": 2, "deepseek_v3": 2}
     assert report["experts"] == moe.get(model_type, 0)
+
+
+@pytest.mark.parametrize("arg", ["dtype", "torch_dtype"])
+def test_dtype_none_loads_as_the_uncompressed_folder_does(tiny, tmp_path, arg, monkeypatch):
+    """`from_pretrained(folder, dtype=None)` (or torch_dtype=None): AutoConfig then sets the config's
+    dtype to None, and transformers takes the dtype of the checkpoint's first floating-point tensor,
+    which a container has none of (it found the streams' uint8 and refused to build the model). The
+    compressed folder loads as the uncompressed one does: in BF16 from a BF16 source, in FP16 from an
+    FP16 one, with the same logits bit for bit."""
+    monkeypatch.setenv(FORCE, "decode_matmul")
+    fp16 = tiny_family("llama", tmp_path / "fp16", dtype=torch.float16)
+    unweight.compress(fp16, tmp_path / "fp16-uw")
+    for (src, dst), want in ((tiny("llama"), torch.bfloat16), ((fp16, tmp_path / "fp16-uw"), torch.float16)):
+        ref = AutoModelForCausalLM.from_pretrained(src, **{arg: None})
+        model = AutoModelForCausalLM.from_pretrained(dst, **{arg: None})
+        assert ref.dtype == model.dtype == model.config.dtype == want
+        with torch.no_grad():
+            assert same_bits(model(IDS).logits, ref(IDS).logits)
 
 
 def test_serving_layout_and_shards(tiny, tmp_path, monkeypatch):

@@ -31,6 +31,7 @@ from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from unweight.errors import FormatError, SourceError
+from unweight.formats.dtypes import TORCH_DTYPES
 from unweight.hf_config import QUANT_METHOD, SOURCE_KEY
 
 from . import modules as m
@@ -70,6 +71,7 @@ class UnweightHfQuantizer(HfQuantizer):
         super().__init__(quantization_config, **kwargs)
         self.ckpt: CompressedCheckpoint | None = None
         self.plan: LoadPlan | None = None
+        self._standin: torch.dtype | None = None  # the dtype update_dtype gave for the source weights' unknown one
 
     def validate_environment(self, *args, device_map=None, **kwargs):
         source = self.quantization_config.source_quantization_config
@@ -92,6 +94,14 @@ class UnweightHfQuantizer(HfQuantizer):
         return device_map
 
     def update_dtype(self, dtype):
+        """The model's dtype. One that is no floating-point type is what transformers read off the
+        container's uint8 streams: `dtype=None` (or `torch_dtype=None`) makes AutoConfig set the config's
+        dtype to None, and "auto" then takes the first floating-point tensor's dtype of the checkpoint,
+        which a container has none of. The uncompressed folder loads in its weights' dtype there: BF16
+        stands in for it until the folder is open (_source_dtype corrects it where it is another)."""
+        if isinstance(dtype, torch.dtype) and not dtype.is_floating_point:
+            self._standin = torch.bfloat16
+            return self._standin
         return dtype
 
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, dtype=None, **kwargs):
@@ -105,6 +115,8 @@ class UnweightHfQuantizer(HfQuantizer):
         self._t0 = time.perf_counter()
         self.ckpt = CompressedCheckpoint(path)
         try:
+            if self._standin is not None:  # (transformers 5 passes no dtype here)
+                dtype = _source_dtype(model, self.ckpt, checkpoint_files[0], self._standin)
             dtype_plan = model._get_dtype_plan(dtype) if dtype is not None and hasattr(model, "_get_dtype_plan") else {}
             self.plan = make_plan(model, self.ckpt, dtype_plan)
             _swap(model, self.plan)
@@ -156,6 +168,28 @@ class UnweightHfQuantizer(HfQuantizer):
     @property
     def is_qat_trainable(self) -> bool:
         return False
+
+
+def _source_dtype(model, ckpt: CompressedCheckpoint, first_file, standin: torch.dtype) -> torch.dtype:
+    """The dtype transformers' "auto" takes from the uncompressed folder's weights (the first
+    floating-point tensor, float8 aside, of the first file, by name), given to `model` (built on the
+    meta device in `standin`, by update_dtype) and its config where it differs."""
+    names = sorted(ckpt.keys())
+    real = {f: os.path.realpath(f) for f in {ckpt.file_of(n) for n in names}}
+    first = os.path.realpath(first_file)
+    names = [n for n in names if real[ckpt.file_of(n)] == first] or names
+    dtypes = (getattr(torch, TORCH_DTYPES.get(ckpt.entry(n).dtype, ""), None) for n in names)
+    found = next((d for d in dtypes if isinstance(d, torch.dtype) and d.is_floating_point and d.itemsize > 1), None)
+    if found is None or found == standin:
+        return standin
+    for module in model.modules():  # as if built in `found`: what the stand-in made, not what a module fixes
+        for t in [*module._parameters.values(), *module._buffers.values()]:
+            if t is not None and t.dtype == standin:
+                t.data = t.data.to(found)
+    for config in [model.config, *(getattr(model.config, k, None) for k in model.config.sub_configs)]:
+        if config is not None:
+            config.dtype = found
+    return found
 
 
 def _swap(model, plan: LoadPlan) -> None:
