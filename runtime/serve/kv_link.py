@@ -26,13 +26,18 @@ i is on the wire.
 Transfers run on one background thread per peer (the worker's loop never blocks on the network);
 results come back through a queue that the worker's loop drains between steps. Each transfer's
 tag is the request's number (from 1; tag 0 is the proof's), so concurrent hand-offs on one pair
-cannot be confused.
+cannot be confused. A side that fails a transfer drops its group and closes its sockets, so the
+other side's waits on it fail at once, not at KV_TIMEOUT_S; a transfer whose first exchange finds
+its group closed runs again at once on a fresh one (`_transfer`), so a failure costs its own
+request only. The error a failed transfer reports is short (`_reason`): gloo's own (file paths,
+addresses) stays in the worker's log.
 """
 
 from __future__ import annotations
 
 import base64
 import datetime
+import gc
 import hashlib
 import hmac
 import itertools
@@ -117,6 +122,28 @@ NONCE_BYTES = 32
 PROBE_BYTES = 4 << 20  # sent once on each new group, to measure the link
 CHOICES = ("auto", "on", "off")
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
+
+
+class StaleGroup(Exception):
+    """The first exchange of a transfer failed on the link (`cause`): the group may have been torn
+    down by the peer after an earlier failure."""
+
+    def __init__(self, cause: Exception):
+        super().__init__(str(cause))
+        self.cause = cause
+
+
+def _reason(e: Exception) -> str:
+    """A failed transfer's error as the client sees it: short, and free of gloo's internals (its
+    file paths, addresses and ports; they go to the worker's log)."""
+    text = str(e).splitlines()[0] if str(e) else type(e).__name__
+    if not isinstance(e, RuntimeError):  # this module's and kv_wire's own refusals, and the rendezvous's
+        return text
+    if "Timed out" in text or "timeout" in text:
+        return f"the KV link did not move within {KV_TIMEOUT_S:.0f} s (KV_TIMEOUT_S)"
+    if "closed" in text or "reset" in text.lower() or "Broken pipe" in text:
+        return "the KV link was closed mid-transfer (the peer gave it up, or its process ended)"
+    return "the KV link failed"
 
 
 class ControlStore(dist.Store):
@@ -400,7 +427,7 @@ class KVLink:
         header = kv_wire.pack_header(t.rid, t.tag, dtype, shape, self.sealed, kv_wire.new_salt())
         sealer = kv_wire.Sealer(g.session, header) if self.sealed else None
         out.compressed, out.sealed = self._compress(g, dtype), self.sealed
-        inflight = self._post(g.pg, header, t.tag)
+        inflight = self._opening(lambda: self._wait(self._post(g.pg, header, t.tag)))
         out.wire_bytes = len(header)
         for i in range(shape[0]):
             layer = t.tensor[i] if t.layers is None else t.layers.get()
@@ -417,18 +444,31 @@ class KVLink:
                 out.raw_bytes += layer.numel() * layer.element_size()
             frame = sealer.seal(i, frame) if sealer is not None else kv_wire.add_check(i, frame)
             out.codec_seconds += time.perf_counter() - c0
-            for work, _ in inflight:  # layer i - 1 leaves while layer i was coded
-                work.wait()
+            self._wait(inflight)  # layer i - 1 leaves while layer i was coded
             inflight = self._post(g.pg, frame, t.tag)
             out.wire_bytes += len(frame)
             if out.aborted:
                 break
+        self._wait(inflight)
+
+    @staticmethod
+    def _wait(inflight: list) -> list:
         for work, _ in inflight:
             work.wait()
+        return []
+
+    @staticmethod
+    def _opening(exchange: Callable):
+        """A transfer's first exchange (its header): a gloo error here, before anything of the
+        transfer has passed, is StaleGroup (the peer tore the group down after a failure of its own)."""
+        try:
+            return exchange()
+        except RuntimeError as e:
+            raise StaleGroup(e) from None
 
     def _receive(self, g: Group, t: Transfer, out: TransferResult) -> None:
         shape, dtype = tuple(t.shape), DTYPES[t.dtype]
-        header = self._take(g.pg, t.tag, kv_wire.HEADER.size + kv_wire.RID_MAX)
+        header = self._opening(lambda: self._take(g.pg, t.tag, kv_wire.HEADER.size + kv_wire.RID_MAX))
         out.sealed = kv_wire.check_header(header, t.rid, t.tag, dtype, shape, self.sealed)
         sealer = kv_wire.Sealer(g.session, header) if out.sealed else None
         most = kv_wire.max_frame_bytes(shape, dtype, out.sealed)
@@ -451,22 +491,57 @@ class KVLink:
                 return
             out = TransferResult(t)
             t0 = time.perf_counter()
+            failed = False
             try:
-                g = self._group(key, t.tag)
-                t0 = time.perf_counter()
-                self._send(g, t, out) if self.rank == 0 else self._receive(g, t, out)
-                if self.rank == 1:
-                    out.raw_bytes = out.tensor.numel() * out.tensor.element_size()
+                t0 = self._transfer(key, t, out)
             except kv_wire.Aborted as e:  # on purpose, and both sides are in step: the group stays
                 out.aborted, out.error, out.tensor = True, str(e), None
             except Exception as e:  # noqa: BLE001 - a dead or hostile peer surfaces as many error types; the request fails, the worker lives
-                reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-                out.error = f"KV transfer with {t.peer} failed: {reason}"
-                self._log_refusal(t, e, reason)
-                self._groups.pop(key, None)  # the group is broken (or out of step): rebuild it for the next transfer
-                out.tensor = None
+                out.error, out.tensor, failed = f"KV transfer with {t.peer} failed: {_reason(e)}", None, True
+                self._log_failure(t, e)
+                self._groups.pop(key, None)  # broken, or out of step: the next transfer builds a new one
+            if failed:  # the group's last references (in the traceback's frames) are gone: its sockets
+                gc.collect()  # close now, and the peer's waits on it fail at once instead of at their timeout
             out.seconds = time.perf_counter() - t0
             self.done.put(out)
+
+    def _transfer(self, key: tuple[str, str], t: Transfer, out: TransferResult) -> float:
+        """Run one transfer on the group with this peer; returns when it started (after any group
+        was made). A side that fails a transfer tears its group down, which the other side finds
+        at its next exchange: a transfer whose first exchange finds its (older) group torn down
+        runs again at once on a fresh one, which the other side makes for the same transfer."""
+        for again in (False, True):
+            fresh = key not in self._groups
+            g = self._group(key, t.tag)
+            t0 = time.perf_counter()
+            try:
+                self._send(g, t, out) if self.rank == 0 else self._receive(g, t, out)
+            except StaleGroup as e:
+                del g
+                self._groups.pop(key, None)
+                if fresh or again or "Timed out" in str(e.cause):
+                    raise e.cause from None
+                continue
+            if self.rank == 1:
+                out.raw_bytes = out.tensor.numel() * out.tensor.element_size()
+            return t0
+        raise AssertionError("unreachable")
+
+    def _log_failure(self, t: Transfer, e: Exception) -> None:
+        """Every failed transfer, in full (gloo's own words stay in this log, not in the client's
+        error), rate-limited; a refused frame or a failed proof as the security event it is."""
+        detail = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if isinstance(e, PermissionError) or (self.rank == 1 and isinstance(e, ValueError)):
+            self._log_refusal(t, e, detail)
+        else:
+            self.rejected.warning(
+                "KV link: the transfer of request %s (tag %d) with %s (incarnation %s) failed: %s",
+                t.rid,
+                t.tag,
+                t.peer,
+                t.peer_incarnation,
+                detail,
+            )
 
     def _log_refusal(self, t: Transfer, e: Exception, reason: str) -> None:
         """A security event (a frame that failed authentication, belongs to another request or is
