@@ -168,6 +168,37 @@ def check_shared_prefill(server, expected) -> None:
     assert prefix_counters(server) == want
 
 
+def test_a_short_prompt_behind_a_long_one_waits_a_chunk_not_the_whole_prompt(uw):
+    """Prompts take turns PREFILL_CHUNK tokens at a time: a short chat sent while a prompt of seven
+    chunks is being prefilled is answered first, where first in, first out it waited for the whole
+    long prefill (and the long one still gets its answer)."""
+    import threading
+
+    from unweight.runtime.serve.prefill_worker import PREFILL_CHUNK
+
+    env = {"UNWEIGHT_PIPELINE": "decode_matmul"}  # the prefill pipeline: seconds for the long prompt, not minutes
+    s = Server(str(uw), "--api-key", KEY, "--max-model-len", str(8 * PREFILL_CHUNK), env=env)
+    try:
+        finished = []
+
+        def ask_long() -> None:
+            body = {"model": "uw", "prompt": [100 + i % 5000 for i in range(7 * PREFILL_CHUNK)], "max_tokens": 1}
+            finished.append(("long", s.http.post("/v1/completions", json=body).status_code))
+
+        long = threading.Thread(target=ask_long)
+        long.start()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # until the long one is in the prefill worker
+            if {w["role"]: w for w in s.health()["workers"]}["prefill"]["queued"]:
+                break
+            time.sleep(0.05)
+        finished.append(("short", s.chat(MESSAGES[0], max_tokens=1).status_code))
+        long.join(timeout=300)
+        assert finished == [("short", 200), ("long", 200)]
+    finally:
+        s.stop()
+
+
 def test_streaming_equals_non_streaming_with_the_openai_client(server):
     from openai import OpenAI
 

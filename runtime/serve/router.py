@@ -86,8 +86,9 @@ class WorkerHandle:
     queued: int = 0
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
-    prompt_tokens: int = 0  # prompt tokens prefilled or copied (last heartbeat)
+    prompt_tokens: int = 0  # prompt tokens prefilled or copied, over the worker's processes
     prompt_tokens_reused: int = 0  # of those, copied from a prompt just run (SharedPrompt)
+    beat_prompt: tuple[int, int] = (0, 0)  # the two as the current process's last heartbeat said them
     restarts: int = 0
     served: int = 0  # requests this worker took part in
     inflight: set[str] = field(default_factory=set)
@@ -349,7 +350,11 @@ class Router:
     def _on_beat(self, w: WorkerHandle, msg: Beat) -> None:
         w.running, w.queued = msg.running, msg.queued
         w.kv_blocks_used, w.kv_blocks_total = msg.kv_blocks_used, msg.kv_blocks_total
-        w.prompt_tokens, w.prompt_tokens_reused = msg.prompt_tokens, msg.prompt_tokens_reused
+        now = (msg.prompt_tokens, msg.prompt_tokens_reused)
+        was = (0, 0) if now[0] < w.beat_prompt[0] or now[1] < w.beat_prompt[1] else w.beat_prompt  # new process
+        w.prompt_tokens += now[0] - was[0]
+        w.prompt_tokens_reused += now[1] - was[1]
+        w.beat_prompt = now
         if w.state == "unresponsive":
             w.state = "ready"
 

@@ -333,18 +333,21 @@ class Worker:
         return waiting["id"]
 
     # -- phases -------------------------------------------------------------------------------
-    def prefill(self, job: dict, on_layer=None) -> tuple[SeqCache, Sequence, Pick, str | None]:
+    def prefill(
+        self, job: dict, on_layer=None, cache: SeqCache | None = None
+    ) -> tuple[SeqCache, Sequence, Pick, str | None]:
         """Run a prompt: its KV cache, its generation state, the first token and a finish reason.
         With `prompt_logprobs` set, the prompt's own logprobs go to the router first.
         `on_layer(cache, i)`: called once layer i's K and V of the whole prompt are stored. A prompt
         that the last one repeats (SharedPrompt) is copied, not run; one that jobs waiting behind it
-        repeat is kept for them."""
+        repeat is kept for them. `cache`: the prompt's first tokens already in (chunks run before:
+        the rest is run now; not with prompt_logprobs)."""
         seq = Sequence.from_state(job["seq"], self.model.config.vocab_size)
         key = _prompt_key(job)
-        shared = self.shared if self.shared is not None and self.shared.key == key else None
+        shared = self.shared if cache is None and self.shared is not None and self.shared.key == key else None
         if shared is None and self.cores is not None:
             self.cores.step()
-        cache = self.model.new_sequence()
+        cache = cache if cache is not None else self.model.new_sequence()
         hook = None if on_layer is None else (lambda i: on_layer(cache, i))
         try:
             if shared is not None:
@@ -353,8 +356,10 @@ class Worker:
                     on_layer(cache, i)
                 logits, scored = shared.logits, shared.scored
             else:
-                tokens = torch.tensor(seq.prompt, dtype=torch.int64)
+                tokens = torch.tensor(seq.prompt[cache.length :], dtype=torch.int64)
                 top = job.get("prompt_logprobs")
+                if top is not None and cache.length:
+                    raise ValueError("a prompt scored for its logprobs is prefilled whole")
                 if top is not None:
                     logits, scored = self.model.prefill_logprobs(cache, tokens, top, on_layer=hook)
                 else:
@@ -434,10 +439,13 @@ class Worker:
     def _transfer_done(self, t: TransferResult) -> None:
         raise NotImplementedError
 
-    def _first_token(self, job: dict, on_layer=None) -> tuple[SeqCache, Sequence, Pick, str | None] | None:
-        """Prefill a job and report a first token that ends it; None if the job failed."""
+    def _first_token(
+        self, job: dict, on_layer=None, cache: SeqCache | None = None
+    ) -> tuple[SeqCache, Sequence, Pick, str | None] | None:
+        """Prefill a job (the rest of its prompt, after the chunks in `cache`) and report a first
+        token that ends it; None if the job failed (its cache freed)."""
         try:
-            cache, seq, pick, reason = self.prefill(job, on_layer)
+            cache, seq, pick, reason = self.prefill(job, on_layer, cache)
         except Exception as e:  # noqa: BLE001 - a job that cannot run fails alone
             self.fail(job["id"], _job_error(e))
             return None
