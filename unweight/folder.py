@@ -114,13 +114,18 @@ def _pickle_message(path: Path) -> str:
     )
 
 
-def read_json(path: Path):
+def read_json(path: Path, max_bytes: int | None = None):
     """A JSON file the user gave (a shard index), or SourceError naming it: invalid UTF-8 or JSON,
     numbers past Python's 4300-digit limit and nesting past the recursion limit included; a FIFO
-    or other special file is refused, not waited on."""
+    or other special file is refused, not waited on; with `max_bytes`, one longer than that is
+    refused after reading one byte past it (a file that grows meanwhile too)."""
     _check_regular(path, SourceError)
     try:
-        return json.loads(path.read_bytes().decode("utf-8"))
+        with open(path, "rb") as f:
+            raw = f.read() if max_bytes is None else f.read(max_bytes + 1)
+        if max_bytes is not None and len(raw) > max_bytes:
+            raise SourceError(f"{path}: over the {max_bytes:,} bytes this file may have")
+        return json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
         raise SourceError(f"{path}: not valid UTF-8 JSON ({e.__class__.__name__}: {str(e)[:200]})") from None
     except OSError as e:

@@ -138,7 +138,7 @@ def read_config(folder: str | os.PathLike) -> dict:
         raise SourceError(f"{path}: cannot read: {e.strerror}") from None
     if size > MAX_CONFIG_BYTES:
         raise SourceError(f"{path}: {size} bytes, over the {MAX_CONFIG_BYTES >> 20} MiB a config.json may have")
-    return read_json(path)
+    return read_json(path, MAX_CONFIG_BYTES)  # (bounded as it reads, should the file grow since)
 
 
 def _show(value) -> str:
