@@ -12,7 +12,7 @@ export UNWEIGHT_CACHE ?= $(HOME)/.cache/unweight
 # pytest's workers (pytest-xdist): each takes a whole test module at a time, the vLLM module first
 # (tests/conftest.py); JOBS=0 runs the tests in this process
 JOBS   ?= 2
-PYTEST := $(BIN)/python -m pytest -q -n $(JOBS) --dist loadgroup --no-loadscope-reorder
+PYTEST := $(BIN)/python -m pytest -q -n $(JOBS) --dist loadfile --no-loadscope-reorder
 
 .PHONY: install demo check test bench clean
 

@@ -18,19 +18,18 @@ REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("UNWEIGHT_NO_WARMUP", "1")
 
 
-# Under xdist (make test runs `pytest -n 2 --dist loadgroup --no-loadscope-reorder`) a module is one unit
-# of work, queued in this order: the longest first, so that the other worker takes the rest meanwhile.
+# Under xdist (make test runs `pytest -n 2 --dist loadfile --no-loadscope-reorder`) a test module is one
+# unit of work, so its fixtures (servers, engines, compressed models) are made once, on one worker, and
+# two vLLM engines never run at once (one takes a fifth of RAM per rank; at TP=2 its ranks bind both
+# cores). Modules are queued in collection order, but for these, the longest, which go first so that
+# the other worker takes the rest meanwhile. (xdist's loadgroup, which reads xdist_group marks, does
+# not group under pytest 9: it renames `_nodeid`, which pytest 9 no longer reads.)
 LONGEST_FIRST = ("test_vllm.py", "test_device_run.py")
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups set here
 def pytest_collection_modifyitems(config, items):
-    """Each test's xdist group is its module, so that a module's fixtures (servers, engines, compressed
-    models) are made once, on one worker, and two vLLM engines never
-    run at once (one takes a fifth of RAM per rank; at TP=2 its ranks bind both cores). Tests marked
-    `gpu` skip cleanly where torch sees no CUDA device."""
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(item.path.name))
+    """The longest modules first (see above); tests marked `gpu` skip cleanly where torch sees no
+    CUDA device."""
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: collection order otherwise
     gpu = [item for item in items if item.get_closest_marker("gpu")]
