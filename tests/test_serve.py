@@ -154,8 +154,19 @@ def test_a_prompts_choices_share_one_prefill(server, expected):
     check_shared_prefill(server, expected)
 
 
+def settled_prefix_counters(server) -> tuple[float, float]:
+    """The counters once the heartbeats (every 0.5 s) have reported the requests before: the same twice, 1 s apart."""
+    now = prefix_counters(server)
+    for _ in range(30):
+        time.sleep(1.0)
+        now, was = prefix_counters(server), now
+        if now == was:
+            break
+    return now
+
+
 def check_shared_prefill(server, expected) -> None:
-    before = prefix_counters(server)
+    before = settled_prefix_counters(server)
     r = server.chat(MESSAGES[0], max_tokens=16, n=4)
     assert r.status_code == 200, r.text
     body = r.json()
