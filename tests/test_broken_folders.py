@@ -46,22 +46,30 @@ def from_pretrained(path: Path):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
 
 
+MEMBERS = "unweight-folder.json"  # compress's list of the folder's containers, with their header digests
+
+
+def every_door_refuses(uw: Path, message: str, tmp_path: Path) -> None:
+    """verify, decompress and inspect (the CLI), unweight.open and load, from_pretrained: each refuses `uw` with
+    `message`."""
+    r = run_cli("verify", uw)
+    assert r.returncode == 1 and message in r.stderr and "OK" not in r.stdout, r.stdout + r.stderr
+    r = run_cli("decompress", uw, tmp_path / "back")
+    assert r.returncode == 1 and message in r.stderr and not (tmp_path / "back").exists(), r.stderr
+    r = run_cli("inspect", uw)
+    assert r.returncode == 1 and message in r.stderr, r.stderr
+    for door in (unweight.open, unweight.load, from_pretrained):
+        with pytest.raises(SourceError, match=message):
+            door(uw)
+
+
 @pytest.mark.slow
 def test_a_missing_shard_is_named_by_every_reader(uw, tmp_path):
     (uw / NORMS).unlink()
     listed = sorted(k for k, v in json.loads((uw / INDEX).read_text())["weight_map"].items() if v == NORMS)
-    missing = f"{uw / NORMS}: no such file; {INDEX} lists {len(listed)} tensors in it"
-    r = run_cli("verify", uw)
-    assert r.returncode == 1 and missing in r.stderr and "OK" not in r.stdout, r.stdout + r.stderr
+    every_door_refuses(uw, f"{uw / NORMS}: no such file; {INDEX} lists {len(listed)} tensors in it", tmp_path)
     report = json.loads(run_cli("verify", uw, "--json").stdout)
     assert not report["ok"] and report["missing"] == listed and report["checked_tensors"] > 0
-    r = run_cli("decompress", uw, tmp_path / "back")
-    assert r.returncode == 1 and missing in r.stderr and not (tmp_path / "back").exists(), r.stderr
-    r = run_cli("inspect", uw)
-    assert r.returncode == 1 and missing in r.stderr, r.stderr
-    for door in (unweight.open, unweight.load, from_pretrained):
-        with pytest.raises(SourceError, match=missing):
-            door(uw)
 
 
 def test_a_missing_shard_of_whole_layers_is_named_as_a_file_not_as_a_layer(uw):
@@ -140,21 +148,7 @@ def test_streams_swapped_with_their_crcs_are_refused_where_the_tensor_is_decoded
             door(uw)
 
 
-# A folder is one model: compress lists its containers with their header digests (unweight-folder.json),
-# and every door refuses a container of another model, or of another compress, naming the file.
-MEMBERS = "unweight-folder.json"
-
-
-def every_door_refuses(uw: Path, message: str, tmp_path: Path) -> None:
-    r = run_cli("verify", uw)
-    assert r.returncode == 1 and message in r.stderr and "OK" not in r.stdout, r.stdout + r.stderr
-    r = run_cli("decompress", uw, tmp_path / "back")
-    assert r.returncode == 1 and message in r.stderr and not (tmp_path / "back").exists(), r.stderr
-    r = run_cli("inspect", uw)
-    assert r.returncode == 1 and message in r.stderr, r.stderr
-    for door in (unweight.open, unweight.load, from_pretrained):
-        with pytest.raises(SourceError, match=message):
-            door(uw)
+# A folder is one model: every door refuses a container of another model, or of another compress, naming the file.
 
 
 @pytest.mark.slow

@@ -164,10 +164,6 @@ class Index:
     def shards(self) -> list[Path]:
         return sorted(self._by_shard)
 
-    @property
-    def shard_set(self) -> set[Path]:
-        return set(self._by_shard)
-
     def tensors_in(self, shard: Path) -> set[str]:
         return self._by_shard.get(shard, set())
 
@@ -310,7 +306,7 @@ def member_problems(
     lines = []
     if members is None:
         if index is not None:
-            listed = index.shard_set
+            listed = set(index.shards)
             lines += [
                 f"{root / rel}: a container that {INDEX_NAME} does not list, in a folder compressed without "
                 f"{MEMBERS_NAME}: remove it (or compress the model again)"
@@ -330,10 +326,11 @@ def member_problems(
                 f"{root / rel}: not the container {MEMBERS_NAME} lists (its header differs): a file from "
                 "another compress or revision of the model; download it again"
             )
+    indexed = set(index.shards) if index is not None else set()  # it names its own missing shards, tensors too
     lines += [
         f"{root / rel}: no such file; {MEMBERS_NAME} lists it: the download is incomplete"
-        for rel in sorted(set(members) - found)
-        if whole and (index is None or rel not in index.shard_set)  # (the index names those, with their tensors)
+        for rel in sorted(set(members) - found - indexed)
+        if whole
     ]
     return lines, True
 

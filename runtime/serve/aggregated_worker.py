@@ -33,9 +33,7 @@ class AggregatedWorker(BatchWorker):
                 self.running
                 and job.get("prompt_logprobs") is None
                 and self.model.graph_decoder is None
-                and not (
-                    self.shared is not None and self.shared.key == _prompt_key(job)  # a copy beats riding along
-                )
+                and not self.repeats_shared(_prompt_key(job))  # a copy beats riding along
             ):
                 self._prefill_with_step(job)
                 return

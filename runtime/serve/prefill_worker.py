@@ -74,11 +74,7 @@ class PrefillWorker(Worker):
     def _last_turn(self, p: Prefilling) -> bool:
         job = p.job
         left = len(job["seq"]["prompt"]) - p.cache.length
-        return (
-            left <= PREFILL_CHUNK
-            or job.get("prompt_logprobs") is not None
-            or (self.shared is not None and self.shared.key == _prompt_key(job))
-        )
+        return left <= PREFILL_CHUNK or job.get("prompt_logprobs") is not None or self.repeats_shared(_prompt_key(job))
 
     def step(self) -> None:
         self.poll(0 if self.waiting or self.turns else 50)

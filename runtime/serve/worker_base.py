@@ -344,7 +344,7 @@ class Worker:
         the rest is run now; not with prompt_logprobs)."""
         seq = Sequence.from_state(job["seq"], self.model.config.vocab_size)
         key = _prompt_key(job)
-        shared = self.shared if cache is None and self.shared is not None and self.shared.key == key else None
+        shared = self.shared if cache is None and self.repeats_shared(key) else None
         if shared is None and self.cores is not None:
             self.cores.step()
         cache = cache if cache is not None else self.model.new_sequence()
@@ -381,11 +381,15 @@ class Worker:
             raise
         return cache, seq, pick, seq.append(pick.token)
 
+    def repeats_shared(self, key: tuple) -> bool:
+        """Whether a prompt (its _prompt_key) is the one kept as `shared`."""
+        return self.shared is not None and self.shared.key == key
+
     def _share(self, key: tuple, cache: SeqCache, logits: torch.Tensor, scored: list | None) -> None:
         """Keep the prompt just run for the waiting jobs that repeat it (a request's other choices,
         which follow its first within a moment: the jobs sent meanwhile are taken in first), until
         another prompt runs; else let it go."""
-        if self.shared is not None and self.shared.key == key:
+        if self.repeats_shared(key):
             return
         self.poll(0, jobs_only=True)
         followers = any(_prompt_key(w) == key for w in self.waiting)
