@@ -464,7 +464,9 @@ def test_broken_folders_are_refused_by_vllm_naming_file_and_tensor(vllm_python, 
     - a shard of whole layers missing (named as a file, not as a layer's q/k/v);
     - a q_proj twice as wide as its layer (used to be cropped);
     - an embedding's zstd bomb (used to decode 6.4 GB first; refused before a byte is decoded);
-    - k/v streams swapped with their stream CRCs (used to serve other text).
+    - k/v streams swapped with their stream CRCs (used to serve other text);
+    - another model's model.safetensors left beside the shards, and a shard of another compress of
+      other weights (a mixed-revision download): refused by the folder's member list.
     The intact folder then starts in the same process (a notebook starting again after a refusal)."""
     from tiny_models import INDEX, LAYER_1, NORMS, four_shards, shard_for
 
@@ -500,6 +502,10 @@ def test_broken_folders_are_refused_by_vllm_naming_file_and_tensor(vllm_python, 
     (broken("no-layer") / LAYER_1).unlink()
     zstd_bomb(broken("bomb"), "model.embed_tokens.weight", (49152, 8192))
     swap_streams(broken("swapped"), "model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.v_proj.weight")
+    shutil.copy(compress(tiny, tmp_path / "other") / "model.safetensors", broken("stale") / "model.safetensors")
+    negated = four_shards(tiny, tmp_path / "negated", lambda tensors: {n: -t for n, t in tensors.items()})
+    shutil.copy(compress(negated, tmp_path / "negated-uw") / LAYER_1, broken("mixed") / LAYER_1)
+    members = "unweight-folder.json"
     cases = {
         "no-norms": f"SourceError: {tmp_path / 'no-norms' / NORMS}: no such file; {INDEX} lists 5 tensors",
         "norm-unlisted": "the checkpoint has no tensor for 1 of the model's parameters (model.norm.weight)",
@@ -510,6 +516,8 @@ def test_broken_folders_are_refused_by_vllm_naming_file_and_tensor(vllm_python, 
         "bomb": "tensor 'model.embed_tokens.weight' has shape [49152, 8192], but layer 'model.embed_tokens' needs "
         "[49152, 256]",
         "swapped": "tensor 'model.layers.0.self_attn.k_proj.weight': decoded bytes fail the CRC-32 check",
+        "stale": f"{tmp_path / 'stale' / 'model.safetensors'}: a container that {members} does not list",
+        "mixed": f"{tmp_path / 'mixed' / LAYER_1}: not the container {members} lists",
     }
     out = tmp_path / "refusals.json"
     r = subprocess.run(
