@@ -19,9 +19,11 @@ Nothing here trusts the network:
 
 A transfer is a header and one frame per layer (kv_wire.py), each frame coded losslessly when that
 pays: `compression="auto"` codes them when the link, measured on each new group with a probe of
-PROBE_BYTES, is slower than the codec, measured once per dtype. A send is a whole cache, or one
-streamed as the prefill makes it (`Transfer.layers`); either way frame i + 1 is coded while frame
-i is on the wire.
+PROBE_BYTES (timed until the receiver says it has all of it: what the socket buffers take at once
+is not the link's rate), is slower than the codec, measured once per dtype. A sender with
+compression on or off measures nothing, and sends no probe: its announcement says 0 bytes.
+A send is a whole cache, or one streamed as the prefill makes it (`Transfer.layers`); either way
+frame i + 1 is coded while frame i is on the wire.
 
 Transfers run on one background thread per peer (the worker's loop never blocks on the network);
 results come back through a queue that the worker's loop drains between steps. Each transfer's
@@ -114,12 +116,12 @@ class Group:
 
     pg: dist.ProcessGroup
     session: bytes
-    link_rate: float  # bytes/s of the probe (measured by the sender; 0 on the receiving side)
+    link_rate: float  # bytes/s of the probe (measured by the sender; 0 on the receiving side, and with no probe)
 
 
 PROOF_TAG = 0  # the tag of the proof exchange on a new group; transfers use request tags, from 1
 NONCE_BYTES = 32
-PROBE_BYTES = 4 << 20  # sent once on each new group, to measure the link
+PROBE_BYTES = 4 << 20  # sent once on each new group whose sender codes on "auto", to measure the link
 CHOICES = ("auto", "on", "off")
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
@@ -343,17 +345,14 @@ class KVLink:
             mine, theirs = self._prove(pg, key[1])
             nonces = (mine, theirs) if self.rank == 0 else (theirs, mine)
             session = kv_wire.session_key(self.key, *nonces, pre, dec)
-            probe = torch.zeros(PROBE_BYTES, dtype=torch.uint8)
-            t0 = time.perf_counter()
-            (pg.send([probe], 1, PROOF_TAG) if self.rank == 0 else pg.recv([probe], 0, PROOF_TAG)).wait()
-            rate = PROBE_BYTES / max(time.perf_counter() - t0, 1e-9) if self.rank == 0 else 0.0
+            rate = self._probe(pg)
             g = self._groups[key] = Group(pg, session, rate)
             if self.rank == 0:
                 clear = not self.sealed and self.bind_host not in LOOPBACK
                 (log.warning if clear else log.info)(
-                    "KV link to %s: %.0f MB/s measured; frames %s",
+                    "KV link to %s: %s; frames %s",
                     key[0],
-                    rate / 1e6,
+                    f"{rate / 1e6:.0f} MB/s measured" if rate else f"not measured (compression {self.compression})",
                     "sealed (ChaCha20-Poly1305)"
                     if self.sealed
                     else f"UNSEALED over the network ({self.bind_host}): --kv-encryption off"
@@ -361,6 +360,28 @@ class KVLink:
                     else "unsealed (loopback)",
                 )
         return g
+
+    def _probe(self, pg: dist.ProcessGroup) -> float:
+        """The link's rate on a new group, in bytes/s (the sender's side; 0 on the receiver's, and
+        where the sender does not code on "auto"). The sender announces the probe's size (0: none),
+        sends it, and times it until the receiver's 8-byte acknowledgement is back."""
+        size = torch.tensor([PROBE_BYTES if self.rank == 0 and self.compression == "auto" else 0], dtype=torch.int64)
+        if self.rank == 0:
+            t0 = time.perf_counter()
+            pg.send([size], 1, PROOF_TAG).wait()
+            if not size[0]:
+                return 0.0
+            pg.send([torch.zeros(PROBE_BYTES, dtype=torch.uint8)], 1, PROOF_TAG).wait()
+            pg.recv([size], 1, PROOF_TAG).wait()
+            return PROBE_BYTES / max(time.perf_counter() - t0, 1e-9)
+        pg.recv([size], 0, PROOF_TAG).wait()
+        n = int(size[0])
+        if not 0 <= n <= PROBE_BYTES:
+            raise kv_wire.WireError(f"the peer announced a link probe of {n} bytes, over the {PROBE_BYTES} it may send")
+        if n:
+            pg.recv([torch.empty(n, dtype=torch.uint8)], 0, PROOF_TAG).wait()
+            pg.send([size], 0, PROOF_TAG).wait()
+        return 0.0
 
     def _proof(self, rank: int, incarnation: str, peer_incarnation: str, challenge: bytes, own_nonce: bytes) -> bytes:
         """What the rank-`rank` side answers to `challenge`: bound to both incarnations, its rank
