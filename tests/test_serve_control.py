@@ -426,7 +426,7 @@ def test_a_worker_takes_jobs_only_from_its_router_and_survives_bad_ones(uw, secr
         failed = set()
         while failed != set(bad_jobs):
             msg = from_worker()
-            assert msg["op"] == "failed" and msg["id"] in bad_jobs, msg
+            assert msg["op"] == "failed" and msg["id"] in bad_jobs and msg["code"] == "worker_failed", msg
             failed.add(msg["id"])
         assert worker.poll() is None
 
@@ -631,6 +631,37 @@ def test_a_full_kv_pool_queues_and_swaps_but_never_fails(srv, model_and_tokenize
     assert d["pid"] == decode_pid and d["restarts"] == 0 and d["state"] == "ready"
     assert "swapped out" in srv.logs()  # the pool really ran full: a sequence was preempted and came back
     wait_for(lambda: srv.workers()["decode-0"]["kv_blocks_used"] == 0, 10, "the pool to empty")
+
+
+# -- fault: a failed KV hand-off reached clients as a worker's failure -----------------------------
+def test_a_kv_hand_off_that_fails_gives_the_client_a_typed_error(srv, secret, expected):
+    """A decode peer that never takes its KV: an authenticated worker that says hello and beats as
+    idle, so the router picks it (its name sorts first), and then joins no KV group. The prefill
+    worker's hand-off to it fails within KV_TIMEOUT_S (20 s), and the client gets 503 with code
+    kv_transfer_failed (a worker that died gives worker_failed); with the peer retired, the next
+    request is served."""
+    keys = curve_keys(secret[1])
+    ctx = zmq.Context()
+    idle = {"op": "beat", "running": 0, "queued": 0, "kv_blocks_used": 0, "kv_blocks_total": 1}
+    try:
+        _sock, beat, _ = rogue_worker(ctx, srv, "aa-sink", keys)
+        send(beat, idle)
+        wait_for(lambda: srv.workers()["aa-sink"]["running"] == 0, 20, "aa-sink's idle beat")
+        body = {"model": "uw", "messages": MESSAGES[0], "max_tokens": 16, "temperature": 0}
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(srv.http.post, "/v1/chat/completions", json=body, timeout=120)
+            while not answer.done():  # beats, so that the router keeps it as a ready worker
+                send(beat, idle)
+                time.sleep(1)
+            r = answer.result()
+        error = r.json()["error"]
+        assert r.status_code == 503 and error["code"] == "kv_transfer_failed", r.text
+        assert error["type"] == "server_error" and "gloo" not in error["message"], r.text
+        send(beat, {**idle, "running": 1000, "queued": 1000})
+        wait_for(lambda: srv.workers()["aa-sink"]["running"] == 1000, 20, "aa-sink's busy beat")
+        chat_ok(srv, expected)
+    finally:
+        ctx.destroy(linger=0)
 
 
 # -- fault: requests on a hung worker waited forever ------------------------------------------------

@@ -54,7 +54,7 @@ class DecodeWorker(BatchWorker):
             self.cancelled.discard(t.rid)
         elif t.error is not None:
             if job is not None:
-                self.fail(t.rid, t.error)
+                self.fail(t.rid, t.error, "kv_transfer_failed")
             elif not t.aborted:  # its job may still come: it fails then
                 self.lost[t.rid] = (t.error, time.monotonic())
         elif job is not None:
@@ -101,7 +101,7 @@ class DecodeWorker(BatchWorker):
         if rid in self.arrived:
             self.waiting.append((msg, self.arrived.pop(rid)[0]))
         elif rid in self.lost:
-            self.fail(rid, self.lost.pop(rid)[0])
+            self.fail(rid, self.lost.pop(rid)[0], "kv_transfer_failed")
         elif rid in self.pending:
             self.pending[rid] = msg
         else:

@@ -157,4 +157,4 @@ class PrefillWorker(Worker):
 
     def _transfer_done(self, t: TransferResult) -> None:
         if t.error is not None and not t.aborted:  # aborted: its request already ended here
-            self.fail(t.rid, t.error)
+            self.fail(t.rid, t.error, "kv_transfer_failed")

@@ -35,7 +35,7 @@ Worker -> router
     prefilled {id, tag, first_token, logprobs, seq, kv_bytes, decode}  (the KV is on its way, or there)
     tokens    {items: [[id, token, finish_reason or null, logprobs], ...]}  (one message per step;
               token is null when a stop token ended the sequence)
-    failed    {id, error}
+    failed    {id, error, code}  (code: what clients see, "worker_failed" or "kv_transfer_failed")
     transferred {peer, raw_bytes, wire_bytes, seconds, codec_seconds, compressed, sealed}  (a KV hand-off
               done, from each end: for the metrics)
 Worker -> router on NAME#kv, each answered by kv_reply {n, value or null, error or null}
@@ -209,10 +209,14 @@ class PromptLogprobs(_Msg):
     items: Annotated[list[tuple[Logprob, Alternatives]], Field(max_length=1 << 21)]
 
 
+ErrorCode = Literal["worker_failed", "kv_transfer_failed"]  # the OpenAI error body's `code` a failure gives clients
+
+
 class Failed(_Msg):
     op: Literal["failed"]
     id: Rid
     error: ErrorText
+    code: ErrorCode = "worker_failed"
 
 
 Seconds = Annotated[float, Field(ge=0, le=1e6, allow_inf_nan=False)]

@@ -36,6 +36,7 @@ from .protocol import (
     SPEC_ENV,
     BadMessage,
     Beat,
+    ErrorCode,
     Failed,
     Hello,
     Prefilled,
@@ -123,9 +124,9 @@ class Request:
     rid: str
     tag: int
     tokens: list[int]
-    events: (
-        asyncio.Queue
-    )  # ("token", id or None, finish reason or None, logprobs or None) | ("prompt", logprobs) | ("error", message)
+    # ("token", id or None, finish reason or None, logprobs or None) | ("prompt", logprobs, None, None)
+    # | ("error", message, ErrorCode, None)
+    events: asyncio.Queue
     created: float = field(default_factory=time.monotonic)
     holder: str | None = None  # the worker holding its state now
     decode: str | None = None
@@ -419,7 +420,7 @@ class Router:
             return
         r = self.requests.get(rid)
         if r is not None and (rid in w.inflight or rid in w.sending):
-            self._finish_error(r, msg.error)
+            self._finish_error(r, msg.error, msg.code)
 
     _ON = {  # op -> handler, for every op but hello (which registers the worker) and the kv_ ops (_rendezvous)
         "beat": _on_beat,
@@ -454,9 +455,9 @@ class Router:
         if finish is not None:
             self._release(r, finish, finished=True)
 
-    def _finish_error(self, r: Request, error: str) -> None:
+    def _finish_error(self, r: Request, error: str, code: ErrorCode = "worker_failed") -> None:
         if not r.done:
-            r.events.put_nowait(("error", error, None, None))
+            r.events.put_nowait(("error", error, code, None))
             self._release(r, "error")
 
     def _release(self, r: Request, reason: str, finished: bool = False) -> None:

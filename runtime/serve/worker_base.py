@@ -26,6 +26,7 @@ from .protocol import (
     HEARTBEAT_S,
     MAX_MESSAGE_BYTES,
     BadMessage,
+    ErrorCode,
     RateLimitedLog,
     ToWorker,
     WorkerSpec,
@@ -395,8 +396,9 @@ class Worker:
         followers = any(_prompt_key(w) == key for w in self.waiting)
         self.shared = SharedPrompt(key, self.model.cache.export(cache).cpu(), logits, scored) if followers else None
 
-    def fail(self, rid: str, error: str) -> None:
-        self.send({"op": "failed", "id": rid, "error": error})
+    def fail(self, rid: str, error: str, code: ErrorCode = "worker_failed") -> None:
+        """Request `rid` failed here: the router ends it with `error`, and clients see `code`."""
+        self.send({"op": "failed", "id": rid, "error": error, "code": code})
 
     # -- loops --------------------------------------------------------------------------------
     def run(self) -> None:

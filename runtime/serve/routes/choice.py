@@ -41,8 +41,8 @@ class Choice:
         """Run to the end (non-streaming)."""
         while True:
             kind, value, finish, logprobs = await self.r.events.get()
-            if kind == "error":
-                raise HTTPError(503, value, "server_error", code="worker_failed")
+            if kind == "error":  # finish holds its code
+                raise HTTPError(503, value, "server_error", code=finish)
             if kind == "prompt":
                 self.prompt_logprobs = value
             elif self.push(value, logprobs, finish) is not None:

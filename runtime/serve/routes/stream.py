@@ -33,7 +33,7 @@ async def sse(s: ServerState, choices: list[Choice], req, rid: str, chat: bool, 
         while open_:
             c, ev = await events.get()
             if ev[0] == "error":
-                yield _data(api.error_body(ev[1], "server_error", code="worker_failed"))
+                yield _data(api.error_body(ev[1], "server_error", code=ev[2]))
                 break
             if ev[0] == "prompt":
                 c.prompt_logprobs = ev[1]
