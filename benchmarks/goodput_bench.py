@@ -8,12 +8,17 @@ ignore_eos (so every set-up is asked for the same tokens), greedy.
 
 Per request (serve_bench.run_one, at the client): TTFT, and TPOT = (e2e - TTFT) / (tokens - 1).
 A request meets the SLOs when it finished without error, TTFT <= --slo-ttft and TPOT <= --slo-tpot.
+Every request that did not finish has an error, counted by kind in `error_kinds` (error_kind): an
+HTTP status, an error event in the stream (by its message), a stream cut without [DONE], one with
+fewer tokens than asked for, a client-side exception (by its type), or cut at the drain deadline.
 Goodput = requests meeting both / the schedule's duration. DistServe (Zhong et al., OSDI 2024)
 defines it so, and compares systems at the rate where one stops meeting the SLOs.
 
-Set-ups, the same 2 cores in all (1 thread a worker when disaggregated, 2 for the one worker):
+Set-ups, the same 2 cores in all (1 thread a worker when disaggregated, 2 for the one worker), the
+same server options (server_options) and the kernels' pipelines the autotuner picks:
   hosts   router, prefill, decode and client each in a network namespace (tests/hosts.py),
-          the prefill host's link shaped to --link (tc tbf), KV streamed, coded and sealed
+          the prefill host's link shaped to --link (tc tbf), KV streamed, sealed, and coded
+          when the link, measured, is slower than the codec (--kv-compression auto)
   disagg  the same roles on loopback, started by `unweight serve`
   agg     `unweight serve --no-disagg`
 
@@ -27,6 +32,7 @@ import asyncio
 import json
 import math
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -35,8 +41,9 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import httpx
 from kv_handoff_bench import ROLES, serve, stop
-from serve_bench import Job, Server, prepare_model, run_workload
+from serve_bench import Job, Result, Server, prepare_model, run_one
 from side_by_side import cpu_flags, write_record
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # test support: network namespaces
@@ -64,13 +71,59 @@ def schedule(args, rate: float, name: str) -> list[Job]:
         jobs.append(Job(len(jobs), "mixed", t, "/v1/completions", body, n))
 
 
-def measure(url: str, args, rate: float, name: str) -> list[dict]:
-    jobs = schedule(args, rate, name)
-    results, _, _, _ = asyncio.run(run_workload(url, jobs, args))
+async def run_schedule(url: str, jobs: list[Job], args) -> list[Result]:
+    """Each job at its time (serve_bench.run_one), at most --concurrency at once; one still running
+    --drain-timeout s after --duration is cut. Whatever a request raised is its error, and one that
+    ended without an error but with fewer tokens than asked for is "short": none fails unnamed."""
+    limits = httpx.Limits(max_connections=args.concurrency + 4, max_keepalive_connections=args.concurrency + 4)
+    async with httpx.AsyncClient(
+        base_url=url, timeout=httpx.Timeout(args.request_timeout, connect=10), limits=limits
+    ) as c:
+        sem = asyncio.Semaphore(args.concurrency)
+        results = [Result(j.index, j.kind, j.at) for j in jobs]
+        t0 = time.perf_counter()
+
+        async def one(job: Job, res: Result) -> None:
+            try:
+                await run_one(c, job, sem, t0, res)
+            except Exception as e:  # noqa: BLE001 - the client's own failure is this request's error, by its type
+                res.error = f"client {type(e).__name__}: {e}"
+
+        tasks = [asyncio.create_task(one(j, r)) for j, r in zip(jobs, results)]
+        deadline = args.duration + args.drain_timeout
+        _, pending = await asyncio.wait(tasks, timeout=max(1.0, t0 + deadline - time.perf_counter()))
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+    for r, j, t in zip(results, jobs, tasks):
+        if t in pending:
+            r.error = f"not finished {deadline:.0f} s after the start ({r.chunks} chunks received)"
+        elif r.error is None and r.tokens < j.body["max_tokens"]:
+            r.error = f"short stream: {r.tokens} of {j.body['max_tokens']} tokens"
+    return results
+
+
+def measure(url: str, args, rate: float, name: str, jobs: list[Job] | None = None) -> list[dict]:
+    jobs = schedule(args, rate, name) if jobs is None else jobs
+    results = asyncio.run(run_schedule(url, jobs, args))
     return [
         {"ttft": r.ttft, "tokens": r.tokens, "e2e": r.e2e, "error": r.error, "prompt": j.prompt_tokens}
         for r, j in zip(results, jobs)
     ]
+
+
+def error_kind(error: str) -> str:
+    """A failed request's error, without what differs from one request to the next (numbers, the
+    chunks it got): "HTTP 429", "error event: <message>", "not finished", "short stream",
+    "client ReadTimeout", "stream ended without [DONE]", ..."""
+    for prefix in ("not finished", "short stream", "stream ended without [DONE]"):
+        if error.startswith(prefix):
+            return prefix
+    if error.startswith("HTTP "):
+        return error.split(":")[0]
+    if error.startswith("error event: "):
+        return re.sub(r"\d+", "N", error)[:100]
+    return re.sub(r"\d+", "N", error.split(":")[0])[:100]  # an exception, by its type
 
 
 def goodput(rows: list[dict], args) -> dict:
@@ -88,8 +141,7 @@ def goodput(rows: list[dict], args) -> dict:
         "good": good,
         "goodput": good / args.duration,
         "errors": sum(r["error"] is not None for r in rows),
-        # what failed: "not finished" (cut at --drain-timeout), "HTTP 429"/"HTTP 503" (queue full), ...
-        "error_kinds": dict(Counter(" ".join(r["error"].split()[:2]) for r in rows if r["error"] is not None)),
+        "error_kinds": dict(Counter(error_kind(r["error"]) for r in rows if r["error"] is not None)),
         "ttft_p50": statistics.median(ttfts) if ttfts else None,
         "tpot_p50": statistics.median(tpots) if tpots else None,
     }
@@ -102,7 +154,7 @@ def run_hosts(model: Path, args, rate: float) -> list[dict]:
     secret.write_text("g" * 48 + "\n")
     secret.chmod(0o600)
     with open(tmp / "server.log", "w") as log:
-        procs = serve(hosts, model, secret, "auto", "auto", log)
+        procs = serve(hosts, model, secret, "auto", "auto", log, server_options(args))
         try:
             hosts.limit("prefill", args.link)
             r = subprocess.run(
@@ -119,14 +171,21 @@ def run_hosts(model: Path, args, rate: float) -> list[dict]:
         finally:
             stop(procs)
             hosts.close()
+            print(f"hosts {rate}: server log {tmp / 'server.log'}", flush=True)
+
+
+def server_options(args) -> tuple[str, ...]:
+    """The options serve_bench.Server gives the loopback set-ups, for the hosts set-up's roles."""
+    return (
+        *("--max-batch", str(args.max_batch), "--max-queue", str(args.max_queue)),
+        *("--max-model-len", str(args.max_model_len)),
+    )
 
 
 PASSED = ("duration", "seed", "prompt_tokens", "output_tokens", "concurrency", "request_timeout", "drain_timeout")
 
 
 def wait_ready(url: str, timeout: float = 300) -> None:
-    import httpx
-
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:

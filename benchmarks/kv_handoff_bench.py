@@ -11,7 +11,14 @@ prompt (token ids drawn with a fixed seed), 4 tokens each. Measured at the clien
   first   request sent -> first token (the prefill: the hand-off starts after it)
   second  request sent -> second token (the first decode step needs the whole cache)
   hand-off second - first (the transfer, and one decode step)
-and from the router's /metrics over the run: the cache's bytes and the bytes on the wire.
+and from the router's /metrics over the run: the cache's bytes and the frames' bytes. What the
+decode host received is counted too, and broken into parts (`bytes` in the JSON, and a second table):
+  received  the decode host's eth0 rx bytes (Ethernet, IP and TCP headers included)
+  from prefill  TCP payload from the prefill host: the frames, plus the link's own exchanges
+            (the gloo handshake, the proof, lengths, the probe when --kv-compression is auto)
+  from router   TCP payload from the router (the control channel: jobs, heartbeat replies)
+  headers   received - payload: Ethernet, IP and TCP headers of what arrived
+  retransmitted segments (the prefill host's TcpRetransSegs) and packets the shaping dropped.
 
 Run as root:  python benchmarks/kv_handoff_bench.py [--tokens 2048] [--rates 1gbit,10gbit]
 The model (SmolLM2-135M-Instruct, compressed) is made once and cached. ~5 minutes on 2 cores.
@@ -75,42 +82,57 @@ def counter(metrics: str, name: str) -> float:
     return sum(float(x.split()[-1]) for x in metrics.splitlines() if x.startswith(name + "{"))
 
 
-def serve(hosts: Hosts, model: Path, secret: Path, dtype: str, compression: str, log) -> dict[str, subprocess.Popen]:
-    env = {**os.environ, "UNWEIGHT_PIPELINE": "fused"}
+def commands(
+    router: str, model: Path, secret: Path, dtype: str, compression: str, options: tuple[str, ...] = ()
+) -> dict[str, tuple[list[str], dict[str, str]]]:
+    """The command line and environment of the router (at address `router`), the prefill and the
+    decode worker: one thread a worker (as the loopback server splits 2 cores), `options` for every
+    role, and the kernels' pipelines the autotuner picks, as `unweight serve` runs them (none forced:
+    `fused` everywhere made a prefill several times slower)."""
     base = [sys.executable, "-m", "unweight.cli.main", "serve", str(model), "--control-secret-file", str(secret)]
     base += ["--kv-cache-dtype", dtype, "--kv-compression", compression, "--worker-threads", "1"]
-    base += ["--served-model-name", "uw"]
-    router = hosts.addr["router"]
-    procs = {
-        "router": hosts.run(
-            "router",
-            *base,
-            "--role",
-            "router",
-            "--host",
-            router,
-            "--port",
-            "8000",
-            "--control-port",
-            "5555",
-            env=env,
-            stderr=log,
-        )
-    }
+    base += ["--served-model-name", "uw", *options]
+    out = {"router": [*base, "--role", "router", "--host", router, "--port", "8000", "--control-port", "5555"]}
     for role in ("prefill", "decode"):
-        procs[role] = hosts.run(
-            role,
-            *base,
-            "--role",
-            role,
-            "--name",
-            f"{role}-0",
-            "--router-address",
-            f"{router}:5555",
-            env=env,
-            stderr=log,
-        )
-    return procs
+        out[role] = [*base, "--role", role, "--name", f"{role}-0", "--router-address", f"{router}:5555"]
+    return {role: (cmd, dict(os.environ)) for role, cmd in out.items()}
+
+
+def serve(
+    hosts: Hosts, model: Path, secret: Path, dtype: str, compression: str, log, options: tuple[str, ...] = ()
+) -> dict[str, subprocess.Popen]:
+    """Start `commands`, each role on its host, their stderr to `log`."""
+    cmds = commands(hosts.addr["router"], model, secret, dtype, compression, options)
+    return {role: hosts.run(role, *cmd, env=env, stderr=log) for role, (cmd, env) in cmds.items()}
+
+
+def snapshot(hosts: Hosts) -> dict:
+    return {
+        "decode": hosts.counters("decode"),
+        "prefill": hosts.counters("prefill"),
+        "received": hosts.received("decode"),
+    }
+
+
+def breakdown(before: dict, after: dict, raw: float, frames: float) -> dict:
+    """What the decode host received between two snapshots, in parts (bytes; see the docstring)."""
+
+    def got(peer: str) -> int:
+        return after["received"].get(peer, 0) - before["received"].get(peer, 0)
+
+    received = after["decode"]["rx_bytes"] - before["decode"]["rx_bytes"]
+    return {
+        "cache": raw,
+        "frames": frames,
+        "received": received,
+        "from_prefill": got("prefill"),
+        "link_exchanges": got("prefill") - frames,  # handshake, proof, lengths, probe
+        "from_router": got("router"),
+        "headers": received - got("prefill") - got("router") - got("client"),
+        "packets": after["decode"]["rx_packets"] - before["decode"]["rx_packets"],
+        "retransmitted_segments": after["prefill"]["tcp_retrans_segs"] - before["prefill"]["tcp_retrans_segs"],
+        "qdisc_drops": after["prefill"]["qdisc_drops"] - before["prefill"]["qdisc_drops"],
+    }
 
 
 def stop(procs: dict) -> None:
@@ -153,6 +175,7 @@ def main() -> None:
                         seen = 0.0, 0.0
                         for rate in rates:
                             hosts.limit("prefill", rate)
+                            before = snapshot(hosts)
                             r = subprocess.run(
                                 ["ip", "netns", "exec", hosts.ns["client"], sys.executable, "-c", CLIENT]
                                 + [f"http://{hosts.addr['router']}:8000", str(args.requests), str(args.tokens)],
@@ -165,9 +188,12 @@ def main() -> None:
                             got = json.loads(r.stdout)
                             raw = counter(got["metrics"], "unweight:kv_transfer_bytes_total")
                             wire = counter(got["metrics"], "unweight:kv_wire_bytes_total")
-                            cell = results.setdefault(f"{dtype} {rate} {compression}", {"runs": [], "wire/raw": []})
+                            cell = results.setdefault(
+                                f"{dtype} {rate} {compression}", {"runs": [], "wire/raw": [], "bytes": []}
+                            )
                             cell["runs"] += got["runs"]
                             cell["wire/raw"].append((wire - seen[1]) / (raw - seen[0]))
+                            cell["bytes"].append(breakdown(before, snapshot(hosts), raw - seen[0], wire - seen[1]))
                             seen = raw, wire
                             print(
                                 dtype,
@@ -209,6 +235,7 @@ def main() -> None:
                 f"| {h_on[0] * 1e3:.0f} ({h_on[1] * 1e3:.0f}-{h_on[2] * 1e3:.0f}) | {h_on[0] / h_off[0]:.2f} "
                 f"| {ratio[0]:.3f} |"
             )
+    print_bytes(results, args.dtypes.split(","), rates)
     write_record(
         args.out,
         {
@@ -219,6 +246,27 @@ def main() -> None:
             "cells": results,
         },
     )
+
+
+def print_bytes(results: dict, dtypes: list[str], rates: list[str]) -> None:
+    """The decode host's received bytes in parts, summed over a cell's runs, as multiples of the cache."""
+    print(
+        "\n| KV dtype | link | coding | cache MB | frames | received | from prefill, not frames | from router "
+        "| headers | retransmitted segments | qdisc drops |"
+    )
+    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for dtype in dtypes:
+        for rate in rates:
+            for compression in ("off", "on"):
+                b = results[f"{dtype} {rate} {compression}"]["bytes"]
+                total = {k: sum(x[k] for x in b) for k in b[0]}
+                cache = total["cache"]
+                share = [f"{total[k] / cache:.4f}×" for k in ("frames", "received")]
+                share += [f"{total[k] / 1e6:.3f} MB" for k in ("link_exchanges", "from_router", "headers")]
+                print(
+                    f"| {dtype} | {rate} | {compression} | {cache / 1e6:.1f} | {' | '.join(share)} "
+                    f"| {total['retransmitted_segments']} | {total['qdisc_drops']} |"
+                )
 
 
 if __name__ == "__main__":
