@@ -4,7 +4,9 @@ not ship it."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 
 
@@ -64,6 +66,41 @@ class Hosts:
                 *("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", "root"),
                 *("tbf", "rate", rate, "burst", "256kb", "latency", "50ms"),
             )
+
+    def _in(self, role: str, *cmd: str) -> str:
+        r = subprocess.run(["ip", "netns", "exec", self.ns[role], *cmd], capture_output=True, text=True)
+        if r.returncode:
+            raise RuntimeError(f"{' '.join(cmd)} in {role}: {r.stderr.strip()}")
+        return r.stdout
+
+    def counters(self, role: str) -> dict[str, int]:
+        """What `role`'s link and TCP stack counted so far: eth0's rx/tx bytes and packets (frames
+        as the kernel saw them, Ethernet, IP and TCP headers included), TCP segments in, out and
+        retransmitted, and what its qdisc (the shaping, if any) dropped."""
+        stats = "/sys/class/net/eth0/statistics/"  # `ip netns exec` mounts the namespace's own /sys
+        out = {k: int(self._in(role, "cat", stats + k)) for k in ("rx_bytes", "rx_packets", "tx_bytes", "tx_packets")}
+        head, values = (
+            row.split() for row in self._in(role, "cat", "/proc/net/snmp").splitlines() if row[:4] == "Tcp:"
+        )
+        tcp = dict(zip(head[1:], values[1:], strict=True))
+        out |= {"tcp_in_segs": int(tcp["InSegs"]), "tcp_out_segs": int(tcp["OutSegs"])}
+        out["tcp_retrans_segs"] = int(tcp["RetransSegs"])
+        qdiscs = json.loads(self._in(role, "tc", "-s", "-j", "qdisc", "show", "dev", "eth0") or "[]")
+        out["qdisc_drops"] = sum(q.get("drops", 0) for q in qdiscs)
+        return out
+
+    def received(self, role: str) -> dict[str, int]:
+        """TCP payload bytes `role` has received on its open connections, by the peer's role (what
+        the kernel acknowledged in order: a retransmitted segment counts once)."""
+        by_addr = {a: r for r, a in self.addr.items()}
+        got: dict[str, int] = {}
+        peer = None
+        for line in self._in(role, "ss", "-tinH").splitlines():
+            if not line[:1].isspace():  # a connection: state, queues, local address, peer address
+                peer = by_addr.get(line.split()[4].rsplit(":", 1)[0])
+            elif peer is not None and (m := re.search(r"bytes_received:(\d+)", line)):
+                got[peer] = got.get(peer, 0) + int(m.group(1))
+        return got
 
     def run(self, role: str, *cmd: str, **kw) -> subprocess.Popen:
         return subprocess.Popen(["ip", "netns", "exec", self.ns[role], *cmd], start_new_session=True, **kw)
