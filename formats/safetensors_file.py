@@ -109,6 +109,29 @@ def declared_header_bytes(path: str | os.PathLike) -> int:
     return struct.unpack("<Q", head)[0] if len(head) == 8 else 0
 
 
+def read_raw_header(f: BinaryIO, path: str) -> bytes:
+    """The header (its JSON with the padding) of the safetensors file open as `f`, read from its
+    start; FormatError for a file too short, a length over MAX_HEADER_BYTES or past the file's end."""
+    size = os.fstat(f.fileno()).st_size
+    if size < 8:
+        raise FormatError(path, f"file is {size} bytes, too short to be safetensors (truncated?)")
+    (n,) = struct.unpack("<Q", f.read(8))
+    if n > MAX_HEADER_BYTES:
+        raise FormatError(path, f"header claims {n} bytes, over the {MAX_HEADER_BYTES}-byte cap")
+    if 8 + n > size:
+        raise FormatError(path, f"header claims {n} bytes but the file has {size - 8} after the length (truncated?)")
+    raw = f.read(n)
+    if len(raw) != n:  # the file shrank under us
+        raise FormatError(path, f"header claims {n} bytes but only {len(raw)} could be read (truncated?)")
+    return raw
+
+
+def file_header_digest(path: str | os.PathLike) -> str:
+    """digest_header of the safetensors file at `path`, reading its header only."""
+    with open_regular(os.fspath(path)) as f:
+        return digest_header(read_raw_header(f, os.fspath(path)))
+
+
 def digest_header(raw: bytes) -> str:
     """ "sha256:" and the hex SHA-256 of a safetensors header (its 8-byte length, then `raw`, the
     JSON with its padding): a container's header holds every tensor's CRC-32 and its streams'."""
@@ -162,16 +185,8 @@ class SafetensorsFile:
 
     def _open(self) -> None:
         size = os.fstat(self._file.fileno()).st_size
-        if size < 8:
-            raise FormatError(self.path, f"file is {size} bytes, too short to be safetensors (truncated?)")
-        (n,) = struct.unpack("<Q", self._file.read(8))
-        if n > MAX_HEADER_BYTES:
-            raise FormatError(self.path, f"header claims {n} bytes, over the {MAX_HEADER_BYTES}-byte cap")
-        if 8 + n > size:
-            raise FormatError(
-                self.path, f"header claims {n} bytes but the file has {size - 8} after the length (truncated?)"
-            )
-        raw = self._file.read(n)
+        raw = read_raw_header(self._file, self.path)
+        n = len(raw)
         self.header_digest = digest_header(raw)  # of the header this mapping's tensors are read by
         try:
             self.header_text = raw.decode("utf-8")

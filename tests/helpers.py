@@ -116,13 +116,14 @@ def rewrite_container(path: Path, edit) -> None:
 
 def record_in_members(path: Path) -> None:
     """Make the member list of `path`'s folder, if it names the file, record the file's header as it is now."""
-    from unweight.folder import MEMBERS_NAME, header_digest
+    from unweight.folder import MEMBERS_NAME
+    from unweight.formats.safetensors_file import file_header_digest
 
     members = path.parent / MEMBERS_NAME
     if members.exists():
         data = json.loads(members.read_text())
         if path.name in data["containers"]:
-            data["containers"][path.name] = header_digest(path)
+            data["containers"][path.name] = file_header_digest(path)
             members.write_text(json.dumps(data))
 
 

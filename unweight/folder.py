@@ -8,14 +8,13 @@ from __future__ import annotations
 import json
 import os
 import stat
-import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
-from unweight.errors import FormatError, SourceError
-from unweight.formats.safetensors_file import MAX_HEADER_BYTES, digest_header, file_kind, open_regular
+from unweight.errors import SourceError
+from unweight.formats.safetensors_file import file_header_digest, file_kind
 
 INDEX_NAME = "model.safetensors.index.json"
 MEMBERS_NAME = "unweight-folder.json"  # written by compress: the folder's containers and their header digests
@@ -243,23 +242,10 @@ def containers_of(path: str | os.PathLike) -> tuple[Path, list[Path], list[Path]
     return path, containers, [f for f in files if f.suffix != ".safetensors" and f != Path(MEMBERS_NAME)]
 
 
-def header_digest(path: Path) -> str:
-    """digest_header of the container at `path`, reading its header only."""
-    with open_regular(os.fspath(path)) as f:
-        head = f.read(8)
-        n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
-        if not 0 < n <= MAX_HEADER_BYTES:
-            raise FormatError(os.fspath(path), "not a safetensors file (no valid header length)")
-        raw = f.read(n)
-    if len(raw) != n:
-        raise FormatError(os.fspath(path), f"header truncated: {len(raw)} of {n} bytes")
-    return digest_header(raw)
-
-
 def write_members(root: Path, containers: Iterable[Path]) -> None:
     """Record `containers` (relative to `root`, all written) as the folder's members, each with its
     header digest, in root / MEMBERS_NAME."""
-    members = {str(rel): header_digest(root / rel) for rel in sorted(containers)}
+    members = {str(rel): file_header_digest(root / rel) for rel in sorted(containers)}
     text = json.dumps({"format": MEMBERS_FORMAT, "containers": members}, indent=1) + "\n"
     (root / MEMBERS_NAME).write_text(text)
 
@@ -321,7 +307,7 @@ def member_problems(
                 f"{root / rel}: a container that {MEMBERS_NAME} does not list: not part of this compressed "
                 "model (left from another one?); remove it"
             )
-        elif ((digests or {}).get(rel) or header_digest(root / rel)) != members[rel]:
+        elif ((digests or {}).get(rel) or file_header_digest(root / rel)) != members[rel]:
             lines.append(
                 f"{root / rel}: not the container {MEMBERS_NAME} lists (its header differs): a file from "
                 "another compress or revision of the model; download it again"
