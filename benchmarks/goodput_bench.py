@@ -4,7 +4,8 @@
 Workload (one seeded schedule, the same for every set-up): Poisson arrivals at each --rates value
 for --duration s; each request a streamed /v1/completions of a prompt of token ids whose length is
 log-uniform in --prompt-tokens (e.g. 128-1024), with max_tokens uniform in --output-tokens and
-ignore_eos (so every set-up is asked for the same tokens), greedy.
+ignore_eos (so every set-up is asked for the same tokens), greedy, with the usage chunk (the tokens
+counted by the server: a count of chunks with text misses tokens whose text is not yet whole).
 
 Per request (serve_bench.run_one, at the client): TTFT, and TPOT = (e2e - TTFT) / (tokens - 1).
 A request meets the SLOs when it finished without error, TTFT <= --slo-ttft and TPOT <= --slo-tpot.
@@ -67,6 +68,9 @@ def schedule(args, rate: float, name: str) -> list[Job]:
             "temperature": 0,
             "ignore_eos": True,
             "stream": True,
+            # the tokens as the server counts them: a token whose text is not yet whole (a random
+            # prompt makes many) comes in a chunk with no text, which a count of chunks would miss
+            "stream_options": {"include_usage": True},
         }
         jobs.append(Job(len(jobs), "mixed", t, "/v1/completions", body, n))
 

@@ -4,6 +4,8 @@ hosts set-up starts the server.
 - Every request that did not finish has an error, counted by kind: against a real HTTP server that
   answers 429, sends an error event, cuts a stream, sends what the client cannot read, ends a stream
   short, or does not finish before the drain deadline (the last three failed with no kind before).
+- The schedule asks for the usage chunk: TPOT divides by the tokens, and a count of chunks with text
+  misses tokens whose text is not yet whole.
 - The hosts set-up starts its router and workers with the loopback set-ups' options and with the
   kernels' pipelines the autotuner picks (it forced `fused` everywhere, a prefill several times
   slower, and the server's defaults: --max-queue 64, the model's --max-model-len).
@@ -100,6 +102,12 @@ def test_every_failed_request_is_counted_by_kind(url):
         "short stream": 1,
         "not finished": 1,
     }, summary
+
+
+def test_the_schedule_asks_for_the_servers_count_of_tokens():
+    args = argparse.Namespace(seed=0, prompt_tokens="8-16", output_tokens="4-8", duration=20.0)
+    jobs = goodput_bench.schedule(args, 1.0, "uw")
+    assert jobs and all(j.body["stream_options"] == {"include_usage": True} for j in jobs)
 
 
 @pytest.mark.slow  # starts `unweight serve` (which exits at once, without a model)
