@@ -461,7 +461,20 @@ def _live_in_group(pgid: int):
 
 
 class Server:
-    def __init__(self, model: Path, mode: str, args, log_path: Path):
+    """`unweight serve` in a process group of its own. `extra_args` go after the flags from `args`;
+    `env` and `cwd` (default: this environment, the repository root) let another checkout's code run
+    (benchmarks/fairness_bench.py --checkout)."""
+
+    def __init__(
+        self,
+        model: Path,
+        mode: str,
+        args,
+        log_path: Path,
+        extra_args: tuple[str, ...] = (),
+        env: dict | None = None,
+        cwd: Path = ROOT,
+    ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [
@@ -484,12 +497,19 @@ class Server:
         ]
         if args.worker_threads:
             cmd += ["--worker-threads", str(args.worker_threads)]
+        cmd += extra_args
         self.cmd = cmd
         self.log_path = log_path
         self.log = open(log_path, "w")
         self.started = time.perf_counter()
         self.proc = subprocess.Popen(
-            cmd, start_new_session=True, stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT
+            cmd,
+            start_new_session=True,
+            stdin=subprocess.DEVNULL,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            cwd=cwd,
+            env=env,
         )
         self.pgid = self.proc.pid  # start_new_session: the server leads its own process group
         self.ready_s: float | None = None
