@@ -179,33 +179,39 @@ def check_shared_prefill(server, expected) -> None:
     assert prefix_counters(server) == want
 
 
-def test_a_short_prompt_behind_a_long_one_waits_a_chunk_not_the_whole_prompt(uw):
-    """Prompts take turns PREFILL_CHUNK tokens at a time: a short chat sent while a prompt of seven
-    chunks is being prefilled is answered first, where first in, first out it waited for the whole
-    long prefill (and the long one still gets its answer)."""
+def test_a_prompt_behind_a_long_one_waits_one_chunk_not_the_whole_prompt(uw):
+    """Prompts take turns PREFILL_CHUNK tokens at a time, and one that arrives during a chunk runs
+    next. A prompt of two chunks, sent while the first of a three-chunk prompt runs, is answered
+    first: its chunks run between the long one's (long 1, it 1, long 2, it 2). First in, first out,
+    it waited for the whole long prefill; taken in only after the long prompt's next chunk, as the
+    round robin first did, it finished after it (long 1, long 2, it 1, long 3)."""
     import threading
 
     from unweight.runtime.serve.prefill_worker import PREFILL_CHUNK
 
     env = {"UNWEIGHT_PIPELINE": "decode_matmul"}  # the prefill pipeline: seconds for the long prompt, not minutes
-    s = Server(str(uw), "--api-key", KEY, "--max-model-len", str(8 * PREFILL_CHUNK), env=env)
+    s = Server(str(uw), "--api-key", KEY, "--max-model-len", str(4 * PREFILL_CHUNK), env=env)
     try:
         finished = []
 
-        def ask_long() -> None:
-            body = {"model": "uw", "prompt": [100 + i % 5000 for i in range(7 * PREFILL_CHUNK)], "max_tokens": 1}
-            finished.append(("long", s.http.post("/v1/completions", json=body).status_code))
+        def ask(name: str, chunks: int) -> None:
+            body = {
+                "model": "uw",
+                "prompt": [100 + i % 5000 for i in range(chunks * PREFILL_CHUNK - 8)],
+                "max_tokens": 1,
+            }
+            finished.append((name, s.http.post("/v1/completions", json=body).status_code))
 
-        long = threading.Thread(target=ask_long)
+        long = threading.Thread(target=ask, args=("long", 3))
         long.start()
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:  # until the long one is in the prefill worker
+        while time.monotonic() < deadline:  # until the long one is in the prefill worker (its first chunk runs)
             if {w["role"]: w for w in s.health()["workers"]}["prefill"]["queued"]:
                 break
             time.sleep(0.05)
-        finished.append(("short", s.chat(MESSAGES[0], max_tokens=1).status_code))
+        ask("two chunks", 2)
         long.join(timeout=300)
-        assert finished == [("short", 200), ("long", 200)]
+        assert finished == [("two chunks", 200), ("long", 200)]
     finally:
         s.stop()
 

@@ -3,10 +3,11 @@ the decode worker the router chose, each layer as soon as the prefill is past it
 phase: large matmuls, the decode-then-matmul pipeline wins).
 
 Prompts take turns, PREFILL_CHUNK tokens at a time, round robin among those that the pool holds
-(vLLM's chunked prefill, with its token budget of one chunk): a short prompt behind a long one waits
-at most one chunk, not the whole long prompt. A prompt's last chunk runs with its hand-off, so that
-hand-offs reach the link in the order prompts finish. A prompt scored for its logprobs (echo) runs
-whole, as does one that a prompt just run repeats (a copy: worker_base.SharedPrompt).
+(vLLM's chunked prefill, with its token budget of one chunk); a prompt that arrives during a chunk
+comes next, so a short prompt behind a long one waits at most one chunk, not the whole long prompt.
+A prompt's last chunk runs with its hand-off, so that hand-offs reach the link in the order prompts
+finish. A prompt scored for its logprobs (echo) runs whole, as does one that a prompt just run
+repeats (a copy: worker_base.SharedPrompt).
 """
 
 from __future__ import annotations
@@ -97,6 +98,8 @@ class PrefillWorker(Worker):
             self.model.free(p.cache)
             self.fail(p.job["id"], _job_error(e))
             return
+        self.poll(0, jobs_only=True)  # a prompt sent during the chunk takes its turn before this one's next
+        self._admit()
         self.turns.rotate(-1)
 
     def _stream(self, job: dict) -> Transfer:
