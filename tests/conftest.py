@@ -25,13 +25,15 @@ os.environ.setdefault("UNWEIGHT_NO_WARMUP", "1")
 # the other worker takes the rest meanwhile. (xdist's loadgroup, which reads xdist_group marks, does
 # not group under pytest 9: it renames `_nodeid`, which pytest 9 no longer reads.)
 LONGEST_FIRST = ("test_vllm.py", "test_device_run.py")
+LAST = ("test_vllm_kv_connector.py",)  # two vLLM engines of its own: last, long after test_vllm.py is done
 
 
 def pytest_collection_modifyitems(config, items):
     """The longest modules first (see above); tests marked `gpu` skip cleanly where torch sees no
     CUDA device."""
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: collection order otherwise
+    rank.update({name: len(rank) + 1 for name in LAST})
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))  # stable: collection order otherwise
     gpu = [item for item in items if item.get_closest_marker("gpu")]
     if gpu:
         import torch

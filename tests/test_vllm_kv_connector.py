@@ -61,7 +61,8 @@ class Server:
         self.port, self.model, self.log = _free_port(), str(model), log
         kv = {
             "kv_connector": "UnweightConnector",
-            "kv_connector_module_path": CONNECTOR,
+            # the producer names the module; the consumer relies on the plugin's registration of the short name
+            **({"kv_connector_module_path": CONNECTOR} if role == "kv_producer" else {}),
             "kv_role": role,
             "kv_connector_extra_config": {"host": "127.0.0.1", "port": side_port, "kv_lease_duration": 3600},
         }

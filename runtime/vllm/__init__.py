@@ -5,7 +5,12 @@ vLLM before that. docs/vllm.md says how to use it; runtime/vllm/plugin.py how it
 
 
 def register() -> None:
-    """vllm.general_plugins entry point: the `unweight` quantization method and its loader."""
+    """vllm.general_plugins entry point: the `unweight` quantization method and its loader, and the
+    KV connector's short name (`"kv_connector": "UnweightConnector"`, no module path needed)."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
     from . import plugin  # registers UnweightConfig as it is imported
 
     plugin.register()
+    if "UnweightConnector" not in KVConnectorFactory._registry:  # a second call in one process raises
+        KVConnectorFactory.register_connector("UnweightConnector", f"{__name__}.kv_connector", "UnweightConnector")
