@@ -110,12 +110,15 @@ ON_TOP = ("generate", "threads", "warmup", "serve", "vllm", "transformers")  # r
 
 
 def test_runtime_rooms_point_down():
-    """Inside runtime/: kernels <- layers <- model, and what is built on them (ON_TOP) above all three."""
+    """Inside runtime/: kernels <- layers <- model, and what is built on them (ON_TOP) above all three;
+    kv/ (the KV cache on the wire) below serve/ and vllm/, over none of the rest."""
     rt = "unweight.runtime"
     above = {
         "kernels": [f"{rt}.layers", f"{rt}.model", *(f"{rt}.{t}" for t in ON_TOP)],
         "layers": [f"{rt}.model", *(f"{rt}.{t}" for t in ON_TOP)],
         "model": [f"{rt}.{t}" for t in ON_TOP],
+        # the KV cache on the wire: under serve/ and vllm/, over nothing of the runtime
+        "kv": [f"{rt}.kernels", f"{rt}.layers", f"{rt}.model", *(f"{rt}.{t}" for t in ON_TOP)],
     }
     for room, forbidden in above.items():
         files = imports_of(f"runtime/{room}")

@@ -13,11 +13,11 @@ Nothing here trusts the network:
   (an HMAC over both sides' fresh nonces, `KVLink._prove`) before any KV is sent on it: a
   process that reached a gloo socket first gets no data and can send none that is accepted;
 - off loopback (`encryption="auto"`), every frame of KV is sealed with ChaCha20-Poly1305 under a
-  key of its transfer, derived from the secret and the group's nonces (kv_wire.py): nothing of a
+  key of its transfer, derived from the secret and the group's nonces (wire.py): nothing of a
   prompt's KV crosses a network in clear, and an altered, replayed or misplaced frame fails its
   request, not the worker.
 
-A transfer is a header and one frame per layer (kv_wire.py), each frame coded losslessly when that
+A transfer is a header and one frame per layer (wire.py), each frame coded losslessly when that
 pays: `compression="auto"` codes them when the link, measured on each new group with a probe of
 PROBE_BYTES (timed until the receiver says it has all of it: what the socket buffers take at once
 is not the link's rate), is slower than the codec, measured once per dtype. A sender with
@@ -54,7 +54,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from . import kv_wire
+from ..kv import wire
 from .protocol import KV_TIMEOUT_S, KV_VALUE_BYTES, BadMessage, RateLimitedLog, ToKVClient, pack, unpack
 
 log = logging.getLogger(__name__)
@@ -139,7 +139,7 @@ def _reason(e: Exception) -> str:
     """A failed transfer's error as the client sees it: short, and free of gloo's internals (its
     file paths, addresses and ports; they go to the worker's log)."""
     text = str(e).splitlines()[0] if str(e) else type(e).__name__
-    if not isinstance(e, RuntimeError):  # this module's and kv_wire's own refusals, and the rendezvous's
+    if not isinstance(e, RuntimeError):  # this module's and the wire format's own refusals, and the rendezvous's
         return text
     if "Timed out" in text or "timeout" in text:
         return f"the KV link did not move within {KV_TIMEOUT_S:.0f} s (KV_TIMEOUT_S)"
@@ -344,7 +344,7 @@ class KVLink:
             )
             mine, theirs = self._prove(pg, key[1])
             nonces = (mine, theirs) if self.rank == 0 else (theirs, mine)
-            session = kv_wire.session_key(self.key, *nonces, pre, dec)
+            session = wire.session_key(self.key, *nonces, pre, dec)
             rate = self._probe(pg)
             g = self._groups[key] = Group(pg, session, rate)
             if self.rank == 0:
@@ -377,7 +377,7 @@ class KVLink:
         pg.recv([size], 0, PROOF_TAG).wait()
         n = int(size[0])
         if not 0 <= n <= PROBE_BYTES:
-            raise kv_wire.WireError(f"the peer announced a link probe of {n} bytes, over the {PROBE_BYTES} it may send")
+            raise wire.WireError(f"the peer announced a link probe of {n} bytes, over the {PROBE_BYTES} it may send")
         if n:
             pg.recv([torch.empty(n, dtype=torch.uint8)], 0, PROOF_TAG).wait()
             pg.send([size], 0, PROOF_TAG).wait()
@@ -418,7 +418,7 @@ class KVLink:
         if self.compression != "auto":
             return self.compression == "on"
         if dtype not in self._codec_rates:
-            self._codec_rates[dtype] = kv_wire.codec_rate(dtype)
+            self._codec_rates[dtype] = wire.codec_rate(dtype)
             log.info("KV codec (%s): %.0f MB/s on one thread", dtype, self._codec_rates[dtype] / 1e6)
         return g.link_rate < self._codec_rates[dtype]
 
@@ -436,7 +436,7 @@ class KVLink:
         pg.recv([length], 0, tag).wait()
         n = int(length[0])
         if not 0 < n <= most:
-            raise kv_wire.WireError(f"the peer announced a KV block of {n} bytes, over the {most} it may send")
+            raise wire.WireError(f"the peer announced a KV block of {n} bytes, over the {most} it may send")
         body = torch.empty(n, dtype=torch.uint8)
         pg.recv([body], 0, tag).wait()
         return body.numpy().tobytes()
@@ -445,8 +445,8 @@ class KVLink:
         shape, dtype = (
             (tuple(t.shape), DTYPES[t.dtype]) if t.tensor is None else (tuple(t.tensor.shape), t.tensor.dtype)
         )
-        header = kv_wire.pack_header(t.rid, t.tag, dtype, shape, self.sealed, kv_wire.new_salt())
-        sealer = kv_wire.Sealer(g.session, header) if self.sealed else None
+        header = wire.pack_header(t.rid, t.tag, dtype, shape, self.sealed, wire.new_salt())
+        sealer = wire.Sealer(g.session, header) if self.sealed else None
         out.compressed, out.sealed = self._compress(g, dtype), self.sealed
         inflight = self._opening(lambda: self._wait(self._post(g.pg, header, t.tag)))
         out.wire_bytes = len(header)
@@ -455,15 +455,15 @@ class KVLink:
             c0 = time.perf_counter()
             if layer is None:  # the request ended during its prefill: say so, sealed, and stop
                 out.aborted, out.error = True, "the request ended during its prefill"
-                frame = bytes([kv_wire.ABORT])
+                frame = bytes([wire.ABORT])
             else:
                 if tuple(layer.shape) != shape[1:] or layer.dtype != dtype:
                     raise ValueError(
                         f"layer {i} of KV is {layer.dtype} {list(layer.shape)}, not {dtype} {list(shape[1:])}"
                     )
-                frame = kv_wire.encode_layer(layer, out.compressed)
+                frame = wire.encode_layer(layer, out.compressed)
                 out.raw_bytes += layer.numel() * layer.element_size()
-            frame = sealer.seal(i, frame) if sealer is not None else kv_wire.add_check(i, frame)
+            frame = sealer.seal(i, frame) if sealer is not None else wire.add_check(i, frame)
             out.codec_seconds += time.perf_counter() - c0
             self._wait(inflight)  # layer i - 1 leaves while layer i was coded
             inflight = self._post(g.pg, frame, t.tag)
@@ -489,19 +489,19 @@ class KVLink:
 
     def _receive(self, g: Group, t: Transfer, out: TransferResult) -> None:
         shape, dtype = tuple(t.shape), DTYPES[t.dtype]
-        header = self._opening(lambda: self._take(g.pg, t.tag, kv_wire.HEADER.size + kv_wire.RID_MAX))
-        out.sealed = kv_wire.check_header(header, t.rid, t.tag, dtype, shape, self.sealed)
-        sealer = kv_wire.Sealer(g.session, header) if out.sealed else None
-        most = kv_wire.max_frame_bytes(shape, dtype, out.sealed)
+        header = self._opening(lambda: self._take(g.pg, t.tag, wire.HEADER.size + wire.RID_MAX))
+        out.sealed = wire.check_header(header, t.rid, t.tag, dtype, shape, self.sealed)
+        sealer = wire.Sealer(g.session, header) if out.sealed else None
+        most = wire.max_frame_bytes(shape, dtype, out.sealed)
         kv = torch.empty(shape, dtype=dtype)
         out.wire_bytes = len(header)
         for i in range(shape[0]):
             frame = self._take(g.pg, t.tag, most)
             out.wire_bytes += len(frame)
             c0 = time.perf_counter()
-            frame = sealer.open(i, frame) if sealer is not None else kv_wire.strip_check(i, frame)
-            out.compressed |= frame[0] != kv_wire.RAW
-            kv_wire.decode_layer(frame, kv[i])
+            frame = sealer.open(i, frame) if sealer is not None else wire.strip_check(i, frame)
+            out.compressed |= frame[0] != wire.RAW
+            wire.decode_layer(frame, kv[i])
             out.codec_seconds += time.perf_counter() - c0
         out.tensor = kv
 
@@ -515,7 +515,7 @@ class KVLink:
             failed = False
             try:
                 t0 = self._transfer(key, t, out)
-            except kv_wire.Aborted as e:  # on purpose, and both sides are in step: the group stays
+            except wire.Aborted as e:  # on purpose, and both sides are in step: the group stays
                 out.aborted, out.error, out.tensor = True, str(e), None
             except Exception as e:  # noqa: BLE001 - a dead or hostile peer surfaces as many error types; the request fails, the worker lives
                 out.error, out.tensor, failed = f"KV transfer with {t.peer} failed: {_reason(e)}", None, True

@@ -1,5 +1,5 @@
 """UnweightConnector: a vLLM v1 KV connector that moves a prefill engine's KV cache to a decode engine
-coded losslessly with the project's KV codec (runtime/serve/kv_wire.py), speaking NixlConnector's
+coded losslessly with the project's KV codec (runtime/kv/wire.py), speaking NixlConnector's
 `kv_transfer_params` handshake, so vLLM's proxies and routers drive it unchanged. Prototype: tensor
 parallel size 1, one host (loopback; frames carry their CRC-32, not a seal), attention caches of
 (blocks, kv_heads, block_size, 2 * head_dim) as vLLM-CPU lays them out (not MLA yet).
@@ -308,7 +308,7 @@ class _Worker:
     # ---- consumer: pull ----
 
     def _pull(self, rid: str, r: Recv) -> None:
-        from unweight.runtime.serve import kv_wire
+        from unweight.runtime.kv import wire as kv_wire
 
         ok = False
         try:
@@ -372,7 +372,7 @@ class _Worker:
             threading.Thread(target=self._answer, args=(conn,), name="kv-send", daemon=True).start()
 
     def _answer(self, conn: socket.socket) -> None:
-        from unweight.runtime.serve import kv_wire
+        from unweight.runtime.kv import wire as kv_wire
 
         with conn:
             conn.settimeout(IO_TIMEOUT_S)

@@ -1,7 +1,8 @@
 """The KV hand-off's wire format: a sequence's cache as a header and one frame per layer, each frame
 coded losslessly and, off loopback, sealed with ChaCha20-Poly1305.
 
-A transfer on a proven KV group (kv_link.KVLink) is:
+A transfer (over `unweight serve`'s proven KV group, runtime/serve/kv_link.py, or the vLLM
+connector's side channel, runtime/vllm/kv_connector.py) is:
     header      what is coming: request id, tag, dtype, shape, a fresh 16-byte salt, whether the
                 frames are sealed (HEADER; sent as is: a changed header gives the receiver another
                 key, so the first frame fails to open)
@@ -14,7 +15,7 @@ Coding (`encode_layer`): the codec's `rans` on the cache's own words (unweight/c
 each BF16 or FP32 word splits into an entropy-coded symbol (the exponent and the two high
 mantissa bits) and raw bits (sign and the rest of the mantissa), decoded bit-exact. A frame is
 sent raw when coding does not make it smaller. Measured on SmolLM2's cache for a 512-token prompt:
-0.68x the bytes in BF16, 0.84x in FP32 (benchmarks/kv_wire.py).
+0.68x the bytes in BF16, 0.84x in FP32 (docs/serving.md, benchmarks/kv_handoff_bench.py).
 
 Sealing (`Sealer`): the key of a transfer is HMAC-SHA256 over the header under the group's session
 key, which both sides derive from the control secret and the fresh nonces of the group's proof
