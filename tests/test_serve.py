@@ -166,17 +166,37 @@ def settled_prefix_counters(server) -> tuple[float, float]:
 
 
 def check_shared_prefill(server, expected) -> None:
-    before = settled_prefix_counters(server)
-    r = server.chat(MESSAGES[0], max_tokens=16, n=4)
-    assert r.status_code == 200, r.text
-    body = r.json()
-    assert [c["message"]["content"] for c in body["choices"]] == [expected[0].text] * 4
-    prompt = body["usage"]["prompt_tokens"]
-    want = (before[0] + 4 * prompt, before[1] + 3 * prompt)
-    deadline = time.monotonic() + 30
-    while prefix_counters(server) != want and time.monotonic() < deadline:  # they come with heartbeats
-        time.sleep(0.2)
-    assert prefix_counters(server) == want
+    """n=4 on an idle worker (its first job runs while the others arrive), then on a busy one (a long
+    prompt runs while all four arrive, and they are taken in together): either way the prompt is
+    prefilled once, and the counters say so."""
+    import threading
+
+    from test_serve_http import metric
+
+    for busy in (False, True):
+        before = settled_prefix_counters(server)
+        long = [100 + i % 5000 for i in range(400)]
+        if busy:
+            body = {"model": "uw", "prompt": long, "max_tokens": 1}
+            first = threading.Thread(target=server.http.post, args=("/v1/completions",), kwargs={"json": body})
+            first.start()
+            deadline = time.monotonic() + 60
+            while not metric(server.http.get("/metrics").text, "vllm:num_requests_waiting"):
+                assert time.monotonic() < deadline, "the long prompt never reached the router"
+                time.sleep(0.05)
+            time.sleep(0.5)  # on to its worker (sub-millisecond), whose prefill of it takes seconds
+        r = server.chat(MESSAGES[0], max_tokens=16, n=4)
+        if busy:
+            first.join(timeout=300)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert [c["message"]["content"] for c in body["choices"]] == [expected[0].text] * 4
+        prompt = body["usage"]["prompt_tokens"]
+        want = (before[0] + 4 * prompt + (len(long) if busy else 0), before[1] + 3 * prompt)
+        deadline = time.monotonic() + 30
+        while prefix_counters(server) != want and time.monotonic() < deadline:  # they come with heartbeats
+            time.sleep(0.2)
+        assert prefix_counters(server) == want, busy
 
 
 def test_a_prompt_behind_a_long_one_waits_one_chunk_not_the_whole_prompt(uw):

@@ -72,7 +72,7 @@ class AggregatedWorker(BatchWorker):
             self.model.free(cache)
             self.fail(job["id"], _job_error(e))
         else:
-            self._share(_prompt_key(job), cache, first, None)
+            self._share(job["id"], _prompt_key(job), cache, first, None)
             self.prompt_tokens += len(seq.prompt)
             reason = seq.append(pick.token)
             stop = reason == "stop"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import queue
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,6 +57,11 @@ class PrefillWorker(Worker):
         for p in [p for p in self.turns if p.job["id"] == rid]:
             self.turns.remove(p)
             self.model.free(p.cache)
+
+    def not_started(self) -> Iterator[dict]:
+        """Waiting prompts, and those admitted to take turns whose first chunk has not run."""
+        yield from self.waiting
+        yield from (p.job for p in self.turns if p.cache.length == 0)
 
     def _blocks(self, tokens: int) -> int:
         return -(-tokens // self.model.cache.block_size)

@@ -14,6 +14,7 @@ import threading
 import time
 import uuid
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -374,7 +375,7 @@ class Worker:
                     }
                 )
             pick = seq.choose(logits)
-            self._share(key, cache, logits, scored)
+            self._share(job["id"], key, cache, logits, scored)
             self.prompt_tokens += len(seq.prompt)
             self.prompt_tokens_reused += len(seq.prompt) if shared is not None else 0
         except BaseException:
@@ -386,14 +387,18 @@ class Worker:
         """Whether a prompt (its _prompt_key) is the one kept as `shared`."""
         return self.shared is not None and self.shared.key == key
 
-    def _share(self, key: tuple, cache: SeqCache, logits: torch.Tensor, scored: list | None) -> None:
-        """Keep the prompt just run for the waiting jobs that repeat it (a request's other choices,
-        which follow its first within a moment: the jobs sent meanwhile are taken in first), until
-        another prompt runs; else let it go."""
+    def not_started(self) -> Iterator[dict]:
+        """The jobs taken in whose prompts have not begun to run."""
+        return iter(self.waiting)
+
+    def _share(self, rid: str, key: tuple, cache: SeqCache, logits: torch.Tensor, scored: list | None) -> None:
+        """Keep the prompt just run (request `rid`'s) for the jobs not started yet that repeat it (a
+        request's other choices, which follow its first within a moment, or came with it: the jobs
+        sent meanwhile are taken in first), until another prompt runs; else let it go."""
         if self.repeats_shared(key):
             return
         self.poll(0, jobs_only=True)
-        followers = any(_prompt_key(w) == key for w in self.waiting)
+        followers = any(_prompt_key(w) == key and w["id"] != rid for w in self.not_started())
         self.shared = SharedPrompt(key, self.model.cache.export(cache).cpu(), logits, scored) if followers else None
 
     def fail(self, rid: str, error: str, code: ErrorCode = "worker_failed") -> None:
