@@ -19,21 +19,20 @@ os.environ.setdefault("UNWEIGHT_NO_WARMUP", "1")
 
 
 # Under xdist (make test runs `pytest -n 2 --dist loadfile --no-loadscope-reorder`) a test module is one
-# unit of work, so its fixtures (servers, engines, compressed models) are made once, on one worker, and
-# two vLLM engines never run at once (one takes a fifth of RAM per rank; at TP=2 its ranks bind both
-# cores). Modules are queued in collection order, but for these, the longest, which go first so that
-# the other worker takes the rest meanwhile. (xdist's loadgroup, which reads xdist_group marks, does
-# not group under pytest 9: it renames `_nodeid`, which pytest 9 no longer reads.)
-LONGEST_FIRST = ("test_vllm.py", "test_device_run.py")
-LAST = ("test_vllm_kv_connector.py",)  # two vLLM engines of its own: last, long after test_vllm.py is done
+# unit of work, so its fixtures (servers, engines, compressed models) are made once, on one worker. Modules
+# are queued in collection order, but for these, the longest, which go first so that the other worker takes
+# the rest meanwhile: test_vllm.py's engines (a fifth of RAM a rank; at TP=2 its ranks bind both cores) on one
+# worker, test_device_run.py and then test_vllm_kv_connector.py's two small engines on the other (last, its
+# engines' start made a tail of minutes with the first worker idle). (xdist's loadgroup, which reads
+# xdist_group marks, does not group under pytest 9: it renames `_nodeid`, which pytest 9 no longer reads.)
+LONGEST_FIRST = ("test_vllm.py", "test_device_run.py", "test_vllm_kv_connector.py")
 
 
 def pytest_collection_modifyitems(config, items):
     """The longest modules first (see above); tests marked `gpu` skip cleanly where torch sees no
     CUDA device."""
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    rank.update({name: len(rank) + 1 for name in LAST})
-    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))  # stable: collection order otherwise
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: collection order otherwise
     gpu = [item for item in items if item.get_closest_marker("gpu")]
     if gpu:
         import torch

@@ -126,18 +126,18 @@ class Server:
 
 @pytest.fixture(scope="module")
 def engines(smollm2_uw, tmp_path_factory):
-    """The prefill and the decode engine on the compressed SmolLM2, started one after the other."""
+    """The prefill and the decode engine on the compressed SmolLM2, started together."""
     python = vllm_env()
     uw, _ = smollm2_uw
     tmp = tmp_path_factory.mktemp("kv-connector")
     side = _free_port()
-    prefill = Server(python, uw, tmp / "prefill.log", "kv_producer", side)
-    servers = [prefill]
+    servers = []
     try:
-        prefill.wait_ready()
-        decode = Server(python, uw, tmp / "decode.log", "kv_consumer", _free_port())
-        servers.append(decode)
-        decode.wait_ready()
+        servers.append(Server(python, uw, tmp / "prefill.log", "kv_producer", side))
+        servers.append(Server(python, uw, tmp / "decode.log", "kv_consumer", _free_port()))
+        for s in servers:
+            s.wait_ready()
+        prefill, decode = servers
         yield prefill, decode, side
     finally:
         for s in servers:
