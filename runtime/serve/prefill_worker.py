@@ -68,14 +68,20 @@ class PrefillWorker(Worker):
 
     def _admit(self) -> None:
         """Waiting prompts take a turn, in order, each once the pool can hold it whole beside those
-        part-way in (a prompt that does not fit yet lets a later one that does go by)."""
+        part-way in (a prompt that does not fit yet lets a later one that does go by). A prompt that
+        repeats one taking turns (a request's other choices) waits for it, and starts from its copy."""
         cache = self.model.cache
         held = sum(self._blocks(len(p.job["seq"]["prompt"])) - len(p.cache.blocks) for p in self.turns)
+        going = {_prompt_key(p.job) for p in self.turns}
         for job in list(self.waiting):
+            key = _prompt_key(job)
+            if key in going and not self.repeats_shared(key):
+                continue
             need = self._blocks(len(job["seq"]["prompt"]))
             if need + held <= cache.max_blocks - cache.used_blocks:
                 self.waiting.remove(job)
                 self.turns.append(Prefilling(job, self.model.new_sequence()))
+                going.add(key)
                 held += need
 
     def _last_turn(self, p: Prefilling) -> bool:

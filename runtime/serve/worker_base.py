@@ -394,12 +394,16 @@ class Worker:
     def _share(self, rid: str, key: tuple, cache: SeqCache, logits: torch.Tensor, scored: list | None) -> None:
         """Keep the prompt just run (request `rid`'s) for the jobs not started yet that repeat it (a
         request's other choices, which follow its first within a moment, or came with it: the jobs
-        sent meanwhile are taken in first), until another prompt runs; else let it go."""
+        sent meanwhile are taken in first). One prompt is kept at a time: the one kept before stays
+        while jobs that repeat it have not started, unless this one replaces it."""
         if self.repeats_shared(key):
             return
         self.poll(0, jobs_only=True)
-        followers = any(_prompt_key(w) == key and w["id"] != rid for w in self.not_started())
-        self.shared = SharedPrompt(key, self.model.cache.export(cache).cpu(), logits, scored) if followers else None
+        queued = [_prompt_key(w) for w in self.not_started() if w["id"] != rid]
+        if key in queued:
+            self.shared = SharedPrompt(key, self.model.cache.export(cache).cpu(), logits, scored)
+        elif self.shared is not None and self.shared.key not in queued:
+            self.shared = None
 
     def fail(self, rid: str, error: str, code: ErrorCode = "worker_failed") -> None:
         """Request `rid` failed here: the router ends it with `error`, and clients see `code`."""
