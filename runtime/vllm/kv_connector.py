@@ -218,10 +218,6 @@ class UnweightConnector(KVConnectorBase_V1):
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         return self._worker.results()
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        r = self._worker.results()
-        return r.finished_sending, r.finished_recving
-
     def shutdown(self):
         if self._worker is not None:
             self._worker.close()
