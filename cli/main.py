@@ -582,9 +582,37 @@ ServeWorkerTimeout = Annotated[
 ]
 
 
+ServeEngine = Annotated[
+    str,
+    typer.Option(
+        "--engine",
+        help="unweight: this project's workers serve MODEL. vllm (with --role router): a router in front of "
+        "`vllm serve` engines that hand the KV over with UnweightConnector (--prefill-url, --decode-url).",
+    ),
+]
+ServePrefillURL = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--prefill-url",
+        help="With --engine vllm: a prefill engine (kv_producer), http://HOST:PORT; repeatable (the one with the "
+        "fewest requests in flight takes each).",
+    ),
+]
+ServeDecodeURL = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--decode-url",
+        help="With --engine vllm: a decode engine (kv_consumer), http://HOST:PORT; repeatable.",
+    ),
+]
+
+
 @app.command()
 def serve(
-    model: Annotated[Path, typer.Argument(help="Compressed model folder (made by `unweight compress`).")],
+    model: Annotated[
+        Path | None,
+        typer.Argument(help="Compressed model folder (made by `unweight compress`); none with --engine vllm."),
+    ] = None,
     host: Annotated[str, typer.Option(help="Address to listen on (HTTP and control).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="HTTP port.")] = 8000,
     prefill_workers: Annotated[int, typer.Option("--prefill-workers", help="Prefill worker processes to start.")] = 1,
@@ -632,6 +660,9 @@ def serve(
     kv_encryption: ServeKVEncryption = "auto",
     control_secret_file: ServeSecretFile = None,
     worker_timeout: ServeWorkerTimeout = 10.0,
+    engine: ServeEngine = "unweight",
+    prefill_url: ServePrefillURL = None,
+    decode_url: ServeDecodeURL = None,
 ) -> None:
     """Serve a compressed model behind an OpenAI-compatible API.
 
@@ -653,15 +684,34 @@ def serve(
         unweight serve ./llama-uw --role decode --name decode-0 --router-address 10.0.0.1:5555 \\
             --control-secret-file ~/.unweight-secret
 
+        unweight serve --role router --engine vllm --prefill-url http://10.0.0.2:8100 \\
+            --decode-url http://10.0.0.3:8200 --served-model-name llama
+
     The control plane (router <-> workers) is ZeroMQ CURVE with keys derived from the control
     secret: no process without it can join as a worker, or pose as the router.
+
+    With --engine vllm the router fronts `vllm serve` engines that hand the KV cache over with
+    UnweightConnector (docs/serving.md, "In front of vLLM engines"): each request is prefilled on a
+    --prefill-url engine and decoded on a --decode-url engine.
     """
     settings = dict(locals())
-    for flag in ("model", "role", "name", "router_address", "no_disagg"):
+    for flag in ("model", "role", "engine", "prefill_url", "decode_url"):
+        del settings[flag]
+    if engine == "vllm":
+        _run(lambda: _serve_vllm(model, role, prefill_url or [], decode_url or [], settings))
+    plain = engine == "unweight" and model is not None and not prefill_url and not decode_url
+    for flag in ("name", "router_address", "no_disagg"):
         del settings[flag]
 
     def body() -> None:
         from unweight.runtime.serve.launch import launch
+
+        if engine != "unweight":
+            raise ValueError(f"--engine {engine!r} is not one of unweight, vllm")
+        if model is None:
+            raise ValueError("serve needs MODEL, a compressed model folder (none only with --engine vllm)")
+        if prefill_url or decode_url:
+            raise ValueError("--prefill-url and --decode-url are the engines of --engine vllm")
 
         secret_file = str(control_secret_file) if control_secret_file else None
         launch(
@@ -672,7 +722,47 @@ def serve(
             **{**settings, "disaggregated": not no_disagg, "control_secret_file": secret_file},
         )
 
-    _run(body, kernels=True)
+    _run(body, kernels=plain)
+
+
+# serve's settings that the router in front of vLLM engines takes (the others are its own workers')
+VLLM_ROUTER_SETTINGS = (
+    "host",
+    "port",
+    "api_key",
+    "public_health",
+    "max_queue",
+    "max_body_bytes",
+    "timeout_keep_alive",
+    "timeout_header",
+    "timeout_body",
+    "limit_concurrency",
+    "served_model_name",
+)
+
+
+def _serve_vllm(model: Path | None, role: str, prefill_urls: list[str], decode_urls: list[str], settings: dict) -> None:
+    """`serve --engine vllm`: the router alone, in front of `vllm serve` engines."""
+    import inspect
+
+    if role != "router":
+        raise ValueError("--engine vllm runs the router alone: add --role router (the engines are `vllm serve`)")
+    if model is not None:
+        raise ValueError(
+            f"{model}: --engine vllm takes no MODEL (the engines load it; clients ask for --served-model-name)"
+        )
+    defaults = inspect.signature(serve).parameters
+    for flag, value in settings.items():
+        # (--worker-timeout may come from UNWEIGHT_WORKER_TIMEOUT, set for other servers)
+        if flag not in VLLM_ROUTER_SETTINGS and flag != "worker_timeout" and value != defaults[flag].default:
+            raise ValueError(f"--{flag.replace('_', '-')} is a setting of unweight's workers: not with --engine vllm")
+    from unweight.runtime.serve.vllm_router import VLLMRouterConfig
+    from unweight.runtime.serve.vllm_router import serve as serve_vllm
+
+    cfg = VLLMRouterConfig(
+        prefill_urls=prefill_urls, decode_urls=decode_urls, **{k: settings[k] for k in VLLM_ROUTER_SETTINGS}
+    )
+    serve_vllm(cfg)
 
 
 def main() -> None:
