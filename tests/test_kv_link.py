@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 
 from unweight.runtime.kv import wire
+from unweight.runtime.kv.secret import kv_link_key
 from unweight.runtime.serve import kv_link
 from unweight.runtime.serve.kv_link import KVLink, Rendezvous, Transfer, TransferResult
-from unweight.runtime.serve.protocol import kv_link_key
 
 KEY = kv_link_key("s" * 40)
 

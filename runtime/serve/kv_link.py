@@ -282,7 +282,7 @@ class Rendezvous:
 class KVLink:
     """One worker's end of its hand-offs. `rank` 0 sends (prefill), 1 receives (decode); `store` is
     the rendezvous (a ControlStore; any torch store in tests) and `key` what both sides prove they
-    hold (protocol.kv_link_key). `compression` and `encryption` are "auto", "on" or "off" (see the
+    hold (runtime/kv/secret.py: kv_link_key). `compression` and `encryption` are "auto", "on" or "off" (see the
     module's docstring); a receiver whose encryption is on (or auto off loopback) refuses unsealed
     frames."""
 

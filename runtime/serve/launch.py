@@ -10,7 +10,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .protocol import ROLES, ServeConfig, WorkerSpec, parse_address, read_secret_file
+from ..kv.secret import read_secret_file
+from .protocol import ROLES, ServeConfig, WorkerSpec, parse_address
 
 
 def launch(

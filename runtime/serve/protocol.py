@@ -49,9 +49,6 @@ import hashlib
 import hmac
 import json
 import logging
-import os
-import secrets
-import stat
 import time
 from dataclasses import dataclass
 from typing import Annotated, Literal
@@ -66,7 +63,6 @@ KV_BLOCK_TOKENS = 16  # tokens per KV cache block (the pool is sized in whole bl
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32")
 MAX_MESSAGE_BYTES = 64 << 20  # ZeroMQ drops the connection of a peer that sends a bigger message
 SECRET_ENV = "UNWEIGHT_CONTROL_SECRET"  # how the router hands its secret to the workers it starts
-MIN_SECRET_CHARS = 32
 
 
 def pack(msg: dict) -> bytes:
@@ -322,34 +318,6 @@ class RateLimitedLog:
 
 
 # -- the control secret -----------------------------------------------------------------------
-def new_secret() -> str:
-    return secrets.token_hex(32)
-
-
-def read_secret_file(path: str | os.PathLike) -> str:
-    """The control secret from a file only its owner can read (one line, >= 32 characters)."""
-    try:
-        st = os.stat(path)
-        if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-            raise ValueError(
-                f"control secret file {path} is readable by group or others (mode {stat.S_IMODE(st.st_mode):o}); run "
-                f"chmod 600 {path}"
-            )
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
-    except OSError as e:
-        raise ValueError(f"cannot read control secret file {path}: {e.strerror}") from None
-    except UnicodeDecodeError:
-        raise ValueError(f"control secret file {path} is not text") from None
-    lines = [line.strip() for line in lines if line.strip()]
-    if len(lines) != 1 or len(lines[0]) < MIN_SECRET_CHARS:
-        raise ValueError(
-            f"control secret file {path} must hold one line of at least {MIN_SECRET_CHARS} characters (make one: "
-            f"python -c 'import secrets; print(secrets.token_hex(32))' > {path}; chmod 600 {path})"
-        )
-    return lines[0]
-
-
 def curve_keys(secret: str) -> dict[str, tuple[bytes, bytes]]:
     """{"router": (public, secret), "worker": (public, secret)} Z85 CURVE keys derived from the secret."""
     import zmq
@@ -362,12 +330,6 @@ def curve_keys(secret: str) -> dict[str, tuple[bytes, bytes]]:
         )
         keys[who] = (zmq.curve_public(sk), sk)
     return keys
-
-
-def kv_link_key(secret: str) -> bytes:
-    """The key with which a prefill and a decode worker prove to each other, over a new KV group,
-    that both hold the control secret (kv_link.KVLink)."""
-    return hmac.new(secret.encode(), b"unweight serve kv link", hashlib.sha256).digest()
 
 
 def context_limits(cfg: ServeConfig, model_context: int) -> tuple[int, int]:

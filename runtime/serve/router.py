@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel
 
+from ..kv.secret import new_secret, read_secret_file
 from ..model.sampling import SamplingParams, Sequence
 from .kv_link import Rendezvous
 from .metrics import Metrics
@@ -49,10 +50,8 @@ from .protocol import (
     Transferred,
     WorkerSpec,
     curve_keys,
-    new_secret,
     pack,
     parse,
-    read_secret_file,
 )
 
 log = logging.getLogger(__name__)

