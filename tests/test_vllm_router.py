@@ -1,0 +1,379 @@
+"""`unweight serve --role router --engine vllm` (runtime/serve/vllm_router.py) in front of two real
+`vllm serve` engines with UnweightConnector (tests/vllm_serve.py: a prefill engine and a decode engine on
+the compressed SmolLM2, prefix caching off), the router a subprocess of the real CLI, driven by the
+official `openai` client and raw HTTP.
+
+- Greedy completions and chats through the router, streamed and not, give the token ids and text the
+  decode engine gives asked directly (computing the prompt itself); the prefill engine served each one;
+  logprobs and n pass through; "model" is the served name both ways.
+- --api-key guards every endpoint; an unknown model is 404; an engine's 4xx passes through as it is.
+- /health and /metrics; a client that hangs up (streamed or not) aborts the decode engine's request.
+- An engine that cannot be reached is skipped for another of its role; with none of a role left,
+  requests get 503 before any prefill runs and /health names the role; a prefill engine without
+  the producer's half of the connector is an error naming kv_transfer_params.
+- Last: the decode engine killed mid-stream: the stream ends with an error event, the router then
+  answers 503 and /health 503 naming the decode role.
+
+The two engines start once for the module (a minute or more each here).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import psutil
+import pytest
+from vllm_serve import engine_pair, free_port
+
+from envs import vllm_env
+
+pytestmark = pytest.mark.slow
+
+KEY = "router-key"
+NAME = "uw"
+PROMPT = "The capital of France is"
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+NEW_TOKENS = 16
+LONG = 400  # tokens of a completion that is cut short (max-model-len 512)
+
+
+class Router:
+    """`unweight serve --role router --engine vllm` as a subprocess, its stderr to a file."""
+
+    def __init__(self, tmp, prefill: list[str], decode: list[str], *args: str):
+        self.port, self.log = free_port(), tmp / f"router-{len(list(tmp.glob('router-*.log')))}.log"
+        urls = [a for u in prefill for a in ("--prefill-url", u)] + [a for u in decode for a in ("--decode-url", u)]
+        cmd = [sys.executable, "-m", "unweight.cli.main", "serve", "--role", "router", "--engine", "vllm", *urls]
+        cmd += ["--served-model-name", NAME, "--api-key", KEY, "--port", str(self.port), *args]
+        self.file = open(self.log, "w")
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.file, start_new_session=True)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.http = httpx.Client(base_url=self.url, timeout=300, headers={"Authorization": f"Bearer {KEY}"})
+        deadline = time.monotonic() + 120
+        while True:
+            assert self.proc.poll() is None, self.log.read_text()
+            try:
+                self.http.get("/v1/models")
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, self.log.read_text()
+                time.sleep(0.3)
+
+    def health(self) -> httpx.Response:
+        return self.http.get("/health")
+
+    def metrics(self) -> str:
+        r = self.http.get("/metrics")
+        assert r.status_code == 200, r.text
+        return r.text
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=KEY, max_retries=0, timeout=300)
+
+    def stop(self) -> str:
+        """SIGTERM; the router must exit cleanly. Returns what it logged."""
+        self.http.close()
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(timeout=60)
+        self.file.close()
+        return self.log.read_text()
+
+
+def engine_metric(server, name: str, labels: str = "") -> float:
+    """The sum of a vLLM engine's series `name` whose labels hold `labels`."""
+    text = httpx.get(f"{server.url}/metrics", timeout=30).text
+    return sum(float(v) for lab, v in re.findall(rf"^{re.escape(name)}\{{(.*)\}} (\S+)$", text, re.M) if labels in lab)
+
+
+def router_metric(router: Router, name: str, labels: str = "") -> float:
+    text = router.metrics()
+    return sum(float(v) for lab, v in re.findall(rf"^{re.escape(name)}\{{(.*)\}} (\S+)$", text, re.M) if labels in lab)
+
+
+def wait_for(check, what: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.5)
+
+
+def prefilled(prefill) -> float:
+    """Requests the prefill engine has finished."""
+    return engine_metric(prefill, "vllm:request_success_total")
+
+
+@pytest.fixture(scope="module")
+def engines(smollm2_uw, tmp_path_factory):
+    with engine_pair(vllm_env(), smollm2_uw[0], tmp_path_factory.mktemp("vllm-router")) as pair:
+        yield pair
+
+
+@pytest.fixture(scope="module")
+def router(engines, tmp_path_factory):
+    prefill, decode, _ = engines
+    r = Router(tmp_path_factory.mktemp("router"), [prefill.url], [decode.url])
+    wait_for(lambda: r.health().status_code == 200, "the router did not see both engines")
+    yield r
+    log = r.stop()
+    assert "Traceback" not in log, log
+
+
+@pytest.fixture(scope="module")
+def client(router):
+    with router.client() as c:
+        yield c
+
+
+def direct(server, path: str, body: dict, status: int = 200) -> dict:
+    """An engine's answer to `body`, asked directly (with its own model id)."""
+    r = httpx.post(f"{server.url}{path}", json={**body, "model": server.model}, timeout=300)
+    assert r.status_code == status, r.text
+    return r.json()
+
+
+GREEDY = {"prompt": PROMPT, "max_tokens": NEW_TOKENS, "temperature": 0}
+
+
+def test_completions_equal_the_decode_engine_alone(engines, client):
+    prefill, decode, _ = engines
+    before = prefilled(prefill)
+    r = client.completions.create(model=NAME, **GREEDY, extra_body={"return_token_ids": True})
+    base = direct(decode, "/v1/completions", {**GREEDY, "return_token_ids": True})["choices"][0]
+    got = r.model_dump()
+    assert got["model"] == NAME
+    assert got["choices"][0]["token_ids"] == base["token_ids"], (r.choices[0].text, base["text"])
+    assert r.choices[0].text == base["text"]
+    chunks = list(client.completions.create(model=NAME, **GREEDY, stream=True))
+    assert {c.model for c in chunks} == {NAME}
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == base["text"]
+    assert prefilled(prefill) == before + 2  # each went through the prefill engine
+
+
+def test_chat_streamed_and_not_equals_the_decode_engine_alone(engines, client):
+    _, decode, _ = engines
+    base = direct(decode, "/v1/chat/completions", {"messages": CHAT, "max_tokens": NEW_TOKENS, "temperature": 0})
+    want = base["choices"][0]["message"]["content"]
+    r = client.chat.completions.create(model=NAME, messages=CHAT, max_tokens=NEW_TOKENS, temperature=0)
+    assert r.model == NAME and r.choices[0].message.content == want, (r.choices[0].message.content, want)
+    assert r.usage.completion_tokens == base["usage"]["completion_tokens"]
+    chunks = list(
+        client.chat.completions.create(
+            model=NAME,
+            messages=CHAT,
+            max_completion_tokens=NEW_TOKENS,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert {c.model for c in chunks} == {NAME}
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    assert chunks[-1].usage.completion_tokens == base["usage"]["completion_tokens"]  # the usage chunk, last
+
+
+def test_logprobs_pass_through(engines, client):
+    _, decode, _ = engines
+    base = direct(decode, "/v1/completions", {**GREEDY, "logprobs": 2})["choices"][0]["logprobs"]
+    got = client.completions.create(model=NAME, **GREEDY, logprobs=2).choices[0].logprobs
+    assert got.tokens == base["tokens"]
+    assert got.token_logprobs == pytest.approx(base["token_logprobs"], abs=1e-3)
+    for mine, theirs in zip(got.top_logprobs, base["top_logprobs"]):
+        assert mine.keys() == theirs.keys() and list(mine.values()) == pytest.approx(list(theirs.values()), abs=1e-3)
+    body = {"messages": CHAT, "max_tokens": NEW_TOKENS, "temperature": 0, "logprobs": True, "top_logprobs": 2}
+    want = [e["token"] for e in direct(decode, "/v1/chat/completions", body)["choices"][0]["logprobs"]["content"]]
+    entries = []
+    for c in client.chat.completions.create(model=NAME, **body, stream=True):
+        if c.choices and c.choices[0].logprobs is not None:
+            entries += c.choices[0].logprobs.content
+    assert [e.token for e in entries] == want
+    assert all(len(e.top_logprobs) == 2 for e in entries)
+
+
+def test_n_choices_come_back(engines, client):
+    _, decode, _ = engines
+    want = direct(decode, "/v1/completions", GREEDY)["choices"][0]["text"]
+    # vLLM refuses n > 1 when greedy (temperature below 1e-5); it raises 1e-4 to 0.01, seeded here
+    r = client.completions.create(model=NAME, **{**GREEDY, "temperature": 1e-4}, n=2, seed=1)
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    assert [c.text for c in r.choices] == [want, want]
+
+
+def test_the_api_key_guards_every_endpoint(router):
+    for method, path in (
+        ("POST", "/v1/completions"),
+        ("POST", "/v1/chat/completions"),
+        ("GET", "/v1/models"),
+        ("GET", f"/v1/models/{NAME}"),
+        ("GET", "/health"),
+        ("GET", "/metrics"),
+    ):
+        for auth in ({}, {"Authorization": "Bearer wrong"}):
+            r = httpx.request(method, f"{router.url}{path}", headers=auth, json={"model": NAME, "prompt": PROMPT})
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (path, r.text)
+    with openai.OpenAI(base_url=f"{router.url}/v1", api_key="wrong", max_retries=0) as c:
+        with pytest.raises(openai.AuthenticationError):
+            c.completions.create(model=NAME, **GREEDY)
+
+
+def test_models_and_an_unknown_model(router, client):
+    assert [m.id for m in client.models.list()] == [NAME]
+    assert client.models.retrieve(NAME).id == NAME
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("other")
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="other", **GREEDY)
+    assert e.value.body["code"] == "model_not_found"
+    r = router.http.post("/v1/chat/completions", json={"model": "other", "messages": CHAT})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
+
+
+def test_an_engines_4xx_passes_through_as_it_is(engines, router, client):
+    _, decode, _ = engines
+    bad = {**GREEDY, "temperature": -1}
+    r = router.http.post("/v1/completions", json={**bad, "model": NAME})
+    assert r.status_code == 400 and r.json() == direct(decode, "/v1/completions", bad, status=400), r.text
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=NAME, messages=CHAT, temperature=-1)
+    assert "temperature" in str(e.value)
+    r = router.http.post("/v1/completions", json={"model": NAME, "prompt": [PROMPT, PROMPT]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text  # one hand-off per request
+
+
+def test_health_and_metrics(engines, router, client):
+    prefill, decode, _ = engines
+    h = router.health()
+    assert h.status_code == 200, h.text
+    got = {(e["role"], e["url"]): (e["up"], e["model"]) for e in h.json()["engines"]}
+    assert got == {("prefill", prefill.url): (True, prefill.model), ("decode", decode.url): (True, decode.model)}
+    ttft = router_metric(router, "vllm:time_to_first_token_seconds_count")
+    list(client.completions.create(model=NAME, **GREEDY, stream=True))
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="other", **GREEDY)
+    assert router_metric(router, "vllm:time_to_first_token_seconds_count") == ttft + 1
+    assert router_metric(router, "http_requests_total", 'handler="/v1/completions",method="POST"') >= 2
+    assert router_metric(router, "unweight:router_errors_total", 'code="model_not_found"') >= 1
+    for role, url in (("prefill", prefill.url), ("decode", decode.url)):
+        labels = f'engine="{url}",model_name="{NAME}",role="{role}"'
+        assert router_metric(router, "unweight:engine_requests_total", labels) >= 1
+        assert router_metric(router, "unweight:engine_requests_in_flight", labels) == 0
+        assert router_metric(router, "unweight:engine_up", labels) == 1
+
+
+def test_a_client_that_hangs_up_aborts_the_engines_request(engines, router):
+    """Streamed: closed after the first event; not streamed: the socket closed while the decode
+    engine runs it. Either way the decode engine stops well before the LONG tokens asked."""
+    _, decode, _ = engines
+    body = {"model": NAME, **GREEDY, "max_tokens": LONG, "ignore_eos": True}
+    made = engine_metric(decode, "vllm:generation_tokens_total")
+    with router.http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        next(line for line in r.iter_lines() if line.startswith("data: {"))
+    idle = lambda: engine_metric(decode, "vllm:num_requests_running") == 0  # noqa: E731
+    wait_for(idle, "the decode engine still runs the stream's request")
+    assert engine_metric(decode, "vllm:generation_tokens_total") - made < LONG
+    made = engine_metric(decode, "vllm:generation_tokens_total")
+    data = json.dumps(body).encode()
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+    head += f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", router.port)) as s:
+        s.sendall(head.encode() + data)
+        wait_for(lambda: engine_metric(decode, "vllm:num_requests_running") == 1, "the decode engine never ran it")
+    wait_for(idle, "the decode engine still runs the hung-up request")
+    assert engine_metric(decode, "vllm:generation_tokens_total") - made < LONG
+    wait_for(lambda: router_metric(router, "unweight:router_requests_in_flight") == 0, "the router still holds it")
+
+
+def test_an_engine_that_cannot_be_reached_is_skipped_or_named(engines, tmp_path_factory):
+    prefill, decode, _ = engines
+    tmp, dead = tmp_path_factory.mktemp("routers"), f"http://127.0.0.1:{free_port()}"
+    r = Router(tmp, [prefill.url], [dead, decode.url])
+    try:
+        h = r.health()
+        assert h.status_code == 200, h.text
+        assert {e["url"]: e["up"] for e in h.json()["engines"]}[dead] is False
+        with r.client() as c:
+            text = c.completions.create(model=NAME, **GREEDY).choices[0].text
+        assert text == direct(decode, "/v1/completions", GREEDY)["choices"][0]["text"]
+    finally:
+        assert "Traceback" not in r.stop()
+    r = Router(tmp, [prefill.url], [dead])
+    try:
+        before = prefilled(prefill)
+        a = r.http.post("/v1/completions", json={"model": NAME, **GREEDY})
+        assert a.status_code == 503 and a.json()["error"]["code"] == "engine_unavailable", a.text
+        assert dead in a.json()["error"]["message"] and a.headers["retry-after"]
+        assert prefilled(prefill) == before  # no prefill for a decode engine that is not there
+        h = r.health()
+        assert h.status_code == 503 and h.json()["missing"] == ["decode"], h.text
+        assert "decode" in h.json()["message"] and dead in h.json()["message"]
+    finally:
+        assert "Traceback" not in r.stop()
+
+
+def test_a_prefill_engine_without_the_connector_is_named(engines, uw, tmp_path_factory):
+    """`unweight serve` itself stands for an OpenAI server without a KV connector: it answers the
+    prefill request, but no kv_transfer_params."""
+    from test_serve import Server
+
+    _, decode, _ = engines
+    plain = Server(str(uw), "--no-disagg", "--max-model-len", "512")
+    r = Router(tmp_path_factory.mktemp("routers"), [plain.url], [decode.url])
+    try:
+        a = r.http.post("/v1/completions", json={"model": NAME, **GREEDY})
+        assert a.status_code == 502, a.text
+        err = a.json()["error"]
+        assert err["code"] == "kv_transfer_params_missing" and plain.url in err["message"], err
+        assert "kv_transfer_params" in err["message"] and "kv_producer" in err["message"]
+    finally:
+        log = r.stop()
+        plain.stop()
+    assert "Traceback" not in log
+
+
+def test_serve_engine_vllm_refuses_what_it_cannot_use():
+    run = [sys.executable, "-m", "unweight.cli.main", "serve"]
+    for args, fragment in (
+        (["--engine", "vllm", "--prefill-url", "http://a:1", "--decode-url", "http://b:2"], "--role router"),
+        (["--engine", "vllm", "--role", "router", "--decode-url", "http://b:2"], "--prefill-url"),
+        (["--engine", "vllm", "--role", "router", "--prefill-url", "a:1", "--decode-url", "http://b:2"], "'a:1'"),
+        (["--engine", "vllm", "--role", "router", "--prefill-url", "http://a:1", "--decode-url", "http://b:2"],
+         "--served-model-name"),
+        (["--engine", "vllm", "--role", "router", "--prefill-url", "http://a:1", "--decode-url", "http://b:2",
+          "--served-model-name", "m", "--max-batch", "4"], "--max-batch"),
+        (["./m", "--engine", "vllm", "--role", "router"], "no MODEL"),
+        (["--prefill-url", "http://a:1", "./m"], "--engine vllm"),
+        ([], "MODEL"),
+    ):  # fmt: skip
+        r = subprocess.run([*run, *args], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 1 and fragment in r.stderr and r.stderr.count("\n") == 1, (args, r.stderr)
+
+
+def test_zz_the_decode_engine_killed_mid_stream(engines, router, client):
+    """Last in the module: the decode engine is gone after it."""
+    _, decode, _ = engines
+    stream = client.completions.create(
+        model=NAME, **{**GREEDY, "max_tokens": LONG}, stream=True, extra_body={"ignore_eos": True}
+    )
+    chunks = iter(stream)
+    next(chunks)
+    procs = [psutil.Process(decode.proc.pid), *psutil.Process(decode.proc.pid).children(recursive=True)]
+    for p in procs:
+        p.kill()
+    psutil.wait_procs(procs, timeout=60)
+    with pytest.raises(openai.APIError) as e:
+        for _ in chunks:
+            pass
+    assert "decode engine" in str(e.value) and "failed mid-request" in str(e.value), e.value
+    a = router.http.post("/v1/completions", json={"model": NAME, **GREEDY}, timeout=60)
+    assert a.status_code == 503 and a.json()["error"]["code"] in ("engine_unavailable", "engine_failed"), a.text
+    h = router.http.get("/health", timeout=60)
+    assert h.status_code == 503 and h.json()["missing"] == ["decode"], h.text
+    assert router.http.get("/v1/models").status_code == 200
