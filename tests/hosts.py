@@ -4,10 +4,25 @@ not ship it."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import re
 import subprocess
+import threading
+
+CLONE_NEWNET = 0x40000000
+
+
+def _setns(ns: str | int) -> None:
+    """setns(2) of the calling thread into a network namespace: a path under /run/netns, or an fd."""
+    fd = os.open(ns, os.O_RDONLY) if isinstance(ns, str) else ns
+    try:
+        if ctypes.CDLL(None, use_errno=True).setns(fd, CLONE_NEWNET):
+            raise OSError(ctypes.get_errno(), f"setns into {ns}")
+    finally:
+        if isinstance(ns, str):
+            os.close(fd)
 
 
 def _sh(*cmd: str) -> None:
@@ -101,6 +116,41 @@ class Hosts:
             elif peer is not None and (m := re.search(r"bytes_received:(\d+)", line)):
                 got[peer] = got.get(peer, 0) + int(m.group(1))
         return got
+
+    def enter(self, role: str):
+        """Move the calling thread into `role`'s network namespace (a namespace is a thread's own):
+        every socket it opens from now on, and every process it starts, is on that host. Returns
+        the function that moves it back."""
+        back = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+        _setns(f"/run/netns/{self.ns[role]}")
+
+        def leave() -> None:
+            try:
+                _setns(back)
+            finally:
+                os.close(back)
+
+        return leave
+
+    def call(self, role: str, fn, *args, **kw):
+        """fn(*args, **kw) as code on `role`'s host: run on a thread of this process that entered the
+        host's network namespace, so every socket it opens is there. Returns what fn returns;
+        raises what it raises."""
+        out: dict = {}
+
+        def inside() -> None:
+            try:
+                self.enter(role)
+                out["value"] = fn(*args, **kw)
+            except BaseException as e:  # noqa: BLE001 (handed to the caller's thread)
+                out["error"] = e
+
+        t = threading.Thread(target=inside, name=f"on-{role}")
+        t.start()
+        t.join()
+        if "error" in out:
+            raise out["error"]
+        return out["value"]
 
     def run(self, role: str, *cmd: str, **kw) -> subprocess.Popen:
         return subprocess.Popen(["ip", "netns", "exec", self.ns[role], *cmd], start_new_session=True, **kw)

@@ -97,7 +97,7 @@ ASK = {"request_id": "r1", "blocks": [5, 2, 6], "first_block": 0, "tokens": 75, 
 
 def pull(addr, key=KEY, dtype=torch.bfloat16, ask=ASK, lay=None):
     mine = caches(dtype, fill=3.0)
-    sent, received = side_channel.pull(addr, key, ask, lay or layout(dtype), mine, [1, 7, 0], timeout=10)
+    sent, received = side_channel.pull(addr, key, ask, lay or layout(dtype), mine, [1, 7, 0], timeout=120)
     return mine, sent + received
 
 
@@ -257,3 +257,13 @@ def test_a_layout_must_give_each_token_its_elements():
     token_of[0] = 1
     with pytest.raises(ValueError, match="does not give each"):
         side_channel.Layout(LAYERS, HEADS, DIM, torch.bfloat16, SIZE, token_of)
+
+
+def test_a_client_may_ask_for_raw_frames(server):
+    """`"compress": false` (kv_compression "off", for a link faster than the codec): raw frames, as exact."""
+    s = server()
+    mine, raw_bytes = pull(s.addr, ask=ASK | {"compress": False})
+    assert_pulled(s.caches, mine, s.layout)
+    _, coded_bytes = pull(s.addr)
+    payload = LAYERS * 2 * 75 * HEADS * DIM * 2
+    assert coded_bytes < payload < raw_bytes

@@ -1,7 +1,9 @@
 """`unweight serve --role router --engine vllm` (runtime/serve/vllm_router.py) in front of two real
 `vllm serve` engines with UnweightConnector (tests/vllm_serve.py: a prefill engine and a decode engine on
-the compressed SmolLM2, prefix caching off), the router a subprocess of the real CLI, driven by the
-official `openai` client and raw HTTP.
+the compressed SmolLM2 in BF16, prefix caching off, one secret file), across hosts that are really
+separate: each engine in a network namespace of its own, the router and this module's code in a third
+(tests/hosts.py). The router is a subprocess of the real CLI, driven by the official `openai` client
+and raw HTTP.
 
 - Greedy completions and chats through the router, streamed and not, give the token ids and text the
   decode engine gives asked directly (computing the prompt itself); the prefill engine served each one;
@@ -11,10 +13,13 @@ official `openai` client and raw HTTP.
 - An engine that cannot be reached is skipped for another of its role; with none of a role left,
   requests get 503 before any prefill runs and /health names the role; a prefill engine without
   the producer's half of the connector is an error naming kv_transfer_params.
+- The KV crosses sealed, exactly the prompt's tokens, and every byte the decode host's interface
+  received for a 1,000-token prompt is at most 0.72x the prompt's raw BF16 KV.
 - Last: the decode engine killed mid-stream: the stream ends with an error event, the router then
   answers 503 and /health 503 naming the decode role.
 
-The two engines start once for the module (a minute or more each here).
+The two engines start once for the module (a minute or more each here). Needs root (CAP_NET_ADMIN and
+CAP_SYS_ADMIN), as CI runs: without it the module fails saying so.
 """
 
 from __future__ import annotations
@@ -31,9 +36,10 @@ import httpx
 import openai
 import psutil
 import pytest
-from vllm_serve import engine_pair, free_port
+from vllm_serve import PREFILL_PARAMS, engine_pair, free_port
 
 from envs import vllm_env
+from hosts import Hosts
 
 pytestmark = pytest.mark.slow
 
@@ -42,7 +48,10 @@ NAME = "uw"
 PROMPT = "The capital of France is"
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 NEW_TOKENS = 16
-LONG = 400  # tokens of a completion that is cut short (max-model-len 512)
+LONG = 400  # tokens of a completion that is cut short
+DOCUMENT = "Summarize the following text. " + " ".join(
+    f"Item {i}: the quick brown fox jumps over the lazy dog number {i}." for i in range(52)
+)
 
 
 class Router:
@@ -111,8 +120,34 @@ def prefilled(prefill) -> float:
 
 
 @pytest.fixture(scope="module")
-def engines(smollm2_uw, tmp_path_factory):
-    with engine_pair(vllm_env(), smollm2_uw[0], tmp_path_factory.mktemp("vllm-router")) as pair:
+def net():
+    """Three hosts: the prefill engine's, the decode engine's, and the client's, where this module's
+    test code runs (the pytest thread moves into its network namespace for the module, so the
+    router and the plain server it starts run there too)."""
+    python = vllm_env()  # built (or checked) before the client's host, which reaches no package index
+    try:
+        hosts = Hosts(("prefill", "decode", "client"))
+    except (RuntimeError, FileNotFoundError) as e:
+        pytest.fail(f"cannot make network namespaces here (needs root and iproute2): {e}")
+    leave = hosts.enter("client")
+    try:
+        yield hosts, python
+    finally:
+        leave()
+        hosts.close()
+
+
+@pytest.fixture(scope="module")
+def engines(net, smollm2_uw, tmp_path_factory):
+    """The two engines on hosts of their own, BF16 (the KV the byte count compares with), one secret."""
+    hosts, python = net
+    tmp = tmp_path_factory.mktemp("vllm-router")
+    secret = tmp / "secret"
+    secret.write_text("r" * 48 + "\n")
+    secret.chmod(0o600)
+    extra = {"secret_file": str(secret)}
+    args = ["--dtype", "bfloat16", "--max-model-len", "2048"]
+    with engine_pair(python, smollm2_uw[0], tmp, hosts=hosts, extra_config=extra, args=args) as pair:
         yield pair
 
 
@@ -179,16 +214,26 @@ def test_chat_streamed_and_not_equals_the_decode_engine_alone(engines, client):
     assert chunks[-1].usage.completion_tokens == base["usage"]["completion_tokens"]  # the usage chunk, last
 
 
+def handed_off(engines, path: str, body: dict) -> dict:
+    """The decode engine's answer to `body` after the test itself hands the prompt's KV over (the
+    prefill engine asked with max_tokens 1 and NixlConnector's parameters): what the router's answer
+    must be, logprobs included. (Asked directly, without a hand-off, the decode engine computes the
+    last prompt token inside the prompt's batch, not alone: in BF16 its logprobs differ by up to 0.13.)"""
+    prefill, decode, _ = engines
+    asked = {k: v for k, v in body.items() if k not in ("logprobs", "top_logprobs")}
+    first = direct(prefill, path, {**asked, "max_tokens": 1, "kv_transfer_params": PREFILL_PARAMS})
+    return direct(decode, path, {**body, "kv_transfer_params": first["kv_transfer_params"]})
+
+
 def test_logprobs_pass_through(engines, client):
-    _, decode, _ = engines
-    base = direct(decode, "/v1/completions", {**GREEDY, "logprobs": 2})["choices"][0]["logprobs"]
+    base = handed_off(engines, "/v1/completions", {**GREEDY, "logprobs": 2})["choices"][0]["logprobs"]
     got = client.completions.create(model=NAME, **GREEDY, logprobs=2).choices[0].logprobs
     assert got.tokens == base["tokens"]
-    assert got.token_logprobs == pytest.approx(base["token_logprobs"], abs=1e-3)
+    assert got.token_logprobs == base["token_logprobs"]
     for mine, theirs in zip(got.top_logprobs, base["top_logprobs"]):
-        assert mine.keys() == theirs.keys() and list(mine.values()) == pytest.approx(list(theirs.values()), abs=1e-3)
+        assert mine == theirs
     body = {"messages": CHAT, "max_tokens": NEW_TOKENS, "temperature": 0, "logprobs": True, "top_logprobs": 2}
-    want = [e["token"] for e in direct(decode, "/v1/chat/completions", body)["choices"][0]["logprobs"]["content"]]
+    want = [e["token"] for e in handed_off(engines, "/v1/chat/completions", body)["choices"][0]["logprobs"]["content"]]
     entries = []
     for c in client.chat.completions.create(model=NAME, **body, stream=True):
         if c.choices and c.choices[0].logprobs is not None:
@@ -354,6 +399,32 @@ def test_serve_engine_vllm_refuses_what_it_cannot_use():
     ):  # fmt: skip
         r = subprocess.run([*run, *args], capture_output=True, text=True, timeout=120)
         assert r.returncode == 1 and fragment in r.stderr and r.stderr.count("\n") == 1, (args, r.stderr)
+
+
+def test_the_kv_crosses_sealed_in_under_072x_its_bf16_bytes(net, engines, client, smollm2_uw):
+    """Every byte the decode host's interface received while it served a 1,000-token prompt (the
+    frames, their headers, the proofs, the router's request, TCP/IP and Ethernet headers as the
+    kernel counted them, acknowledgements) is at most 0.72x the prompt's raw BF16 KV cache, and the
+    decode engine logged one sealed pull of exactly the prompt's tokens."""
+    hosts, _ = net
+    _, decode, _ = engines
+    before = hosts.counters("decode")
+    r = client.completions.create(model=NAME, prompt=DOCUMENT, max_tokens=1, temperature=0)
+    after = hosts.counters("decode")
+    tokens = r.usage.prompt_tokens
+    config = json.loads((smollm2_uw[0] / "config.json").read_text())
+    kv_heads, dim = config["num_key_value_heads"], config["hidden_size"] // config["num_attention_heads"]
+    raw = tokens * config["num_hidden_layers"] * 2 * kv_heads * dim * 2
+    pulled = re.findall(r"pulled (\d+) tokens .* (\d+) bytes on the wire, (\d+) raw, sealed", decode.text())
+    assert pulled and int(pulled[-1][0]) == tokens and int(pulled[-1][2]) == raw, (pulled[-1:], tokens, raw)
+    received = after["rx_bytes"] - before["rx_bytes"]
+    print(
+        f"decode host received {received:,} bytes in {after['rx_packets'] - before['rx_packets']:,} packets for a "
+        f"{tokens}-token prompt whose BF16 KV is {raw:,} ({received / raw:.4f}x; the side channel's own bytes "
+        f"{int(pulled[-1][1]):,}, {int(pulled[-1][1]) / raw:.4f}x)"
+    )
+    assert tokens > 900 and after["tcp_retrans_segs"] == before["tcp_retrans_segs"]
+    assert received <= 0.72 * raw, (received, raw)
 
 
 def test_zz_the_decode_engine_killed_mid_stream(engines, router, client):

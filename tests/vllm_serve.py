@@ -124,15 +124,20 @@ class Server:
 
 
 @contextlib.contextmanager
-def engine_pair(python: Path, model: Path, tmp: Path, **kwargs):
+def engine_pair(python: Path, model: Path, tmp: Path, hosts=None, **kwargs):
     """A prefill and a decode engine on `model`, started together (each start takes a minute or more
-    here): yields (prefill, decode, the prefill connector's side-channel port). `kwargs` go to both
-    Servers."""
+    here): yields (prefill, decode, the prefill connector's side-channel port). With `hosts`
+    (tests/hosts.py, roles "prefill" and "decode"), each engine runs on its own host. `kwargs` go to
+    both Servers."""
     side = free_port()
     servers = []
+
+    def where(role: str) -> dict:
+        return {"host": hosts.addr[role], "prefix": ["ip", "netns", "exec", hosts.ns[role]]} if hosts else {}
+
     try:
-        servers.append(Server(python, model, tmp / "prefill.log", "kv_producer", side, **kwargs))
-        servers.append(Server(python, model, tmp / "decode.log", "kv_consumer", free_port(), **kwargs))
+        for role, kv_role, port in (("prefill", "kv_producer", side), ("decode", "kv_consumer", free_port())):
+            servers.append(Server(python, model, tmp / f"{role}.log", kv_role, port, **where(role), **kwargs))
         for s in servers:
             s.wait_ready()
         yield servers[0], servers[1], side

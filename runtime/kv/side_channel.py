@@ -7,7 +7,7 @@ A connection, in order (every message is 4 bytes of length, then its bytes):
     client  hello       {"version", "nonce"}: a fresh nonce, or null when it holds no secret
     server  hello       {"nonce", "proof"}: its own nonce and its proof of the secret; or a refusal
     client  proof       its proof of the secret (only when both hold one)
-    client  ask         which request, which of its blocks, how many tokens, and the cache's geometry
+    client  ask         which request, which of its blocks, how many tokens, coded or raw, the cache's geometry
     server  answer      {"ok": true} or {"ok": false, "error"}
     server  header      runtime/kv/wire.py's header: dtype, (layers, 2, tokens, kv_heads, head_dim), salt
     server  frame i     layer i's tokens, coded (wire.encode_layer), i = 0 .. layers-1
@@ -252,7 +252,8 @@ def pull(
     blocks: list[int],
     timeout: float = IO_TIMEOUT_S,
 ) -> tuple[int, int]:
-    """The client's pull: `ask` (request_id, blocks: the remote ids, first_block, tokens, release)
+    """The client's pull: `ask` (request_id, blocks: the remote ids, first_block, tokens, release,
+    compress: whether the frames are coded, where that makes them smaller)
     answered, and unless it releases, the frames written into `blocks` of `caches`. Returns (bytes
     sent, bytes received). Refused, PermissionError, wire.WireError or OSError if anything is not
     as asked."""
@@ -289,7 +290,6 @@ def serve(
     check: Callable[[dict], str | None],
     layout: Layout,
     caches: list[torch.Tensor],
-    compress: bool = True,
 ) -> dict:
     """The server's answer to one connection: the proofs, the ask, `check(ask)` (None: the request
     holds those blocks; else why not), and the frames. Returns the ask once the client acknowledged
@@ -312,7 +312,7 @@ def serve(
     ch.send_raw(header)
     sealer = wire.Sealer(ch.session, header) if ch.session else None
     for i, cache in enumerate(caches):
-        frame = wire.encode_layer(layout.gather(cache, blocks, tokens), compress)
+        frame = wire.encode_layer(layout.gather(cache, blocks, tokens), bool(ask.get("compress", True)))
         ch.send_raw(sealer.seal(i, frame) if sealer else wire.add_check(i, frame))
     if ch.recv(b"ack", len(ACK)) != ACK:
         raise Refused("the decode engine's acknowledgement is not one")
