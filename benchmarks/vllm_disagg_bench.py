@@ -7,7 +7,10 @@ with veth links to a bridge):
 
   agg       one `vllm serve` (no connector) on the decode host; the client on its own host
   unweight  a prefill engine (kv_producer) and a decode engine (kv_consumer) with UnweightConnector,
-            sealed (secret_file), behind `unweight serve --role router --engine vllm`
+            sealed (secret_file), KV coded (kv_compression on), behind `unweight serve --role router
+            --engine vllm`
+  unweight-raw  the same with raw frames (kv_compression off: for a link faster than the codec); not
+            in the default --setups
   nixl      the same pair with vLLM's NixlConnector ("kv_buffer_device": "cpu", kv_both), behind the same
             router; NIXL (nixl + nixl-cu12 from PyPI, installed --no-deps into a folder of their own in the
             cache and put on the nixl engines' PYTHONPATH, never into the shared vLLM virtualenv) moves the KV
@@ -21,7 +24,8 @@ with veth links to a bridge):
 
 Each engine's OpenMP threads are bound (VLLM_CPU_OMP_THREADS_BIND) to --cores: a disaggregated pair splits
 them in halves (prefill the first), the aggregated engine takes all of them (vLLM's automatic binding would
-put two engines of one host on the same cores, and with a connector on 2 cores reserve them all).
+put two engines of one host on the same cores, and with a connector on 2 cores reserve them all), and
+NUMBA_NUM_THREADS is set to as many (threads_env says why).
 
 Measured per set-up start (one round starts each set-up once; the order alternates round by round; the
 same prompts in every set-up of a round):
@@ -61,7 +65,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))  # test support: network namespaces, the vLLM environment
 
-SETUPS = ("agg", "unweight", "nixl", "example")
+SETUPS = ("agg", "unweight", "unweight-raw", "nixl", "example")
+DEFAULT_SETUPS = ("agg", "unweight", "nixl", "example")
 ROLES = ("router", "prefill", "decode", "client")
 SERVED = "uw"  # the model name every front answers to (goodput_bench's client asks for it)
 ENGINE_PORT, FRONT_PORT, SIDE_PORT = 8100, 8000, 5600
@@ -71,7 +76,8 @@ DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 PULLED = re.compile(r"UnweightConnector: pulled (\d+) tokens of request \S+ in \d+ blocks \(\d+ layers, (\d+) bytes")
 NOTES = {
     "agg": "one engine, all --cores; the client asks it directly",
-    "unweight": "UnweightConnector, sealed, behind `unweight serve --role router --engine vllm`",
+    "unweight": "UnweightConnector, sealed, coded, behind `unweight serve --role router --engine vllm`",
+    "unweight-raw": "UnweightConnector, sealed, raw frames (kv_compression off), behind the same router",
     "nixl": "NixlConnector, kv_buffer_device cpu, UCX over TCP (UCX_TLS=tcp), behind the same router",
     "example": "ExampleConnector: the KV goes through the shared filesystem, NOT the shaped link; whole "
     "blocks of the prompt but its last token (the decode engine computes the rest); behind this file's proxy",
@@ -129,10 +135,11 @@ def engine_command(python: Path, model: Path, host: str, args, kv: dict | None) 
 def connector(setup: str, role: str, host: str, run_dir: Path, nixl: Path | None) -> tuple[dict, dict]:
     """The --kv-transfer-config of `role`'s engine in `setup`, and the environment it adds."""
     kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
-    if setup == "unweight":
+    if setup in ("unweight", "unweight-raw"):
         from vllm_serve import CONNECTOR
 
         extra = {"secret_file": str(run_dir / "secret"), "host": host, "port": SIDE_PORT, "kv_lease_duration": 600}
+        extra["kv_compression"] = "off" if setup == "unweight-raw" else "on"
         kv = {"kv_connector": "UnweightConnector", "kv_connector_module_path": CONNECTOR, "kv_role": kv_role}
         return kv | {"kv_connector_extra_config": extra}, {}
     if setup == "nixl":
@@ -267,7 +274,7 @@ class Run:
 
     def pulled(self) -> list[tuple[int, int]]:
         """(tokens, side-channel bytes) of each pull the unweight decode engine logged so far."""
-        if self.setup != "unweight":
+        if not self.setup.startswith("unweight"):
             return []
         return [(int(a), int(b)) for a, b in PULLED.findall(self.log("decode").read_text(errors="replace"))]
 
@@ -373,7 +380,9 @@ def measure_ttft(run: Run, args, rnd: int, per_token: int) -> list[dict]:
             got = ttft_request(run, args, seed=10_000 * rnd + 100 * li + i)  # the same prompts in every set-up
             after = {r: run.hosts.counters(r) for r in ("prefill", "decode")}
             pulls = run.pulled()[seen:]
-            for _ in range(20 if run.setup == "unweight" and not pulls else 0):  # the worker's log line, flushed
+            for _ in range(
+                20 if run.setup.startswith("unweight") and not pulls else 0
+            ):  # the worker's log line, flushed
                 time.sleep(0.1)
                 pulls = run.pulled()[seen:]
             d = {k: after["decode"][k] - before["decode"][k] for k in after["decode"]}
@@ -449,9 +458,7 @@ def one_run(setup: str, rnd: int, hosts, model: Path, args, tmp: Path, nixl: Pat
         record["start_s"] = time.monotonic() - t0
         try:  # warm-up: an engine's first request pays for more than its prompt
             ttft_request(run, args, seed=-1 - rnd)
-        except SetupFailed as e:
-            # the first pull compiles the KV codec's decoder in the decode worker (numba, for this CPU and
-            # its cache); on a busy machine that outlasts the prefill side channel's 30 s I/O timeout
+        except SetupFailed as e:  # once more, the error kept (a first pull timed out on a loaded machine)
             record["warmup_error"] = e.error + engine_errors(run)
             print(f"  {setup}: the warm-up request failed, once more: {record['warmup_error']}", flush=True)
             ttft_request(run, args, seed=-1001 - rnd)
@@ -618,7 +625,7 @@ def proxy(prefill: str, decode: str, host: str, port: int) -> None:
 
 def options() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--setups", default=",".join(SETUPS), help=f"of {','.join(SETUPS)}")
+    ap.add_argument("--setups", default=",".join(DEFAULT_SETUPS), help=f"of {','.join(SETUPS)}")
     ap.add_argument("--link-rates", default="1gbit,10gbit", help="tc tbf rates of the TTFT and bytes cells")
     ap.add_argument("--prompt-tokens", type=int, default=2000, help="the TTFT requests' prompt")
     ap.add_argument("--requests", type=int, default=3, help="TTFT requests a link rate a round")
