@@ -401,7 +401,12 @@ def test_vllms_openai_server_answers_the_openai_client(vllm_python, smollm2_uw, 
     cmd = [str(vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(uw), "--host", "127.0.0.1"]
     cmd += ["--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", "512"]
     cmd += ["--gpu-memory-utilization", "0.2"]  # on the CPU: the share of RAM the worker takes
-    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    # the worker's OpenMP threads on every core (vLLM's own binding reserves one of two here): with more
+    # than one, the plugin's numba once left the attention kernel one thread where it planned two, and
+    # the engine died on its first request
+    cores = sorted(os.sched_getaffinity(0))
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores))}
+    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=30)
         deadline = time.monotonic() + 600
