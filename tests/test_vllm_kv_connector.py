@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
 import time
 
 import pytest
@@ -167,3 +168,30 @@ def test_mla_latent_cache_moves_as_one_head(engines, smollm2_dir, tmp_path):
     layers = json.loads((uw / "config.json").read_text())["num_hidden_layers"]
     assert [raw for _, _, raw in done] == [t * layers * 576 * 4 for t, _, _ in done], done  # FP32 latents
     assert all(wire < raw for _, wire, raw in done), done
+
+
+WAITS = """
+import threading, time, types
+from unweight.runtime.vllm.kv_connector import Send, UnweightConnectorMetadata, _Worker
+w = _Worker(types.SimpleNamespace(block_size=16), None)
+out = {}
+ask = {"request_id": "r", "blocks": [3], "first_block": 0, "tokens": 5}
+t = threading.Thread(target=lambda: out.setdefault("early", w._check(ask)))
+t.start()
+time.sleep(1)
+w.start(UnweightConnectorMetadata(sends={"r": Send([3], 5, 60)}))
+t.join(30)
+w._free("r")
+print(repr(out.get("early")), repr(w._check(ask)))
+"""
+
+
+def test_a_pull_that_comes_before_the_engines_step_waits_for_it():
+    """vLLM answers a prefill's kv_transfer_params as the request finishes, but tells the worker it
+    holds the blocks at its next step, which may come after another prompt's whole forward: a pull
+    arriving in between waits for that step instead of being refused (2 of 5 overlapping requests
+    were, in a goodput run); once freed, a request is refused at once."""
+    r = subprocess.run([str(vllm_env()), "-c", WAITS], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    early, late = r.stdout.strip().splitlines()[-1].split(" ", 1)
+    assert early == "None" and "no request r held here" in late, r.stdout

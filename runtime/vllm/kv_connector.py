@@ -85,6 +85,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("vllm.unweight.kv_connector")  # under vLLM's logger: its handler, level and format
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+HELD_WAIT_S = 20.0  # under the side channel's 30 s timeouts
 PULLED_KEPT = 4096  # remote requests a decode engine remembers having pulled (for their sibling requests)
 
 
@@ -320,6 +321,8 @@ class _Worker:
         self.caches: list[torch.Tensor] = []
         self.lock = threading.Lock()
         self.held: dict[str, tuple[Send, float]] = {}  # request id -> (what, monotonic deadline)
+        self.arrived = threading.Condition(self.lock)  # notified when the engine's step hands over sends
+        self.gone: collections.OrderedDict[str, None] = collections.OrderedDict()  # ids held, then freed
         self.done_sending: set[str] = set()
         self.done_recving: set[str] = set()
         self.failed_recving: set[str] = set()
@@ -378,6 +381,8 @@ class _Worker:
         with self.lock:
             for rid, send in meta.sends.items():
                 self.held[rid] = (send, now + send.lease_s)
+            if meta.sends:
+                self.arrived.notify_all()
         for rid, recv in meta.recvs.items():
             threading.Thread(target=self._pull, args=(rid, recv), name=f"kv-pull-{rid}", daemon=True).start()
 
@@ -386,8 +391,7 @@ class _Worker:
         with self.lock:
             for rid in [r for r, (_, deadline) in self.held.items() if now >= deadline]:
                 log.warning("request %s: no decode engine pulled its KV within its lease; its blocks are freed", rid)
-                del self.held[rid]
-                self.done_sending.add(rid)
+                self._free(rid)
             out = KVConnectorTransferResults(self.done_sending, self.done_recving, self.failed_recving)
             self.done_sending, self.done_recving, self.failed_recving = set(), set(), set()
         return out
@@ -464,14 +468,30 @@ class _Worker:
                 return
         rid = str(ask["request_id"])
         with self.lock:  # acknowledged or released: the blocks go back to the engine
-            if self.held.pop(rid, None) is not None:
-                self.done_sending.add(rid)
+            if rid in self.held:
+                self._free(rid)
+
+    def _free(self, rid: str) -> None:
+        """The request's blocks go back to the engine (under the lock)."""
+        del self.held[rid]
+        self.done_sending.add(rid)
+        self.gone[rid] = None
+        while len(self.gone) > PULLED_KEPT:
+            self.gone.popitem(last=False)
 
     def _check(self, ask: dict) -> str | None:
-        """None if this engine holds what `ask` asks for (request, blocks, tokens), else why not."""
+        """None if this engine holds what `ask` asks for (request, blocks, tokens), else why not. A
+        request this engine has not been told of yet is waited for (HELD_WAIT_S at most): vLLM answers
+        a prefill's kv_transfer_params when it finishes, but hands its blocks to this worker at the
+        next step, which may come after another prompt's whole forward."""
         rid = str(ask.get("request_id"))
+        deadline = time.monotonic() + HELD_WAIT_S
         with self.lock:
-            held = self.held.get(rid)
+            while (held := self.held.get(rid)) is None and rid not in self.gone:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self.arrived.wait(left)
         if held is None:
             return f"no request {rid} held here (unknown, already pulled, or its lease ran out)"
         if ask.get("release"):
