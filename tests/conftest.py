@@ -22,11 +22,17 @@ os.environ.setdefault("UNWEIGHT_NO_WARMUP", "1")
 # unit of work, so its fixtures (servers, engines, compressed models) are made once, on one worker. Modules
 # are queued in collection order, but for these, the longest, which go first so that the other worker takes
 # the rest meanwhile: test_vllm.py's engines (a fifth of RAM a rank; at TP=2 its ranks bind both cores) on one
-# worker, test_device_run.py and then the engine pairs of test_vllm_kv_connector.py and test_vllm_router.py on
-# the other (last, their engines' starts made a tail of minutes with the first worker idle). (xdist's loadgroup,
-# which reads xdist_group marks, does not group under pytest 9: it renames `_nodeid`, which pytest 9 no longer
-# reads.)
-LONGEST_FIRST = ("test_vllm.py", "test_device_run.py", "test_vllm_kv_connector.py", "test_vllm_router.py")
+# worker, test_device_run.py and then the engines of test_vllm_kv_connector.py, test_vllm_router.py and
+# test_vllm_disagg_bench.py on the other (last, their engines' starts made a tail of minutes with the first
+# worker idle). (xdist's loadgroup, which reads xdist_group marks, does not group under pytest 9: it renames
+# `_nodeid`, which pytest 9 no longer reads.)
+LONGEST_FIRST = (
+    "test_vllm.py",
+    "test_device_run.py",
+    "test_vllm_kv_connector.py",
+    "test_vllm_router.py",
+    "test_vllm_disagg_bench.py",
+)
 
 
 def pytest_collection_modifyitems(config, items):
