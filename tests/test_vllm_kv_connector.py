@@ -172,14 +172,14 @@ def test_mla_latent_cache_moves_as_one_head(engines, smollm2_dir, tmp_path):
 
 WAITS = """
 import threading, time, types
-from unweight.runtime.vllm.kv_connector import Send, UnweightConnectorMetadata, _Worker
+from unweight.runtime.vllm.kv_connector import Send, _Worker
 w = _Worker(types.SimpleNamespace(block_size=16), None)
 out = {}
 ask = {"request_id": "r", "blocks": [3], "first_block": 0, "tokens": 5}
 t = threading.Thread(target=lambda: out.setdefault("early", w._check(ask)))
 t.start()
 time.sleep(1)
-w.start(UnweightConnectorMetadata(sends={"r": Send([3], 5, 60)}))
+w.hold({"r": Send([3], 5, 60)})
 t.join(30)
 w._free("r")
 print(repr(out.get("early")), repr(w._check(ask)))
@@ -195,3 +195,20 @@ def test_a_pull_that_comes_before_the_engines_step_waits_for_it():
     assert r.returncode == 0, r.stderr[-3000:]
     early, late = r.stdout.strip().splitlines()[-1].split(" ", 1)
     assert early == "None" and "no request r held here" in late, r.stdout
+
+
+def test_kv_transfer_params_that_no_prefill_engine_answers_are_refused_not_fatal(engines):
+    """kv_transfer_params come with the request, from whoever sends it: a decode request whose
+    parameters are not what a prefill engine answers (a port that is not a number, block ids that
+    are not a list, another TP size) is computed on the decode engine, with a WARNING, and the
+    engine goes on serving (a ValueError inside vLLM's scheduler would end the engine)."""
+    _, decode, _ = engines
+    prompt = PROMPTS[0]
+    base = decode.complete(prompt, 4)["choices"][0]["token_ids"]
+    good = {"do_remote_prefill": True, "remote_engine_id": "e", "remote_request_id": "cmpl-x", "remote_block_ids": [0]}
+    good |= {"remote_host": "127.0.0.1", "remote_port": 1, "remote_num_tokens": 5, "tp_size": 1}
+    for bad in ({"remote_port": "x"}, {"remote_block_ids": "nope"}, {"remote_num_tokens": -1}, {"tp_size": 2}):
+        out = decode.complete(prompt, 4, good | bad)
+        assert out["choices"][0]["token_ids"] == base, (bad, out)
+    refused = re.findall(r"WARNING .*(kv_transfer_params refused|pairs equal sizes only)", decode.text())
+    assert len(refused) == 4, decode.text()[-3000:]

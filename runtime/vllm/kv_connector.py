@@ -117,7 +117,43 @@ class UnweightConnectorMetadata(KVConnectorMetadata):
     recvs: dict[str, Recv] = field(default_factory=dict)
 
 
-REMOTE_KEYS = ("remote_engine_id", "remote_request_id", "remote_block_ids", "remote_host", "remote_port")
+@dataclass(frozen=True)
+class Remote:
+    """A decode request's kv_transfer_params, as a prefill engine's connector answers them."""
+
+    request_id: str
+    host: str
+    port: int
+    block_ids: list[int]
+    tokens: int
+    tp: int
+
+    @classmethod
+    def of(cls, p: dict) -> Remote:
+        """KeyError, TypeError or ValueError naming what is missing or wrong."""
+        ids = _flat(p["remote_block_ids"])
+        port, tokens, tp = p["remote_port"], p.get("remote_num_tokens"), p.get("tp_size", 1)
+        checks = {
+            "remote_request_id": isinstance(p["remote_request_id"], str) and 0 < len(p["remote_request_id"]) <= 256,
+            "remote_host": isinstance(p["remote_host"], str) and 0 < len(p["remote_host"]) <= 255,
+            "remote_port": _int(port) and 0 < port < 65536,
+            "remote_block_ids": all(_int(b) and b >= 0 for b in ids),
+            "remote_num_tokens": _int(tokens) and 0 <= tokens <= (len(ids) + 1) * (1 << 16),
+            "tp_size": _int(tp) and tp >= 1,
+        }
+        bad = [k for k, ok in checks.items() if not ok]
+        if bad:
+            raise ValueError(f"{', '.join(bad)} not as a prefill engine answers them")
+        return cls(p["remote_request_id"], p["remote_host"], port, ids, tokens, tp)
+
+    def recv(self, first: int, local: list[int], tokens: int) -> Recv:
+        """The pull of `tokens` tokens from remote block `first` on into `local` (none: a release)."""
+        remote = self.block_ids[first : first + len(local)] if local else self.block_ids
+        return Recv(self.request_id, self.host, self.port, first, remote, local, tokens)
+
+
+def _int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 class UnweightConnector(KVConnectorBase_V1):
@@ -155,58 +191,64 @@ class UnweightConnector(KVConnectorBase_V1):
 
     # ---- scheduler side -------------------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def _remote(self, request: Request) -> Remote | None:
+        """The prefill a decode request's kv_transfer_params name, checked (they come with the request,
+        from whoever sent it); None, with a WARNING and the prompt computed here, if they are not what
+        a prefill engine's UnweightConnector answers, or it ran at another tensor-parallel size."""
         params = request.kv_transfer_params
-        if not (params and params.get("do_remote_prefill") and all(k in params for k in REMOTE_KEYS)):
-            return 0, False
-        if int(params.get("tp_size") or 1) != self.tp:
+        try:
+            remote = Remote.of(params)
+        except (KeyError, TypeError, ValueError) as e:
+            why = f"no {e}" if isinstance(e, KeyError) else str(e)
             log.warning(
-                "request %s: the prefill engine runs at tensor_parallel_size %s, this one at %d: UnweightConnector "
+                "request %s: kv_transfer_params refused (%s); the prompt is computed here", request.request_id, why
+            )
+            params["do_remote_prefill"] = False
+            return None
+        if remote.tp != self.tp:
+            log.warning(
+                "request %s: the prefill engine runs at tensor_parallel_size %d, this one at %d: UnweightConnector "
                 "pairs equal sizes only; the prompt is computed here",
                 request.request_id,
-                params.get("tp_size"),
+                remote.tp,
                 self.tp,
             )
             params["do_remote_prefill"] = False
+            return None
+        return remote
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        params = request.kv_transfer_params
+        if not (params and params.get("do_remote_prefill")):
             return 0, False
-        remote_rid = str(params["remote_request_id"])
+        remote = self._remote(request)
+        if remote is None:
+            return 0, False
+        remote_rid = remote.request_id
         if self._pulling.get(remote_rid, request.request_id) != request.request_id:
             return None, False  # a sibling (another of n choices) is pulling this prefill: ask again later
         if remote_rid in self._pulled:  # a sibling pulled it: the prompt is computed here (prefix-cache hits)
             params["do_remote_prefill"] = False
             return 0, False
-        remote = min(int(params.get("remote_num_tokens") or 0), len(request.prompt_token_ids or ()))
         self._matched[request.request_id] = num_computed_tokens
-        count = remote - num_computed_tokens
+        count = min(remote.tokens, len(request.prompt_token_ids or ())) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
         params = request.kv_transfer_params
         if not (params and params.get("do_remote_prefill")):
             return
+        remote = self._remote(request)
         params["do_remote_prefill"] = False  # one pull per request
-        if not all(k in params for k in REMOTE_KEYS):
-            log.warning("request %s: kv_transfer_params lack %s", request.request_id, REMOTE_KEYS)
+        if remote is None:
             return
         local_tokens = self._matched.pop(request.request_id, 0)
         first = local_tokens // self.block_size
         last = math.ceil((local_tokens + num_external_tokens) / self.block_size)
         local = list(blocks.get_block_ids()[0][first:last]) if num_external_tokens > 0 else []
-        self._recvs[request.request_id] = self._recv(params, first, local, num_external_tokens)
+        self._recvs[request.request_id] = remote.recv(first, local, num_external_tokens)
         if local:
-            self._pulling[str(params["remote_request_id"])] = request.request_id
-
-    def _recv(self, params: dict, first: int, local: list[int], tokens: int) -> Recv:
-        remote = [int(b) for b in _flat(params["remote_block_ids"])]
-        return Recv(
-            str(params["remote_request_id"]),
-            str(params["remote_host"]),
-            int(params["remote_port"]),
-            first,
-            remote[first : first + len(local)] if local else remote,
-            local,
-            tokens,
-        )
+            self._pulling[remote.request_id] = request.request_id
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = UnweightConnectorMetadata(sends=self._sends, recvs=self._recvs)
@@ -229,9 +271,10 @@ class UnweightConnector(KVConnectorBase_V1):
         if not params:
             return False, None
         if params.get("do_remote_prefill"):  # a decode request that ended before its pull: release the blocks
+            remote = self._remote(request)
             params["do_remote_prefill"] = False
-            if all(k in params for k in REMOTE_KEYS) and str(params["remote_request_id"]) not in self._pulled:
-                self._recvs[request.request_id] = self._recv(params, 0, [], 0)
+            if remote is not None and remote.request_id not in self._pulled:
+                self._recvs[request.request_id] = remote.recv(0, [], 0)
             return False, None
         if not params.get("do_remote_decode"):
             return False, None
@@ -258,10 +301,18 @@ class UnweightConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
         self._worker.register(kv_caches)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Before the step's forward: the prefills this step hands over are held (and servable) from
+        now, not from start_load_kv, which vLLM calls after the forward when no load is synchronous:
+        a pull would otherwise wait for a whole forward of other prompts."""
+        super().bind_connector_metadata(connector_metadata)
+        assert isinstance(connector_metadata, UnweightConnectorMetadata)
+        self._worker.hold(connector_metadata.sends)
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, UnweightConnectorMetadata)
-        self._worker.start(meta)
+        self._worker.start(meta.recvs)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -282,6 +333,8 @@ class UnweightConnector(KVConnectorBase_V1):
 
 def _flat(block_ids) -> list:
     """NixlConnector sends block ids per KV cache group ([[...]]); ours are one group's list."""
+    if not isinstance(block_ids, (list, tuple)):
+        raise TypeError(f"remote_block_ids is {type(block_ids).__name__}, not a list")
     if block_ids and isinstance(block_ids[0], (list, tuple)):
         if len(block_ids) != 1:
             raise ValueError(f"{len(block_ids)} KV cache groups: UnweightConnector takes one")
@@ -376,14 +429,19 @@ class _Worker:
 
     # ---- the engine's step ----
 
-    def start(self, meta: UnweightConnectorMetadata) -> None:
+    def hold(self, sends: dict[str, Send]) -> None:
+        """Finished prefills whose blocks the engine keeps for the decode side, each until its lease ends."""
+        if not sends:
+            return
         now = time.monotonic()
         with self.lock:
-            for rid, send in meta.sends.items():
+            for rid, send in sends.items():
                 self.held[rid] = (send, now + send.lease_s)
-            if meta.sends:
-                self.arrived.notify_all()
-        for rid, recv in meta.recvs.items():
+            self.arrived.notify_all()
+
+    def start(self, recvs: dict[str, Recv]) -> None:
+        """The pulls this step asks for, each on a thread of its own."""
+        for rid, recv in recvs.items():
             threading.Thread(target=self._pull, args=(rid, recv), name=f"kv-pull-{rid}", daemon=True).start()
 
     def results(self) -> KVConnectorTransferResults:
@@ -482,8 +540,8 @@ class _Worker:
     def _check(self, ask: dict) -> str | None:
         """None if this engine holds what `ask` asks for (request, blocks, tokens), else why not. A
         request this engine has not been told of yet is waited for (HELD_WAIT_S at most): vLLM answers
-        a prefill's kv_transfer_params when it finishes, but hands its blocks to this worker at the
-        next step, which may come after another prompt's whole forward."""
+        a prefill's kv_transfer_params when it finishes, but hands its blocks to this worker with the
+        next step's metadata (`hold`, before that step's forward)."""
         rid = str(ask.get("request_id"))
         deadline = time.monotonic() + HELD_WAIT_S
         with self.lock:
