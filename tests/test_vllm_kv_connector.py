@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import time
 
@@ -212,3 +213,25 @@ def test_kv_transfer_params_that_no_prefill_engine_answers_are_refused_not_fatal
         assert out["choices"][0]["token_ids"] == base, (bad, out)
     refused = re.findall(r"WARNING .*(kv_transfer_params refused|pairs equal sizes only)", decode.text())
     assert len(refused) == 4, decode.text()[-3000:]
+
+
+def test_idle_connections_cannot_take_the_side_channel(engines):
+    """Peers that connect and say nothing hold a thread each until the timeout: past MAX_CONNECTIONS
+    (64) a connection is closed at once, and once they leave a pull is served again."""
+    prefill, decode, side = engines
+    idle = [socket.create_connection(("127.0.0.1", side), timeout=30) for _ in range(64)]
+    try:
+        time.sleep(1)  # accepted, each on its thread
+        with socket.create_connection(("127.0.0.1", side), timeout=30) as extra:
+            assert extra.recv(1) == b""  # closed by the engine, not left waiting
+    finally:
+        for s in idle:
+            s.close()
+    deadline = time.monotonic() + 10
+    while "side-channel connections turned away: 64 already open" not in prefill.text():
+        assert time.monotonic() < deadline, prefill.text()[-3000:]
+        time.sleep(0.5)
+    before = len(pulls(decode))
+    params = prefill.complete(PROMPTS[0], 1, PREFILL_PARAMS)["kv_transfer_params"]
+    decode.complete(PROMPTS[0], 4, params)
+    assert len(pulls(decode)) == before + 1, decode.text()[-3000:]

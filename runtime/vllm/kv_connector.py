@@ -85,6 +85,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("vllm.unweight.kv_connector")  # under vLLM's logger: its handler, level and format
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+MAX_CONNECTIONS = 64  # side-channel connections a prefill worker answers at once
 HELD_WAIT_S = 20.0  # under the side channel's 30 s timeouts
 PULLED_KEPT = 4096  # remote requests a decode engine remembers having pulled (for their sibling requests)
 
@@ -508,14 +509,28 @@ class _Worker:
         )
 
     def _accept(self) -> None:
+        """One thread a connection, MAX_CONNECTIONS at once: a connection past them is closed at once
+        (peers that connect and say nothing would otherwise hold a thread each for the timeout)."""
+        slots, turned_away, last_said = threading.BoundedSemaphore(MAX_CONNECTIONS), 0, 0.0
         while not self.closed.is_set():
             try:
                 conn, peer = self.server.accept()
             except OSError:
                 return
-            threading.Thread(target=self._answer, args=(conn, peer), name="kv-send", daemon=True).start()
+            if not slots.acquire(blocking=False):
+                conn.close()
+                turned_away += 1
+                if time.monotonic() - last_said > 10:
+                    log.warning(
+                        "UnweightConnector: %d side-channel connections turned away: %d already open",
+                        turned_away,
+                        MAX_CONNECTIONS,
+                    )
+                    turned_away, last_said = 0, time.monotonic()
+                continue
+            threading.Thread(target=self._answer, args=(conn, peer, slots), name="kv-send", daemon=True).start()
 
-    def _answer(self, conn: socket.socket, peer) -> None:
+    def _answer(self, conn: socket.socket, peer, slots: threading.BoundedSemaphore) -> None:
         from unweight.runtime.kv import side_channel
 
         with conn:
@@ -524,6 +539,8 @@ class _Worker:
             except Exception as e:  # noqa: BLE001 (a peer's request, whatever it holds, ends here with a warning)
                 log.warning("UnweightConnector: refused a pull from %s: %s", peer[0], e)
                 return
+            finally:
+                slots.release()
         rid = str(ask["request_id"])
         with self.lock:  # acknowledged or released: the blocks go back to the engine
             if rid in self.held:
