@@ -15,16 +15,9 @@ import time
 import urllib.request
 from pathlib import Path
 
+from unweight.runtime.serve.vllm_router import PREFILL_PARAMS  # noqa: F401 (what a NIXL-style proxy sends)
+
 CONNECTOR = "unweight.runtime.vllm.kv_connector"
-# what a NIXL-style proxy sends the prefill engine
-PREFILL_PARAMS = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
 
 
 def free_port() -> int:
