@@ -91,3 +91,28 @@ def uw(smollm2_uw, tmp_path_factory) -> Path:
     link = tmp_path_factory.mktemp("served") / "uw"
     link.symlink_to(smollm2_uw[0])
     return link
+
+
+# Time spent per test module (setup + call + teardown) and per xdist worker, printed at the end of a run:
+# what decides CI's wall time is the busier worker, and a module is the unit a worker takes.
+_SECONDS: dict[tuple[str, str], float] = {}
+
+
+def pytest_runtest_logreport(report):
+    node = getattr(report, "node", None)  # under xdist, on the controller: the worker that ran it
+    worker = node.gateway.id if node is not None else "main"
+    key = (worker, report.nodeid.split("::", 1)[0])
+    _SECONDS[key] = _SECONDS.get(key, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _SECONDS:
+        return
+    workers: dict[str, float] = {}
+    for (worker, _), seconds in _SECONDS.items():
+        workers[worker] = workers.get(worker, 0.0) + seconds
+    terminalreporter.write_sep("=", "time per worker and slowest modules (setup + call + teardown)")
+    for worker, seconds in sorted(workers.items()):
+        terminalreporter.write_line(f"{seconds:8.1f}s  worker {worker}")
+    for (worker, module), seconds in sorted(_SECONDS.items(), key=lambda kv: -kv[1])[:20]:
+        terminalreporter.write_line(f"{seconds:8.1f}s  {module} ({worker})")
