@@ -7,7 +7,8 @@ request reaches the OpenAI handlers in app.py.
   408 and the connection is closed (uvicorn has no body timeout: a body sent a byte at a time
   would hold its connection, and a concurrency slot, for as long as the client likes).
 - `parse_json`: JSON that is UTF-8, nested at most `MAX_JSON_DEPTH` deep and free of lone
-  surrogates, or a `ValueError` saying which of these it is not (the handlers answer 400).
+  surrogates, or a `ValueError` saying which of these it is not; `json_object`, a request's body as
+  such a JSON object or HTTP 400.
 - `GuardedH11Protocol`: uvicorn's h11 protocol plus what uvicorn 0.54 lacks. uvicorn arms its
   keep-alive timer only after a response and cancels it on any byte, so a connection that never
   sends a request, or sends its head a byte a second, stays open forever. Here a connection is
@@ -30,6 +31,7 @@ import numpy as np
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from . import api
+from .routes.errors import HTTPError
 
 DEFAULT_MAX_BODY_BYTES = 16 << 20
 MAX_JSON_DEPTH = 64
@@ -152,6 +154,21 @@ def parse_json(data: bytes):
             raise ValueError(
                 "the body is not valid JSON: a string holds a lone UTF-16 surrogate (\\ud800-\\udfff)"
             ) from None
+    return body
+
+
+JSON_IN_THREAD_BYTES = 64 << 10  # request bodies larger than this are parsed off the event loop
+
+
+async def json_object(request) -> dict:
+    """A request's body as a JSON object (`parse_json`), or HTTPError 400 saying why it is not one."""
+    data = await request.body()
+    try:
+        body = await asyncio.to_thread(parse_json, data) if len(data) > JSON_IN_THREAD_BYTES else parse_json(data)
+    except ValueError as e:
+        raise HTTPError(400, str(e)) from None
+    if not isinstance(body, dict):
+        raise HTTPError(400, "the body must be a JSON object")
     return body
 
 

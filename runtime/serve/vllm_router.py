@@ -46,9 +46,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from . import api
-from .http import BodyLimit, CountResponses, guarded_protocol, openai_errors, parse_json
+from .http import BodyLimit, CountResponses, guarded_protocol, json_object, openai_errors
 from .metrics import REQUEST_BUCKETS, TTFT_BUCKETS
-from .routes.errors import ClientGone, HTTPError, fail
+from .routes.errors import ClientGone, HTTPError, fail, model_not_found
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,6 @@ PROBE_INTERVAL_S = 5.0  # engines that are down are asked again this often
 MAX_ANSWER_BYTES = 64 << 20  # a non-streamed answer (n choices with logprobs) read whole, at most this
 MAX_EVENT_BYTES = 16 << 20  # one SSE event of a stream, at most this
 MAX_SMALL_BYTES = 1 << 20  # an error body, /v1/models
-JSON_IN_THREAD_BYTES = 64 << 10  # request bodies larger than this are parsed off the event loop
 
 
 @dataclass(slots=True)
@@ -562,23 +561,12 @@ class Front:
                 self.in_flight -= 1
 
     async def _parse(self, request: Request, chat: bool) -> dict:
-        data = await request.body()
-        try:
-            body = await asyncio.to_thread(parse_json, data) if len(data) > JSON_IN_THREAD_BYTES else parse_json(data)
-        except ValueError as e:
-            raise HTTPError(400, str(e)) from None
-        if not isinstance(body, dict):
-            raise HTTPError(400, "the body must be a JSON object")
+        body = await json_object(request)
         model = body.get("model")
         if not isinstance(model, str):
             raise HTTPError(400, "model: a string is required", param="model")
         if model != self.name:
-            raise HTTPError(
-                404,
-                f"model {model!r} is not served here; this server serves {self.name!r}",
-                param="model",
-                code="model_not_found",
-            )
+            raise model_not_found(model, self.name)
         if not isinstance(body.get("stream", False), bool | None):
             raise HTTPError(400, "stream: must be true or false", param="stream")
         prompt = body.get("prompt")

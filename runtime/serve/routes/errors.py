@@ -27,6 +27,12 @@ class ClientGone(HTTPError):
         super().__init__(499, "the client closed the connection", code="client_closed_request")
 
 
+def model_not_found(asked, served: str) -> HTTPError:
+    return HTTPError(
+        404, f"model {asked!r} is not served here; this server serves {served!r}", param="model", code="model_not_found"
+    )
+
+
 def fail(e: HTTPError, endpoint: str) -> JSONResponse:
     """The error's response; 429 and 503 say when to retry."""
     headers = {"Retry-After": RETRY_AFTER_S} if e.status in (429, 503) else None

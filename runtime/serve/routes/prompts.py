@@ -11,22 +11,14 @@ from pydantic import ValidationError
 
 from ...generate import encode_prompt
 from .. import api
-from ..http import parse_json
-from .errors import HTTPError
+from ..http import json_object
+from .errors import HTTPError, model_not_found
 from .state import ServerState
-
-JSON_IN_THREAD_BYTES = 64 << 10  # bodies larger than this are parsed off the event loop
 
 
 async def parse(s: ServerState, request: Request, schema, endpoint: str):
     """The request body as `schema` (api.CompletionRequest or api.ChatRequest), for this server's model."""
-    data = await request.body()
-    try:
-        body = await asyncio.to_thread(parse_json, data) if len(data) > JSON_IN_THREAD_BYTES else parse_json(data)
-    except ValueError as e:
-        raise HTTPError(400, str(e)) from None
-    if not isinstance(body, dict):
-        raise HTTPError(400, "the body must be a JSON object")
+    body = await json_object(request)
     field = api.unsupported(body, endpoint)
     if field is not None:
         raise HTTPError(
@@ -39,12 +31,7 @@ async def parse(s: ServerState, request: Request, schema, endpoint: str):
         param = ".".join(str(p) for p in err["loc"]) or None
         raise HTTPError(400, f"{param}: {err['msg']}" if param else err["msg"], param=param) from None
     if req.model != s.name:
-        raise HTTPError(
-            404,
-            f"model {req.model!r} is not served here; this server serves {s.name!r}",
-            param="model",
-            code="model_not_found",
-        )
+        raise model_not_found(req.model, s.name)
     return req
 
 
