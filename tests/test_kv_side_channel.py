@@ -50,6 +50,7 @@ class Server:
 
     def __init__(self, key, lay, kv):
         self.key, self.layout, self.caches, self.results = key, lay, kv, []
+        self.changed = threading.Condition()
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.addr = self.sock.getsockname()[:2]
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -70,9 +71,19 @@ class Server:
                 return
             with conn:
                 try:
-                    self.results.append(side_channel.serve(conn, self.key, self.check, self.layout, self.caches))
+                    result = side_channel.serve(conn, self.key, self.check, self.layout, self.caches)
                 except Exception as e:  # noqa: BLE001 (what the connector logs)
-                    self.results.append(e)
+                    result = e
+            with self.changed:
+                self.results.append(result)
+                self.changed.notify_all()
+
+    def ended(self, n: int = 1, timeout: float = 30) -> list:
+        """`results` once `n` connections have ended (the client returns as it sends its last bytes, before
+        the server has read them)."""
+        with self.changed:
+            assert self.changed.wait_for(lambda: len(self.results) >= n, timeout), self.results
+            return list(self.results)
 
     def close(self):
         self.sock.close()
@@ -120,7 +131,7 @@ def test_a_pull_moves_the_prompts_tokens_bit_exact(server, dtype, key):
     s = server(key, dtype)
     mine, wire_bytes = pull(s.addr, key, dtype)
     assert_pulled(s.caches, mine, s.layout)
-    assert s.results == [ASK | s.layout.geometry()]
+    assert s.ended() == [ASK | s.layout.geometry()]
     raw_tokens = LAYERS * 2 * 75 * HEADS * DIM * mine[0].element_size()
     assert wire_bytes < raw_tokens  # only the 75 tokens, coded; whole blocks would be 96
     assert not s.results or not isinstance(s.results[0], Exception)
@@ -148,8 +159,7 @@ def test_without_the_same_secret_nothing_moves(server, server_key, client_key, c
     with pytest.raises((side_channel.Refused, PermissionError), match=client_error):
         pull(s.addr, client_key)
     if server_error:
-        s.thread.join(0.5)
-        assert type(s.results[0]).__name__ == server_error
+        assert type(s.ended()[0]).__name__ == server_error
     assert not [r for r in s.results if isinstance(r, dict)]
 
 
