@@ -486,6 +486,14 @@ ServeApiKey = Annotated[
         help="Require `Authorization: Bearer KEY` on every endpoint, /health and /metrics included.",
     ),
 ]
+ServeEngineApiKey = Annotated[
+    str | None,
+    typer.Option(
+        "--engine-api-key",
+        envvar="UNWEIGHT_ENGINE_API_KEY",
+        help="With --engine vllm: the key the engines were started with (`vllm serve --api-key`), sent to each.",
+    ),
+]
 ServeMaxBody = Annotated[
     int,
     typer.Option(
@@ -663,6 +671,7 @@ def serve(
     engine: ServeEngine = "unweight",
     prefill_url: ServePrefillURL = None,
     decode_url: ServeDecodeURL = None,
+    engine_api_key: ServeEngineApiKey = None,
 ) -> None:
     """Serve a compressed model behind an OpenAI-compatible API.
 
@@ -700,7 +709,7 @@ def serve(
     if engine == "vllm":
         _run(lambda: _serve_vllm(model, role, prefill_url or [], decode_url or [], settings))
     plain = engine == "unweight" and model is not None and not prefill_url and not decode_url
-    for flag in ("name", "router_address", "no_disagg"):
+    for flag in ("name", "router_address", "no_disagg", "engine_api_key"):
         del settings[flag]
 
     def body() -> None:
@@ -710,8 +719,8 @@ def serve(
             raise ValueError(f"--engine {engine!r} is not one of unweight, vllm")
         if model is None:
             raise ValueError("serve needs MODEL, a compressed model folder (none only with --engine vllm)")
-        if prefill_url or decode_url:
-            raise ValueError("--prefill-url and --decode-url are the engines of --engine vllm")
+        if prefill_url or decode_url or engine_api_key:
+            raise ValueError("--prefill-url, --decode-url and --engine-api-key are for the engines of --engine vllm")
 
         secret_file = str(control_secret_file) if control_secret_file else None
         launch(
@@ -730,6 +739,7 @@ VLLM_ROUTER_SETTINGS = (
     "host",
     "port",
     "api_key",
+    "engine_api_key",
     "public_health",
     "max_queue",
     "max_body_bytes",

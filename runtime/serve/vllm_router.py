@@ -99,6 +99,7 @@ class VLLMRouterConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
+    engine_api_key: str | None = None  # what the engines were started with (`vllm serve --api-key`)
     public_health: bool = False
     max_queue: int = 64  # requests in flight beyond which new ones get 429
     max_body_bytes: int = 16 << 20
@@ -370,6 +371,7 @@ class Front:
             timeout=httpx.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S, pool=CONNECT_TIMEOUT_S * 3),
             limits=httpx.Limits(max_connections=self.cfg.max_queue + 2 * len(self.engines) + 8),
             trust_env=False,  # engines are reached directly, never through a proxy from the environment
+            headers={"Authorization": f"Bearer {self.cfg.engine_api_key}"} if self.cfg.engine_api_key else None,
         )
         await self.probe()
         self._watching = asyncio.create_task(self._watch())
@@ -403,6 +405,9 @@ class Front:
             if status != 200:
                 raise _Down(f"its /health answered HTTP {status}")
             status, data = await self._get(e, "/v1/models")
+            if status == 401:
+                why = "refused the router's key" if self.cfg.engine_api_key else "wants an API key"
+                raise _Down(f"its /v1/models answered HTTP 401: it {why} (--engine-api-key: `vllm serve --api-key`)")
             if status != 200:
                 raise _Down(f"its /v1/models answered HTTP {status}")
             e.set_model(*_card(data))
