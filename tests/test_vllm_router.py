@@ -7,12 +7,18 @@ and raw HTTP.
 
 - Greedy completions and chats through the router, streamed and not, give the token ids and text the
   decode engine gives asked directly (computing the prompt itself); the prefill engine served each one;
-  logprobs and n pass through; "model" is the served name both ways.
-- --api-key guards every endpoint; an unknown model is 404; an engine's 4xx passes through as it is.
+  logprobs and n pass through (n choices pull once); "model" is the served name both ways.
+- --api-key guards every endpoint; the engines' own key (`vllm serve --api-key`) goes to them with
+  --engine-api-key, and a router without it names the 401; an unknown model is 404; an engine's 4xx
+  passes through as it is.
 - /health and /metrics; a client that hangs up (streamed or not) aborts the decode engine's request.
 - An engine that cannot be reached is skipped for another of its role; with none of a role left,
   requests get 503 before any prefill runs and /health names the role; a prefill engine without
   the producer's half of the connector is an error naming kv_transfer_params.
+- The connector: the prefill engine frees what it held once acknowledged and neither engine warns;
+  a stranger without the secret, or asking for a request not held, is refused and logged; bad
+  kv_transfer_params are computed locally with a warning; 64 idle side-channel connections do not
+  stop the next hand-off.
 - The KV crosses sealed, exactly the prompt's tokens, and every byte the decode host's interface
   received for a 1,000-token prompt is at most 0.72x the prompt's raw BF16 KV.
 - Last: the decode engine killed mid-stream: the stream ends with an error event, the router then
@@ -36,14 +42,19 @@ import httpx
 import openai
 import psutil
 import pytest
+import torch
 from vllm_serve import PREFILL_PARAMS, engine_pair, free_port
 
 from envs import vllm_env
 from hosts import Hosts
+from unweight.runtime.kv import side_channel
+from unweight.runtime.kv.secret import connector_key
 
 pytestmark = pytest.mark.slow
 
 KEY = "router-key"
+SECRET = "r" * 48  # the connectors' secret_file
+ENGINE_KEY = "engine-key"  # the engines' own (`vllm serve --api-key`), which the router sends them
 NAME = "uw"
 PROMPT = "The capital of France is"
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
@@ -57,11 +68,12 @@ DOCUMENT = "Summarize the following text. " + " ".join(
 class Router:
     """`unweight serve --role router --engine vllm` as a subprocess, its stderr to a file."""
 
-    def __init__(self, tmp, prefill: list[str], decode: list[str], *args: str):
+    def __init__(self, tmp, prefill: list[str], decode: list[str], *args: str, engine_key: str | None = ENGINE_KEY):
         self.port, self.log = free_port(), tmp / f"router-{len(list(tmp.glob('router-*.log')))}.log"
         urls = [a for u in prefill for a in ("--prefill-url", u)] + [a for u in decode for a in ("--decode-url", u)]
         cmd = [sys.executable, "-m", "unweight.cli.main", "serve", "--role", "router", "--engine", "vllm", *urls]
         cmd += ["--served-model-name", NAME, "--api-key", KEY, "--port", str(self.port), *args]
+        cmd += ["--engine-api-key", engine_key] if engine_key else []
         self.file = open(self.log, "w")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.file, start_new_session=True)
         self.url = f"http://127.0.0.1:{self.port}"
@@ -143,11 +155,12 @@ def engines(net, smollm2_uw, tmp_path_factory):
     hosts, python = net
     tmp = tmp_path_factory.mktemp("vllm-router")
     secret = tmp / "secret"
-    secret.write_text("r" * 48 + "\n")
+    secret.write_text(SECRET + "\n")
     secret.chmod(0o600)
     extra = {"secret_file": str(secret)}
     args = ["--dtype", "bfloat16", "--max-model-len", "2048"]
-    with engine_pair(python, smollm2_uw[0], tmp, hosts=hosts, extra_config=extra, args=args) as pair:
+    kw = {"hosts": hosts, "extra_config": extra, "args": args, "api_key": ENGINE_KEY}
+    with engine_pair(python, smollm2_uw[0], tmp, **kw) as pair:
         yield pair
 
 
@@ -169,7 +182,7 @@ def client(router):
 
 def direct(server, path: str, body: dict, status: int = 200) -> dict:
     """An engine's answer to `body`, asked directly (with its own model id)."""
-    r = httpx.post(f"{server.url}{path}", json={**body, "model": server.model}, timeout=300)
+    r = httpx.post(f"{server.url}{path}", json={**body, "model": server.model}, headers=server.headers, timeout=300)
     assert r.status_code == status, r.text
     return r.json()
 
@@ -242,13 +255,17 @@ def test_logprobs_pass_through(engines, client):
     assert all(len(e.top_logprobs) == 2 for e in entries)
 
 
-def test_n_choices_come_back(engines, client):
+def test_n_choices_come_back_from_one_pull(engines, client):
+    """vLLM makes n requests of a request with n choices, all with the prefill's kv_transfer_params:
+    one pulls, the others wait for it and compute the prompt themselves; none fails."""
     _, decode, _ = engines
     want = direct(decode, "/v1/completions", GREEDY)["choices"][0]["text"]
+    before = len(decode.pulls())
     # vLLM refuses n > 1 when greedy (temperature below 1e-5); it raises 1e-4 to 0.01, seeded here
-    r = client.completions.create(model=NAME, **{**GREEDY, "temperature": 1e-4}, n=2, seed=1)
-    assert sorted(c.index for c in r.choices) == [0, 1]
-    assert [c.text for c in r.choices] == [want, want]
+    r = client.completions.create(model=NAME, **{**GREEDY, "temperature": 1e-4}, n=3, seed=1)
+    assert sorted(c.index for c in r.choices) == [0, 1, 2]
+    assert [c.text for c in r.choices] == [want] * 3
+    assert len(decode.pulls()) == before + 1, decode.text()[-3000:]
 
 
 def test_the_api_key_guards_every_endpoint(router):
@@ -363,6 +380,24 @@ def test_an_engine_that_cannot_be_reached_is_skipped_or_named(engines, tmp_path_
         assert "Traceback" not in r.stop()
 
 
+def test_engines_that_want_a_key_the_router_lacks_are_named(engines, tmp_path_factory):
+    """The engines run with `vllm serve --api-key`: a router started without their key, or with
+    another, sees them down and says why, in /health and in the 503 a client gets."""
+    prefill, decode, _ = engines
+    tmp = tmp_path_factory.mktemp("routers")
+    for key, why in ((None, "wants an API key"), ("wrong", "refused the router's key")):
+        r = Router(tmp, [prefill.url], [decode.url], engine_key=key)
+        try:
+            h = r.health()
+            assert h.status_code == 503 and h.json()["missing"] == ["prefill", "decode"], h.text
+            a = r.http.post("/v1/completions", json={"model": NAME, **GREEDY})
+            assert a.status_code == 503 and a.json()["error"]["code"] == "engine_unavailable", a.text
+            message = a.json()["error"]["message"]
+            assert "HTTP 401" in message and why in message and "--engine-api-key" in message, message
+        finally:
+            assert "Traceback" not in r.stop()
+
+
 def test_a_prefill_engine_without_the_connector_is_named(engines, uw, tmp_path_factory):
     """`unweight serve` itself stands for an OpenAI server without a KV connector: it answers the
     prefill request, but no kv_transfer_params."""
@@ -401,6 +436,70 @@ def test_serve_engine_vllm_refuses_what_it_cannot_use():
         assert r.returncode == 1 and fragment in r.stderr and r.stderr.count("\n") == 1, (args, r.stderr)
 
 
+def test_the_prefill_engine_frees_what_it_held_once_acknowledged(engines):
+    """Every hand-off so far was acknowledged: the prefill engine's KV cache usage is back to 0 (its
+    lease is an hour), and neither engine's connector warned."""
+    prefill, decode, _ = engines
+    wait_for(lambda: prefill.kv_usage() == 0, prefill.text()[-3000:])
+    ours = [line for s in (prefill, decode) for line in s.text().splitlines() if "[kv_connector.py:" in line]
+    assert not [line for line in ours if " WARNING " in line], ours
+
+
+def test_a_pull_without_the_secret_or_for_a_request_not_held_is_refused(net, engines):
+    """The side channel as a stranger on another host sees it: without the engines' secret it learns
+    nothing, and even with it, a request the engine does not hold is refused; both are logged at
+    WARNING, nothing stops."""
+    hosts, _ = net
+    prefill, _, side = engines
+    lay = side_channel.Layout(30, 3, 64, torch.bfloat16, 128, None)
+    ask = {"request_id": "cmpl-nobody", "blocks": [0], "first_block": 0, "tokens": 1, "release": False}
+    where = (hosts.addr["prefill"], side)
+    with pytest.raises(PermissionError, match="did not prove"):
+        side_channel.pull(where, connector_key("x" * 40), ask, lay, [], [0])
+    with pytest.raises(side_channel.Refused, match="no request cmpl-nobody held here"):
+        side_channel.pull(where, connector_key(SECRET), ask, lay, [], [0])
+    refused = rf"WARNING .*refused a pull from {re.escape(hosts.addr['client'])}"
+    wait_for(lambda: len(re.findall(refused, prefill.text())) == 2, prefill.text()[-3000:], timeout=10)
+    assert prefill.complete(PROMPT, 1)["choices"], "the prefill engine still answers"
+
+
+def test_kv_transfer_params_that_no_prefill_engine_answers_are_refused_not_fatal(engines):
+    """kv_transfer_params come with the request, from whoever sends it: a decode request whose
+    parameters are not what a prefill engine answers (a port that is not a number, block ids that
+    are not a list, another TP size) is computed on the decode engine, with a WARNING, and the
+    engine goes on serving (a ValueError inside vLLM's scheduler would end the engine)."""
+    _, decode, _ = engines
+    base = decode.complete(PROMPT, 4)["choices"][0]["token_ids"]
+    good = {"do_remote_prefill": True, "remote_engine_id": "e", "remote_request_id": "cmpl-x", "remote_block_ids": [0]}
+    good |= {"remote_host": "127.0.0.1", "remote_port": 1, "remote_num_tokens": 5, "tp_size": 1}
+    for bad in ({"remote_port": "x"}, {"remote_block_ids": "nope"}, {"remote_num_tokens": -1}, {"tp_size": 2}):
+        out = decode.complete(PROMPT, 4, good | bad)
+        assert out["choices"][0]["token_ids"] == base, (bad, out)
+    refused = re.findall(r"WARNING .*(kv_transfer_params refused|pairs equal sizes only)", decode.text())
+    assert len(refused) == 4, decode.text()[-3000:]
+
+
+def test_idle_connections_cannot_take_the_side_channel(net, engines, client):
+    """Peers that connect and say nothing hold a thread each until the timeout: past MAX_CONNECTIONS
+    (64) a connection is closed at once, and once they leave a pull is served again."""
+    hosts, _ = net
+    prefill, decode, side = engines
+    where = (hosts.addr["prefill"], side)
+    idle = [socket.create_connection(where, timeout=30) for _ in range(64)]
+    try:
+        time.sleep(1)  # accepted, each on its thread
+        with socket.create_connection(where, timeout=30) as extra:
+            assert extra.recv(1) == b""  # closed by the engine, not left waiting
+    finally:
+        for s in idle:
+            s.close()
+    full = "side-channel connections turned away: 64 already open"
+    wait_for(lambda: full in prefill.text(), prefill.text()[-3000:], timeout=10)
+    before = len(decode.pulls())
+    client.completions.create(model=NAME, **{**GREEDY, "max_tokens": 4})
+    assert len(decode.pulls()) == before + 1, decode.text()[-3000:]
+
+
 def test_the_kv_crosses_sealed_in_under_072x_its_bf16_bytes(net, engines, client, smollm2_uw):
     """Every byte the decode host's interface received while it served a 1,000-token prompt (the
     frames, their headers, the proofs, the router's request, TCP/IP and Ethernet headers as the
@@ -415,13 +514,13 @@ def test_the_kv_crosses_sealed_in_under_072x_its_bf16_bytes(net, engines, client
     config = json.loads((smollm2_uw[0] / "config.json").read_text())
     kv_heads, dim = config["num_key_value_heads"], config["hidden_size"] // config["num_attention_heads"]
     raw = tokens * config["num_hidden_layers"] * 2 * kv_heads * dim * 2
-    pulled = re.findall(r"pulled (\d+) tokens .* (\d+) bytes on the wire, (\d+) raw, sealed", decode.text())
-    assert pulled and int(pulled[-1][0]) == tokens and int(pulled[-1][2]) == raw, (pulled[-1:], tokens, raw)
+    pulled = decode.pulls()
+    assert pulled and pulled[-1][0] == tokens and pulled[-1][2] == raw, (pulled[-1:], tokens, raw)
     received = after["rx_bytes"] - before["rx_bytes"]
     print(
         f"decode host received {received:,} bytes in {after['rx_packets'] - before['rx_packets']:,} packets for a "
         f"{tokens}-token prompt whose BF16 KV is {raw:,} ({received / raw:.4f}x; the side channel's own bytes "
-        f"{int(pulled[-1][1]):,}, {int(pulled[-1][1]) / raw:.4f}x)"
+        f"{pulled[-1][1]:,}, {pulled[-1][1] / raw:.4f}x)"
     )
     assert tokens > 900 and after["tcp_retrans_segs"] == before["tcp_retrans_segs"]
     assert received <= 0.72 * raw, (received, raw)

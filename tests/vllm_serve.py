@@ -41,11 +41,15 @@ class Server:
         host: str = "127.0.0.1",
         env: dict | None = None,
         prefix: list[str] = (),
+        api_key: str | None = None,
     ):
         """`role` kv_producer or kv_consumer; the connector listens on `host`:`side_port` (a producer's side
         channel), with `extra_config` added to its kv_connector_extra_config; `prefix` runs the command in
-        another network namespace (tests/hosts.py)."""
+        another network namespace (tests/hosts.py); `api_key` is vLLM's --api-key, which guards /v1."""
         self.port, self.model, self.log, self.host = free_port(), str(model), log, host
+        self.headers = {"Content-Type": "application/json"}
+        if api_key:
+            self.headers["Authorization"] = f"Bearer {api_key}"
         kv = {
             "kv_connector": "UnweightConnector",
             # the producer names the module; the consumer relies on the plugin's registration of the short name
@@ -57,7 +61,7 @@ class Server:
         cmd = [*prefix, str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", self.model]
         cmd += ["--host", host, "--port", str(self.port), "--dtype", "float32", "--enforce-eager"]
         cmd += ["--max-model-len", "512", "--kv-cache-memory-bytes", str(256 << 20), "--no-enable-prefix-caching"]
-        cmd += ["--kv-transfer-config", json.dumps(kv), *args]
+        cmd += ["--kv-transfer-config", json.dumps(kv), *args] + (["--api-key", api_key] if api_key else [])
         self.file = open(log, "w")
         # with a KV connector vLLM-CPU reserves a second core for it (utils/ompmultiprocessing.py:52-54); on a
         # 2-core host nothing is then left, the worker binds both cores and its first request dies in the CPU
@@ -89,7 +93,7 @@ class Server:
         req = urllib.request.Request(
             f"{self.url}{path}",
             data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
+            headers=self.headers,
         )
         with urllib.request.urlopen(req, timeout=300) as r:
             return json.loads(r.read())
@@ -100,6 +104,11 @@ class Server:
         if kv_transfer_params is not None:
             body["kv_transfer_params"] = kv_transfer_params
         return self.post("/v1/completions", body)
+
+    def pulls(self) -> list[tuple[int, int, int]]:
+        """(tokens, bytes on the wire, raw bytes of those tokens) of each sealed pull this (decode) engine logged."""
+        found = re.findall(r"pulled (\d+) tokens of request .* (\d+) bytes on the wire, (\d+) raw, sealed", self.text())
+        return [tuple(map(int, m)) for m in found]
 
     def kv_usage(self) -> float:
         with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as r:
