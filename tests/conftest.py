@@ -18,14 +18,14 @@ REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("UNWEIGHT_NO_WARMUP", "1")
 
 
-# Under xdist (make test runs `pytest -n 2 --dist loadfile --no-loadscope-reorder`) a test module is one
+# Under xdist (make test runs `pytest -n 3 --dist loadfile --no-loadscope-reorder`) a test module is one
 # unit of work, so its fixtures (servers, engines, compressed models) are made once, on one worker. Modules
-# are queued in collection order, but for these, the longest, which go first so that the other worker takes
-# the rest meanwhile: test_vllm.py's engines (a fifth of RAM a rank; at TP=2 its ranks bind both cores) on one
-# worker, test_device_run.py and then the engines of test_vllm_kv_connector.py, test_vllm_router.py and
-# test_vllm_disagg_bench.py on the other (last, their engines' starts made a tail of minutes with the first
-# worker idle). (xdist's loadgroup, which reads xdist_group marks, does not group under pytest 9: it renames
-# `_nodeid`, which pytest 9 no longer reads.)
+# are queued in collection order, but for these, the longest, which go first so that the other workers take
+# the rest meanwhile: test_vllm.py's engines (at TP=2 its ranks bind both cores) on one worker, then
+# test_device_run.py and the engines of test_vllm_kv_connector.py, test_vllm_router.py and
+# test_vllm_disagg_bench.py as the others come free (queued last, their engines' starts made a tail of
+# minutes with the other workers idle). (xdist's loadgroup, which reads xdist_group marks, does not group
+# under pytest 9: it renames `_nodeid`, which pytest 9 no longer reads.)
 LONGEST_FIRST = (
     "test_vllm.py",
     "test_device_run.py",
