@@ -430,6 +430,7 @@ def test_serve_engine_vllm_refuses_what_it_cannot_use():
           "--served-model-name", "m", "--max-batch", "4"], "--max-batch"),
         (["./m", "--engine", "vllm", "--role", "router"], "no MODEL"),
         (["--prefill-url", "http://a:1", "./m"], "--engine vllm"),
+        (["./m", "--engine-api-key", "k"], "--engine-api-key"),
         ([], "MODEL"),
     ):  # fmt: skip
         r = subprocess.run([*run, *args], capture_output=True, text=True, timeout=120)
