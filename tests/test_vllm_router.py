@@ -110,19 +110,23 @@ class Router:
 
 def engine_metric(server, name: str, labels: str = "") -> float:
     """The sum of a vLLM engine's series `name` whose labels hold `labels`."""
-    text = httpx.get(f"{server.url}/metrics", timeout=30).text
-    return sum(float(v) for lab, v in re.findall(rf"^{re.escape(name)}\{{(.*)\}} (\S+)$", text, re.M) if labels in lab)
+    return series_sum(httpx.get(f"{server.url}/metrics", timeout=30).text, name, labels)
 
 
 def router_metric(router: Router, name: str, labels: str = "") -> float:
-    text = router.metrics()
+    return series_sum(router.metrics(), name, labels)
+
+
+def series_sum(text: str, name: str, labels: str) -> float:
+    """The sum of the Prometheus series `name` in `text` whose labels hold `labels`."""
     return sum(float(v) for lab, v in re.findall(rf"^{re.escape(name)}\{{(.*)\}} (\S+)$", text, re.M) if labels in lab)
 
 
-def wait_for(check, what: str, timeout: float = 60) -> None:
+def wait_for(check, what, timeout: float = 60) -> None:
+    """Until check() holds; past `timeout` s, fail with `what` (a string, or a callable for one read then)."""
     deadline = time.monotonic() + timeout
     while not check():
-        assert time.monotonic() < deadline, what
+        assert time.monotonic() < deadline, what() if callable(what) else what
         time.sleep(0.5)
 
 
@@ -235,7 +239,14 @@ def handed_off(engines, path: str, body: dict) -> dict:
     prefill, decode, _ = engines
     asked = {k: v for k, v in body.items() if k not in ("logprobs", "top_logprobs")}
     first = direct(prefill, path, {**asked, "max_tokens": 1, "kv_transfer_params": PREFILL_PARAMS})
-    return direct(decode, path, {**body, "kv_transfer_params": first["kv_transfer_params"]})
+    params = first["kv_transfer_params"]
+    # where the prefill engine's side channel listens, and the prompt it holds
+    assert params and params["do_remote_prefill"] and params["remote_port"] == engines[2], first
+    assert params["remote_num_tokens"] == first["usage"]["prompt_tokens"], first
+    out = direct(decode, path, {**body, "kv_transfer_params": params})
+    if path == "/v1/completions":  # the decode engine's first token is the prefill engine's own
+        assert out["choices"][0]["text"].startswith(first["choices"][0]["text"]), (first, out)
+    return out
 
 
 def test_logprobs_pass_through(engines, client):
@@ -441,7 +452,7 @@ def test_the_prefill_engine_frees_what_it_held_once_acknowledged(engines):
     """Every hand-off so far was acknowledged: the prefill engine's KV cache usage is back to 0 (its
     lease is an hour), and neither engine's connector warned."""
     prefill, decode, _ = engines
-    wait_for(lambda: prefill.kv_usage() == 0, prefill.text()[-3000:])
+    wait_for(lambda: prefill.kv_usage() == 0, lambda: prefill.text()[-3000:])
     ours = [line for s in (prefill, decode) for line in s.text().splitlines() if "[kv_connector.py:" in line]
     assert not [line for line in ours if " WARNING " in line], ours
 
@@ -460,7 +471,7 @@ def test_a_pull_without_the_secret_or_for_a_request_not_held_is_refused(net, eng
     with pytest.raises(side_channel.Refused, match="no request cmpl-nobody held here"):
         side_channel.pull(where, connector_key(SECRET), ask, lay, [], [0])
     refused = rf"WARNING .*refused a pull from {re.escape(hosts.addr['client'])}"
-    wait_for(lambda: len(re.findall(refused, prefill.text())) == 2, prefill.text()[-3000:], timeout=10)
+    wait_for(lambda: len(re.findall(refused, prefill.text())) == 2, lambda: prefill.text()[-3000:], timeout=10)
     assert prefill.complete(PROMPT, 1)["choices"], "the prefill engine still answers"
 
 
@@ -495,7 +506,7 @@ def test_idle_connections_cannot_take_the_side_channel(net, engines, client):
         for s in idle:
             s.close()
     full = "side-channel connections turned away: 64 already open"
-    wait_for(lambda: full in prefill.text(), prefill.text()[-3000:], timeout=10)
+    wait_for(lambda: full in prefill.text(), lambda: prefill.text()[-3000:], timeout=10)
     before = len(decode.pulls())
     client.completions.create(model=NAME, **{**GREEDY, "max_tokens": 4})
     assert len(decode.pulls()) == before + 1, decode.text()[-3000:]
