@@ -3,8 +3,8 @@
 The model (SmolLM2-135M compressed, or --model DIR) prefills a prompt of --prompt random token ids,
 then decodes --tokens greedy tokens one step at a time, in two variants that differ only in the
 linears: `unweight` (UnweightLinear: the resident tiles, the autotuner's pipeline) and `dense`
-(the same runtime with each linear's decoded BF16 weight in a plain F.linear, as the compressed
-model's twin in tests/test_generate.py). The variants alternate, --rounds times.
+(the same runtime with each linear's decoded weight in a plain F.linear, in the compute dtype, as
+the compressed model's twin in tests/test_generate.py). The variants alternate, --rounds times.
 
 Per variant:
   step ms      each decode step's wall time, no hooks (median and range over steps and rounds);
@@ -15,6 +15,7 @@ Per variant:
                (embedding lookup, the step's plan and positions, the loop in Python): the step's wall
                time less the modules'. The hooks' own cost lands in the parts and is reported as the
                hooked step's excess over the plain one;
+  torch ops    the aten operators a step calls, counted by torch.profiler over 16 more steps;
   GB/s         the linears' weight bytes (resident for unweight; for dense, the weight in the compute
                dtype, as F.linear reads it) over their time.
 
@@ -158,6 +159,23 @@ def run_steps(model, prompt: list[int], tokens: int, hooks: Hooks | None) -> tup
         model.free(seq)
 
 
+def torch_ops(model, prompt: list[int], tokens: int) -> dict[str, float]:
+    """torch's operators a decode step calls (torch.profiler over `tokens` steps), per step: every
+    aten operator's calls, nested ones included (aten::to calls aten::_to_copy), most called first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    seq = model.new_sequence()
+    try:
+        token = int(model.prefill(seq, prompt).argmax())
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(tokens):
+                token = int(model.decode_step([seq], [token])[0].argmax())
+    finally:
+        model.free(seq)
+    calls = {e.key: e.count / tokens for e in prof.key_averages() if e.key.startswith("aten::")}
+    return dict(sorted(calls.items(), key=lambda kv: -kv[1]))
+
+
 def summary(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
@@ -219,6 +237,7 @@ def main() -> None:
             "parts_ms": by_part,
             "weight_bytes": wb,
             "GBps": {p: wb[p] / (by_part[p]["median"] / 1e3) / 1e9 for p in LINEARS if by_part[p]["median"] > 0},
+            "aten_calls_per_step": torch_ops(m, prompt, 16),
         }
     v = record["variants"]
     for p in PARTS:
@@ -232,6 +251,9 @@ def main() -> None:
     for n in variants:
         mb = sum(v[n]["weight_bytes"].values()) / 1e6
         print(f"{n}: linears {linear_ms[n]:.2f} ms of a {v[n]['step_ms']['median']:.2f} ms step, {mb:.1f} MB read")
+        calls = v[n]["aten_calls_per_step"]
+        top = ", ".join(f"{k.removeprefix('aten::')} {c:.0f}" for k, c in list(calls.items())[:10])
+        print(f"  torch operators a step: {sum(calls.values()):.0f} calls, nested ones included; most: {top}")
     print(f"CPU: {cpu}")
     write_record(args.out, record)
 
