@@ -67,7 +67,7 @@ def vllm_python() -> Path:
 
 class Driver:
     """vllm_driver.py runs, each in a child that tests/vllm_zygote.py forks after importing vLLM
-    once: a driver process's own start is then a fork, not 13.5 s of imports."""
+    once: a driver process's own start is then a fork, not 10 to 14 s of imports."""
 
     def __init__(self, python: Path, tmp: Path):
         self.errors = tmp / "zygote.log"
