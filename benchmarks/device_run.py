@@ -92,7 +92,7 @@ class Stage:
 STAGES = (
     Stage("env", 30, 120, "versions, GPU, wheels, imports"),
     Stage("kernel_tests", 120, 300, "kernel tests on the device"),
-    Stage("kernel_bench", 150, 900, "kernels against torch.matmul"),  # dry: 67 s alone, 541 s once on a loaded CI host
+    Stage("kernel_bench", 150, 900, "kernels against torch.matmul"),  # dry: ptxas and the interpreter on a busy CI host
     Stage("decode", 120, 300, "the runtime's decode step, compressed against BF16"),
     Stage("hf_decode", 90, 300, "transformers' own BF16 decode (the anchor)"),
 )

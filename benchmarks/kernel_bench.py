@@ -75,13 +75,10 @@ def time_ms(fn, device: str) -> float:
         import triton.testing
 
         return float(triton.testing.do_bench(fn, warmup=10, rep=30, return_mode="median"))
-    if DRY:  # the interpreter's times mean nothing: one call checks that the pipeline runs
-        t0 = time.perf_counter()
+    if not DRY:  # a warm-up; the interpreter's times mean nothing, and one call checks that the pipeline runs
         fn()
-        return 1e3 * (time.perf_counter() - t0)
-    fn()
     times = []
-    for _ in range(3):
+    for _ in range(1 if DRY else 3):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
