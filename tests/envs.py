@@ -1,9 +1,10 @@
 """The environments some tests and benchmarks run in, each made once in the cache folder
 ($UNWEIGHT_CACHE, default ~/.cache/unweight) from PyPI: vLLM's CPU build with this checkout
 (`vllm_env`), the oldest transformers the quantizer supports (`transformers_site`) and the GPU
-machine's software stack on the CPU, where the device script is rehearsed (`gpu_stack_env`).
+machine's software stack on the CPU, where the device script is rehearsed (`gpu_stack_env`); and, for
+benchmarks/llamacpp_bench.py only, llama.cpp's Python binding built for this CPU (`llamacpp_site`).
 
-    python tests/envs.py vllm|transformers|gpu-stack [DIR]   # make one, print its path
+    python tests/envs.py vllm|transformers|gpu-stack|llama-cpp [DIR]   # make one, print its path
 
 Test support only: the package does not ship it.
 """
@@ -135,15 +136,65 @@ def gpu_stack_env(dst: str | os.PathLike | None = None) -> Path:
     return python
 
 
-def _run(cmd: list) -> None:
-    done = subprocess.run([str(c) for c in cmd], capture_output=True, text=True)
+# llama.cpp's Python binding, the CPU peer of benchmarks/llamacpp_bench.py, compiled from its source
+# distribution for this CPU (GGML_NATIVE: the AVX-512/BF16 paths where the host has them), as the
+# issue's figures were made
+LLAMACPP_REQUIREMENT = "llama-cpp-python==0.3.36"
+
+
+def llamacpp_site(dst: str | os.PathLike | None = None) -> Path:
+    """A folder holding LLAMACPP_REQUIREMENT built for this CPU (made once per CPU: 4 to 10 minutes on
+    two cores), to put first on PYTHONPATH, and in its `convert` folder llama.cpp's
+    convert_hf_to_gguf.py with its `conversion` and `gguf-py` from the same source, and sentencepiece.
+    The build is native, so the stamp names the CPU's flags: a cache moved to another CPU is rebuilt,
+    not run into an illegal instruction."""
+    import hashlib
+    import tarfile
+
+    flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    stamp = f"{LLAMACPP_REQUIREMENT} {hashlib.sha256(flags.encode()).hexdigest()[:16]}"
+    dst = Path(dst) if dst is not None else cache_dir() / "llama-cpp-site"
+    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-binary", "llama-cpp-python", "--target", dst]
+    env = {**os.environ, "CMAKE_ARGS": "-DGGML_NATIVE=ON", "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 1)}
+    # its declared dependencies (numpy, jinja2, typing-extensions) are this environment's; diskcache is not
+
+    def converter() -> None:
+        if (dst / "convert" / "sentencepiece").exists():
+            return
+        sdist = dst / "sdist"
+        download = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:", "-d", sdist]
+        _run([*download, LLAMACPP_REQUIREMENT])
+        (archive,) = sdist.glob("*.tar.gz")
+        with tarfile.open(archive) as tar:
+            parts = ("convert_hf_to_gguf.py", "gguf-py/", "conversion/")
+            members = [m for m in tar.getmembers() if any(f"/vendor/llama.cpp/{part}" in m.name for part in parts)]
+            tar.extractall(sdist, members=members, filter="data")
+        shutil.rmtree(dst / "convert", ignore_errors=True)
+        (dst / "convert").mkdir()
+        for part in ("convert_hf_to_gguf.py", "gguf-py", "conversion"):
+            (next(sdist.glob(f"*/vendor/llama.cpp/{part}"))).rename(dst / "convert" / part)
+        shutil.rmtree(sdist)
+        # the converter imports sentencepiece for every Llama, even one with a tokenizer.json only
+        _run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", dst / "convert", "sentencepiece"])
+
+    _made_once(dst, stamp, lambda: _run([*pip, "--no-deps", LLAMACPP_REQUIREMENT, "diskcache"], env=env), converter)
+    return dst
+
+
+def _run(cmd: list, env: dict | None = None) -> None:
+    done = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env=env)
     if done.returncode != 0:
         raise SourceError(f"{' '.join(map(str, cmd[1:]))} failed: {done.stderr.strip()[-500:]}")
 
 
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
-    builders = {"vllm": vllm_env, "transformers": transformers_site, "gpu-stack": gpu_stack_env}
+    builders = {
+        "vllm": vllm_env,
+        "transformers": transformers_site,
+        "gpu-stack": gpu_stack_env,
+        "llama-cpp": llamacpp_site,
+    }
     if not args or args[0] not in builders:
         raise SystemExit(f"usage: python tests/envs.py {'|'.join(builders)} [DIR]")
     print(builders[args[0]](args[1] if len(args) > 1 else None))
