@@ -6,8 +6,8 @@ blocks, this costs a few hundred Python-level operations per layer and a copy of
 key (a BF16 cache: also a widening to fp32); at 16 sequences it was a third of the step.
 `paged_decode_attention_cpu` does the whole batch of one layer in one numba call, as vLLM-CPU's
 paged attention kernel does: one task per (sequence, KV head), which walks the sequence's block
-table, scores the query heads that share that KV head against each cached key (fp32, BF16 keys
-widened as they are read), takes the softmax in two passes and sums the values.
+table a block at a time, scores the query heads that share that KV head against the block's keys
+(fp32, BF16 keys widened as they are read), takes the softmax in two passes and sums the values.
 
 The reference is torch's `scaled_dot_product_attention` over the gathered keys (the model's
 per-sequence path, and `graph_step.paged_attention`); tests hold this kernel to it.
@@ -19,42 +19,51 @@ import math
 
 import numpy as np
 import torch
-from numba import njit, prange, types
+from numba import carray, njit, prange, types
 from numba.extending import overload
 
+from .cpu_avx2 import _f32_at, _i64_at, _u16_at
 from .cpu_gemv import _PARALLEL
 
 
-def _row(cache, block, slot, head, scratch):
-    """Row (block, slot, head) of a cache as fp32: a view of an fp32 cache, or BF16 bits widened
-    into `scratch` (numba picks the body by the cache's dtype)."""
+def _block(cache, block, head, scratch):
+    """One block's rows of `head`, (block_size, hd), as fp32 in `scratch`: BF16 bits widened, fp32
+    copied (numba picks the body by the cache's dtype). Contiguous, the loops over them vectorise:
+    a strided view of the block took four times as long."""
     raise NotImplementedError("compiled by numba only")
 
 
-@overload(_row, inline="always")
-def _row_impl(cache, block, slot, head, scratch):
+@overload(_block, inline="always")
+def _block_impl(cache, block, head, scratch):
     if cache.dtype == types.uint16:
 
-        def widen(cache, block, slot, head, scratch):
+        def widen(cache, block, head, scratch):
             bits = scratch.view(np.uint32)
-            src = cache[block, slot, head]
-            for d in range(src.shape[0]):
-                bits[d] = np.uint32(src[d]) << np.uint32(16)
+            src = cache[block]
+            for t in range(src.shape[0]):
+                for d in range(src.shape[2]):
+                    bits[t, d] = np.uint32(src[t, head, d]) << np.uint32(16)
             return scratch
 
         return widen
 
-    def view(cache, block, slot, head, scratch):
-        return cache[block, slot, head]
+    def copy(cache, block, head, scratch):
+        src = cache[block]
+        for t in range(src.shape[0]):
+            for d in range(src.shape[2]):
+                scratch[t, d] = src[t, head, d]
+        return scratch
 
-    return view
+    return copy
 
 
 @njit(nogil=True, cache=True, parallel=True, fastmath=True)
 def _paged_decode(q, k, v, tables, lengths, window, scale, out):
     """out[b, h] = softmax(q[b, h] . K_b^T * scale) V_b for q (B, H, hd) fp32, k and v (blocks,
     block_size, KVH, hd) fp32 or BF16 bits (uint16), tables (B, W) block ids, lengths (B,) the
-    positions each sequence attends (the new one's included); window > 0 keeps the last `window`."""
+    positions each sequence attends (the new one's included); window > 0 keeps the last `window`.
+    A block at a time: its keys, then its values, widened once for the query heads that share them
+    (a BF16 cache widened a row at a time took three times as long)."""
     nb, nh, hd = q.shape
     bs, kvh = k.shape[1], k.shape[2]
     group = nh // kvh
@@ -65,20 +74,22 @@ def _paged_decode(q, k, v, tables, lengths, window, scale, out):
         first = max(0, length - window) if window > 0 else 0
         n = length - first
         scores = np.empty((group, n), dtype=np.float32)
-        kbuf = np.empty(hd, dtype=np.float32)
-        vbuf = np.empty(hd, dtype=np.float32)
+        rows = np.empty((bs, hd), dtype=np.float32)
         best = np.full(group, -np.inf, dtype=np.float32)
-        for t in range(first, length):
-            krow = _row(k, tables[b, t // bs], t % bs, g, kbuf)
+        for blk in range(first // bs, (length + bs - 1) // bs):
+            t0 = blk * bs
+            lo, hi = max(first, t0) - t0, min(length, t0 + bs) - t0
+            kb = _block(k, tables[b, blk], g, rows)
             for j in range(group):
                 qrow = q[b, g * group + j]
-                s = np.float32(0.0)
-                for d in range(hd):
-                    s += qrow[d] * krow[d]
-                s *= scale
-                scores[j, t - first] = s
-                if s > best[j]:
-                    best[j] = s
+                for t in range(lo, hi):
+                    s = np.float32(0.0)
+                    for d in range(hd):
+                        s += qrow[d] * kb[t, d]
+                    s *= scale
+                    scores[j, t0 + t - first] = s
+                    if s > best[j]:
+                        best[j] = s
         total = np.zeros(group, dtype=np.float32)
         for j in range(group):
             for i in range(n):
@@ -86,20 +97,33 @@ def _paged_decode(q, k, v, tables, lengths, window, scale, out):
                 scores[j, i] = e
                 total[j] += e
         acc = np.zeros((group, hd), dtype=np.float32)
-        for t in range(first, length):
-            vrow = _row(v, tables[b, t // bs], t % bs, g, vbuf)
+        for blk in range(first // bs, (length + bs - 1) // bs):
+            t0 = blk * bs
+            lo, hi = max(first, t0) - t0, min(length, t0 + bs) - t0
+            vb = _block(v, tables[b, blk], g, rows)
             for j in range(group):
-                p = scores[j, t - first]
-                for d in range(hd):
-                    acc[j, d] += p * vrow[d]
+                for t in range(lo, hi):
+                    p = scores[j, t0 + t - first]
+                    for d in range(hd):
+                        acc[j, d] += p * vb[t, d]
         for j in range(group):
             inv = np.float32(1.0) / total[j]
             for d in range(hd):
                 out[b, g * group + j, d] = acc[j, d] * inv
 
 
-def _numba_view(cache: torch.Tensor) -> np.ndarray:
-    return cache.view(torch.uint16).numpy() if cache.dtype is torch.bfloat16 else cache.numpy()
+@njit(nogil=True, cache=True)
+def _paged_decode_at(q_at, k_at, v_at, tables_at, lengths_at, shape, cache_shape, width, window, scale, out_at, bf16):
+    """_paged_decode on the tensors' addresses (a call with arrays paid a microsecond or more for each
+    array's numpy view): q and out (B, H, hd) fp32, the caches `cache_shape` in BF16 bits or fp32."""
+    q, out = carray(_f32_at(q_at), shape), carray(_f32_at(out_at), shape)
+    tables, lengths = carray(_i64_at(tables_at), (shape[0], width)), carray(_i64_at(lengths_at), (shape[0],))
+    if bf16:
+        k, v = carray(_u16_at(k_at), cache_shape), carray(_u16_at(v_at), cache_shape)
+        _paged_decode(q, k, v, tables, lengths, window, scale, out)
+    else:
+        k, v = carray(_f32_at(k_at), cache_shape), carray(_f32_at(v_at), cache_shape)
+        _paged_decode(q, k, v, tables, lengths, window, scale, out)
 
 
 def paged_decode_attention_cpu(
@@ -109,33 +133,42 @@ def paged_decode_attention_cpu(
     tables: torch.Tensor,
     lengths: torch.Tensor,
     window: int | None = None,
+    check: bool = True,
 ) -> torch.Tensor:
     """Attention of one new query per sequence, q (B, H, hd), over one layer's paged cache k_cache,
     v_cache (blocks, block_size, KVH, hd) (fp32 or BF16, contiguous): sequence b attends positions
     0..lengths[b]-1 (the last `window` of them with a sliding window), read through its block ids
-    tables[b] (int64). Computed in fp32; returns (B, H, hd) in q's dtype."""
+    tables[b] (int64). Computed in fp32; returns (B, H, hd) in q's dtype. check=False leaves out the
+    checks of tables and lengths against the cache (four reductions a call): for a caller whose own
+    plan made them (the model's Step, once a step for all its layers)."""
     b, nh, hd = q.shape
     if k_cache.dtype not in (torch.float32, torch.bfloat16) or v_cache.dtype is not k_cache.dtype:
         raise ValueError(f"the CPU decode attention reads an fp32 or BF16 cache, not {k_cache.dtype}/{v_cache.dtype}")
     if nh % k_cache.shape[2] or k_cache.shape[3] != hd:
         raise ValueError(f"{nh} query heads of {hd} do not share a cache of {tuple(k_cache.shape[2:])} (heads, dim)")
-    out = np.empty((b, nh, hd), dtype=np.float32)
-    if b:  # the kernel reads by these without bounds checks
-        if tables.dtype is not torch.int64 or lengths.dtype is not torch.int64 or lengths.shape != (b,):
-            raise ValueError(f"block tables and lengths must be int64, one length per sequence ({b})")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.shape == k_cache.shape):
+        raise ValueError("the caches must be contiguous and of one shape")
+    if tables.dtype is not torch.int64 or lengths.dtype is not torch.int64 or lengths.shape != (b,):
+        raise ValueError(f"block tables and lengths must be int64, one length per sequence ({b})")
+    if b and check:  # the kernel reads by these without bounds checks
         if int(lengths.min()) < 1 or int(lengths.max()) > tables.shape[1] * k_cache.shape[1]:
             raise ValueError(f"lengths must lie in [1, {tables.shape[1] * k_cache.shape[1]}] (the block tables' room)")
         if int(tables.min()) < 0 or int(tables.max()) >= k_cache.shape[0]:
             raise ValueError(f"block ids must lie in [0, {k_cache.shape[0]})")
+    out = torch.empty(b, nh, hd)
+    if b:
+        q32 = q.to(torch.float32).contiguous()
+        tables, lengths = tables.contiguous(), lengths.contiguous()
+        addresses = (q32.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lengths.data_ptr())
         with _PARALLEL:
-            _paged_decode(
-                q.to(torch.float32).contiguous().numpy(),
-                _numba_view(k_cache),
-                _numba_view(v_cache),
-                tables.numpy(),
-                lengths.numpy(),
+            _paged_decode_at(
+                *addresses,
+                (b, nh, hd),
+                tuple(k_cache.shape),
+                tables.shape[1],
                 window or 0,
                 np.float32(1.0 / math.sqrt(hd)),
-                out,
+                out.data_ptr(),
+                k_cache.dtype is torch.bfloat16,
             )
-    return torch.from_numpy(out).to(q.dtype)
+    return out.to(q.dtype)

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels import cpu_pointwise
 from ..kernels.cpu_attention import paged_decode_attention_cpu
 from ..layers.transfer import to_device
 from .config import ModelConfig
@@ -33,6 +34,9 @@ from .sampling import token_logprobs
 
 
 class RMSNorm(nn.Module):
+    """transformers' LlamaRMSNorm. `native` is the same norm in one native call (cpu_pointwise), with
+    the residual add before it, for a CPU decode step's rows."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
@@ -43,19 +47,31 @@ class RMSNorm(nn.Module):
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
 
+    def native(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """forward(x), or with `residual` forward(x + residual) with x += residual made in x's place
+        (x is the layer's own residual stream); x (rows, n) in the weight's dtype, `takes` by
+        cpu_pointwise. Within an ulp of forward's values (the sum of squares is taken another way)."""
+        return cpu_pointwise.rms_norm_cpu(x, self.weight, self.eps, residual)
+
 
 @dataclass(slots=True)
 class Step:
     """What every layer of one forward shares: the segments (seq, new tokens) in row order, each
     new token's cache slot, and the sequences from segment `batched` on (one new token each, a
     decode step's rows, on the CPU) that attend as one batch through `tables` and `lengths`
-    (positions attended, the new one's included); `batched` is len(segments) when none do."""
+    (positions attended, the new one's included); `batched` is len(segments) when none do.
+
+    A step of decode rows only (`native`) takes the native kernels between the linears
+    (cpu_pointwise: norms with the residual add, rope with the cache's store, SiLU x up), where a
+    chain of torch operators cost more than the linears at one row. A prompt takes torch's
+    operators, which round as transformers' do: its BF16 logits are transformers' bit for bit."""
 
     segments: list[tuple[SeqCache, int]]
     slots: torch.Tensor
     batched: int
     tables: torch.Tensor | None = None
     lengths: torch.Tensor | None = None
+    native: bool = False  # every row a decode row on the CPU, fp32 or BF16: the layers' native path
 
     @classmethod
     def plan(cls, cache: KVCache, segments: list[tuple[SeqCache, int]]) -> Step:
@@ -69,6 +85,7 @@ class Step:
             ones = [seq for seq, _ in segments[batched:]]
             step.tables = cache.tables(ones)
             step.lengths = torch.tensor([seq.length + 1 for seq in ones], dtype=torch.int64)
+            step.native = batched == 0
         return step
 
 
@@ -93,13 +110,25 @@ class Attention(nn.Module):
         step: Step,
     ) -> torch.Tensor:
         cfg = self.cfg
-        n = x.shape[0]
-        qkv = self.qkv_proj(x).view(n, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
-        q, k, v = qkv.split([cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads], dim=1)  # (tokens, heads, head_dim)
-        if cfg.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = Rope.apply(q, cos, sin), Rope.apply(k, cos, sin)
-        cache.write_slots(layer, step.slots, k, v)
+        n, nq, nkv, hd = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qkv = self.qkv_proj(x).view(n, nq + 2 * nkv, hd)
+        if step.native and not cfg.qk_norm and cache.k.dtype == qkv.dtype and cpu_pointwise.takes(qkv):
+            # rope and the cache's store in one native call, q rotated in qkv's place
+            flat = (-1, nkv, hd)
+            k_cache, v_cache = cache.k[layer].view(flat), cache.v[layer].view(flat)
+            cpu_pointwise.rope_store_cpu(qkv, cos, sin, nq, nkv, k_cache, v_cache, step.slots)
+            q = qkv[:, :nq]
+        else:
+            q, k, v = qkv.split([nq, nkv, nkv], dim=1)  # (tokens, heads, head_dim)
+            if cfg.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = Rope.apply(q, cos, sin), Rope.apply(k, cos, sin)
+            cache.write_slots(layer, step.slots, k, v)
+        if step.batched == 0 and step.tables is not None:  # a decode step's rows only: one kernel call
+            out = paged_decode_attention_cpu(
+                q, cache.k[layer], cache.v[layer], step.tables, step.lengths, cfg.sliding_window, check=False
+            )
+            return self.o_proj(out.view(n, -1))
         out = torch.empty_like(q)
         t0 = 0
         for seq, count in step.segments[: step.batched]:
@@ -111,7 +140,7 @@ class Attention(nn.Module):
             t0 += count
         if step.tables is not None:
             out[t0:] = paged_decode_attention_cpu(
-                q[t0:], cache.k[layer], cache.v[layer], step.tables, step.lengths, cfg.sliding_window
+                q[t0:], cache.k[layer], cache.v[layer], step.tables, step.lengths, cfg.sliding_window, check=False
             )
         return self.o_proj(out.view(n, -1))
 
@@ -143,8 +172,12 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)  # gate, up stacked
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+    def forward(self, x: torch.Tensor, native: bool = False) -> torch.Tensor:
+        """native: SiLU x up in one native call (a CPU decode step's rows, fp32 or BF16)."""
+        gate_up = self.gate_up_proj(x)
+        if native and cpu_pointwise.takes(gate_up):
+            return self.down_proj(cpu_pointwise.silu_mul_cpu(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -157,6 +190,12 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x, cos, sin, layer, cache, step):
+        if step.native and cpu_pointwise.takes(x) and x.dtype == self.input_layernorm.weight.dtype:
+            attended = self.self_attn(self.input_layernorm.native(x), cos, sin, layer, cache, step)
+            if attended.dtype == x.dtype:  # the residual add made in x's place, inside the norm's call
+                return x + self.mlp(self.post_attention_layernorm.native(x, residual=attended), native=True)
+            x = x + attended
+            return x + self.mlp(self.post_attention_layernorm(x), native=True)
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, cache, step)
         return x + self.mlp(self.post_attention_layernorm(x))
 
