@@ -124,7 +124,10 @@ def gguf(src: Path, site: Path) -> Path:
         tmp = dst.with_suffix(".tmp")
         env = {**os.environ, "PYTHONPATH": f"{site / 'convert' / 'gguf-py'}:{site / 'convert'}"}
         cmd = [sys.executable, site / "convert" / "convert_hf_to_gguf.py", src, "--outtype", "bf16", "--outfile", tmp]
-        subprocess.run([str(c) for c in cmd], check=True, env=env, stdout=subprocess.DEVNULL)
+        print(f"converting {src} to {dst} (llama.cpp's convert_hf_to_gguf.py) ...", flush=True)
+        done = subprocess.run([str(c) for c in cmd], env=env, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"convert_hf_to_gguf.py failed: {done.stderr.strip()[-2000:]}")
         tmp.rename(dst)
     return dst
 
