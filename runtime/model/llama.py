@@ -62,7 +62,7 @@ class Step:
     (positions attended, the new one's included); `batched` is len(segments) when none do.
 
     A step of decode rows only (`native`) takes the native kernels between the linears
-    (cpu_pointwise: norms with the residual add, rope with the cache's store, SiLU x up), where a
+    (cpu_pointwise: norms with the residual add, rope with the cache's store), where a
     chain of torch operators cost more than the linears at one row. A prompt takes torch's
     operators, which round as transformers' do: its BF16 logits are transformers' bit for bit."""
 
@@ -172,12 +172,8 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)  # gate, up stacked
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, native: bool = False) -> torch.Tensor:
-        """native: SiLU x up in one native call (a CPU decode step's rows, fp32 or BF16)."""
-        gate_up = self.gate_up_proj(x)
-        if native and cpu_pointwise.takes(gate_up):
-            return self.down_proj(cpu_pointwise.silu_mul_cpu(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -193,9 +189,9 @@ class DecoderLayer(nn.Module):
         if step.native and cpu_pointwise.takes(x) and x.dtype == self.input_layernorm.weight.dtype:
             attended = self.self_attn(self.input_layernorm.native(x), cos, sin, layer, cache, step)
             if attended.dtype == x.dtype:  # the residual add made in x's place, inside the norm's call
-                return x + self.mlp(self.post_attention_layernorm.native(x, residual=attended), native=True)
+                return x + self.mlp(self.post_attention_layernorm.native(x, residual=attended))
             x = x + attended
-            return x + self.mlp(self.post_attention_layernorm(x), native=True)
+            return x + self.mlp(self.post_attention_layernorm(x))
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, cache, step)
         return x + self.mlp(self.post_attention_layernorm(x))
 
