@@ -104,11 +104,15 @@ def test_bad_arguments_are_refused_with_their_shapes():
     x = torch.randn(2, 8)
     with pytest.raises(ValueError, match="RMSNorm of"):
         rms_norm_cpu(x, torch.ones(8, dtype=torch.bfloat16), 1e-5)
+    with pytest.raises(ValueError, match="not taken"):
+        rms_norm_cpu(x.t(), torch.ones(2), 1e-5)  # not contiguous: its address would be read as if it were
     with pytest.raises(ValueError, match="residual"):
         rms_norm_cpu(x, torch.ones(8), 1e-5, residual=torch.randn(2, 4))
     qkv, cs = torch.randn(1, 5, 8), torch.randn(1, 8)
     kc = torch.zeros(4, 1, 8)
     with pytest.raises(ValueError, match="heads"):
         rope_store_cpu(qkv, cs, cs, 2, 2, kc, kc.clone(), torch.tensor([0]))
+    with pytest.raises(ValueError, match="not taken"):
+        rope_store_cpu(qkv.half(), cs, cs, 1, 2, kc, kc.clone(), torch.tensor([0]))
     with pytest.raises(ValueError, match="outside the cache"):
         rope_store_cpu(qkv[:, :3], cs, cs, 1, 1, kc, kc.clone(), torch.tensor([4]))

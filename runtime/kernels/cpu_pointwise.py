@@ -194,6 +194,8 @@ def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: to
     """RMSNorm of x (rows, n) by weight (n,), as llama.py's RMSNorm computes it, in x's dtype (`takes`
     x). With `residual`, x += residual first, in place (the layer's residual add): then the norm is of
     the sum, and x holds it. weight in x's dtype."""
+    if not takes(x) or weight.device != x.device:
+        raise ValueError(f"RMSNorm natively of a {x.device} {x.dtype} x, contiguous {x.is_contiguous()}: not taken")
     if weight.dtype != x.dtype or weight.shape != x.shape[-1:] or x.dim() != 2 or not weight.is_contiguous():
         raise ValueError(f"RMSNorm of {x.dtype}{list(x.shape)} by {weight.dtype}{list(weight.shape)}")
     d_at, d_rows = 0, 0
@@ -222,6 +224,10 @@ def rope_store_cpu(
     qkv (rows, nq + 2 nkv, hd) (`takes` it); cos, sin (rows, hd) or (rows, 1, hd) in its dtype; the
     caches (cache slots, nkv, hd) in its dtype, contiguous; slots (rows,) int64, each a slot of the
     cache (the kernel checks them as it stores)."""
+    if not takes(qkv) or k_cache.device != qkv.device or v_cache.device != qkv.device:
+        raise ValueError(
+            f"rope natively of a {qkv.device} {qkv.dtype} qkv, contiguous {qkv.is_contiguous()}: not taken"
+        )
     rows, heads, hd = qkv.shape
     if heads != nq + 2 * nkv or hd % 2 or cos.dtype != qkv.dtype or sin.dtype != qkv.dtype:
         raise ValueError(f"qkv {qkv.dtype}{list(qkv.shape)} is not {nq} + 2 x {nkv} heads with cos, sin in its dtype")
