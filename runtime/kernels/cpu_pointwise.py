@@ -46,6 +46,12 @@ def _narrow(src, dst):
     raise NotImplementedError("compiled by numba only")
 
 
+def _copy(src, dst):
+    """The fp32 body of both: a row copied as it is."""
+    for i in range(src.shape[0]):
+        dst[i] = src[i]
+
+
 @overload(_widen, inline="always")
 def _widen_impl(src, dst):
     if src.dtype == types.uint16:
@@ -57,11 +63,7 @@ def _widen_impl(src, dst):
 
         return widen
 
-    def copy(src, dst):
-        for i in range(src.shape[0]):
-            dst[i] = src[i]
-
-    return copy
+    return _copy
 
 
 @overload(_narrow, inline="always")
@@ -79,11 +81,7 @@ def _narrow_impl(src, dst):
 
         return narrow
 
-    def copy(src, dst):
-        for i in range(src.shape[0]):
-            dst[i] = src[i]
-
-    return copy
+    return _copy
 
 
 @njit(nogil=True, cache=True)

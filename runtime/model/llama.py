@@ -190,9 +190,9 @@ class DecoderLayer(nn.Module):
             attended = self.self_attn(self.input_layernorm.native(x), cos, sin, layer, cache, step)
             if attended.dtype == x.dtype:  # the residual add made in x's place, inside the norm's call
                 return x + self.mlp(self.post_attention_layernorm.native(x, residual=attended))
-            x = x + attended
-            return x + self.mlp(self.post_attention_layernorm(x))
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, cache, step)
+        else:
+            attended = self.self_attn(self.input_layernorm(x), cos, sin, layer, cache, step)
+        x = x + attended
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
