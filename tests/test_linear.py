@@ -4,6 +4,7 @@ UNWEIGHT_PIPELINE, and resident memory is the compressed size."""
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from helpers import random_bf16
+from unweight.runtime.layers import autotune
 from unweight.runtime.layers.autotune import KEEP_VERSIONS, VERSIONS_KEY, Autotuner, batch_bucket, code_version
 from unweight.runtime.layers.linear import UnweightLinear
 
@@ -45,6 +47,7 @@ def test_pipelines_match_f_linear(layer, monkeypatch, pipeline, m):
 def test_autotuner_caches_choice_on_disk(layer, tmp_path, monkeypatch):
     mod, _, _ = layer
     monkeypatch.delenv("UNWEIGHT_PIPELINE", raising=False)
+    monkeypatch.setattr(autotune, "preemptions", lambda: 0)  # a quiet machine (CI's may be busy)
     mod(torch.randn(3, 160).to(torch.bfloat16))
     saved = json.loads((tmp_path / "tune.json").read_text())
     assert saved.pop(VERSIONS_KEY) == code_version()
@@ -80,6 +83,63 @@ def test_the_autotune_file_keeps_the_versions_tuned_last(tmp_path, monkeypatch):
     Autotuner(path).choose(f"cpu-2|8x16|m1|bfloat16|{now}", candidates, torch.device("cpu"))
     saved = json.loads(path.read_text())
     assert saved.pop(VERSIONS_KEY).split() == [now, *old[:2]] and len(saved) == 3
+
+
+class _Preempting:
+    """Stands in for autotune.preemptions: a preemption in every run whose candidate is `victim`
+    (in every run if None), for its first `first` runs."""
+
+    def __init__(self, victim: str | None = None, first: int = 10**9):
+        self.victim, self.first, self.running, self.count, self.runs = victim, first, None, 0, 0
+
+    def __call__(self) -> int:
+        return self.count
+
+    def candidate(self, name: str, seconds: float):
+        def run():
+            if self.victim in (None, name) and self.runs < self.first:
+                self.runs += 1
+                self.count += 1
+                time.sleep(seconds * 20)  # a preempted parallel kernel waits out a scheduler slice
+            else:
+                time.sleep(seconds)
+
+        return run
+
+
+def test_a_run_preempted_by_another_process_does_not_count(tmp_path, monkeypatch):
+    """The fast pipeline's first runs are all preempted (each 20x its time, as on a busy 2-core host):
+    the fastest of its first five would lose; its clean runs from then on win, and the choice is saved."""
+    monkeypatch.delenv("UNWEIGHT_PIPELINE", raising=False)
+    clock = _Preempting(victim="fused", first=7)
+    monkeypatch.setattr(autotune, "preemptions", clock)
+    candidates = {"decode_matmul": clock.candidate("decode_matmul", 0.004), "fused": clock.candidate("fused", 0.001)}
+    path, key = tmp_path / "tune.json", f"cpu-2|8x8|m1|bfloat16|{code_version()}"
+    assert Autotuner(path).choose(key, candidates, torch.device("cpu"))[0] == "fused"
+    assert json.loads(path.read_text())[key] == "fused"
+
+
+def test_a_choice_timed_under_load_holds_for_the_process_only(tmp_path, monkeypatch, caplog):
+    """Every run preempted: the choice serves this tuner, is not saved (nor by a later save of
+    another key), and the next process's tuner times it again."""
+    monkeypatch.delenv("UNWEIGHT_PIPELINE", raising=False)
+    busy = _Preempting()
+    monkeypatch.setattr(autotune, "preemptions", busy)
+    path, key = tmp_path / "tune.json", f"cpu-2|8x8|m1|bfloat16|{code_version()}"
+    tuner = Autotuner(path)
+    candidates = {"decode_matmul": busy.candidate("decode_matmul", 0.0002), "fused": busy.candidate("fused", 0.0001)}
+    with caplog.at_level("INFO", logger=autotune.__name__):
+        assert tuner.choose(key, candidates, torch.device("cpu")) == ("fused", None)
+    assert busy.runs == 2 * (autotune.MAX_ROUNDS + 1) and "not saved" in caplog.text
+    assert not path.exists()
+    assert tuner.choose(key, {"decode_matmul": None, "fused": None}, torch.device("cpu")) == ("fused", None)
+
+    monkeypatch.setattr(autotune, "preemptions", lambda: 0)  # quiet again: another key is saved
+    tuner.choose(key.replace("8x8", "8x16"), {"fused": lambda: None}, torch.device("cpu"))
+    assert list(json.loads(path.read_text())) == [key.replace("8x8", "8x16"), VERSIONS_KEY]
+    runs = []
+    Autotuner(path).choose(key, {"decode_matmul": lambda: runs.append(1), "fused": lambda: None}, torch.device("cpu"))
+    assert runs  # timed again
 
 
 def test_bad_forced_pipeline_and_bad_weights(layer, monkeypatch):

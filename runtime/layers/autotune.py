@@ -1,11 +1,21 @@
 """Choosing a pipeline per (device, layer shape, batch bucket) by timing the candidates once.
 
-The first call for a key times every candidate (one warm-up each, then REPEATS rounds that run the
+The first call for a key times every candidate (one warm-up each, then rounds that run the
 candidates in turn; each keeps its fastest run, since noise only ever adds time, and taking turns
 spreads a slow spell of the machine over all of them; on the CPU each timed run starts with the
-caches emptied, `_evict`) and remembers the fastest (keyed also by a
-digest of the kernels' code, `code_version`), in memory and in a JSON file
-(`$UNWEIGHT_CACHE/autotune.json`), written atomically. The file keeps the choices of the
+caches emptied, `_evict`) and remembers the fastest (keyed also by a digest of the kernels' code
+and of this file, `code_version`), in memory and in a JSON file (`$UNWEIGHT_CACHE/autotune.json`),
+written atomically.
+
+A run during which one of this process's threads was preempted (an involuntary context switch:
+another process wanted the core) does not count: a parallel kernel then waits a whole scheduler
+slice for its preempted thread, milliseconds against tens of microseconds, and on a busy 2-core
+host every run of one candidate can meet that, so that the fastest of five still loses by 100x
+(measured: SmolLM2's qkv GEMV at one row took 5.6 ms in its best of five runs beside three busy
+processes, against 65 us alone, and the slower pipeline won). Rounds go on until every candidate
+has REPEATS clean runs, MAX_ROUNDS at most; a choice timed with fewer than CLEAN_TO_SAVE clean runs
+of some candidate holds for this process only and is not saved, so that the next process times it
+again instead of keeping a choice that the machine's load made. The file keeps the choices of the
 KEEP_VERSIONS code versions tuned most recently (keys end with `|<code_version()>`), so that it does
 not grow with every change of the kernels. `UNWEIGHT_PIPELINE=name` forces one pipeline everywhere
 (for debugging).
@@ -16,6 +26,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
 import os
 import threading
 import time
@@ -27,9 +38,18 @@ import torch
 
 from unweight.defaults import cache_dir
 
+try:
+    import resource
+except ImportError:  # Windows: no rusage, every run counts as clean
+    resource = None
+
 FORCE_ENV = "UNWEIGHT_PIPELINE"
 REPEATS = 5
+MAX_ROUNDS = 2 * REPEATS  # rounds a choice takes at most while other processes preempt its runs
+CLEAN_TO_SAVE = 2  # clean runs every candidate needs for the choice to be saved
 KEEP_VERSIONS = 4  # code versions whose choices the file keeps (two checkouts or installs may share it)
+log = logging.getLogger(__name__)
+
 VERSIONS_KEY = "versions"  # the file's list of code versions, most recently tuned first (no "|": no choice's key)
 
 
@@ -40,11 +60,12 @@ def batch_bucket(m: int) -> int:
 
 @functools.cache
 def code_version() -> str:
-    """A digest of the kernels' source (runtime/kernels/: the GPU and the CPU kernels): part of every cache key,
-    so that a choice timed on other kernels is timed again."""
+    """A digest of the kernels' source (runtime/kernels/: the GPU and the CPU kernels) and of this file (how
+    choices are timed): part of every cache key, so that a choice timed on other kernels, or by another
+    method, is timed again."""
     kernels = Path(__file__).parent.parent / "kernels"
     digest = hashlib.sha1()
-    for f in sorted(kernels.glob("*.py")):
+    for f in [*sorted(kernels.glob("*.py")), Path(__file__)]:
         digest.update(f.read_bytes())
     return digest.hexdigest()[:12]
 
@@ -70,6 +91,14 @@ def _scratch() -> np.ndarray:
     return np.zeros(max(64 << 20, 2 * l3), dtype=np.uint8)
 
 
+def preemptions() -> int:
+    """Involuntary context switches of this process's threads so far (Linux sums every thread's in
+    RUSAGE_SELF): one between two readings means a thread lost its core to another process."""
+    if resource is None:
+        return 0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_nivcsw
+
+
 def _evict(device: torch.device) -> None:
     """On the CPU, write the scratch buffer, so that the next timed run reads its weight from DRAM,
     as a model's forward does: each layer's weight is read once a forward, and the other layers'
@@ -88,13 +117,15 @@ class Autotuner:
         self.path = Path(path) if path is not None else cache_dir() / "autotune.json"
         self._lock = threading.Lock()
         self._choices: dict[str, str] | None = None
+        self._unsaved: dict[str, str] = {}  # choices timed under load: this process's only
 
     def __getstate__(self) -> dict:
         """Pickled (a layer saved whole, or deep-copied) without its lock; unpickled with a new one."""
-        return {"path": self.path, "choices": self._choices}
+        return {"path": self.path, "choices": self._choices, "unsaved": self._unsaved}
 
     def __setstate__(self, state: dict) -> None:
         self.path, self._choices, self._lock = state["path"], state["choices"], threading.Lock()
+        self._unsaved = state.get("unsaved", {})
 
     def _load(self) -> dict[str, str]:
         if self._choices is None:
@@ -136,26 +167,51 @@ class Autotuner:
                 raise ValueError(f"{FORCE_ENV}={forced!r} is not a pipeline here; choose from {', '.join(candidates)}")
             return forced, None
         with self._lock:
-            known = self._load().get(key)
+            known = self._load().get(key) or self._unsaved.get(key)
         if known in candidates:
             return known, None
         outputs = {}
         for name, run in candidates.items():
             outputs[name] = run()  # warm-up (compiles kernels)
             _sync(device)
-        timings = dict.fromkeys(candidates, float("inf"))
-        for _ in range(REPEATS):
+        clean, disturbed = self._time(candidates, device)
+        # the fastest clean run; a candidate without one competes with its least disturbed run
+        best = min(candidates, key=lambda name: min(clean[name] or disturbed[name]))
+        fewest = min(len(runs) for runs in clean.values())
+        with self._lock:
+            if fewest >= CLEAN_TO_SAVE:
+                self._load()[key] = best
+                self._save()
+            else:
+                self._unsaved[key] = best
+                log.info(
+                    "autotune %s: %s for this process only, not saved (%d clean runs in %d rounds: other "
+                    "processes held the cores)",
+                    key,
+                    best,
+                    fewest,
+                    MAX_ROUNDS,
+                )
+        return best, outputs[best]
+
+    def _time(self, candidates: dict[str, Callable[[], torch.Tensor]], device: torch.device) -> tuple[dict, dict]:
+        """(clean, disturbed): each candidate's run times in seconds, split by whether a thread of this
+        process was preempted during the run, from rounds that take the candidates in turn until each
+        has REPEATS clean runs, MAX_ROUNDS at most."""
+        clean = {name: [] for name in candidates}
+        disturbed = {name: [] for name in candidates}
+        for _ in range(MAX_ROUNDS):
             for name, run in candidates.items():
                 _evict(device)
+                before = preemptions()
                 t0 = time.perf_counter()
                 run()
                 _sync(device)
-                timings[name] = min(timings[name], time.perf_counter() - t0)
-        best = min(timings, key=timings.get)
-        with self._lock:
-            self._load()[key] = best
-            self._save()
-        return best, outputs[best]
+                took = time.perf_counter() - t0
+                (clean if preemptions() == before else disturbed)[name].append(took)
+            if min(len(runs) for runs in clean.values()) >= REPEATS:
+                break
+        return clean, disturbed
 
 
 DEFAULT = Autotuner()
