@@ -175,7 +175,7 @@ def gemv_plan(w: TilesWeight):
     if not _fast_layout(sm, codes, esc, esc_index, w.cols):
         return None
     n, k = w.rows, w.cols
-    streams = (sm.data_ptr(), *_addresses(codes, esc, esc_index), n, k, -(-k // w.block), w.base, 0, n)
+    streams = _streams(w)
     parts = _fused_parts(n)
 
     def gemv(x: torch.Tensor) -> torch.Tensor:
@@ -193,6 +193,33 @@ def gemv_plan(w: TilesWeight):
         return y
 
     return gemv
+
+
+def _streams(w: TilesWeight) -> tuple:
+    """The fused kernels' arguments that describe all of W (its streams' addresses and sizes)."""
+    n, k = w.rows, w.cols
+    return (w.sm.data_ptr(), *_addresses(w.codes, w.esc, w.esc_index), n, k, -(-k // w.block), w.base, 0, n)
+
+
+def gemv_call(w: TilesWeight, dtype: torch.dtype) -> tuple | None:
+    """The fused GEMV of all of W for contiguous CPU x in `dtype`, written in that same dtype, as a
+    caller that holds `_PARALLEL` makes it (a decode step's plan, runtime/model/native_step.py):
+    (kernel, streams, parts), y = x @ W^T being `kernel(x address, rows of x, *streams, y address,
+    parts)` with y (rows, out_features) contiguous. The bits of gemv_plan's y. None where the x86 kernels do
+    not take the streams or write y in another dtype (BF16 x without the chunk kernels' vdpbf16ps).
+    Valid while the streams stay where they are (the caller keys it by the value `w`)."""
+    if not _fast_layout(w.sm, w.codes, w.esc, w.esc_index, w.cols):
+        return None
+    if dtype is torch.bfloat16:
+        if not CHUNK_DOT:
+            return None
+        kernels = _CHUNK_BF16_TO_BF16
+    elif dtype is torch.float32:
+        kernels = _CHUNK_F32 if CHUNKS else _FP32
+    else:
+        return None
+    parts = _fused_parts(w.rows)
+    return kernels[0] if parts > 1 else kernels[1], _streams(w), parts
 
 
 def tiles_grouped_gemv_cpu(

@@ -267,23 +267,31 @@ class UnweightLinear(nn.Module):
             self._plan_key = w
         return self._plan
 
+    def pipeline(self, x: torch.Tensor) -> tuple[str, torch.Tensor | None]:
+        """(the pipeline this layer runs x through, x @ W^T if choosing it just computed that, else
+        None): the autotuner's choice for x's device, batch bucket and dtype, remembered per layer.
+        x as forward's compute_input makes it."""
+        m = x.numel() // self.in_features if self.in_features else 0
+        bucket = batch_bucket(m)
+        memo = (x.device, bucket, x.dtype, os.environ.get(FORCE_ENV))  # the choice, without rebuilding its key
+        name = self._chosen.get(memo)
+        if name is not None:
+            return name, None
+        dtype = str(x.dtype).removeprefix("torch.")
+        where = device_name(x.device) + (f"|{self.AUTOTUNE_TAG}" if self.AUTOTUNE_TAG else "")
+        key = f"{where}|{self.out_features}x{self.in_features}|m{bucket}|{dtype}|{code_version()}"
+        name, y = self.autotuner.choose(
+            key, {p: (lambda p=p: self.run(p, x)) for p in self._pipelines(bucket, x.device)}, x.device
+        )
+        self._chosen[memo] = name
+        return name, y
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         device = self.compressed_weight.device
         x = compute_input(x, device, self._note)
         if x.device != device:
             raise ValueError(f"input is on {x.device}, the layer on {device}")
-        m = x.numel() // self.in_features if self.in_features else 0
-        bucket = batch_bucket(m)
-        memo = (x.device, bucket, x.dtype, os.environ.get(FORCE_ENV))  # the choice, without rebuilding its key
-        name, y = self._chosen.get(memo), None
-        if name is None:
-            dtype = str(x.dtype).removeprefix("torch.")
-            where = device_name(x.device) + (f"|{self.AUTOTUNE_TAG}" if self.AUTOTUNE_TAG else "")
-            key = f"{where}|{self.out_features}x{self.in_features}|m{bucket}|{dtype}|{code_version()}"
-            name, y = self.autotuner.choose(
-                key, {p: (lambda p=p: self.run(p, x)) for p in self._pipelines(bucket, x.device)}, x.device
-            )
-            self._chosen[memo] = name
+        name, y = self.pipeline(x)
         if torch.is_grad_enabled() and x.requires_grad:
             y = _CompressedMatmul.apply(x, self, name)
         elif y is None:

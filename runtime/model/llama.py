@@ -29,6 +29,7 @@ from ..kernels.cpu_attention import paged_decode_attention_cpu
 from ..layers.transfer import to_device
 from .config import ModelConfig
 from .kv_cache import KVCache, SeqCache
+from .native_step import NativeStep
 from .rope import Rope
 from .sampling import token_logprobs
 
@@ -216,6 +217,7 @@ class CausalLM(nn.Module):
         self.rope: Rope | None = None
         self.compute_dtype = torch.float32
         self.graph_decoder = None  # set_decode_graph: decode steps as one graph
+        self._native_steps: dict[tuple, NativeStep | None] = {}  # (rows, dtype) -> a CPU decode step's plan
 
     @property
     def device(self) -> torch.device:
@@ -241,6 +243,7 @@ class CausalLM(nn.Module):
         )
         self.rope = Rope(cfg, self.device)
         self.graph_decoder = None
+        self._native_steps = {}
 
     def set_decode_graph(self, mode: str | None) -> None:
         """How decode steps run: None, sequence by sequence (attention per sequence, the block
@@ -281,13 +284,26 @@ class CausalLM(nn.Module):
         x = self.model.embed_tokens.rows(tokens, self.compute_dtype).to(
             self.device
         )  # ids checked on the host by rows()
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, i, cache, step)
-            if on_layer is not None:
-                on_layer(i)
+        native = self._native_step(x) if step.native and on_layer is None else None
+        if native is not None:  # the same kernels as the layers' native path, their arguments made once
+            x = native.run(x, cos, sin, step, cache)
+        else:
+            for i, layer in enumerate(self.model.layers):
+                x = layer(x, cos, sin, i, cache, step)
+                if on_layer is not None:
+                    on_layer(i)
         for seq, count in segments:
             seq.length += count
         return self.model.norm(x)
+
+    def _native_step(self, x: torch.Tensor) -> NativeStep | None:
+        """The plan of a decode step of x's rows (native_step.py), made at its first step and again
+        whenever the layers hold other weights; None where the kernels do not take the layers."""
+        key = (x.shape[0], x.dtype)
+        plan = self._native_steps.get(key, False)
+        if plan is False or (plan is not None and not plan.holds(self)):
+            plan = self._native_steps[key] = NativeStep.make(self, x)
+        return plan
 
     def _check_context(self, segments: list[tuple[SeqCache, int]]) -> None:
         """Every sequence has room in the context length for its new tokens (before any is reserved)."""

@@ -1,0 +1,105 @@
+"""A CPU decode step's plan of native calls (runtime/model/native_step.py) gives the bits of the
+layers' own native path, for every family it takes (rope scaling, a sliding window, biases), in
+fp32 and BF16, at one row and at several; it makes way for the layers' path where the kernels do not
+take a model, and is made again when a layer's weights are replaced."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_families import _configs, make_model
+from torch import nn
+
+import unweight
+from unweight.runtime.kernels.cpu_gemv import gemv_call
+
+FAMILIES = ["llama3.1-rope-scaling", "mistral-sliding-window", "llama-attention-and-mlp-bias", "qwen2-qkv-bias"]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root, configs = tmp_path_factory.mktemp("native"), _configs()
+    out = {}
+    for family in [*FAMILIES, "qwen3-qk-norm"]:
+        src = make_model(configs[family], root / family / "bf16")
+        unweight.compress(src, root / family / "uw")
+        out[family] = root / family / "uw"
+    return out
+
+
+def pair(folder, dtype: str):
+    """The model twice: with the plan, and without it (the layers' native path)."""
+    planned, layered = unweight.load(folder, dtype=dtype), unweight.load(folder, dtype=dtype)
+    layered._native_step = lambda x: None
+    return planned, layered
+
+
+def steps(planned, layered, prompts, count: int) -> list[torch.Tensor]:
+    """Prefill `prompts` on both, then `count` greedy decode steps of all of them and one of the
+    first alone; each step's logits must be the same bits. Returns the planned model's logits."""
+    seqs = [(planned.new_sequence(), layered.new_sequence()) for _ in prompts]
+    tokens = []
+    for (a, b), prompt in zip(seqs, prompts):
+        first = planned.prefill(a, prompt)
+        assert torch.equal(first.view(torch.int32), layered.prefill(b, prompt).view(torch.int32))
+        tokens.append(int(first.argmax()))
+    out = []
+    for i in range(count):
+        rows = seqs if i % 2 == 0 else seqs[:1]
+        got = planned.decode_step([a for a, _ in rows], tokens[: len(rows)])
+        want = layered.decode_step([b for _, b in rows], tokens[: len(rows)])
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), f"step {i}"
+        tokens[: len(rows)] = got.argmax(-1).tolist()
+        out.append(got)
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_plan_gives_the_layers_bits(family, dtype, folders, monkeypatch):
+    monkeypatch.setenv("UNWEIGHT_PIPELINE", "fused")  # tiny layers: the autotuner may pick decode_matmul
+    planned, layered = pair(folders[family], dtype)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 256, (n,), generator=gen) for n in (20, 3, 9)]  # 20: past the window of 8
+    steps(planned, layered, prompts, 6)
+    compute = planned.compute_dtype
+    taken = gemv_call(planned.model.layers[0].self_attn.qkv_proj.compressed_weight, compute) is not None
+    # BF16 where the chunk kernels write BF16 (avx512_bf16 with VBMI2 and GFNI), fp32 wherever they run
+    assert {k: v is not None for k, v in planned._native_steps.items()} == {(3, compute): taken, (1, compute): taken}
+
+
+def test_a_model_the_kernels_do_not_take_steps_through_its_layers(folders, monkeypatch):
+    """q/k norms (Qwen3) are not in the plan; nor is a pipeline other than the fused GEMV."""
+    monkeypatch.setenv("UNWEIGHT_PIPELINE", "fused")
+    planned, layered = pair(folders["qwen3-qk-norm"], "float32")
+    steps(planned, layered, [torch.arange(5)], 2)
+    assert list(planned._native_steps.values()) == [None]
+
+    monkeypatch.setenv("UNWEIGHT_PIPELINE", "decode_matmul")
+    planned, layered = pair(folders["llama3.1-rope-scaling"], "float32")
+    steps(planned, layered, [torch.arange(5)], 2)
+    assert list(planned._native_steps.values()) == [None]
+
+
+def test_weights_replaced_after_a_step_make_a_new_plan(folders, monkeypatch):
+    """A norm's weight and a linear's weight value replaced between steps: the next step reads the
+    new ones (a stale plan would read the old addresses)."""
+    monkeypatch.setenv("UNWEIGHT_PIPELINE", "fused")
+    planned, layered = pair(folders["llama3.1-rope-scaling"], "float32")
+    prompts = [torch.arange(7)]
+    before = steps(planned, layered, prompts, 1)[0]
+    first = planned._native_steps[(1, torch.float32)]
+    assert first is not None
+    for model in (planned, layered):
+        layer = model.model.layers[1]
+        norm = layer.post_attention_layernorm
+        norm.weight = nn.Parameter(norm.weight * 1.5, requires_grad=False)
+        down = layer.mlp.down_proj
+        down.assign_weight(type(down).from_weight(-down.decoded_weight()).compressed_weight)
+    seqs = planned.new_sequence(), layered.new_sequence()
+    for model, seq in zip((planned, layered), seqs):
+        model.prefill(seq, prompts[0])
+    got = planned.decode_step([seqs[0]], [int(before.argmax())])
+    want = layered.decode_step([seqs[1]], [int(before.argmax())])
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert planned._native_steps[(1, torch.float32)] is not first
