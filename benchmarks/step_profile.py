@@ -8,7 +8,9 @@ the compressed model's twin in tests/test_generate.py). The variants alternate, 
 
 Per variant:
   step ms      each decode step's wall time, no hooks (median and range over steps and rounds);
-  by part      the same steps timed again with a forward hook before and after every module, each
+  layer by layer  the same steps through the layers' modules, one launcher a kernel (a decode step's
+               plan of native calls, runtime/model/native_step.py, off);
+  by part      those steps timed again with a forward hook before and after every module, each
                module's time less its children's: the linears by name (q/k/v, o, gate/up, down,
                lm_head), the RMS norms, attention's own work (rope, the KV cache write, the attend),
                the MLP's activation (silu x up), the layers' residual adds, and the rest of the step
@@ -26,6 +28,7 @@ Run:  python benchmarks/step_profile.py [--model DIR] [--dtype auto|float32|bflo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import statistics
 import sys
@@ -159,6 +162,17 @@ def run_steps(model, prompt: list[int], tokens: int, hooks: Hooks | None) -> tup
         model.free(seq)
 
 
+@contextlib.contextmanager
+def layer_by_layer(model):
+    """Decode steps through the layers' modules (their native calls one launcher at a time), not as
+    the step's plan of native calls: the plan's step has no module for a hook to time."""
+    model._native_step = lambda x: None
+    try:
+        yield
+    finally:
+        del model._native_step
+
+
 def torch_ops(model, prompt: list[int], tokens: int) -> dict[str, float]:
     """torch's operators a decode step calls (torch.profiler over `tokens` steps), per step: every
     aten operator's calls, nested ones included (aten::to calls aten::_to_copy), most called first."""
@@ -209,15 +223,19 @@ def main() -> None:
     plain: dict[str, list[float]] = defaultdict(list)
     hooked: dict[str, list[float]] = defaultdict(list)
     parts: dict[str, list[dict]] = defaultdict(list)
+    layered: list[float] = []
     for r in range(args.rounds):
         for name, m in variants.items():
             times, _ = run_steps(m, prompt, args.tokens, None)
             plain[name] += times
-            hooks = Hooks(m)
-            try:
-                times, p = run_steps(m, prompt, args.tokens, hooks)
-            finally:
-                hooks.remove()
+            with layer_by_layer(m):  # a step's plan (native_step.py) calls no module: the hooks see the layers'
+                if name == "unweight":
+                    layered += run_steps(m, prompt, args.tokens, None)[0]
+                hooks = Hooks(m)
+                try:
+                    times, p = run_steps(m, prompt, args.tokens, hooks)
+                finally:
+                    hooks.remove()
             hooked[name] += times
             parts[name] += p
             last = statistics.median(plain[name][-args.tokens :])
@@ -244,7 +262,10 @@ def main() -> None:
         ms = " | ".join(f"{v[n]['parts_ms'][p]['median']:.3f}" for n in variants)
         gbps = " | ".join(f"{v[n]['GBps'][p]:.1f}" if p in v[n]["GBps"] else "-" for n in variants)
         print(f"| {p} | {ms} | {gbps} |")
-    for key, label in (("hooked_step_ms", "step, hooked"), ("step_ms", "step, no hooks")):
+    v["unweight"]["layered_step_ms"] = summary([1e3 * t for t in layered])
+    v["dense"]["layered_step_ms"] = v["dense"]["step_ms"]  # no plan takes DenseLinear: the same runs
+    rows = (("hooked_step_ms", "step, hooked"), ("layered_step_ms", "step, layer by layer"), ("step_ms", "step"))
+    for key, label in rows:
         row = " | ".join(f"{v[n][key]['median']:.2f} ({v[n][key]['min']:.2f}-{v[n][key]['max']:.2f})" for n in variants)
         print(f"| {label} | {row} |" + " - |" * len(variants))
     linear_ms = {n: sum(v[n]["parts_ms"][p]["median"] for p in LINEARS) for n in variants}
