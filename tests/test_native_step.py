@@ -82,24 +82,33 @@ def test_a_model_the_kernels_do_not_take_steps_through_its_layers(folders, monke
 
 
 def test_weights_replaced_after_a_step_make_a_new_plan(folders, monkeypatch):
-    """A norm's weight and a linear's weight value replaced between steps: the next step reads the
-    new ones (a stale plan would read the old addresses)."""
+    """A norm's weight and a linear's weight value replaced between steps, then a whole linear: each
+    next step reads the new ones (a stale plan would read the old addresses)."""
     monkeypatch.setenv("UNWEIGHT_PIPELINE", "fused")
     planned, layered = pair(folders["llama3.1-rope-scaling"], "float32")
-    prompts = [torch.arange(7)]
-    before = steps(planned, layered, prompts, 1)[0]
-    first = planned._native_steps[(1, torch.float32)]
-    assert first is not None
-    for model in (planned, layered):
+    prompt = torch.arange(7)
+    seqs = planned.new_sequence(), layered.new_sequence()
+    token = int(planned.prefill(seqs[0], prompt).argmax())
+    layered.prefill(seqs[1], prompt)
+
+    def replace_values(model):
         layer = model.model.layers[1]
         norm = layer.post_attention_layernorm
         norm.weight = nn.Parameter(norm.weight * 1.5, requires_grad=False)
         down = layer.mlp.down_proj
         down.assign_weight(type(down).from_weight(-down.decoded_weight()).compressed_weight)
-    seqs = planned.new_sequence(), layered.new_sequence()
-    for model, seq in zip((planned, layered), seqs):
-        model.prefill(seq, prompts[0])
-    got = planned.decode_step([seqs[0]], [int(before.argmax())])
-    want = layered.decode_step([seqs[1]], [int(before.argmax())])
-    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
-    assert planned._native_steps[(1, torch.float32)] is not first
+
+    def replace_module(model):
+        attn = model.model.layers[0].self_attn
+        attn.o_proj = type(attn.o_proj).from_weight(attn.o_proj.decoded_weight().flip(0))
+
+    for replace in (None, replace_values, replace_module):
+        before = planned._native_steps.get((1, torch.float32))
+        if replace is not None:
+            replace(planned)
+            replace(layered)
+        got, want = planned.decode_step([seqs[0]], [token]), layered.decode_step([seqs[1]], [token])
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), replace
+        plan = planned._native_steps[(1, torch.float32)]
+        assert plan is not None and (replace is None or plan is not before)
+        token = int(got.argmax())
