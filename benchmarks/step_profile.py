@@ -271,7 +271,11 @@ def main() -> None:
     linear_ms = {n: sum(v[n]["parts_ms"][p]["median"] for p in LINEARS) for n in variants}
     for n in variants:
         mb = sum(v[n]["weight_bytes"].values()) / 1e6
-        print(f"{n}: linears {linear_ms[n]:.2f} ms of a {v[n]['step_ms']['median']:.2f} ms step, {mb:.1f} MB read")
+        layers, step = v[n]["layered_step_ms"]["median"], v[n]["step_ms"]["median"]
+        print(
+            f"{n}: linears {linear_ms[n]:.2f} ms of a {layers:.2f} ms step through the layers "
+            f"({step:.2f} ms as run), {mb:.1f} MB read"
+        )
         calls = v[n]["aten_calls_per_step"]
         top = ", ".join(f"{k.removeprefix('aten::')} {c:.0f}" for k, c in list(calls.items())[:10])
         print(f"  torch operators a step: {sum(calls.values()):.0f} calls, nested ones included; most: {top}")

@@ -1,10 +1,10 @@
 """A CPU decode step's decoder layers as one plan of native calls (`NativeStep`).
 
-At one row a SmolLM2 layer's kernels take about 105 us on an avx512_bf16 EPYC (its four GEMVs, two
-norms, rope with the cache's store, the attention), and the same layer through its modules took
-170: each launcher checks its tensors, allocates its output, and reads the addresses of its
-streams and buffers again, some ten times a layer. A decode step of `rows` rows (`Step.native`: one
-new token per sequence, on the CPU) calls the same kernels here with their arguments made once:
+Through the layers' modules, each launcher checks its tensors, allocates its output and reads the
+addresses of its streams and buffers again, some ten times a layer, and at one row that costs a
+third of the step (docs/kernels.md, "Where a CPU decode step's time goes"). A decode step of `rows`
+rows (`Step.native`: one new token per sequence, on the CPU) calls the same kernels here with their
+arguments made once:
 the weights' streams and the norms' weights as the layers hold them, and buffers of the plan's own
 for every activation, at fixed addresses. Each step then adds only what moves: the cache's
 address (it grows), the rotary rows, slots, block tables and lengths.
@@ -49,7 +49,7 @@ def _held(layers: list) -> list:
     """What a plan is made from, as the layers hold it now (a linear or norm replaced holds another
     value): each linear's weight value and bias, each norm's weight and its address (a parameter's
     data may be swapped in place). Read through the modules' own dicts, past nn.Module's attribute
-    lookup: this runs every step, and through it took 250 us on SmolLM2."""
+    lookup, which costs a few percent of a small model's step: this runs every step."""
     held = []
     for layer in layers:
         for lin in _linears(layer):
