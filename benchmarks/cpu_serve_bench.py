@@ -93,8 +93,8 @@ BENCH = (
 class Running:
     """One server in its own process group, its output in a log file."""
 
-    def __init__(self, cmd: list[str], log_path: Path, env: dict):
-        self.log_path = log_path
+    def __init__(self, cmd: list[str], log_path: Path, env: dict, ready: str = "/health"):
+        self.log_path, self.ready = log_path, ready
         self.port = int(cmd[cmd.index("--port") + 1])
         self.url = f"http://127.0.0.1:{self.port}"
         self.started = time.perf_counter()
@@ -104,13 +104,13 @@ class Running:
             )
 
     def wait_ready(self, timeout: float) -> float:
-        """Seconds from the start until GET /health answers 200 (both servers: ready to serve)."""
+        """Seconds from the start until GET `ready` (/health) answers 200: ready to serve."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"exited with {self.proc.returncode} while starting:\n{self.tail()}")
             try:
-                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                if httpx.get(self.url + self.ready, timeout=5).status_code == 200:
                     return time.perf_counter() - self.started
             except httpx.TransportError:
                 pass

@@ -17,8 +17,16 @@ reversed every other round, --rounds rounds. Models (--models):
 | smollm2 | SmolLM2-135M-Instruct (the tests' BF16 folder of the real model) |
 | llama-1b | Llama-3.2-1B's shape with random weights (2.5 GB in BF16, far past L3: the bytes decide) |
 
+With --served, then both sides' OpenAI servers over HTTP, started one at a time and alternated the
+same way: `unweight serve --no-disagg` on the compressed folder, and llama-cpp-python's own server
+(`python -m llama_cpp.server`) on the GGUF, on the same threads. Each takes the prompts as text (the
+random ids decoded by the folder's tokenizer; each server tokenizes them itself) in streamed greedy
+completions of exactly --tokens tokens (`min_tokens`); TTFT and ITL at the client, one chunk a
+token. Last, unweight's served figures against its in-process ones of the same run: what the
+server's token path adds.
+
     python benchmarks/llamacpp_bench.py [--models smollm2,llama-1b] [--prompts 8] [--prompt-len 256]
-        [--tokens 64] [--rounds 2] [--threads N] [--out benchmarks/results/llamacpp_bench.json]
+        [--tokens 64] [--rounds 2] [--threads N] [--served] [--out benchmarks/results/llamacpp_bench.json]
 
 The first run builds llama-cpp-python (about 10 minutes on two cores) and converts each folder.
 """
@@ -32,13 +40,19 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
+import httpx
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # test support: envs
+from cpu_serve_bench import Running  # noqa: E402
+from serve_bench import free_port  # noqa: E402
 from side_by_side import cpu_flags, table, write_record  # noqa: E402
+
+NAME = "bench"  # the model name both servers answer to
 
 # Llama-3.2-1B's config.json, less what the runtime does not read; SmolLM2's tokenizer pads to its vocabulary
 LLAMA_1B = dict(
@@ -170,11 +184,66 @@ def run_unweight(model, prompts: list[list[int]], tokens: int) -> dict:
     return {"runs": runs}
 
 
+def served(side: str, site: Path, path: Path, uw: Path, args, threads: int, log: Path) -> Running:
+    """One side's OpenAI server, started and ready: `unweight serve --no-disagg` on the compressed
+    folder, or llama-cpp-python's own server (`python -m llama_cpp.server`) on the GGUF, on the same
+    threads and context."""
+    ctx, port = str(args.prompt_len * 2 + args.tokens), str(free_port())
+    where = ["--host", "127.0.0.1", "--port", port]
+    if side == "unweight":
+        cmd = [sys.executable, "-m", "unweight.cli.main", "serve", str(uw), "--no-disagg", "--dtype", args.dtype]
+        cmd += ["--worker-threads", str(threads), "--max-model-len", ctx, "--served-model-name", NAME, *where]
+        server = Running(cmd, log, dict(os.environ))
+    else:
+        cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(path), "--model_alias", NAME, *where]
+        cmd += ["--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", ctx, "--n_batch", ctx]
+        env = {**os.environ, "PYTHONPATH": f"{site}:{site / 'server'}"}
+        server = Running(cmd, log, env, ready="/v1/models")
+    try:
+        server.wait_ready(600)
+    except Exception:
+        server.stop()
+        raise
+    return server
+
+
+def run_served(url: str, prompts: list[str], tokens: int) -> dict:
+    """Each prompt as one streamed greedy completion of exactly `tokens` tokens (min_tokens, which both
+    servers take), timed at the client: TTFT from the request to the first chunk with text, ITL the
+    gaps between chunks with text (a token a chunk, but for a piece of a character a server holds
+    back), decode tokens/s the tokens after the first over the time from its chunk to the last one."""
+    runs = []
+    for text in prompts:
+        body = {"model": NAME, "prompt": text, "max_tokens": tokens, "min_tokens": tokens, "temperature": 0}
+        arrivals, t0, end, done = [], time.perf_counter(), None, 0
+        with httpx.stream("POST", url + "/v1/completions", json=body | {"stream": True}, timeout=600) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                for choice in json.loads(line[6:]).get("choices") or ():
+                    end = time.perf_counter()
+                    if choice.get("text"):
+                        arrivals.append(end)
+                    done += choice.get("finish_reason") is not None
+        if not arrivals or done != 1:
+            raise SystemExit(f"{url}: a completion of {len(arrivals)} chunks with text, {done} finish reasons")
+        runs.append(
+            {
+                "ttft_s": arrivals[0] - t0,
+                "itl_s": [b - a for a, b in zip(arrivals, arrivals[1:])],
+                "decode_tok_s": (tokens - 1) / (end - arrivals[0]),
+                "chunks": len(arrivals),
+            }
+        )
+    return {"runs": runs}
+
+
 def figures(result: dict) -> dict:
     """One side's round: per prompt decode tokens/s (after the first token), ITL p50 and TTFT, in ms."""
     runs = result["runs"]
     return {
-        "decode_tok_s": [len(r["itl_s"]) / sum(r["itl_s"]) for r in runs],
+        "decode_tok_s": [r.get("decode_tok_s") or len(r["itl_s"]) / sum(r["itl_s"]) for r in runs],
         "itl_p50_ms": [1e3 * statistics.median(r["itl_s"]) for r in runs],
         "ttft_ms": [1e3 * r["ttft_s"] for r in runs],
     }
@@ -216,7 +285,45 @@ def bench(name: str, site: Path, args) -> dict:
         f" of {args.tokens} tokens (BF16 sums in another order part them on near ties)\nllama.cpp: {info}"
     )
     record = {"dtype": dtype, "threads": threads, "summary": summary, "rounds": sides, "weight_bytes": weights}
-    return record | {"same_leading_ids": same, "llama_cpp_system_info": info, "compressed": str(uw), "gguf": str(path)}
+    record |= {"same_leading_ids": same, "llama_cpp_system_info": info, "compressed": str(uw), "gguf": str(path)}
+    if args.served:
+        del model  # the server loads its own
+        g = torch.Generator().manual_seed(1)  # one more prompt for the servers' warm-ups: a server keeping its
+        warm = torch.randint(0, vocab, (args.prompt_len,), generator=g).tolist()  # last prompt would not see it again
+        texts = [tokenizer_of(src).decode(p) for p in [*prompts, warm]]
+        record["served"] = bench_served(site, path, uw, texts, args, threads, sides["unweight"])
+    return record
+
+
+def tokenizer_of(src: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(src)
+
+
+def bench_served(site: Path, path: Path, uw: Path, texts: list[str], args, threads: int, in_process: list) -> dict:
+    """The prompts as text (each server tokenizes them) through both servers, started one at a time,
+    alternated as the in-process sides are; then unweight's served ITL against its in-process ITL of
+    this run."""
+    sides: dict[str, list[dict]] = {"llama.cpp": [], "unweight": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.rounds):
+            for side in ("llama.cpp", "unweight") if r % 2 == 0 else ("unweight", "llama.cpp"):
+                server = served(side, site, path, uw, args, threads, Path(tmp) / f"{side}-{r}.log")
+                try:
+                    run_served(server.url, texts[-1:], 4)  # warm-up, on a prompt measured on neither side
+                    out = run_served(server.url, texts[:-1], args.tokens)
+                finally:
+                    server.stop()
+                sides[side].append(figures(out))
+                med = statistics.median(sides[side][-1]["decode_tok_s"])
+                print(f"round {r + 1} {side}, served: decode {med:.1f} tok/s", flush=True)
+    rows = [("decode tok/s", "decode_tok_s"), ("ITL p50 ms", "itl_p50_ms"), ("TTFT ms", "ttft_ms")]
+    print("served over HTTP (streamed completions of the prompts as text):")
+    summary = table(sides["llama.cpp"], sides["unweight"], rows, ("llama.cpp", "unweight"))
+    print("unweight served against in process, this run:")
+    over = table(in_process, sides["unweight"], rows, ("in process", "served"))
+    return {"summary": summary, "rounds": sides, "unweight_served_over_in_process": over}
 
 
 def main() -> None:
@@ -230,6 +337,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=None, help="both sides' threads (default: the runtime's)")
     ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"), help="unweight's compute")
+    ap.add_argument(
+        "--served", action="store_true", help="also both OpenAI servers over HTTP, and unweight served/in process"
+    )
     ap.add_argument("--out", default="benchmarks/results/llamacpp_bench.json")
     args = ap.parse_args()
     names = args.models.split(",")

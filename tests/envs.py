@@ -140,12 +140,14 @@ def gpu_stack_env(dst: str | os.PathLike | None = None) -> Path:
 # distribution for this CPU (GGML_NATIVE: the AVX-512/BF16 paths where the host has them), as the
 # issue's figures were made
 LLAMACPP_REQUIREMENT = "llama-cpp-python==0.3.36"
+LLAMACPP_SERVER = ("sse-starlette", "starlette-context", "pydantic-settings", "python-dotenv")
 
 
 def llamacpp_site(dst: str | os.PathLike | None = None) -> Path:
     """A folder holding LLAMACPP_REQUIREMENT built for this CPU (made once per CPU: 4 to 10 minutes on
-    two cores), to put first on PYTHONPATH, and in its `convert` folder llama.cpp's
-    convert_hf_to_gguf.py with its `conversion` and `gguf-py` from the same source, and sentencepiece.
+    two cores), to put first on PYTHONPATH; in its `convert` folder llama.cpp's convert_hf_to_gguf.py
+    with its `conversion` and `gguf-py` from the same source, and sentencepiece; in its `server`
+    folder what `python -m llama_cpp.server` imports beyond this environment (LLAMACPP_SERVER).
     The build is native, so the stamp names the CPU's flags: a cache moved to another CPU is rebuilt,
     not run into an illegal instruction."""
     import hashlib
@@ -177,7 +179,16 @@ def llamacpp_site(dst: str | os.PathLike | None = None) -> Path:
         # the converter imports sentencepiece for every Llama, even one with a tokenizer.json only
         _run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", dst / "convert", "sentencepiece"])
 
-    _made_once(dst, stamp, lambda: _run([*pip, "--no-deps", LLAMACPP_REQUIREMENT, "diskcache"], env=env), converter)
+    def server() -> None:  # llama_cpp.server's own dependencies past this environment's fastapi and pydantic
+        if not (dst / "server" / "sse_starlette").exists():
+            target = ["--no-deps", "--target", dst / "server", *LLAMACPP_SERVER]
+            _run([sys.executable, "-m", "pip", "install", "-q", *target])
+
+    def after() -> None:
+        converter()
+        server()
+
+    _made_once(dst, stamp, lambda: _run([*pip, "--no-deps", LLAMACPP_REQUIREMENT, "diskcache"], env=env), after)
     return dst
 
 
