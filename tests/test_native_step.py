@@ -102,6 +102,8 @@ def test_weights_replaced_after_a_step_make_a_new_plan(folders, monkeypatch):
         attn = model.model.layers[0].self_attn
         attn.o_proj = type(attn.o_proj).from_weight(attn.o_proj.decoded_weight().flip(0))
 
+    planned.decode_step([planned.new_sequence(), planned.new_sequence()], [token, token])  # a plan of 2 rows too
+    assert list(planned._native_steps) == [(2, torch.float32)]
     for replace in (None, replace_values, replace_module):
         before = planned._native_steps.get((1, torch.float32))
         if replace is not None:
@@ -111,4 +113,8 @@ def test_weights_replaced_after_a_step_make_a_new_plan(folders, monkeypatch):
         assert torch.equal(got.view(torch.int32), want.view(torch.int32)), replace
         plan = planned._native_steps[(1, torch.float32)]
         assert plan is not None and (replace is None or plan is not before)
+        # the plan of 2 rows held the old weights too: dropped with the one that found them replaced
+        assert len(planned._native_steps) == (2 if replace is None else 1)
         token = int(got.argmax())
+    planned.to("cpu")  # a move: the plans held the weights where they lay
+    assert planned._native_steps == {}

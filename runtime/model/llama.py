@@ -301,9 +301,18 @@ class CausalLM(nn.Module):
         whenever the layers hold other weights; None where the kernels do not take the layers."""
         key = (x.shape[0], x.dtype)
         plan = self._native_steps.get(key, False)
-        if plan is False or (plan is not None and not plan.holds(self)):
+        if plan is not None and plan is not False and not plan.holds(self):
+            self._native_steps.clear()  # every plan holds the replaced weights: none may keep them alive
+            plan = False
+        if plan is False:
             plan = self._native_steps[key] = NativeStep.make(self, x)
         return plan
+
+    def _apply(self, fn, recurse=True):
+        """nn.Module's move or cast (.to, .cuda, ...), after dropping the decode steps' plans: they hold
+        the weights as they lay (a model moved to a GPU would keep its CPU streams alive in them)."""
+        self._native_steps = {}
+        return super()._apply(fn, recurse)
 
     def _check_context(self, segments: list[tuple[SeqCache, int]]) -> None:
         """Every sequence has room in the context length for its new tokens (before any is reserved)."""
