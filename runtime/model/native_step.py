@@ -108,14 +108,22 @@ class NativeStep:
             return None
         if cache.k.dtype is not dtype or not (cache.k.is_contiguous() and cache.v.is_contiguous()):
             return None
+        d, nq, nkv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        inter = model.model.layers[0].mlp.down_proj.in_features
+        # (out, in) of each layer's linears, as the plan's buffers are sized: the kernels write by address
+        shapes = [((nq + 2 * nkv) * hd, d), (d, nq * hd), (2 * inter, d), (d, inter)]
         for layer in model.model.layers:
             for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-                if norm.weight.dtype is not dtype or not norm.weight.is_contiguous() or norm.weight.device != x.device:
+                w = norm.weight
+                if w.dtype is not dtype or w.shape != (d,) or not w.is_contiguous() or w.device != x.device:
                     return None
-            for lin in _linears(layer):
-                if type(lin) is not UnweightLinear or gemv_call(lin.compressed_weight, dtype) is None:
+            for lin, shape in zip(_linears(layer), shapes, strict=True):
+                if type(lin) is not UnweightLinear or (lin.out_features, lin.in_features) != shape:
                     return None
-                if lin.bias is not None and (lin.bias.dtype is not dtype or lin.bias.device != x.device):
+                if gemv_call(lin.compressed_weight, dtype) is None:
+                    return None
+                b = lin.bias
+                if b is not None and (b.dtype is not dtype or b.shape != shape[:1] or b.device != x.device):
                     return None
                 # the autotuner's pipeline for these rows (timed now if it never was)
                 if lin.pipeline(torch.zeros(x.shape[0], lin.in_features, dtype=dtype))[0] != "fused":
