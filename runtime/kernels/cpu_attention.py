@@ -6,8 +6,8 @@ blocks, this costs a few hundred Python-level operations per layer and a copy of
 key (a BF16 cache: also a widening to fp32); at 16 sequences it was a third of the step.
 `paged_decode_attention_cpu` does the whole batch of one layer in one numba call, as vLLM-CPU's
 paged attention kernel does: one task per (sequence, KV head), which walks the sequence's block
-table a block at a time, scores the query heads that share that KV head against the block's keys
-(fp32, BF16 keys widened as they are read), takes the softmax in two passes and sums the values.
+table a block at a time, scores the query heads that share that KV head against each key (fp32,
+BF16 keys widened as they are read, in place), takes the softmax in two passes and sums the values.
 
 The reference is torch's `scaled_dot_product_attention` over the gathered keys (the model's
 per-sequence path, and `graph_step.paged_attention`); tests hold this kernel to it.
@@ -19,42 +19,36 @@ import math
 
 import numpy as np
 import torch
+from llvmlite import ir
 from numba import carray, njit, prange, types
-from numba.extending import overload
+from numba.extending import intrinsic, overload
 
 from .cpu_avx2 import _f32_at, _i64_at, _u16_at
 from .cpu_gemv import _PARALLEL
 
 
-def _block(cache, block, head, scratch):
-    """One block's rows of `head`, (block_size, hd), as fp32 in `scratch`: BF16 bits widened, fp32
-    copied (numba picks the body by the cache's dtype). Contiguous, the loops over them vectorise:
-    a strided view of the block took four times as long."""
+def _f32(value):
+    """A cache element as fp32: BF16 bits (uint16) shifted into an fp32's high half, fp32 as it is
+    (numba picks the body by the cache's dtype). Read in place, in the loops over head_dim, they
+    vectorise, and no block is first copied into fp32 scratch (which took longer)."""
     raise NotImplementedError("compiled by numba only")
 
 
-@overload(_block, inline="always")
-def _block_impl(cache, block, head, scratch):
-    if cache.dtype == types.uint16:
+@intrinsic
+def _bits_as_f32(typingctx, bits):
+    """The fp32 whose bits are `bits` (uint32)."""
 
-        def widen(cache, block, head, scratch):
-            bits = scratch.view(np.uint32)
-            src = cache[block]
-            for t in range(src.shape[0]):
-                for d in range(src.shape[2]):
-                    bits[t, d] = np.uint32(src[t, head, d]) << np.uint32(16)
-            return scratch
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
 
-        return widen
+    return types.float32(types.uint32), codegen
 
-    def copy(cache, block, head, scratch):
-        src = cache[block]
-        for t in range(src.shape[0]):
-            for d in range(src.shape[2]):
-                scratch[t, d] = src[t, head, d]
-        return scratch
 
-    return copy
+@overload(_f32, inline="always")
+def _f32_impl(value):
+    if value == types.uint16:
+        return lambda value: _bits_as_f32(np.uint32(value) << np.uint32(16))
+    return lambda value: value
 
 
 @njit(nogil=True, cache=True, parallel=True, fastmath=True)
@@ -62,8 +56,8 @@ def _paged_decode(q, k, v, tables, lengths, window, scale, out):
     """out[b, h] = softmax(q[b, h] . K_b^T * scale) V_b for q (B, H, hd) fp32, k and v (blocks,
     block_size, KVH, hd) fp32 or BF16 bits (uint16), tables (B, W) block ids, lengths (B,) the
     positions each sequence attends (the new one's included); window > 0 keeps the last `window`.
-    A block at a time: its keys, then its values, widened once for the query heads that share them
-    (a BF16 cache widened a row at a time took three times as long)."""
+    One task per (sequence, KV head): each key and value row is read once, in place, for the query
+    heads that share it."""
     nb, nh, hd = q.shape
     bs, kvh = k.shape[1], k.shape[2]
     group = nh // kvh
@@ -74,18 +68,19 @@ def _paged_decode(q, k, v, tables, lengths, window, scale, out):
         first = max(0, length - window) if window > 0 else 0
         n = length - first
         scores = np.empty((group, n), dtype=np.float32)
-        rows = np.empty((bs, hd), dtype=np.float32)
         best = np.full(group, -np.inf, dtype=np.float32)
+        qg = q[b, g * group : (g + 1) * group]
         for blk in range(first // bs, (length + bs - 1) // bs):
             t0 = blk * bs
             lo, hi = max(first, t0) - t0, min(length, t0 + bs) - t0
-            kb = _block(k, tables[b, blk], g, rows)
-            for j in range(group):
-                qrow = q[b, g * group + j]
-                for t in range(lo, hi):
+            kb = k[tables[b, blk]]
+            for t in range(lo, hi):
+                krow = kb[t, g]
+                for j in range(group):
+                    qrow = qg[j]
                     s = np.float32(0.0)
                     for d in range(hd):
-                        s += qrow[d] * kb[t, d]
+                        s += qrow[d] * _f32(krow[d])
                     s *= scale
                     scores[j, t0 + t - first] = s
                     if s > best[j]:
@@ -100,12 +95,14 @@ def _paged_decode(q, k, v, tables, lengths, window, scale, out):
         for blk in range(first // bs, (length + bs - 1) // bs):
             t0 = blk * bs
             lo, hi = max(first, t0) - t0, min(length, t0 + bs) - t0
-            vb = _block(v, tables[b, blk], g, rows)
-            for j in range(group):
-                for t in range(lo, hi):
+            vb = v[tables[b, blk]]
+            for t in range(lo, hi):
+                vrow = vb[t, g]
+                for j in range(group):
                     p = scores[j, t0 + t - first]
+                    a = acc[j]
                     for d in range(hd):
-                        acc[j, d] += p * vb[t, d]
+                        a[d] += p * _f32(vrow[d])
         for j in range(group):
             inv = np.float32(1.0) / total[j]
             for d in range(hd):
