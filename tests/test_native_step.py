@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from test_families import _configs, make_model
 from torch import nn
 
@@ -25,6 +26,17 @@ def folders(tmp_path_factory):
         unweight.compress(src, root / family / "uw")
         out[family] = root / family / "uw"
     return out
+
+
+class Dense(nn.Module):
+    """A plain linear of another kind than nn.Linear (benchmarks/step_profile.py's dense twin is one)."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
 
 
 def pair(folder, dtype: str):
@@ -69,7 +81,8 @@ def test_the_plan_gives_the_layers_bits(family, dtype, folders, monkeypatch):
 
 
 def test_a_model_the_kernels_do_not_take_steps_through_its_layers(folders, monkeypatch):
-    """q/k norms (Qwen3) are not in the plan; nor is a pipeline other than the fused GEMV."""
+    """q/k norms (Qwen3) are not in the plan; nor is a pipeline other than the fused GEMV, nor a
+    linear of another kind."""
     monkeypatch.setenv("UNWEIGHT_PIPELINE", "fused")
     planned, layered = pair(folders["qwen3-qk-norm"], "float32")
     steps(planned, layered, [torch.arange(5)], 2)
@@ -77,6 +90,14 @@ def test_a_model_the_kernels_do_not_take_steps_through_its_layers(folders, monke
 
     monkeypatch.setenv("UNWEIGHT_PIPELINE", "decode_matmul")
     planned, layered = pair(folders["llama3.1-rope-scaling"], "float32")
+    steps(planned, layered, [torch.arange(5)], 2)
+    assert list(planned._native_steps.values()) == [None]
+
+    monkeypatch.setenv("UNWEIGHT_PIPELINE", "fused")  # one linear a module of another kind, without in_features
+    planned, layered = pair(folders["llama3.1-rope-scaling"], "float32")
+    for model in (planned, layered):
+        mlp = model.model.layers[0].mlp
+        mlp.down_proj = Dense(mlp.down_proj.decoded_weight(torch.float32))
     steps(planned, layered, [torch.arange(5)], 2)
     assert list(planned._native_steps.values()) == [None]
 

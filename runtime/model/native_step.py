@@ -108,17 +108,20 @@ class NativeStep:
             return None
         if cache.k.dtype is not dtype or not (cache.k.is_contiguous() and cache.v.is_contiguous()):
             return None
+        linears = [_linears(layer) for layer in model.model.layers]
+        if any(type(lin) is not UnweightLinear for four in linears for lin in four):
+            return None
         d, nq, nkv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        inter = model.model.layers[0].mlp.down_proj.in_features
+        inter = linears[0][3].in_features
         # (out, in) of each layer's linears, as the plan's buffers are sized: the kernels write by address
         shapes = [((nq + 2 * nkv) * hd, d), (d, nq * hd), (2 * inter, d), (d, inter)]
-        for layer in model.model.layers:
-            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+        for layer, four in zip(model.model.layers, linears, strict=True):
+            for norm in _norms(layer):
                 w = norm.weight
                 if w.dtype is not dtype or w.shape != (d,) or not w.is_contiguous() or w.device != x.device:
                     return None
-            for lin, shape in zip(_linears(layer), shapes, strict=True):
-                if type(lin) is not UnweightLinear or (lin.out_features, lin.in_features) != shape:
+            for lin, shape in zip(four, shapes, strict=True):
+                if (lin.out_features, lin.in_features) != shape:
                     return None
                 if gemv_call(lin.compressed_weight, dtype) is None:
                     return None
