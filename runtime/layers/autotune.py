@@ -38,6 +38,8 @@ import torch
 
 from unweight.defaults import cache_dir
 
+log = logging.getLogger(__name__)
+
 try:
     import resource
 except ImportError:  # Windows: no rusage, every run counts as clean
@@ -48,8 +50,6 @@ REPEATS = 5
 MAX_ROUNDS = 2 * REPEATS  # rounds a choice takes at most while other processes preempt its runs
 CLEAN_TO_SAVE = 2  # clean runs every candidate needs for the choice to be saved
 KEEP_VERSIONS = 4  # code versions whose choices the file keeps (two checkouts or installs may share it)
-log = logging.getLogger(__name__)
-
 VERSIONS_KEY = "versions"  # the file's list of code versions, most recently tuned first (no "|": no choice's key)
 
 

@@ -300,8 +300,8 @@ class CausalLM(nn.Module):
         """The plan of a decode step of x's rows (native_step.py), made at its first step and again
         whenever the layers hold other weights; None where the kernels do not take the layers."""
         key = (x.shape[0], x.dtype)
-        plan = self._native_steps.get(key, False)
-        if plan is not None and plan is not False and not plan.holds(self):
+        plan = self._native_steps.get(key, False)  # False: none made yet; None: the layers take the step
+        if plan and not plan.holds(self):
             self._native_steps.clear()  # every plan holds the replaced weights: none may keep them alive
             plan = False
         if plan is False:

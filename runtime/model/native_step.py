@@ -66,7 +66,7 @@ class NativeStep:
     def __init__(self, model, rows: int, dtype: torch.dtype):
         cfg = model.config
         layers = list(model.model.layers)
-        self.rows, self.dtype, self.layers, self.cfg = rows, dtype, layers, cfg
+        self.rows, self.layers = rows, layers
         self.held, self.forced = _held(layers), os.environ.get(FORCE_ENV)
         d, nq, nkv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.nq, self.nkv, self.hd = nq, nkv, hd
@@ -94,7 +94,7 @@ class NativeStep:
             ):
                 kernel, streams, parts = gemv_call(lin.compressed_weight, dtype)
                 linears.append((kernel, (at(x), rows, *streams, at(y), parts), lin.bias, y))
-            w1, w2 = layer.input_layernorm, layer.post_attention_layernorm
+            w1, w2 = _norms(layer)
             norm1 = (at(self.h), 0, 0, at(w1.weight), w1.eps, at(self.normed), rows, d, self.bf16)
             norm2 = (at(self.h), at(self.o), rows, at(w2.weight), w2.eps, at(self.normed), rows, d, self.bf16)
             self.calls.append((norm1, linears, norm2))
