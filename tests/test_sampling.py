@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from unweight.runtime.model.sampling import SamplingParams, Sequence, token_logprobs
+from unweight.runtime.model.sampling import SamplingParams, Sequence, argmax_rows, choose_rows, token_logprobs
 
 V = 50
 
@@ -101,6 +101,42 @@ def test_a_row_without_finite_logits_still_gives_a_token():
     assert 0 <= Sequence(SamplingParams(temperature=0.7, seed=0), [1], eos=[]).choose(logits).token < V
     logits = torch.full((V,), float("-inf"))
     assert 0 <= Sequence(SamplingParams(), [1], eos=[]).choose(logits).token < V
+
+
+EDGES = [float("nan"), float("inf"), float("-inf"), 0.0, -0.0, 1.0, 1.0]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.lists(st.sampled_from(EDGES) | st.floats(-3, 3, width=32), min_size=1, max_size=V), min_size=1, max_size=3
+    ).filter(lambda rows: len({len(r) for r in rows}) == 1)
+)
+def test_argmax_rows_is_torchs_argmax(rows):
+    """numpy's argmax for host fp32 logits gives torch's choice: the first maximum, a NaN before any number."""
+    logits = torch.tensor(rows, dtype=torch.float32)
+    for t in (logits, logits.to(torch.bfloat16)):
+        assert argmax_rows(t) == torch.argmax(t, dim=-1).tolist()
+        assert argmax_rows(t[0]) == [int(torch.argmax(t[0]))]
+
+
+def test_a_greedy_choice_over_non_finite_logits_is_the_reference_one():
+    """Greedy with a NaN or +inf among finite scores takes the argmax of the scores (it has something
+    to choose from); with nothing finite, the model's own argmax with NaN as -inf."""
+    masked = SamplingParams(min_tokens=5)  # EOS masked: not the simple path
+    for row, want in (
+        ([1.0, float("nan"), 3.0], 1),
+        ([1.0, float("inf"), 3.0], 1),
+        ([float("nan"), float("-inf"), float("nan")], 1),
+    ):
+        for p in (SamplingParams(), masked):
+            seq = Sequence(p, [0], eos=[0] if p is masked else [])
+            assert seq.choose(torch.tensor(row)).token == want, (row, p)
+    seqs = [Sequence(SamplingParams(), [0], eos=[]), Sequence(masked, [0], eos=[0])]
+    logits = torch.tensor([[0.5, 2.0, 2.0, -1.0], [9.0, 2.0, 2.0, -1.0]])  # row 2: token 0 is EOS, masked
+    assert [pick.token for pick in choose_rows(logits, seqs)] == [1, 1]
+    seqs = [Sequence(SamplingParams(), [0], eos=[]) for _ in range(2)]  # all simple: the rows as they are
+    assert [pick.token for pick in choose_rows(logits, seqs)] == [1, 0]
 
 
 def test_min_p_and_top_k_cut_the_draws():
