@@ -56,6 +56,7 @@ from .protocol import (
 
 log = logging.getLogger(__name__)
 RESTART_BACKOFF_S = 1.0
+DRAIN_BATCH = 64  # control messages read in one turn of the event loop before HTTP gets its turn
 CHANNELS = {
     "beat": "beat",
     "kv_set": "kv",
@@ -160,7 +161,9 @@ class Router:
         self.auth = AsyncioAuthenticator(self.ctx, log=logging.getLogger(f"{__name__}.zap"))
         self.auth.start()
         self.auth.configure_curve_callback("*", _AllowList(keys["worker"][0], self.rejected))
-        self.sock = self.ctx.socket(zmq.ROUTER)
+        # a plain socket read from the loop's own reader (_drain), not zmq.asyncio's: its future per
+        # message cost more router CPU than the rest of a streamed token's path (parse, text, SSE)
+        self.sock = zmq.Socket(self.ctx, zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted worker takes its name back
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
@@ -175,8 +178,10 @@ class Router:
             self.control_port = cfg.control_port
         else:
             self.control_port = self.sock.bind_to_random_port(f"tcp://{bind_host}")
+        loop = asyncio.get_running_loop()
+        loop.add_reader(self.sock.FD, self._drain)
+        loop.call_soon(self._drain)  # the FD signals changes only: read what may already wait
         self._tasks = [
-            asyncio.create_task(self._receive()),
             asyncio.create_task(self._watch()),
             asyncio.create_task(self._watch_handshakes()),
         ]
@@ -232,6 +237,7 @@ class Router:
                 w.proc.wait()
         for t in self._tasks:
             t.cancel()
+        asyncio.get_running_loop().remove_reader(self.sock.FD)
         self.sock.disable_monitor()
         self.monitor.close()
         self.sock.close()
@@ -240,37 +246,57 @@ class Router:
 
     # -- worker traffic -----------------------------------------------------------------------
     async def _send(self, name: str, msg: dict) -> None:
-        try:
-            await self.sock.send_multipart([name.encode(), pack(msg)])
+        import zmq
+
+        try:  # a ROUTER socket never blocks a send: one to a peer that is gone or full is dropped
+            self.sock.send_multipart([name.encode(), pack(msg)], zmq.NOBLOCK)
         except Exception as e:  # noqa: BLE001 - an unroutable worker shows up as dead through the watcher
             log.warning("cannot reach %s: %s", name, e)
+        # a send may take in the socket's pending notices, the FD's only signal that messages wait
+        asyncio.get_running_loop().call_soon(self._drain)
 
-    async def _receive(self) -> None:
-        while True:
-            frames = await self.sock.recv_multipart()
+    def _drain(self) -> None:
+        """Read and handle the control messages waiting, DRAIN_BATCH at most a turn of the loop (the
+        rest at the next turn, after the HTTP work already due)."""
+        import zmq
+
+        for _ in range(DRAIN_BATCH):
             try:
-                if len(frames) != 2:
-                    raise BadMessage(f"{len(frames) - 1} frames, not 1", None)
-                ident, data = frames
-                name, _, channel = ident.decode("ascii", "replace").partition("#")  # NAME, NAME#beat or NAME#kv
-                msg = parse(data, ToRouter)
-            except BadMessage as e:
-                self.rejected.warning("dropped a bad control message from %r: %s", frames[0][:64], e)
-                self._bad_message_from(frames[0].decode("ascii", "replace").partition("#")[0], e.rid)
-                continue
-            try:
-                want = CHANNELS.get(msg.op, "")
-                if channel != want:
-                    self.rejected.warning(
-                        "dropped %s from %r: it comes on NAME%s", msg.op, ident[:64], f"#{want}" if want else ""
-                    )
-                    continue
-                if channel == "kv":
-                    self._rendezvous(name, msg.model_dump())
-                else:
-                    self._handle(name, msg)
-            except Exception:  # noqa: BLE001 - a bug here must not take the router down
-                log.exception("error handling %s from %r", msg.op, name)
+                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except zmq.ZMQError as e:  # the socket is closed (stop)
+                log.debug("control socket: %s", e)
+                return
+            self._receive(frames)
+        asyncio.get_running_loop().call_soon(self._drain)
+
+    def _receive(self, frames: list[bytes]) -> None:
+        """One control message: checked (frames, its typed model, the socket it came on), then to
+        its handler; a bad one is dropped and logged, and nothing it holds goes on."""
+        try:
+            if len(frames) != 2:
+                raise BadMessage(f"{len(frames) - 1} frames, not 1", None)
+            ident, data = frames
+            name, _, channel = ident.decode("ascii", "replace").partition("#")  # NAME, NAME#beat or NAME#kv
+            msg = parse(data, ToRouter)
+        except BadMessage as e:
+            self.rejected.warning("dropped a bad control message from %r: %s", frames[0][:64], e)
+            self._bad_message_from(frames[0].decode("ascii", "replace").partition("#")[0], e.rid)
+            return
+        try:
+            want = CHANNELS.get(msg.op, "")
+            if channel != want:
+                self.rejected.warning(
+                    "dropped %s from %r: it comes on NAME%s", msg.op, ident[:64], f"#{want}" if want else ""
+                )
+                return
+            if channel == "kv":
+                self._rendezvous(name, msg.model_dump())
+            else:
+                self._handle(name, msg)
+        except Exception:  # noqa: BLE001 - a bug here must not take the router down
+            log.exception("error handling %s from %r", msg.op, name)
 
     def _rendezvous(self, name: str, msg: dict) -> None:
         """A KV rendezvous request (kv_set, kv_get) from a worker's NAME#kv socket: answered there."""
