@@ -15,16 +15,21 @@ from .state import ServerState
 async def sse(s: ServerState, choices: list[Choice], req, rid: str, chat: bool, n_prompt: int):
     """The stream's events, as text."""
     obj = "chat.completion.chunk" if chat else "text_completion"
-    events: asyncio.Queue = asyncio.Queue()
+    if len(choices) == 1:  # one choice: its own queue, with no task and second queue between
+        only = choices[0]
+        events = _Tagged(only)
+        pumps = []
+    else:  # several: each choice's events, as they come, into one queue
+        events = asyncio.Queue()
 
-    async def pump(c: Choice):
-        while True:
-            ev = await c.r.events.get()
-            await events.put((c, ev))
-            if ev[0] == "error" or (ev[0] == "token" and ev[2] is not None):
-                return
+        async def pump(c: Choice):
+            while True:
+                ev = await c.r.events.get()
+                await events.put((c, ev))
+                if ev[0] == "error" or (ev[0] == "token" and ev[2] is not None):
+                    return
 
-    pumps = [asyncio.create_task(pump(c)) for c in choices]
+        pumps = [asyncio.create_task(pump(c)) for c in choices]
     try:
         if chat:
             for c in choices:
@@ -55,6 +60,16 @@ async def sse(s: ServerState, choices: list[Choice], req, rid: str, chat: bool, 
         for c in choices:
             if not c.r.done:
                 await s.router.cancel(c.r, "stop" if c.text.finished else "abort")
+
+
+class _Tagged:
+    """One choice's own event queue, read as the merged queue of several is: (choice, event)."""
+
+    def __init__(self, c: Choice):
+        self.c = c
+
+    async def get(self) -> tuple[Choice, tuple]:
+        return self.c, await self.c.r.events.get()
 
 
 def _data(body: dict) -> str:
