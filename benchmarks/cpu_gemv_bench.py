@@ -11,19 +11,28 @@ at one thread count (--threads, for torch and numba alike):
   fused bf16   tiles_gemv_cpu(x_bf16, W)     the same through vdpbf16ps (only on AVX512_BF16 CPUs)
   groups bf16  the same on 8-weight groups, where fused bf16 takes 64-weight chunks
 
-the median wall time of one call, ns per weight element (time / (N*K)), and each fused variant
-over torch bf16.
+the median wall time of one call, the bytes of weight read per second (BF16 bytes for torch bf16
+and llama.cpp, FP32 for torch fp32, the serving layout's coded bytes for the fused variants), and
+each fused variant over torch bf16.
 
-Weights: the matrices of one layer (--layer) of the SmolLM2-135M-Instruct fixture when it is
-cached (or --safetensors PATH), as the runtime fuses them: q,k,v stacked (960 x 576), o (576 x
-576), gate,up stacked (3072 x 576), down (576 x 1536) and the tied embedding / LM head (49152 x
-576); else trained-like N(0, 0.02) BF16 values of the same shapes.
+--llamacpp adds llama.cpp's own BF16 GEMV (`ggml_bf16`: ggml's `ggml_mul_mat` from the libggml
+that llama-cpp-python ships, built with GGML_NATIVE by tests/envs.py, in a child process, see
+ggml_gemv.py) on random BF16 weights of the same shapes, at the same threads and the same number
+of weight copies, and each fused variant over it.
+
+Weights (--model smollm2): the matrices of one layer (--layer) of the SmolLM2-135M-Instruct
+fixture when it is cached (or --safetensors PATH), as the runtime fuses them: q,k,v stacked (960 x
+576), o (576 x 576), gate,up stacked (3072 x 576), down (576 x 1536) and the tied embedding / LM
+head (49152 x 576); else trained-like N(0, 0.02) BF16 values of the same shapes. --model llama-1b:
+N(0, 0.02) values in Llama-3.2-1B's shapes (3072 x 2048, 2048 x 2048, 16384 x 2048, 2048 x 8192,
+128256 x 2048), whose weights are far larger than any L3.
 
 Correctness first: every shape and batch against F.linear(x, W.float()) within the fp32
 summation bound (K * 2^-23 * |x| @ |W|^T), BF16 x too where the vdpbf16ps kernel runs; a failure
 stops the script.
-Timing: the three variants interleave in rounds (the median is taken over every call of every
-round), so load from other processes hits them alike. --sdpa runs a small
+Timing: the variants interleave in rounds (the median is taken over every call of every round),
+so load from other processes hits them alike; llama.cpp's take their rounds after those, with a
+pause on each side of them (SETTLE_S) for the spinning OpenMP threads of the other process to sleep. --sdpa runs a small
 scaled_dot_product_attention before every timed call, as a decode step interleaves torch ops
 with its linears (this shows OpenMP thread pools getting in each other's way). --cold rotates
 every variant over enough copies of its weight (--cold-mb in all) that each call reads it from
@@ -31,7 +40,8 @@ DRAM, as a decode step of a whole model does; by default the weight stays in cac
 
 Writes JSON (--json; default benchmarks/results/cpu_gemv_bench.json).
 
-Run:  python benchmarks/cpu_gemv_bench.py [--threads N] [--batches 1,4,16] [--rounds 15] [--sdpa] [--cold]
+Run:  python benchmarks/cpu_gemv_bench.py [--model smollm2|llama-1b] [--threads N] [--batches 1,4,16] [--rounds 15]
+          [--sdpa] [--cold] [--llamacpp]
 """
 
 from __future__ import annotations
@@ -71,6 +81,19 @@ SHAPES = {
     "down": (576, 1536, ["model.layers.{layer}.mlp.down_proj.weight"]),
     "lm_head": (49152, 576, ["model.embed_tokens.weight"]),
 }
+# Between this process's variants and llama.cpp's (in a process of its own): the OpenMP threads
+# of the one before spin a while after their last region before they sleep, and would take a core
+# from the other (interleaved in each round, llama.cpp's GEMV lost half its speed, and ours 4 ms a
+# call, a scheduler tick).
+SETTLE_S = 0.2
+# Llama-3.2-1B's linears as the runtime fuses them (hidden 2048, 32 query and 8 KV heads of 64, MLP 8192)
+LLAMA_1B = {
+    "qkv": (3072, 2048),
+    "o": (2048, 2048),
+    "gate_up": (16384, 2048),
+    "down": (2048, 8192),
+    "lm_head": (128256, 2048),
+}
 
 
 def read_bf16(path: Path, names: list[str]) -> np.ndarray | None:
@@ -101,7 +124,12 @@ def synthetic(rows: int, cols: int, seed: int) -> np.ndarray:
     )
 
 
-def weights(path: Path | None, layer: int) -> dict[str, tuple[np.ndarray, str]]:
+def weights(path: Path | None, layer: int, model: str = "smollm2") -> dict[str, tuple[np.ndarray, str]]:
+    if model == "llama-1b":
+        return {
+            label: (synthetic(rows, cols, seed=i), "N(0, 0.02)")
+            for i, (label, (rows, cols)) in enumerate(LLAMA_1B.items())
+        }
     out = {}
     for i, (label, (rows, cols, names)) in enumerate(SHAPES.items()):
         v = read_bf16(path, [s.format(layer=layer) for s in names]) if path is not None and path.exists() else None
@@ -145,6 +173,7 @@ def main(argv=None) -> None:
         default=None,
         help="threads for torch and numba (default: numba's default, the CPU count)",
     )
+    ap.add_argument("--model", default="smollm2", choices=("smollm2", "llama-1b"), help="whose linear shapes")
     ap.add_argument("--batches", default="1,4,16", help="comma-separated batch sizes M")
     ap.add_argument("--rounds", type=int, default=15, help="rounds of interleaved timing per shape and batch")
     ap.add_argument("--min-round-ms", type=float, default=4.0, help="each variant runs at least this long per round")
@@ -165,6 +194,9 @@ def main(argv=None) -> None:
         default=96.0,
         help="bytes of BF16 weight copies per shape with --cold (above the L3 size)",
     )
+    ap.add_argument(
+        "--llamacpp", action="store_true", help="also llama.cpp's BF16 GEMV (ggml, from llama-cpp-python built here)"
+    )
     ap.add_argument("--json", type=Path, default=Path("benchmarks/results/cpu_gemv_bench.json"))
     args = ap.parse_args(argv)
 
@@ -183,7 +215,15 @@ def main(argv=None) -> None:
 
         path = cache_dir() / "smollm2-bf16" / "model.safetensors"
     labels = [s for s in args.shapes.split(",") if s]
-    mats = weights(path, args.layer)
+    mats = weights(path, args.layer, args.model)
+    ggml = None
+    if args.llamacpp:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # test support: envs
+        from ggml_gemv import Ggml
+
+        from envs import llamacpp_site
+
+        ggml = Ggml(llamacpp_site() / "llama_cpp" / "lib", threads)
 
     q, k, v = (torch.randn(1, 9, n, 64) for n in (1, 64, 64))
     between = (lambda: F.scaled_dot_product_attention(q, k, v)) if args.sdpa else (lambda: None)
@@ -192,7 +232,7 @@ def main(argv=None) -> None:
         f"cpu: {cpu_flags()}; {threads} threads (torch {torch.get_num_threads()}, numba layer "
         f"{numba.config.THREADING_LAYER}); fused path: {'AVX2 kernels' if FAST_PATH else 'portable'}"
         f"{', vdpbf16ps for BF16 x' if BF16_DOT else ''}{', 64-weight chunks' if CHUNKS else ''}; "
-        f"weights: {path if path.exists() else 'synthetic'}"
+        f"weights: {path if path.exists() and args.model == 'smollm2' else 'synthetic'} ({args.model})"
     )
     print("correctness:")
     prepared = {}
@@ -212,18 +252,24 @@ def main(argv=None) -> None:
         ws = [w] + [TilesWeight.from_numpy(s, p, rows, cols) for _ in range(copies - 1)]
         dense_copies = [dense] + [dense.clone() for _ in range(copies - 1)]
         prepared[label] = (ws, p, dense_copies, [d.float() for d in dense_copies], esc, source)
+        if ggml is not None:
+            for m in batches:  # (its first product checked against numpy's)
+                ggml.prepare(label, rows, cols, copies, m)
 
     results = []
     names = ["torch_bf16", "torch_fp32", "fused"] + (["groups"] if CHUNKS else [])
     names += (["fused_bf16"] if BF16_DOT else []) + (["groups_bf16"] if CHUNK_DOT else [])
+    names += ["ggml_bf16"] if ggml is not None else []
     fused = [n for n in names if n.startswith(("fused", "groups"))]
+    bases = ["torch_bf16"] + (["ggml_bf16"] if ggml is not None else [])
+    over = [(n, b) for b in bases for n in fused]
     print(
         f"\n{'shape':>16} {'M':>3} | "
-        + " ".join(f"{n:>10}" for n in names)
+        + " ".join(f"{n:>11}" for n in names)
         + " us | "
-        + " ".join(f"{n:>10}" for n in names)
-        + " ns/elem | "
-        + " ".join(f"{n + '/torch_bf16':>21}" for n in fused)
+        + " ".join(f"{n:>11}" for n in names)
+        + " GB/s | "
+        + " ".join(f"{n + '/' + b:>22}" for n, b in over)
     )
     for label in labels:
         ws, p, dense, dense32, esc, source = prepared[label]
@@ -246,14 +292,18 @@ def main(argv=None) -> None:
                 "fused_bf16": lambda: tiles_gemv_cpu(xb, pick(ws)),
                 "groups_bf16": lambda: groups(lambda: tiles_gemv_cpu(xb, pick(ws))),
             }
-            variants = {n: variants[n] for n in names}
+            variants = {n: variants[n] for n in names if n != "ggml_bf16"}
             reps = {}
             for name, fn in variants.items():  # warm up, and size a round
                 fn()
                 t0 = time.perf_counter()
                 fn()
                 reps[name] = max(3, int(args.min_round_ms * 1e-3 / max(time.perf_counter() - t0, 1e-7)))
-            times = {name: [] for name in variants}
+            if ggml is not None:  # a graph is one product per weight copy: enough graphs for a round
+                one = statistics.median(ggml.time(label, m, 3)) * copies
+                reps["ggml_bf16"] = max(3, int(args.min_round_ms * 1e-3 / max(one, 1e-7)))
+            times = {name: [] for name in names}
+            time.sleep(SETTLE_S)
             for _ in range(args.rounds):
                 for name, fn in variants.items():
                     for _ in range(reps[name]):
@@ -261,16 +311,22 @@ def main(argv=None) -> None:
                         t0 = time.perf_counter()
                         fn()  # (pick() is inside: an index and a list lookup, timed alike for all three)
                         times[name].append(time.perf_counter() - t0)
+            if ggml is not None:  # its rounds after this process's, once their threads sleep
+                time.sleep(SETTLE_S)
+                for _ in range(args.rounds):
+                    times["ggml_bf16"] += ggml.time(label, m, reps["ggml_bf16"])
             med = {name: statistics.median(t) for name, t in times.items()}
             ns = {name: 1e9 * t / (rows * cols) for name, t in med.items()}
-            ratios = {f"{n}_over_torch_bf16": med[n] / med["torch_bf16"] for n in fused}
+            read = {n: ws[0].nbytes if n in fused else rows * cols * (4 if n == "torch_fp32" else 2) for n in names}
+            gbs = {n: read[n] / med[n] / 1e9 for n in names}
+            ratios = {f"{n}_over_{b}": med[n] / med[b] for n, b in over}
             print(
                 f"{label + ' ' + str(rows) + 'x' + str(cols):>16} {m:>3} | "
-                + " ".join(f"{1e6 * med[n]:>10.1f}" for n in names)
+                + " ".join(f"{1e6 * med[n]:>11.1f}" for n in names)
                 + "    | "
-                + " ".join(f"{ns[n]:>10.3f}" for n in names)
-                + "         | "
-                + " ".join(f"{r:>21.2f}" for r in ratios.values()),
+                + " ".join(f"{gbs[n]:>11.1f}" for n in names)
+                + "      | "
+                + " ".join(f"{r:>22.2f}" for r in ratios.values()),
                 flush=True,
             )
             results.append(
@@ -283,14 +339,22 @@ def main(argv=None) -> None:
                     "escape_fraction": esc,
                     "median_us": {k: 1e6 * t for k, t in med.items()},
                     "ns_per_element": ns,
+                    "weight_bytes_read": read,
+                    "gb_per_s": gbs,
                     **ratios,
                     "calls_timed": {k: len(t) for k, t in times.items()},
                 }
             )
 
+    if ggml is not None:
+        ggml.close()
     args.json.parent.mkdir(parents=True, exist_ok=True)
     out = {
         "benchmark": "cpu_gemv_bench",
+        "model": args.model,
+        "llama_cpp": "ggml_mul_mat (BF16 weight, F32 activations) from llama-cpp-python's libggml"
+        if ggml is not None
+        else None,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "cpu": cpu_flags(),
         "threads": threads,
