@@ -42,3 +42,28 @@ def test_the_dense_twin_and_the_parts_of_a_step(smollm2_uw, monkeypatch):
     for took, p in zip(times, parts):
         assert set(p) == set(step_profile.PARTS) and all(ns > 0 for ns in p.values()), p
         assert sum(p.values()) == round(took * 1e9)  # the rest is what the modules leave: none counted twice
+
+
+def test_llama_cpp_nodes_go_to_the_same_parts():
+    """llamacpp_step_profile.py files llama.cpp's graph nodes (operator, the name its graph gives)
+    under step_profile's parts: a product by the weight it reads, the rest by operator."""
+    import llamacpp_step_profile as lsp
+
+    assert set(lsp.PARTS) == set(step_profile.PARTS)
+    nodes = {
+        ("MUL_MAT", "Qcur-3"): "qkv_proj",
+        ("MUL_MAT", "Vcur-29"): "qkv_proj",
+        ("MUL_MAT", "attn_out-0"): "o_proj",
+        ("MUL_MAT", "ffn_up-7"): "gate_up_proj",
+        ("MUL_MAT", "ffn_out-7"): "down_proj",
+        ("MUL_MAT", "result_output"): "lm_head",
+        ("MUL_MAT", "kq-4"): "attention",
+        ("ROPE", "Qcur-4"): "attention",  # the same name on the product's result, then on the rope's
+        ("RESHAPE", "Qcur-4"): "rest",
+        ("RMS_NORM", "norm-2"): "norms",
+        ("MUL", "attn_norm-2"): "norms",
+        ("GLU", "ffn_swiglu-2"): "activation",
+        ("ADD", "ffn_inp-2"): "residuals",
+        ("GET_ROWS", "inp_embd"): "rest",
+    }
+    assert {(op, name): lsp.part_of(name, op) for op, name in nodes} == nodes
