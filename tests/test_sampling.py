@@ -115,7 +115,7 @@ EDGES = [float("nan"), float("inf"), float("-inf"), 0.0, -0.0, 1.0, 1.0]
 def test_argmax_rows_is_torchs_argmax(rows):
     """numpy's argmax for host fp32 logits gives torch's choice: the first maximum, a NaN before any number."""
     logits = torch.tensor(rows, dtype=torch.float32)
-    for t in (logits, logits.to(torch.bfloat16)):
+    for t in (logits, logits.to(torch.bfloat16), logits.clone().requires_grad_()):
         assert argmax_rows(t) == torch.argmax(t, dim=-1).tolist()
         assert argmax_rows(t[0]) == [int(torch.argmax(t[0]))]
 

@@ -16,9 +16,7 @@ async def sse(s: ServerState, choices: list[Choice], req, rid: str, chat: bool, 
     """The stream's events, as text."""
     obj = "chat.completion.chunk" if chat else "text_completion"
     if len(choices) == 1:  # one choice: its own queue, with no task and second queue between
-        only = choices[0]
-        events = _Tagged(only)
-        pumps = []
+        events, pumps = _Tagged(choices[0]), []
     else:  # several: each choice's events, as they come, into one queue
         events = asyncio.Queue()
 
