@@ -153,16 +153,34 @@ def gguf_weight_bytes(path: Path) -> int:
     return sum(int(t.n_bytes) for t in GGUFReader(path).tensors)
 
 
-def run_llamacpp(site: Path, path: Path, prompts: list[list[int]], tokens: int, threads: int) -> dict:
-    job = {"gguf": str(path), "prompts": prompts, "tokens": tokens, "threads": threads}
-    job["ctx"] = max(map(len, prompts)) + tokens
+def run_child(site: Path, code: str, job: dict) -> dict:
+    """`code` run by this interpreter with the llama.cpp site on its path, `job` as JSON on its stdin;
+    what it prints as JSON."""
     env = {**os.environ, "PYTHONPATH": str(site)}
-    done = subprocess.run(
-        [sys.executable, "-c", LLAMACPP_CHILD], input=json.dumps(job), capture_output=True, text=True, env=env
-    )
+    done = subprocess.run([sys.executable, "-c", code], input=json.dumps(job), capture_output=True, text=True, env=env)
     if done.returncode != 0:
         raise SystemExit(f"llama.cpp failed: {done.stderr.strip()[-2000:]}")
     return json.loads(done.stdout)
+
+
+def run_llamacpp(site: Path, path: Path, prompts: list[list[int]], tokens: int, threads: int) -> dict:
+    job = {"gguf": str(path), "prompts": prompts, "tokens": tokens, "threads": threads}
+    job["ctx"] = max(map(len, prompts)) + tokens
+    return run_child(site, LLAMACPP_CHILD, job)
+
+
+def start(models: str) -> tuple[list[str], Path, dict]:
+    """The --models named (smollm2, llama-1b; anything else refused), llama.cpp's site for this CPU
+    (built on first use), and a record begun with the date and llama.cpp's version."""
+    from envs import LLAMACPP_REQUIREMENT, llamacpp_site
+
+    names = models.split(",")
+    if unknown := set(names) - {"smollm2", "llama-1b"}:
+        raise SystemExit(f"--models: unknown {', '.join(sorted(unknown))} (smollm2, llama-1b)")
+    print(f"CPU: {cpu_flags()}\nbuilding or finding {LLAMACPP_REQUIREMENT} for this CPU ...", flush=True)
+    site = llamacpp_site()
+    record = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "llama_cpp": LLAMACPP_REQUIREMENT}
+    return names, site, record
 
 
 def run_unweight(model, prompts: list[list[int]], tokens: int) -> dict:
@@ -327,8 +345,6 @@ def bench_served(site: Path, path: Path, uw: Path, texts: list[str], args, threa
 
 
 def main() -> None:
-    from envs import LLAMACPP_REQUIREMENT, llamacpp_site
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="smollm2,llama-1b")
     ap.add_argument("--prompts", type=int, default=8)
@@ -342,12 +358,7 @@ def main() -> None:
     )
     ap.add_argument("--out", default="benchmarks/results/llamacpp_bench.json")
     args = ap.parse_args()
-    names = args.models.split(",")
-    if unknown := set(names) - {"smollm2", "llama-1b"}:
-        raise SystemExit(f"--models: unknown {', '.join(sorted(unknown))} (smollm2, llama-1b)")
-    print(f"CPU: {cpu_flags()}\nbuilding or finding {LLAMACPP_REQUIREMENT} for this CPU ...", flush=True)
-    site = llamacpp_site()
-    record = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "llama_cpp": LLAMACPP_REQUIREMENT}
+    names, site, record = start(args.models)
     record |= {"prompts": args.prompts, "prompt_len": args.prompt_len, "tokens": args.tokens, "models": {}}
     for name in names:
         record["models"][name] = bench(name, site, args)

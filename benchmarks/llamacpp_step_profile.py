@@ -13,7 +13,7 @@ greedy tokens one `eval` at a time, in a process of its own, twice over:
   node by node exceeds the plain one by it. Each part is reported as measured and less that cost
   (the excess over the plain step, per node, times the part's nodes).
 
-The nodes go to the parts of step_profile.py by their operator and the name llama.cpp's graph gives
+The nodes go to the parts of step_profile.py (its PARTS) by their operator and the name llama.cpp's graph gives
 them: matrix products named Qcur/Kcur/Vcur (q, k, v: three products, where the runtime makes one),
 attn_out (o), ffn_gate/ffn_up, ffn_down and result_output (the LM head); RMS_NORM and the norms'
 weight products; attention (ROPE, the KV cache stores, the attention products, softmax or
@@ -27,12 +27,8 @@ what the plain step spends outside the graph (the batch, logits out, Python).
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
 import re
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -40,11 +36,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # test support: envs
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from llamacpp_bench import bf16_folder, gguf  # noqa: E402
-from side_by_side import cpu_flags, write_record  # noqa: E402
-
-PARTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head", "norms", "attention", "activation")
-PARTS += ("residuals", "rest")
+from llamacpp_bench import bf16_folder, gguf, run_child, start  # noqa: E402
+from side_by_side import write_record  # noqa: E402
+from step_profile import PARTS  # noqa: E402
 
 # the child: llama.cpp's steps, plain then node by node, as JSON on stdout
 CHILD = r"""
@@ -139,11 +133,7 @@ def profile(name: str, site: Path, args) -> dict:
     prompt = torch.randint(0, 49152, (args.prompt,), generator=g).tolist()
     job = {"gguf": str(path), "prompt": prompt, "tokens": args.tokens, "rounds": args.rounds}
     job |= {"threads": args.threads, "ctx": args.prompt + args.tokens + 8, "lib": str(site / "llama_cpp" / "lib")}
-    env = {**os.environ, "PYTHONPATH": str(site)}
-    done = subprocess.run([sys.executable, "-c", CHILD], input=json.dumps(job), capture_output=True, text=True, env=env)
-    if done.returncode != 0:
-        raise SystemExit(f"llama.cpp failed: {done.stderr.strip()[-2000:]}")
-    out = json.loads(done.stdout)
+    out = run_child(site, CHILD, job)
     parts, counts, other = [], dict.fromkeys(PARTS, 0), {}
     for step in out["steps"]:
         t = dict.fromkeys(PARTS, 0.0)
@@ -190,8 +180,6 @@ def profile(name: str, site: Path, args) -> dict:
 
 
 def main() -> None:
-    from envs import LLAMACPP_REQUIREMENT, llamacpp_site
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="smollm2,llama-1b")
     ap.add_argument("--prompt", type=int, default=256)
@@ -201,12 +189,7 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/llamacpp_step_profile.json")
     args = ap.parse_args()
     args.threads = args.threads or torch.get_num_threads()
-    names = args.models.split(",")
-    if unknown := set(names) - {"smollm2", "llama-1b"}:
-        raise SystemExit(f"--models: unknown {', '.join(sorted(unknown))} (smollm2, llama-1b)")
-    print(f"CPU: {cpu_flags()}\nbuilding or finding {LLAMACPP_REQUIREMENT} for this CPU ...", flush=True)
-    site = llamacpp_site()
-    record = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "llama_cpp": LLAMACPP_REQUIREMENT}
+    names, site, record = start(args.models)
     record |= {"prompt": args.prompt, "tokens": args.tokens, "threads": args.threads, "models": {}}
     for name in names:
         record["models"][name] = profile(name, site, args)
