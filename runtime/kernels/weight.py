@@ -1,16 +1,17 @@
 """The resident compressed weight: one typed value per layout, what every launcher takes and every
 layer holds.
 
-A weight W (rows, cols) in BF16 lies in memory as a few byte streams plus a handful of layout
-numbers. Each kind below holds its streams (torch tensors on one device), W's shape and the layout
-parameters the kernels need, validated once when the value is made; the launchers (cpu_gemv.py,
-qtiles_matmul.py, qtiles_decode.py) take the value and hand the numba or Triton kernels its
-streams and numbers as flat arguments.
+A weight W (rows, cols) in BF16 (or in INT4 codes and BF16 group scales) lies in memory as a few
+byte streams plus a handful of layout numbers. Each kind below holds its streams (torch tensors on
+one device), W's shape and the layout parameters the kernels need, validated once when the value
+is made; the launchers (cpu_gemv.py, qtiles_matmul.py, qtiles_decode.py, cpu_int4.py) take the
+value and hand the numba or Triton kernels its streams and numbers as flat arguments.
 
 | kind | layout | device | streams | parameters |
 | --- | --- | --- | --- | --- |
 | `TilesWeight` | `tiles` (unweight/codec/tiles.py), stored | CPU | sm, codes, esc, esc_index | base, block |
 | `QTilesWeight` | `qtiles` (qtiles.py), resident | CUDA | sm, codes, base, esc_row, esc_col, esc_exp | mode |
+| `Int4Weight` | `int4` (int4.py) | CPU | sym, esc, esc_row, smant, sexp, sbase, sesc, sesc_row | group, lut, bits |
 
 A value is immutable and compares by identity: whoever caches something made from its streams
 (the CPU GEMV's plan over their addresses) keys the cache by the value, and a layer makes a new
@@ -225,4 +226,103 @@ class QTilesWeight(_Streams):
         return cls(**tensors, rows=rows, cols=cols, mode=mode)
 
 
-CompressedWeight = TilesWeight | QTilesWeight
+_INT4_DTYPES = {
+    "sym": (torch.int64,),
+    "esc": (torch.int32,),
+    "esc_row": (torch.int32,),
+    "smant": (torch.uint8,),
+    "sexp": (torch.int32,),
+    "sbase": (torch.uint8,),
+    "sesc": (torch.int16,),
+    "sesc_row": (torch.int32,),
+}
+
+
+@dataclass(frozen=True, slots=True, eq=False, repr=False)
+class Int4Weight(_Streams):
+    """W (rows, cols) as compressed-tensors INT4 codes (symmetric: w = (nibble - 8) * scale) and
+    one BF16 scale per `group` columns, in the resident `int4` layout (int4.py): 3-bit symbols in
+    bit planes, escaped nibbles' indices apart, scales as a mantissa byte and a 2-bit exponent code."""
+
+    sym: torch.Tensor  # (rows * B * 3,) int64, B = ceil(cols / 64): three symbol planes per block
+    esc: torch.Tensor  # (max(payload_bits, 1) * W,) int32: escape index planes
+    esc_row: torch.Tensor  # (rows + 1,) int32: escapes of the rows before
+    smant: torch.Tensor  # (rows * G,) uint8, G = cols / group: exponent code bit 0, mantissa
+    sexp: torch.Tensor  # (rows * ceil(G / 32),) int32: exponent code bit 1
+    sbase: torch.Tensor  # (rows,) uint8: each row's base exponent
+    sesc: torch.Tensor  # (listed scales, at least 1) int16: their bits
+    sesc_row: torch.Tensor  # (rows + 1,) int32: listed scales of the rows before
+    rows: int
+    cols: int
+    group: int
+    lut: int  # 16 nibbles, nibble i in bits 4i: short symbols' at 0..6, long ones' from 8
+    payload_bits: int  # bits of an escape's index, 0 to 4 (`bits` in the table above)
+    device: torch.device = field(init=False)
+
+    ROLES: ClassVar[tuple[str, ...]] = ("sym", "esc", "esc_row", "smant", "sexp", "sbase", "sesc", "sesc_row")
+    layout: ClassVar[str] = "int4"
+
+    def __post_init__(self) -> None:
+        _check_shape("int4", self.rows, self.cols)
+        for name, v, lo, hi in (
+            ("group", self.group, 1, self.cols or 1),
+            ("lut", self.lut, 0, (1 << 64) - 1),
+            ("payload_bits", self.payload_bits, 0, 4),
+        ):
+            if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+                raise ValueError(f"int4 {name} {v!r} is not an integer in [{lo}, {hi}]")
+        if self.cols % self.group:
+            raise ValueError(f"int4 group {self.group} does not divide cols {self.cols}")
+        device = _check_streams("int4", self.streams(), _INT4_DTYPES)
+        g = self.cols // self.group
+        want = {
+            "sym": self.rows * -(-self.cols // 64) * 3,
+            "esc_row": self.rows + 1,
+            "smant": self.rows * g,
+            "sexp": self.rows * -(-g // 32),
+            "sbase": self.rows,
+            "sesc_row": self.rows + 1,
+        }
+        for role, length in want.items():
+            if getattr(self, role).numel() != length:
+                raise ValueError(
+                    f"int4 stream {role!r} holds {getattr(self, role).numel()} entries; a ({self.rows}, {self.cols}) "
+                    f"weight in groups of {self.group} needs {length}"
+                )
+        planes = max(self.payload_bits, 1)
+        if self.esc.numel() % planes or self.esc.numel() // planes < 4 or self.sesc.numel() < 1:
+            raise ValueError(
+                f"int4 streams 'esc' ({self.esc.numel()} words) and 'sesc' ({self.sesc.numel()}) do not hold "
+                f"{planes} index planes of four words or more and at least one listed scale"
+            )
+        object.__setattr__(self, "device", device)
+
+    def _params_repr(self) -> str:
+        return f"group={self.group}, lut={self.lut:#018x}, payload_bits={self.payload_bits}"
+
+    @classmethod
+    def encode(cls, packed: np.ndarray, scales: np.ndarray, cols: int, group: int) -> Int4Weight:
+        """W coded from compressed-tensors' `weight_packed` (rows, ceil(cols / 8)) int32 and
+        `weight_scale` (rows, cols / group) BF16 bits (int4.encode), on the CPU."""
+        from . import int4
+
+        coded = int4.encode(packed, scales, cols, group)
+        tensors = {role: torch.from_numpy(np.ascontiguousarray(a)) for role, a in coded["streams"].items()}
+        return cls(
+            **tensors,
+            rows=packed.shape[0],
+            cols=cols,
+            group=group,
+            lut=coded["lut"],
+            payload_bits=coded["payload_bits"],
+        )
+
+    def decode(self) -> tuple[np.ndarray, np.ndarray]:
+        """(weight_packed int32, weight_scale uint16 bits) back, bit for bit (int4.decode_reference)."""
+        from . import int4
+
+        streams = {role: t.cpu().numpy() for role, t in self.streams().items()}
+        return int4.decode_reference(streams, self.rows, self.cols, self.group, self.lut, self.payload_bits)
+
+
+CompressedWeight = TilesWeight | QTilesWeight | Int4Weight

@@ -1,0 +1,300 @@
+"""CPU kernels of INT4 weights (W4A16): y = x @ W.T with W's codes and scales decoded as the product
+reads them, from the resident `int4` layout (int4.py, an `Int4Weight`), and the same product on
+compressed-tensors' uncoded packed words (the baseline the layout is measured against).
+
+Both read W a row at a time. For up to GEMV_ROWS rows of x each thread decodes a row's scales,
+then its codes 64 columns at a time, multiplying each block with every row of x as it comes
+(never writing W). For more rows of x, BLOCK_ROWS rows of W at a time are decoded into an fp32
+workspace and multiplied by torch's GEMM. Every weight comes out exact: (nibble - 8) * scale, a
+4-bit integer times a BF16 scale, is an fp32 value.
+
+The AVX-512 rows (cpu_int4_avx512.py) take the product where the CPU has them and W's shape fits
+(`_fast`); the portable numba kernels here take the rest, and are the tests' oracle for them (the
+plain reference of both is int4.decode_reference, dequantized and multiplied in float64).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import torch
+from numba import njit, prange
+
+from . import int4
+from .cpu_int4_avx512 import FAST_PATH, coded_dot, coded_rows, plain_dot, plain_rows
+from .weight import Int4Weight
+
+GEMV_ROWS = 8  # rows of x up to which the product is fused; above, decoded blocks go to torch's GEMM
+BLOCK_ROWS = 256  # rows of W decoded at a time for the GEMM
+BLOCK = int4.BLOCK
+
+
+def _values(w: Int4Weight) -> np.ndarray:
+    """(32,) fp32: nibble - 8 of w's short symbols (0..6; 7 unused), then of its long nibbles by
+    index (8..23), then zeros (the two tables of the AVX-512 permute)."""
+    short, long = int4.lut_tables(w.lut, w.payload_bits)
+    return np.concatenate([short, long, np.full(8, 8, np.uint8)]).astype(np.float32) - 8
+
+
+@njit(cache=True, inline="always")
+def _bf16(bits):
+    return np.uint32((np.int64(bits) & 0xFFFF) << 16)
+
+
+@njit(cache=True)
+def _row_scales(r, G, smant, sexp, sbase, sesc, sesc_row, out):
+    """Row r's G scales into out (fp32)."""
+    words = (G + 31) >> 5
+    base = np.int64(sbase[r])
+    listed = np.int64(sesc_row[r])
+    raw = out.view(np.uint32)
+    for g in range(G):
+        m = np.int64(smant[r * G + g])
+        code = (m >> 7) | (((np.int64(sexp[r * words + (g >> 5)]) >> (g & 31)) & 1) << 1)
+        if code == 3:
+            raw[g] = _bf16(sesc[listed])
+            listed += 1
+        else:
+            raw[g] = _bf16(((base + code) << 7) | (m & 0x7F))
+
+
+@njit(cache=True)
+def _block(sym, at, esc, W, e, pb, values, v):
+    """The 64 values (nibble - 8) of the block whose planes are sym[at : at + 3] into v, its first
+    escape being e; returns the next block's. Column by column: symbol s from the planes; an
+    escape's index from bit e + (escapes before it) of each index plane."""
+    p0, p1, p2 = np.int64(sym[at]), np.int64(sym[at + 1]), np.int64(sym[at + 2])
+    for j in range(BLOCK):
+        s = ((p0 >> j) & 1) | (((p1 >> j) & 1) << 1) | (((p2 >> j) & 1) << 2)
+        if s == 7:
+            index = 0
+            for k in range(pb):
+                index |= ((np.int64(esc[k * W + (e >> 5)]) >> (e & 31)) & 1) << k
+            e += 1
+            v[j] = values[8 + index]
+        else:
+            v[j] = values[s]
+    return e
+
+
+@njit(cache=True)
+def _row_weights(r, K, group, sym, esc, esc_row, W, pb, values, scales, out):
+    """Row r's K weights, (nibble - 8) * scale, into out (fp32)."""
+    B = (K + BLOCK - 1) // BLOCK
+    e = np.int64(esc_row[r])
+    v = np.empty(BLOCK, np.float32)
+    for b in range(B):
+        e = _block(sym, (r * B + b) * 3, esc, W, e, pb, values, v)
+        c0 = b * BLOCK
+        for j in range(min(BLOCK, K - c0)):
+            out[c0 + j] = v[j] * scales[(c0 + j) // group]
+
+
+@njit(cache=True)
+def _plain_row(r, K, group, packed, scales16, out):
+    """Row r of uncoded W: nibbles of its INT32 words times scales from their BF16 bits."""
+    G, at = K // group, r * ((K + 7) >> 3)
+    bits = np.empty(1, np.uint32)
+    for g in range(G):
+        bits[0] = _bf16(scales16[r * G + g])
+        scale = bits.view(np.float32)[0]
+        for c in range(g * group, (g + 1) * group):
+            out[c] = np.float32(((np.int64(packed[at + (c >> 3)]) >> (4 * (c & 7))) & 15) - 8) * scale
+
+
+@njit(cache=True, fastmath=True)
+def _dot_rows(x, w, y, r):
+    for m in range(x.shape[0]):
+        acc = np.float32(0)
+        for c in range(w.shape[0]):
+            acc += x[m, c] * w[c]
+        y[m, r] = acc
+
+
+@njit(cache=True, parallel=True)
+def _gemv_coded(x, sym, esc, esc_row, smant, sexp, sbase, sesc, sesc_row, K, group, W, pb, values, y, parts):
+    R, G = y.shape[1], K // group
+    for p in prange(parts):
+        scales = np.empty(G, np.float32)
+        w = np.empty(K, np.float32)
+        for r in range(p * R // parts, (p + 1) * R // parts):
+            _row_scales(r, G, smant, sexp, sbase, sesc, sesc_row, scales)
+            _row_weights(r, K, group, sym, esc, esc_row, W, pb, values, scales, w)
+            _dot_rows(x, w, y, r)
+
+
+@njit(cache=True, parallel=True)
+def _rows_coded(r0, sym, esc, esc_row, smant, sexp, sbase, sesc, sesc_row, K, group, W, pb, values, out):
+    G = K // group
+    for i in prange(out.shape[0]):
+        scales = np.empty(G, np.float32)
+        _row_scales(r0 + i, G, smant, sexp, sbase, sesc, sesc_row, scales)
+        _row_weights(r0 + i, K, group, sym, esc, esc_row, W, pb, values, scales, out[i])
+
+
+@njit(cache=True, parallel=True)
+def _gemv_coded_avx512(x, sym, esc, esc_row, smant, sexp, sbase, sesc, sesc_row, K, group, W, pb, values, y, parts):
+    M, R, G, B = x.shape[0], y.shape[1], K // group, K // BLOCK
+    gshift = np.int64(np.log2(group))
+    for p in prange(parts):
+        scales = np.empty(G, np.float32)
+        acc = np.empty((M, BLOCK), np.float32)
+        for r in range(p * R // parts, (p + 1) * R // parts):
+            _row_scales(r, G, smant, sexp, sbase, sesc, sesc_row, scales)
+            acc[:] = 0
+            coded_dot(pb, sym, r * B * 3, B, esc, W, np.int64(esc_row[r]), values, gshift, scales, x, acc)
+            for m in range(M):
+                y[m, r] = acc[m].sum()
+
+
+@njit(cache=True, parallel=True)
+def _rows_coded_avx512(r0, sym, esc, esc_row, smant, sexp, sbase, sesc, sesc_row, K, group, W, pb, values, out):
+    G, B = K // group, K // BLOCK
+    gshift = np.int64(np.log2(group))
+    for i in prange(out.shape[0]):
+        scales = np.empty(G, np.float32)
+        r = r0 + i
+        _row_scales(r, G, smant, sexp, sbase, sesc, sesc_row, scales)
+        coded_rows(pb, sym, r * B * 3, B, esc, W, np.int64(esc_row[r]), values, gshift, scales, out[i])
+
+
+@njit(cache=True, inline="always")
+def _plain_scales(r, G, scales16, out):
+    raw = out.view(np.uint32)
+    for g in range(G):
+        raw[g] = _bf16(scales16[r * G + g])
+
+
+@njit(cache=True, parallel=True)
+def _gemv_plain(x, packed, scales16, K, group, y, parts):
+    R = y.shape[1]
+    for p in prange(parts):
+        w = np.empty(K, np.float32)
+        for r in range(p * R // parts, (p + 1) * R // parts):
+            _plain_row(r, K, group, packed, scales16, w)
+            _dot_rows(x, w, y, r)
+
+
+@njit(cache=True, parallel=True)
+def _rows_plain(r0, packed, scales16, K, group, out):
+    for i in prange(out.shape[0]):
+        _plain_row(r0 + i, K, group, packed, scales16, out[i])
+
+
+@njit(cache=True, parallel=True)
+def _gemv_plain_avx512(x, packed, scales16, K, group, y, parts):
+    M, R, G = x.shape[0], y.shape[1], K // group
+    gshift = np.int64(np.log2(group))
+    for p in prange(parts):
+        scales = np.empty(G, np.float32)
+        acc = np.empty((M, BLOCK), np.float32)
+        for r in range(p * R // parts, (p + 1) * R // parts):
+            _plain_scales(r, G, scales16, scales)
+            acc[:] = 0
+            plain_dot(packed, r * (K >> 3), K // BLOCK, gshift, scales, x, acc)
+            for m in range(M):
+                y[m, r] = acc[m].sum()
+
+
+@njit(cache=True, parallel=True)
+def _rows_plain_avx512(r0, packed, scales16, K, group, out):
+    G = K // group
+    gshift = np.int64(np.log2(group))
+    for i in prange(out.shape[0]):
+        scales = np.empty(G, np.float32)
+        _plain_scales(r0 + i, G, scales16, scales)
+        plain_rows(packed, (r0 + i) * (K >> 3), K // BLOCK, gshift, scales, out[i])
+
+
+def _parts(rows: int) -> int:
+    return min(rows, 8 * numba.get_num_threads()) or 1
+
+
+def _fast(fast: bool | None, cols: int, group: int) -> bool:
+    """Whether the AVX-512 rows take the product: where the CPU has them, W's rows are whole blocks
+    and its group a power of two of 32 or more (`fast` False: the portable kernels; True: those
+    rows, or ValueError)."""
+    fits = FAST_PATH and cols % BLOCK == 0 and group >= 32 and group & (group - 1) == 0
+    if fast and not fits:
+        raise ValueError(
+            f"the AVX-512 INT4 rows need AVX-512, {BLOCK} | cols ({cols}) and a power-of-two group of 32 or "
+            f"more ({group})"
+        )
+    return fits if fast is None else fast
+
+
+def _args(w: Int4Weight) -> tuple:
+    if w.device.type != "cpu":
+        raise ValueError(f"the CPU INT4 kernels read a weight on the CPU, not on {w.device}")
+    s = {role: t.numpy() for role, t in w.streams().items()}
+    words = s["esc"].size // max(w.payload_bits, 1)
+    return (
+        s["sym"],
+        s["esc"],
+        s["esc_row"],
+        s["smant"],
+        s["sexp"],
+        s["sbase"],
+        s["sesc"],
+        s["sesc_row"],
+        w.cols,
+        w.group,
+        words,
+        w.payload_bits,
+        _values(w),
+    )
+
+
+def _check_x(x: torch.Tensor, cols: int) -> np.ndarray:
+    if x.dim() != 2 or x.shape[1] != cols or x.device.type != "cpu":
+        raise ValueError(f"x must be a (M, {cols}) CPU tensor, not {tuple(x.shape)} on {x.device}")
+    return x.detach().to(torch.float32).contiguous().numpy()
+
+
+def _gemm(xs: np.ndarray, rows: int, decode) -> torch.Tensor:
+    """x @ W.T, BLOCK_ROWS rows of W at a time decoded by decode(r0, out) and multiplied by torch."""
+    xt = torch.from_numpy(xs)
+    y = torch.empty((xs.shape[0], rows), dtype=torch.float32)
+    block = np.empty((min(BLOCK_ROWS, rows), xs.shape[1]), np.float32)
+    for r0 in range(0, rows, BLOCK_ROWS):
+        r1 = min(r0 + BLOCK_ROWS, rows)
+        decode(r0, block[: r1 - r0])
+        torch.mm(xt, torch.from_numpy(block[: r1 - r0]).T, out=y[:, r0:r1])
+    return y
+
+
+def int4_rows_cpu(w: Int4Weight, r0: int, r1: int, fast: bool | None = None) -> torch.Tensor:
+    """Rows r0 .. r1 of W dequantized, (r1 - r0, cols) fp32."""
+    if not 0 <= r0 <= r1 <= w.rows:
+        raise ValueError(f"rows {r0}..{r1} are not within the weight's {w.rows}")
+    out = np.empty((r1 - r0, w.cols), np.float32)
+    (_rows_coded_avx512 if _fast(fast, w.cols, w.group) else _rows_coded)(r0, *_args(w), out)
+    return torch.from_numpy(out)
+
+
+def int4_linear_cpu(x: torch.Tensor, w: Int4Weight, fast: bool | None = None) -> torch.Tensor:
+    """x @ W.T in fp32, (M, rows), for fp32 or BF16 x (M, cols) on the CPU: fused up to GEMV_ROWS
+    rows of x, else BLOCK_ROWS rows of W decoded at a time and multiplied by torch."""
+    xs, args, on = _check_x(x, w.cols), _args(w), _fast(fast, w.cols, w.group)
+    if xs.shape[0] > GEMV_ROWS:
+        rows = _rows_coded_avx512 if on else _rows_coded
+        return _gemm(xs, w.rows, lambda r0, out: rows(r0, *args, out))
+    y = np.empty((xs.shape[0], w.rows), np.float32)
+    (_gemv_coded_avx512 if on else _gemv_coded)(xs, *args, y, _parts(w.rows))
+    return torch.from_numpy(y)
+
+
+def plain_int4_linear_cpu(
+    x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group: int, fast: bool | None = None
+) -> torch.Tensor:
+    """The same product from uncoded compressed-tensors tensors: `weight_packed` (rows, cols / 8)
+    int32 and `weight_scale` (rows, cols / group) BF16; the baseline of the coded layout."""
+    rows, cols = packed.shape[0], packed.shape[1] * 8
+    xs, on = _check_x(x, cols), _fast(fast, cols, group)
+    p, s = packed.contiguous().numpy().reshape(-1), scales.contiguous().view(torch.int16).numpy().reshape(-1)
+    if xs.shape[0] > GEMV_ROWS:
+        decode = _rows_plain_avx512 if on else _rows_plain
+        return _gemm(xs, rows, lambda r0, out: decode(r0, p, s, cols, group, out))
+    y = np.empty((xs.shape[0], rows), np.float32)
+    (_gemv_plain_avx512 if on else _gemv_plain)(xs, p, s, cols, group, y, _parts(rows))
+    return torch.from_numpy(y)

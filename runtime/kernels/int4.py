@@ -1,0 +1,242 @@
+r"""The resident layout of an INT4 weight (`int4`): compressed-tensors `pack-quantized` codes and
+their BF16 group scales, coded so that a kernel decodes them row by row inside a GEMV or an
+expert GEMM.
+
+The source W (R, K) is R*K 4-bit codes ("nibbles", eight to a little-endian INT32 word, code j of
+a word in bits 4j..4j+3) and R*G BF16 scales, G = K / group. Its nibbles are far from uniform
+(absmax-scaled groups put most codes near the middle: 3.63 bits of entropy a code for Gaussian
+weights, 3.39 for Student-t(5)), and its scales are positive numbers whose exponents a row keeps
+within a few values. The layout keeps every address computable without parsing a bit stream:
+
+Codes. The 7 nibbles the matrix uses most are "short": symbol s in 0..6 stands for `lut` nibble s.
+Every other nibble is an escape: symbol 7, and an index into the `long` nibbles (`lut` nibbles
+8.., in order) of `payload_bits` = ceil(log2(how many long nibbles the matrix uses)) bits, 0 when
+it uses one; a matrix that uses more than 8 long nibbles (all 16) lists the nibble itself, in 4
+bits. The symbols lie in blocks of 64 columns as three bit planes (64-bit word k of block b has
+bit j = bit k of column 64b + j's symbol), so `p0 & p1 & p2` is a block's escape mask, and a
+block's escape count is its popcount. The escapes' indices lie apart in `payload_bits` bit
+streams (stream k holds bit k of each index), in row-major order; a row's first escape is
+`esc_row[r]`, so a kernel walking a row keeps one running count and reads each index at a known
+bit. Symmetric codes (absmax / 7) use 15 nibbles: 7 short, 8 long, 3-bit indices.
+
+Scales. Each row keeps a base exponent; a scale whose sign is 0 and whose exponent lies in
+base .. base + 2 is stored as its 7 mantissa bits and a 2-bit exponent code (e - base), anything
+else (negative, zero or another exponent) as code 3, its 16 bits listed apart (`sesc`, row-major,
+the row's first at `sesc_row[r]`). Code bit 0 is the top bit of the mantissa byte; bit 1 lies in
+a plane of 32 groups a word.
+
+| stream | dtype, length | content |
+| --- | --- | --- |
+| `sym` | int64, R*B*3 (B = ceil(K/64)) | three plane words per (row, block); padding columns are symbol 0 |
+| `esc` | int32, max(payload_bits, 1)*W | escape index bit planes, W = ceil(E/32) + 4 words each (E escapes) |
+| `esc_row` | int32, R+1 | escapes of rows < r |
+| `smant` | uint8, R*G | (exponent code & 1) << 7 \| mantissa |
+| `sexp` | int32, R*ceil(G/32) | exponent code >> 1, bit g % 32 of word g // 32 of the row |
+| `sbase` | uint8, R | the row's base exponent |
+| `sesc` | int16, max(S, 1) | listed scales' bits (S listed) |
+| `sesc_row` | int32, R+1 | listed scales of rows < r |
+
+`lut` (16 nibbles in a 64-bit integer, nibble i at bits 4i: short ones at 0..6, long ones from 8)
+and `payload_bits` are the weight's parameters (weight.Int4Weight). Decoding is bit-exact: back to
+the source's INT32 words and BF16 scale bits (`decode_reference`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+BLOCK = 64  # columns a block of symbol planes covers
+SHORT = 7  # short symbols; symbol SHORT is the escape
+ESCAPE = SHORT
+WINDOW = 3  # exponents a row's scales code without listing (code 3 lists)
+PAD_WORDS = 4  # words after each escape plane: a kernel reads 16 bytes from the byte of a block's first escape
+ROLES = ("sym", "esc", "esc_row", "smant", "sexp", "sbase", "sesc", "sesc_row")
+
+
+def blocks(cols: int) -> int:
+    return -(-cols // BLOCK)
+
+
+def unpack_nibbles(packed: np.ndarray, cols: int) -> np.ndarray:
+    """(R, cols) uint8 nibbles of compressed-tensors' packed INT32 words (R, ceil(cols / 8))."""
+    words = np.ascontiguousarray(packed).view(np.uint32)
+    rows = words.shape[0]
+    nib = np.empty((rows, words.shape[1], 8), dtype=np.uint8)
+    for j in range(8):
+        nib[:, :, j] = (words >> np.uint32(4 * j)) & np.uint32(15)
+    return nib.reshape(rows, -1)[:, :cols]
+
+
+def pack_nibbles(nib: np.ndarray) -> np.ndarray:
+    """The inverse of unpack_nibbles: (R, ceil(cols / 8)) int32 words, padding nibbles 0."""
+    rows, cols = nib.shape
+    padded = np.zeros((rows, -(-cols // 8) * 8), dtype=np.uint32)
+    padded[:, :cols] = nib
+    padded = padded.reshape(rows, -1, 8)
+    words = np.zeros(padded.shape[:2], dtype=np.uint32)
+    for j in range(8):
+        words |= padded[:, :, j] << np.uint32(4 * j)
+    return words.view(np.int32)
+
+
+def choose_lut(nib: np.ndarray) -> tuple[int, int]:
+    """(lut, payload_bits) for a matrix's nibbles: the SHORT most used (ties to the lower nibble)
+    short, the other used ones long, in nibble order."""
+    counts = np.bincount(nib.reshape(-1), minlength=16)
+    order = sorted(range(16), key=lambda v: (-counts[v], v))
+    short = order[:SHORT]
+    long = sorted(v for v in order[SHORT:] if counts[v])
+    lut = 0
+    for i, v in enumerate(short):
+        lut |= v << (4 * i)
+    if len(long) > 8:
+        return lut, 4  # the nibbles themselves, in 4 bits
+    for i, v in enumerate(long):
+        lut |= v << (4 * (8 + i))
+    return lut, payload_bits(len(long)) if long else 0
+
+
+def payload_bits(longs: int) -> int:
+    """Bits of an escape's index among `longs` long nibbles (1 to 8)."""
+    return (longs - 1).bit_length()
+
+
+def lut_tables(lut: int, payload_bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """(short nibbles (8,), long nibbles (16,)) of a lut: an escape of index i is long[i] (i itself
+    at 4 payload bits); short[7] is unused (0)."""
+    nibbles = np.array([(lut >> (4 * i)) & 15 for i in range(16)], dtype=np.uint8)
+    short = nibbles[:8].copy()
+    short[ESCAPE] = 0
+    long = np.arange(16, dtype=np.uint8) if payload_bits == 4 else np.concatenate([nibbles[8:], np.zeros(8, np.uint8)])
+    return short, long
+
+
+def _planes(bits: np.ndarray) -> np.ndarray:
+    """(..., n) 0/1 values as little-endian uint32 words (..., ceil(n / 32)), zero padded."""
+    n = bits.shape[-1]
+    padded = np.zeros(bits.shape[:-1] + (-(-n // 32) * 32,), dtype=np.uint8)
+    padded[..., :n] = bits
+    return np.packbits(padded, axis=-1, bitorder="little").view(np.uint32)
+
+
+def _unplanes(words: np.ndarray, n: int) -> np.ndarray:
+    """The first n bits along the last axis of uint32 words, as 0/1 uint8."""
+    return np.unpackbits(np.ascontiguousarray(words).view(np.uint8), axis=-1, bitorder="little")[..., :n]
+
+
+def _row_bases(exps: np.ndarray, plain: np.ndarray) -> np.ndarray:
+    """Each row's base exponent: the lowest of the WINDOW-wide windows that holds most of its plain
+    scales (0 for a row with none)."""
+    rows = exps.shape[0]
+    hist = np.zeros((rows, 256 + WINDOW), dtype=np.int64)
+    r, e = np.nonzero(plain)
+    np.add.at(hist, (r, exps[r, e]), 1)
+    csum = np.concatenate([np.zeros((rows, 1), np.int64), np.cumsum(hist, axis=1)], axis=1)
+    held = csum[:, WINDOW : WINDOW + 256] - csum[:, :256]  # held[r, b]: plain scales in b .. b + WINDOW - 1
+    return held.argmax(axis=1).astype(np.uint8)
+
+
+def encode(packed: np.ndarray, scales: np.ndarray, cols: int, group: int) -> dict:
+    """The streams of W from compressed-tensors' `weight_packed` (R, ceil(cols / 8)) int32 and
+    `weight_scale` (R, cols / group) BF16 bits (uint16 or int16), and its parameters `lut` and
+    `payload_bits`. ValueError names what does not fit."""
+    packed, scales = np.asarray(packed), np.asarray(scales)
+    if packed.ndim != 2 or packed.dtype not in (np.int32, np.uint32):
+        raise ValueError(f"int4 codes must be a 2-D int32 array, not {packed.dtype}{list(packed.shape)}")
+    rows = packed.shape[0]
+    if packed.shape[1] != -(-cols // 8):
+        raise ValueError(f"int4 codes of {packed.shape[1]} words a row do not hold {cols} columns")
+    if not isinstance(group, int) or group < 1 or cols % group:
+        raise ValueError(f"int4 group size {group!r} does not divide {cols} columns")
+    g = cols // group
+    if scales.dtype not in (np.uint16, np.int16) or scales.shape != (rows, g):
+        raise ValueError(f"int4 scales must be ({rows}, {g}) BF16 bits, not {scales.dtype}{list(scales.shape)}")
+    nib = unpack_nibbles(packed, cols)
+    lut, payload_bits = choose_lut(nib)
+    short, long = lut_tables(lut, payload_bits)
+    to_sym = np.full(16, ESCAPE, dtype=np.uint8)
+    to_sym[short[:SHORT]] = np.arange(SHORT, dtype=np.uint8)
+    to_index = np.arange(16, dtype=np.uint8)  # (at 4 payload bits, the nibble itself)
+    if payload_bits < 4:
+        longs = np.setdiff1d(np.unique(nib), short[:SHORT])  # in nibble order, as choose_lut lists them
+        to_index[longs] = np.arange(longs.size, dtype=np.uint8)
+    sym = np.zeros((rows, blocks(cols) * BLOCK), dtype=np.uint8)
+    sym[:, :cols] = to_sym[nib]
+    planes = np.stack([_planes((sym.reshape(rows, -1, BLOCK) >> k) & 1).view(np.uint64) for k in range(3)], axis=-1)
+    escaped = sym[:, :cols] == ESCAPE
+    esc_row = np.zeros(rows + 1, dtype=np.int64)
+    np.cumsum(escaped.sum(axis=1), out=esc_row[1:])
+    index = to_index[nib[escaped]]  # row-major
+    words = -(-index.size // 32) + PAD_WORDS
+    esc = np.zeros((max(payload_bits, 1), words), dtype=np.uint32)  # (one plane of zeros at 0 bits)
+    for k in range(payload_bits):
+        esc[k, : -(-index.size // 32)] = _planes((index >> k) & 1)
+    bits = scales.view(np.uint16)
+    exps = ((bits >> 7) & 0xFF).astype(np.int64)
+    positive = (bits >> 15) == 0
+    sbase = _row_bases(exps, positive & (exps > 0))
+    code = exps - sbase[:, None].astype(np.int64)
+    plain = positive & (code >= 0) & (code < WINDOW)
+    code = np.where(plain, code, WINDOW).astype(np.uint8)
+    smant = ((code & 1) << 7) | np.where(plain, bits & 0x7F, 0).astype(np.uint8)
+    sexp = _planes(code >> 1)
+    listed = ~plain
+    sesc_row = np.zeros(rows + 1, dtype=np.int64)
+    np.cumsum(listed.sum(axis=1), out=sesc_row[1:])
+    sesc = bits[listed]
+    _check_count("escapes", esc_row[-1])
+    _check_count("listed scales", sesc_row[-1])
+    streams = {
+        "sym": planes.reshape(-1).view(np.int64),
+        "esc": esc.reshape(-1).view(np.int32),
+        "esc_row": esc_row.astype(np.int32),
+        "smant": smant.reshape(-1),
+        "sexp": sexp.reshape(-1).view(np.int32),
+        "sbase": sbase,
+        "sesc": (sesc if sesc.size else np.zeros(1, np.uint16)).view(np.int16),
+        "sesc_row": sesc_row.astype(np.int32),
+    }
+    return {"streams": streams, "lut": lut, "payload_bits": payload_bits}
+
+
+def _check_count(what: str, n: int) -> None:
+    if n >= 1 << 31:
+        raise ValueError(f"int4: {n} {what} are more than an int32 index holds; split the matrix")
+
+
+def decode_reference(streams: dict, rows: int, cols: int, group: int, lut: int, payload_bits: int):
+    """(packed int32 (R, ceil(cols / 8)), scales uint16 (R, cols / group)): the source's bits back,
+    decoded the plain way (whole planes at once)."""
+    b, g = blocks(cols), cols // group
+    planes = streams["sym"].view(np.uint64).reshape(rows, b, 3)
+    sym = np.zeros((rows, b * BLOCK), dtype=np.uint8)
+    for k in range(3):
+        sym |= _unplanes(planes[:, :, k], b * BLOCK) << k
+    sym = sym[:, :cols]
+    short, long = lut_tables(lut, payload_bits)
+    nib = short[np.minimum(sym, ESCAPE)]
+    escaped = sym == ESCAPE
+    n = int(escaped.sum())
+    esc = streams["esc"].view(np.uint32).reshape(payload_bits, -1) if payload_bits else None
+    index = np.zeros(n, dtype=np.uint8)
+    for k in range(payload_bits):
+        index |= _unplanes(esc[k], n) << k
+    nib[escaped] = long[index]
+    code = (streams["smant"].reshape(rows, g) >> 7) | (
+        _unplanes(streams["sexp"].view(np.uint32).reshape(rows, -1), g) << 1
+    )
+    exps = streams["sbase"].astype(np.uint16)[:, None] + code
+    scales = (exps << 7) | (streams["smant"].reshape(rows, g) & 0x7F)
+    listed = code == WINDOW
+    scales[listed] = streams["sesc"].view(np.uint16)[: int(listed.sum())]
+    return pack_nibbles(nib), scales.astype(np.uint16)
+
+
+def resident_bytes(streams: dict) -> int:
+    """Bytes the streams hold, the padding words included."""
+    return sum(np.asarray(s).nbytes for s in streams.values())
+
+
+def stored_bytes(rows: int, cols: int, group: int) -> int:
+    """Bytes of the source: its INT32 words and BF16 scales."""
+    return rows * -(-cols // 8) * 4 + rows * (cols // group) * 2

@@ -1,0 +1,183 @@
+"""The resident INT4 layout (runtime/kernels/int4.py) and its CPU kernels (cpu_int4.py): coded
+streams decode back to the source's INT32 words and BF16 scale bits exactly, whatever nibbles and
+scales they hold; the Int4Weight value checks its streams; the kernels rebuild every weight
+exactly and their products lie within the fp32 summation bound of a float64 product on the
+plainly decoded weights; the AVX-512 rows agree with the portable ones."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from unweight.runtime.kernels import cpu_int4, int4
+from unweight.runtime.kernels.cpu_int4_avx512 import FAST_PATH
+from unweight.runtime.kernels.weight import Int4Weight
+
+needs_avx512 = pytest.mark.skipif(not FAST_PATH, reason="the CPU has no AVX-512 (BW) and BMI2")
+
+
+def quantized(rows: int, cols: int, group: int, seed: int = 0, heavy: bool = False):
+    """Symmetric absmax codes of Gaussian (or Student-t(5)) weights, as compressed-tensors packs
+    them: (packed int32 (rows, cols / 8), BF16 scale bits uint16 (rows, cols / group))."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_t(5, (rows, cols)) if heavy else rng.standard_normal((rows, cols))
+    g = w.astype(np.float32).reshape(rows, cols // group, group)
+    scale = (np.abs(g).max(-1, keepdims=True) / 7).astype(np.float32)
+    scale_bits = (scale.view(np.uint32) >> 16).astype(np.uint16)
+    scale = (scale_bits.astype(np.uint32) << 16).view(np.float32)
+    codes = (np.clip(np.rint(g / scale), -8, 7) + 8).astype(np.uint8).reshape(rows, cols)
+    return int4.pack_nibbles(codes), scale_bits.reshape(rows, cols // group)
+
+
+def dense(packed: np.ndarray, scales: np.ndarray, cols: int, group: int) -> np.ndarray:
+    """W in float64, (nibble - 8) * scale: the plain dequantization."""
+    s = (scales.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    return (int4.unpack_nibbles(packed, cols).astype(np.float64) - 8) * np.repeat(s, group, axis=1)
+
+
+def round_trip(packed, scales, cols, group) -> Int4Weight:
+    w = Int4Weight.encode(packed, scales, cols, group)
+    back_p, back_s = w.decode()
+    assert np.array_equal(back_p.view(np.uint32), packed.view(np.uint32))
+    assert np.array_equal(back_s.view(np.uint16), scales.view(np.uint16))
+    return w
+
+
+@pytest.mark.parametrize("heavy", [False, True])
+def test_quantized_weights_round_trip_and_shrink(heavy):
+    rows, cols, group = 64, 1024, 32
+    packed, scales = quantized(rows, cols, group, heavy=heavy)
+    w = round_trip(packed, scales, cols, group)
+    assert w.payload_bits == 3  # symmetric codes use 15 nibbles: 7 short, 8 long
+    s = {role: t.numpy() for role, t in w.streams().items()}
+    codes = s["sym"].nbytes + s["esc"].nbytes + s["esc_row"].nbytes
+    assert codes < packed.nbytes * (0.90 if heavy else 0.96)
+    assert w.stored_bytes == int4.resident_bytes(s) < int4.stored_bytes(rows, cols, group)
+
+
+@pytest.mark.parametrize("used", [1, 6, 7, 8, 9, 12, 15, 16])
+def test_any_nibbles_round_trip(used):
+    """From one used nibble (no escapes) to all 16 (the nibbles themselves listed in 4 bits), with
+    columns that are not whole blocks and groups that are not 32."""
+    rng = np.random.default_rng(used)
+    for rows, cols, group in ((5, 40, 8), (3, 200, 40), (1, 64, 64), (7, 8, 8)):
+        nib = rng.choice(rng.permutation(16)[:used], size=(rows, cols), p=None).astype(np.uint8)
+        scales = rng.integers(0x3C00, 0x3E00, (rows, cols // group)).astype(np.uint16)
+        w = round_trip(int4.pack_nibbles(nib), scales, cols, group)
+        longs = max(0, used - int4.SHORT)
+        assert w.payload_bits == (4 if longs > 8 else int4.payload_bits(longs) if longs else 0)
+
+
+def test_any_scales_round_trip():
+    """Scales the window does not code are listed: zeros, negative ones, infinities, NaN payloads,
+    subnormals, exponents far apart in one row; a row of only those keeps base 0."""
+    rng = np.random.default_rng(3)
+    packed, scales = quantized(6, 256, 32, seed=3)
+    odd = np.array([0x0000, 0x8000, 0x7F80, 0xFF80, 0x7FC1, 0x0001, 0x807F, 0x3F80, 0x4780, 0x0F80], np.uint16)
+    scales[0, :8] = odd[:8]
+    scales[1] = rng.choice(odd, 8)
+    scales[2] = rng.integers(0, 1 << 16, 8)
+    w = round_trip(packed, scales, 256, 32)
+    assert int(w.sesc_row[-1]) > 8
+
+
+def test_bad_inputs_are_refused():
+    packed, scales = quantized(4, 128, 32)
+    with pytest.raises(ValueError, match="group size 48 does not divide 128"):
+        int4.encode(packed, scales, 128, 48)
+    with pytest.raises(ValueError, match="do not hold 136 columns"):
+        int4.encode(packed, scales, 136, 8)
+    with pytest.raises(ValueError, match=r"scales must be \(4, 4\) BF16 bits"):
+        int4.encode(packed, scales.astype(np.float32), 128, 32)
+    with pytest.raises(ValueError, match="2-D int32"):
+        int4.encode(packed.astype(np.int64), scales, 128, 32)
+    w = Int4Weight.encode(packed, scales, 128, 32)
+    s = w.streams()
+    with pytest.raises(ValueError, match="'sym' holds 23 entries"):
+        w.with_streams({"sym": s["sym"][:-1]})
+    with pytest.raises(ValueError, match="'smant' must be torch.uint8"):
+        w.with_streams({"smant": s["smant"].int()})
+    with pytest.raises(ValueError, match="payload_bits 5"):
+        Int4Weight(**s, rows=4, cols=128, group=32, lut=w.lut, payload_bits=5)
+    with pytest.raises(ValueError, match="group 48 does not divide cols 128"):
+        Int4Weight(**s, rows=4, cols=128, group=48, lut=w.lut, payload_bits=3)
+    with pytest.raises(ValueError, match="index planes"):
+        w.with_streams({"esc": s["esc"][:3]})
+
+
+def fp32_bound(x: np.ndarray, W: np.ndarray) -> np.ndarray:
+    """|y - exact| of an fp32 sum of K products: at most K * 2^-24 * sum |x| |w| (each product of an
+    fp32 x and an exact fp32 weight rounded once, then each of K additions)."""
+    return (W.shape[1] + 1) * 2.0**-24 * (np.abs(x) @ np.abs(W).T)
+
+
+def kernels(fast: bool):
+    return pytest.param(fast, marks=needs_avx512 if fast else (), id="avx512" if fast else "portable")
+
+
+@pytest.mark.parametrize("fast", [kernels(False), kernels(True)])
+@pytest.mark.parametrize("heavy", [False, True])
+def test_rows_and_products(fast, heavy):
+    rows, cols, group = 300, 512, 32
+    packed, scales = quantized(rows, cols, group, seed=5, heavy=heavy)
+    scales[7, 3] = 0x8000 | scales[7, 3]  # a listed scale, negative
+    w = Int4Weight.encode(packed, scales, cols, group)
+    W = dense(packed, scales, cols, group)
+    got = cpu_int4.int4_rows_cpu(w, 0, rows, fast=fast).numpy()
+    assert np.array_equal(got.view(np.uint32), W.astype(np.float32).view(np.uint32))
+    assert np.array_equal(cpu_int4.int4_rows_cpu(w, 10, 13, fast=fast).numpy(), got[10:13])
+    rng = np.random.default_rng(1)
+    for m in (1, 3, cpu_int4.GEMV_ROWS, cpu_int4.GEMV_ROWS + 1, 40):
+        x = rng.standard_normal((m, cols)).astype(np.float32)
+        exact, bound = x.astype(np.float64) @ W.T, fp32_bound(x, W)
+        for y in (
+            cpu_int4.int4_linear_cpu(torch.from_numpy(x), w, fast=fast),
+            cpu_int4.plain_int4_linear_cpu(
+                torch.from_numpy(x),
+                torch.from_numpy(packed),
+                torch.from_numpy(scales).view(torch.bfloat16),
+                group,
+                fast=fast,
+            ),
+        ):
+            assert y.shape == (m, rows) and np.all(np.abs(y.numpy() - exact) <= bound), m
+    xb = torch.from_numpy(x).to(torch.bfloat16)  # BF16 x is widened exactly
+    exact = xb.float().numpy().astype(np.float64) @ W.T
+    assert np.all(
+        np.abs(cpu_int4.int4_linear_cpu(xb, w, fast=fast).numpy() - exact) <= fp32_bound(xb.float().numpy(), W)
+    )
+
+
+def test_portable_kernels_take_any_shape():
+    """Columns that are not whole blocks and groups under 32 or not powers of two go to the portable
+    kernels, which the AVX-512 ones refuse by name."""
+    for rows, cols, group in ((9, 200, 40), (4, 96, 16)):
+        packed, scales = quantized(rows, cols, group, seed=cols)
+        w = Int4Weight.encode(packed, scales, cols, group)
+        W = dense(packed, scales, cols, group)
+        assert np.array_equal(cpu_int4.int4_rows_cpu(w, 0, rows).numpy(), W.astype(np.float32))
+        x = np.random.default_rng(0).standard_normal((2, cols)).astype(np.float32)
+        y = cpu_int4.int4_linear_cpu(torch.from_numpy(x), w).numpy()
+        assert np.all(np.abs(y - x.astype(np.float64) @ W.T) <= fp32_bound(x, W))
+        with pytest.raises(ValueError, match="AVX-512 INT4 rows need"):
+            cpu_int4.int4_linear_cpu(torch.from_numpy(x), w, fast=True)
+    with pytest.raises(ValueError, match=r"x must be a \(M, 96\) CPU tensor"):
+        cpu_int4.int4_linear_cpu(torch.zeros(2, 95), w)
+    with pytest.raises(ValueError, match="rows 3..9 are not within"):
+        cpu_int4.int4_rows_cpu(w, 3, 9)
+
+
+@pytest.mark.parametrize("fast", [kernels(False), kernels(True)])
+def test_rows_for_every_payload_width(fast):
+    """The kernels' escapes at 0 to 4 index bits (1, 8, 9, 11, 15 and 16 nibbles used)."""
+    rng = np.random.default_rng(9)
+    for used in (1, 8, 9, 11, 15, 16):
+        nib = rng.choice(rng.permutation(16)[:used], size=(33, 256)).astype(np.uint8)
+        packed, scales = int4.pack_nibbles(nib), rng.integers(0x3C00, 0x3E00, (33, 8)).astype(np.uint16)
+        w = Int4Weight.encode(packed, scales, 256, 32)
+        W = dense(packed, scales, 256, 32).astype(np.float32)
+        assert np.array_equal(cpu_int4.int4_rows_cpu(w, 0, 33, fast=fast).numpy(), W), used
+        x = rng.standard_normal((1, 256)).astype(np.float32)
+        y = cpu_int4.int4_linear_cpu(torch.from_numpy(x), w, fast=fast).numpy()
+        assert np.all(np.abs(y - x.astype(np.float64) @ W.T.astype(np.float64)) <= fp32_bound(x, W)), used
