@@ -1,0 +1,145 @@
+"""What the resident `int4` layout (runtime/kernels/int4.py) keeps of Kimi K2.5's INT4 experts, and
+what its CPU W4A16 kernels cost against the same product on the uncoded INT4 tensors.
+
+Sizes: Kimi-shaped experts (gate and up 2048 x 7168, down 7168 x 2048; compressed-tensors
+`pack-quantized`, symmetric, group 32) made as int4_bench.py makes them, from Gaussian and
+Student-t(5) weights. For the codes and the scales apart, the layout's bytes (every stream, its
+row tables and padding included) against the source's, beside the order-0 bounds (of single 4-bit
+codes; of whole 16-bit scales). Each matrix is decoded back and compared bit for bit first.
+
+Speed: y = x @ W.T for each matrix of --experts experts (Gaussian codes, the ones with more
+escapes), fp32 x of 1, 16 and 256 rows, by `int4_linear_cpu` on the coded weight and by
+`plain_int4_linear_cpu` on the packed words and scales; the two alternated pass by pass, each pass
+over every matrix once (more bytes than the L3 holds, so W comes from memory), medians and ranges
+over --rounds, with the CPU's flags. Threads: numba's and torch's (both the host's cores).
+
+    python benchmarks/int4_resident_bench.py [--experts 8] [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import torch
+from int4_bench import GROUP, KIMI_EXPERT, entropy_bits, quantize
+from side_by_side import cpu_flags, write_record
+
+from unweight.runtime.kernels import cpu_int4, int4
+from unweight.runtime.kernels.weight import Int4Weight
+
+CODE_ROLES = ("sym", "esc", "esc_row")
+SCALE_ROLES = ("smant", "sexp", "sbase", "sesc", "sesc_row")
+DISTS = ("gaussian", "student-t5")
+
+
+def experts(n: int, dist: str, seed: int = 0) -> list[tuple[np.ndarray, np.ndarray, int]]:
+    rng = np.random.default_rng(seed)
+    return [
+        (*quantize(rng, rows, cols, "gaussian" if dist == "gaussian" else "t5"), cols)
+        for _ in range(n)
+        for rows, cols in KIMI_EXPERT
+    ]
+
+
+def sizes(mats: list[tuple[np.ndarray, np.ndarray, int]]) -> dict:
+    got = {"codes": 0, "scales": 0, "codes_stored": 0, "scales_stored": 0, "listed_scales": 0, "escapes": 0}
+    nibbles, scale_counts = np.zeros(16, np.int64), np.zeros(1 << 16, np.int64)
+    seconds = 0.0
+    for packed, scales, cols in mats:
+        t0 = time.perf_counter()
+        w = Int4Weight.encode(packed, scales, cols, GROUP)
+        seconds += time.perf_counter() - t0
+        back_p, back_s = w.decode()
+        assert np.array_equal(back_p.view(np.uint32), packed.view(np.uint32)) and np.array_equal(back_s, scales)
+        streams = w.streams()
+        got["codes"] += sum(streams[r].numel() * streams[r].element_size() for r in CODE_ROLES)
+        got["scales"] += sum(streams[r].numel() * streams[r].element_size() for r in SCALE_ROLES)
+        got["codes_stored"] += packed.nbytes
+        got["scales_stored"] += scales.nbytes
+        got["listed_scales"] += int(w.sesc_row[-1])
+        got["escapes"] += int(w.esc_row[-1])
+        nibbles += np.bincount(int4.unpack_nibbles(packed, cols).reshape(-1), minlength=16)
+        scale_counts += np.bincount(scales.reshape(-1), minlength=1 << 16)
+    return {
+        **got,
+        "codes_ratio": got["codes"] / got["codes_stored"],
+        "scales_ratio": got["scales"] / got["scales_stored"],
+        "total_ratio": (got["codes"] + got["scales"]) / (got["codes_stored"] + got["scales_stored"]),
+        "codes_bound": entropy_bits(nibbles) / 8 / got["codes_stored"],
+        "scales_bound": entropy_bits(scale_counts) / 8 / got["scales_stored"],
+        "escape_share": got["escapes"] / int(nibbles.sum()),
+        "encode_mb_per_s": (got["codes_stored"] + got["scales_stored"]) / 1e6 / seconds,
+    }
+
+
+def speed(mats, rows_of_x: int, rounds: int) -> dict:
+    coded = [Int4Weight.encode(p, s, cols, GROUP) for p, s, cols in mats]
+    plain = [(torch.from_numpy(p), torch.from_numpy(s).view(torch.bfloat16)) for p, s, _ in mats]
+    xs = {cols: torch.randn(rows_of_x, cols) for cols in {c for _, _, c in mats}}
+    passes = {
+        "coded": lambda: [cpu_int4.int4_linear_cpu(xs[w.cols], w) for w in coded],
+        "plain": lambda: [cpu_int4.plain_int4_linear_cpu(xs[p.shape[1] * 8], p, s, GROUP) for p, s in plain],
+    }
+    for run in passes.values():
+        run()  # compiled, and the workspaces made
+    times: dict[str, list[float]] = {k: [] for k in passes}
+    for _ in range(rounds):
+        for name, run in passes.items():
+            t0 = time.perf_counter()
+            run()
+            times[name].append((time.perf_counter() - t0) / (len(mats) / 3) * 1e3)  # ms an expert
+    read = {
+        "coded": sum(w.stored_bytes for w in coded) / (len(mats) / 3),
+        "plain": sum(p.nbytes + s.nbytes for p, s, _ in mats) / (len(mats) / 3),
+    }
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {
+        "ms_per_expert": times,
+        "median_ms": med,
+        "ratio": med["coded"] / med["plain"],
+        "gb_per_s": {k: read[k] / 1e6 / med[k] for k in med},
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--experts", type=int, default=8, help="Kimi K2.5 experts a pass multiplies (it has 384 a layer)")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 16, 256], help="rows of x (the batch)")
+    ap.add_argument("--out", default="benchmarks/results/int4_resident_bench.json")
+    args = ap.parse_args()
+    print(f"Kimi K2.5 experts (3 x 7168 x 2048), INT4 group {GROUP}; CPU: {cpu_flags()}")
+    print(f"threads: numba {cpu_int4.numba.get_num_threads()}, torch {torch.get_num_threads()}\n")
+    size = {d: sizes(experts(2, d)) for d in DISTS}
+    print("| codes of | codes | bound | scales | bound | experts | escaped codes | listed scales | encode MB/s |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for d, r in size.items():
+        print(
+            f"| {d} | {r['codes_ratio']:.4f} | {r['codes_bound']:.4f} | {r['scales_ratio']:.4f} | "
+            f"{r['scales_bound']:.4f} | {r['total_ratio']:.4f} | {100 * r['escape_share']:.1f} % | "
+            f"{r['listed_scales']:,} | {r['encode_mb_per_s']:.0f} |"
+        )
+    mats = experts(args.experts, "gaussian", seed=1)
+    print(
+        f"\nx @ W.T, {args.experts} experts a pass ({sum(p.nbytes + s.nbytes for p, s, _ in mats) / 1e6:.0f} MB "
+        f"uncoded), ms an expert, median (range) of {args.rounds} alternated passes:\n"
+    )
+    print("| rows of x | coded int4 | uncoded int4 | coded / uncoded | GB/s read, coded / uncoded |")
+    print("| ---: | ---: | ---: | ---: | ---: |")
+    timing = {}
+    for m in args.rows:
+        r = timing[m] = speed(mats, m, args.rounds)
+        t, med = r["ms_per_expert"], r["median_ms"]
+        cells = [f"{med[k]:.2f} ({min(t[k]):.2f}-{max(t[k]):.2f})" for k in ("coded", "plain")]
+        print(
+            f"| {m} | {cells[0]} | {cells[1]} | {r['ratio']:.2f}x | "
+            f"{r['gb_per_s']['coded']:.1f} / {r['gb_per_s']['plain']:.1f} |"
+        )
+    write_record(args.out, {"args": vars(args), "sizes": size, "speed": timing})
+
+
+if __name__ == "__main__":
+    main()
