@@ -211,9 +211,8 @@ def plan_tables(p, model: str, utilization: float) -> list[Table]:
     weights.add_row(
         "total", f"{total[0] / 1e9:,.3f}", "", f"{total[1] / 1e9:,.2f}", f"{resident / 1e9:,.2f}", style="bold"
     )
-    budget = Table(
-        title=f"one GPU of {p.tp * p.pp} (TP={p.tp}, PP={p.pp}), {p.gpu_bytes / 1e9:,.1f} GB at {utilization:.0%}"
-    )
+    parallel = f"TP={p.tp}, PP={p.pp}" + (f", DP={p.dp}" if p.dp > 1 else "") + (", EP" if p.expert_parallel else "")
+    budget = Table(title=f"one GPU of {p.gpus} ({parallel}), {p.gpu_bytes / 2**30:,.2f} GiB at {utilization:.0%}")
     for col in ("", "as stored", "unweight"):
         budget.add_column(col, justify="left" if not col else "right")
     usable = int(p.gpu_bytes * utilization)

@@ -9,8 +9,12 @@ fit in the rest (MLA's latent cache for DeepSeek-V3).
 
 No weights are read. The counts follow the layers vLLM builds; the resident layout is an
 estimate at RESIDENT_RATIO of the BF16 bytes for the tensors the plugin compresses (a
-compressed folder's measured ratio depends on its weights); the activation reserve is an
-estimate of what vLLM's start-up profiling finds (see `reserve_bytes`).
+compressed folder's measured ratio depends on its weights), and INT4 experts are counted in the
+`int4` layout at the ratios it measured (INT4_CODES_RATIO, INT4_SCALES_RATIO); the activation
+reserve is an estimate of what vLLM's start-up profiling finds (see `reserve_bytes`). A GPU holds
+what CUDA reports of it (GPUS), the total vLLM's --gpu-memory-utilization takes its share of.
+Data parallelism (vLLM's --data-parallel-size, attention replicated per data-parallel rank) and
+expert parallelism (--enable-expert-parallel: whole experts per rank) change each GPU's share.
 
 A config is checked before anything is counted (`check_config`): every field the counts read has
 its type and bounds, and tp must divide what vLLM's layers divide; what fails is refused with a
@@ -29,12 +33,22 @@ from .errors import SourceError
 from .folder import read_json
 
 GB = 10**9
-GIB = 1 << 30
-# The vendors' HBM capacities: H100 SXM 80 GB, H200 141 GB.
-GPUS = {"h100": 80 * GB, "h200": 141 * GB}
+MIB, GIB = 1 << 20, 1 << 30
+# What CUDA reports of each GPU (cudaMemGetInfo's total, which torch's out-of-memory message prints
+# and vLLM's --gpu-memory-utilization takes its share of), below the vendors' 80 GB and 141 GB of
+# HBM: an H100 SXM 80 GB, "a total capacity of 79.11 GiB" (vllm-project/vllm#27508, driver
+# 535.247.01); an H200, total_memory=143156MB, 139.80 GiB (torch's device properties, in
+# ai-bot-pro/achatbot deploy/modal/src/llm/vllm/vlm/skywork_r1v.py). Drivers differ by a few MiB.
+GPUS = {"h100": int(79.11 * GIB), "h200": 143156 * MIB}
 # Resident tiles against BF16, measured on real weights (docs/transformers.md: SmolLM2 0.710,
 # Llama-3.1-8B's layer shapes 0.702); random weights of std 0.02 measure about 0.72.
 RESIDENT_RATIO = 0.71
+# The `int4` layout (runtime/kernels/int4.py) against compressed-tensors' INT4 codes and their BF16
+# group scales, measured on Kimi-shaped experts by benchmarks/int4_resident_bench.py
+# (docs/compression.md): codes 0.944 for Gaussian weights (0.881 for Student-t(5)), scales 0.591
+# for Student-t(5) (0.583 Gaussian). The larger of each is counted.
+INT4_CODES_RATIO = 0.944
+INT4_SCALES_RATIO = 0.591
 # vLLM's defaults that size its reserve: --gpu-memory-utilization, --max-num-batched-tokens,
 # --max-num-seqs; and what a CUDA context, NCCL and CUDA graphs take outside torch's allocator.
 GPU_MEMORY_UTILIZATION = 0.9
@@ -107,6 +121,8 @@ class Plan:
     gpu_bytes: int
     tp: int
     pp: int
+    dp: int  # data-parallel ranks, each tp x pp GPUs with its own attention and requests
+    expert_parallel: bool  # whole experts per rank (else each expert split over the tp x dp ranks)
     weights: list[Weights]
     gpu_weights_stored: int  # the most one GPU holds as the checkpoint stores it (the first stage, or the last)
     gpu_weights_resident: int
@@ -115,6 +131,10 @@ class Plan:
     kv_tokens_stored: int  # tokens of KV cache that fit beside the stored weights (0 if they do not fit)
     kv_tokens_resident: int
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp * self.dp
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -261,8 +281,10 @@ def _weights(config: dict, c: dict, resident_ratio: float) -> list[Weights]:
             w.resident_bytes = round(2 * (n - kv_b) * resident_ratio) + 2 * kv_b
         if name == "router" and fp32:
             w.params, w.stored_bytes, w.resident_bytes = n + fp32, 2 * n + 4 * fp32, w.resident_bytes + 4 * fp32
-        if name == "experts" and int4:  # 4-bit codes and one BF16 scale per group, kept as they are
-            w.stored_bytes = w.resident_bytes = n // 2 + 2 * (n // int4)
+        if name == "experts" and int4:  # 4-bit codes and one BF16 scale per group
+            codes, scales = n // 2, 2 * (n // int4)
+            w.stored_bytes = codes + scales
+            w.resident_bytes = round(codes * INT4_CODES_RATIO + scales * INT4_SCALES_RATIO)
             w.dtype = f"int4 (group {int4})"
         out.append(w)
     return out
@@ -457,19 +479,42 @@ def _check_parallel(c: dict, tp: int, pp: int) -> None:
             raise ValueError(f"tp={tp} does not divide {what}: {refuse}")
 
 
+def _check_expert_split(c: dict, config: dict, inter: int, ranks: int) -> None:
+    """ValueError unless each expert's intermediate size splits over `ranks` (vLLM's MoE layers
+    without expert parallelism shard every expert over all tp x dp ranks), and for INT4 experts in
+    whole groups (a rank's part of down_proj's input is whole groups of its scales)."""
+    key = "moe_intermediate_size" if c.get("moe_intermediate_size") else "intermediate_size"
+    if inter % ranks:
+        raise ValueError(
+            f"{key} {inter} does not split over {ranks} ranks (tp x dp): vLLM shards each expert over them "
+            "without --enable-expert-parallel"
+        )
+    group = _int4_group(config)
+    if group and (inter // ranks) % group:
+        raise ValueError(
+            f"{key} {inter} over {ranks} ranks (tp x dp) leaves {inter // ranks} columns of down_proj a rank, "
+            f"not whole INT4 groups of {group}: use --enable-expert-parallel"
+        )
+
+
 def plan(
     config: dict,
     gpu_bytes: int,
     tp: int = 1,
     pp: int = 1,
     *,
+    dp: int = 1,
+    expert_parallel: bool = False,
     kv_dtype_bytes: int = 2,
     gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
     resident_ratio: float = RESIDENT_RATIO,
 ) -> Plan:
-    """One GPU's share of `config`'s model on tp × pp GPUs of `gpu_bytes` each (see the module
-    docstring). Raises ValueError naming the config's field that `check_config` refuses, or what
-    vLLM would refuse of tp and pp (`check_parallel`), or the bad argument."""
+    """One GPU's share of `config`'s model on dp × tp × pp GPUs of `gpu_bytes` each (see the module
+    docstring): attention, dense and shared MLPs, embedding and lm_head split over a data-parallel
+    rank's tp GPUs; the routed experts over all dp × tp (an expert's rows and columns, or with
+    `expert_parallel` whole experts, the most any rank holds). Raises ValueError naming the
+    config's field that `check_config` refuses, or what vLLM would refuse of the sizes
+    (`check_parallel`), or the bad argument."""
     if not _is_count(gpu_bytes):
         raise ValueError(f"gpu_bytes must be a positive integer, not {_show(gpu_bytes)}")
     if not _is_count(kv_dtype_bytes) or kv_dtype_bytes > 8:
@@ -479,6 +524,13 @@ def plan(
             raise ValueError(f"{name} must lie in (0, 1], not {_show(share)}")
     c = check_config(config)
     _check_parallel(c, tp, pp)
+    if not _is_count(dp) or dp > MAX_COUNT:
+        raise ValueError(f"dp must be an integer from 1 to {MAX_COUNT}, not {_show(dp)}")
+    if not isinstance(expert_parallel, bool):
+        raise ValueError(f"expert_parallel must be true or false, not {_show(expert_parallel)}")
+    moe = _moe(c)
+    if moe is not None and not expert_parallel:
+        _check_expert_split(c, config, moe[1], tp * dp)
     ws = _weights(config, c, resident_ratio)
     by = {w.name: w for w in ws}
     layers = c["num_hidden_layers"]
@@ -489,6 +541,9 @@ def plan(
             w = getattr(by[name], attr)
             if name in ("router", "norms"):  # replicated at every rank
                 return w * stage
+            if name == "experts" and moe is not None:
+                ranks = tp * dp
+                return w * stage * (math.ceil(moe[0] / ranks) / moe[0] if expert_parallel else 1 / ranks)
             return w * stage / tp
 
         body = sum(share(n) for n in ("attention", "mlp", "router", "experts", "shared_experts", "norms"))
@@ -504,6 +559,15 @@ def plan(
         notes.append("the vision tower is not counted")
     if c.get("kv_lora_rank"):
         notes.append("MLA's latent cache is held whole at every tensor-parallel rank")
+    if dp > 1:
+        notes.append(f"each of the {dp} data-parallel ranks holds the KV cache of its own requests: {dp}x the tokens")
+    if expert_parallel and moe is None:
+        notes.append("the model has no experts: expert parallelism changes nothing")
+    if by["experts"].dtype.startswith("int4"):
+        notes.append(
+            "INT4 experts are counted in unweight's int4 layout; the vLLM plugin does not keep them in it yet "
+            "(it decodes them at load for vLLM's own INT4 kernels)"
+        )
     if c.get("num_nextn_predict_layers"):
         notes.append("the multi-token-prediction layers are not counted (vLLM serves without them)")
     if c.get("attention_chunk_size"):
@@ -513,6 +577,8 @@ def plan(
         gpu_bytes=gpu_bytes,
         tp=tp,
         pp=pp,
+        dp=dp,
+        expert_parallel=expert_parallel,
         weights=ws,
         gpu_weights_stored=stored,
         gpu_weights_resident=resident,
