@@ -102,8 +102,8 @@ def test_bad_inputs_are_refused():
         Int4Weight(**s, rows=4, cols=128, group=32, lut=w.lut, payload_bits=5)
     with pytest.raises(ValueError, match="group 48 does not divide cols 128"):
         Int4Weight(**s, rows=4, cols=128, group=48, lut=w.lut, payload_bits=3)
-    with pytest.raises(ValueError, match="index planes"):
-        w.with_streams({"esc": s["esc"][:3]})
+    with pytest.raises(ValueError, match="16 words after them"):
+        w.with_streams({"esc": s["esc"][:15]})
 
 
 def fp32_bound(x: np.ndarray, W: np.ndarray) -> np.ndarray:

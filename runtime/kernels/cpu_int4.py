@@ -21,7 +21,7 @@ import torch
 from numba import njit, prange
 
 from . import int4
-from .cpu_int4_avx512 import FAST_PATH, coded_dot, coded_rows, plain_dot, plain_rows
+from .cpu_int4_avx512 import FAST_PATH, coded_dot, coded_rows, plain_dot, plain_rows, row_scales
 from .weight import Int4Weight
 
 GEMV_ROWS = 8  # rows of x up to which the product is fused; above, decoded blocks go to torch's GEMM
@@ -30,10 +30,21 @@ BLOCK = int4.BLOCK
 
 
 def _values(w: Int4Weight) -> np.ndarray:
-    """(32,) fp32: nibble - 8 of w's short symbols (0..6; 7 unused), then of its long nibbles by
-    index (8..23), then zeros (the two tables of the AVX-512 permute)."""
+    """(32,) fp32, the two tables of the AVX-512 permute: nibble - 8 of w's short symbol s at s
+    (0..6), of its long nibble i at _slot(i, payload_bits) (8..31)."""
     short, long = int4.lut_tables(w.lut, w.payload_bits)
-    return np.concatenate([short, long, np.full(8, 8, np.uint8)]).astype(np.float32) - 8
+    table = np.zeros(32, np.float32)
+    table[: int4.SHORT] = short[: int4.SHORT].astype(np.float32) - 8
+    for i in range(1 << w.payload_bits):
+        table[_slot(i, w.payload_bits)] = np.float32(long[i]) - 8
+    return table
+
+
+@njit(cache=True, inline="always")
+def _slot(index, pb):
+    """Where the value of the long nibble `index` lies in the table: the escape symbol 7 with the
+    index XORed in, past the short ones (the AVX-512 rows build it so, one masked XOR a plane)."""
+    return (16 if pb == 4 else 8) + (7 ^ index)
 
 
 @njit(cache=True, inline="always")
@@ -43,48 +54,67 @@ def _bf16(bits):
 
 @njit(cache=True)
 def _row_scales(r, G, smant, sexp, sbase, sesc, sesc_row, out):
-    """Row r's G scales into out (fp32)."""
+    """Row r's G scales into out (fp32): every one from its window first (no branch, so the loop
+    vectorizes), then the row's listed ones, if any, in order over the code-3 groups."""
     words = (G + 31) >> 5
     base = np.int64(sbase[r])
-    listed = np.int64(sesc_row[r])
     raw = out.view(np.uint32)
     for g in range(G):
         m = np.int64(smant[r * G + g])
         code = (m >> 7) | (((np.int64(sexp[r * words + (g >> 5)]) >> (g & 31)) & 1) << 1)
-        if code == 3:
+        raw[g] = _bf16(((base + code) << 7) | (m & 0x7F))
+    listed, end = np.int64(sesc_row[r]), np.int64(sesc_row[r + 1])
+    g = 0
+    while listed < end:
+        m = np.int64(smant[r * G + g])
+        if (m >> 7) & ((np.int64(sexp[r * words + (g >> 5)]) >> (g & 31)) & 1):
             raw[g] = _bf16(sesc[listed])
             listed += 1
-        else:
-            raw[g] = _bf16(((base + code) << 7) | (m & 0x7F))
+        g += 1
+
+
+@njit(cache=True, inline="always")
+def _row_scales_avx512(r, G, smant, sexp, sbase, sesc, sesc_row, out):
+    """_row_scales by the AVX-512 row_scales, then the listed ones."""
+    words = (G + 31) >> 5
+    row_scales(smant, sexp, r * G, r * words, G, np.int64(sbase[r]), out)
+    listed, end = np.int64(sesc_row[r]), np.int64(sesc_row[r + 1])
+    g = 0
+    raw = out.view(np.uint32)
+    while listed < end:
+        if (np.int64(smant[r * G + g]) >> 7) & ((np.int64(sexp[r * words + (g >> 5)]) >> (g & 31)) & 1):
+            raw[g] = _bf16(sesc[listed])
+            listed += 1
+        g += 1
 
 
 @njit(cache=True)
-def _block(sym, at, esc, W, e, pb, values, v):
+def _block(sym, at, esc, e, pb, values, v):
     """The 64 values (nibble - 8) of the block whose planes are sym[at : at + 3] into v, its first
     escape being e; returns the next block's. Column by column: symbol s from the planes; an
-    escape's index from bit e + (escapes before it) of each index plane."""
+    escape's index from the pb bits at pb * (e + escapes before it)."""
     p0, p1, p2 = np.int64(sym[at]), np.int64(sym[at + 1]), np.int64(sym[at + 2])
     for j in range(BLOCK):
         s = ((p0 >> j) & 1) | (((p1 >> j) & 1) << 1) | (((p2 >> j) & 1) << 2)
         if s == 7:
-            index = 0
-            for k in range(pb):
-                index |= ((np.int64(esc[k * W + (e >> 5)]) >> (e & 31)) & 1) << k
+            bit = pb * e
+            window = (np.int64(esc[bit >> 5]) & 0xFFFFFFFF) | (np.int64(esc[(bit >> 5) + 1]) << 32)
+            index = (window >> (bit & 31)) & ((1 << pb) - 1)
             e += 1
-            v[j] = values[8 + index]
+            v[j] = values[_slot(index, pb)]
         else:
             v[j] = values[s]
     return e
 
 
 @njit(cache=True)
-def _row_weights(r, K, group, sym, esc, esc_row, W, pb, values, scales, out):
+def _row_weights(r, K, group, sym, esc, esc_row, pb, values, scales, out):
     """Row r's K weights, (nibble - 8) * scale, into out (fp32)."""
     B = (K + BLOCK - 1) // BLOCK
     e = np.int64(esc_row[r])
     v = np.empty(BLOCK, np.float32)
     for b in range(B):
-        e = _block(sym, (r * B + b) * 3, esc, W, e, pb, values, v)
+        e = _block(sym, (r * B + b) * 3, esc, e, pb, values, v)
         c0 = b * BLOCK
         for j in range(min(BLOCK, K - c0)):
             out[c0 + j] = v[j] * scales[(c0 + j) // group]
@@ -112,50 +142,50 @@ def _dot_rows(x, w, y, r):
 
 
 @njit(cache=True, parallel=True)
-def _gemv_coded(x, sym, esc, esc_row, smant, sexp, sbase, sesc, sesc_row, K, group, W, pb, values, y, parts):
+def _gemv_coded(x, sym, esc, esc_row, smant, sexp, sbase, sesc, sesc_row, K, group, pb, values, y, parts):
     R, G = y.shape[1], K // group
     for p in prange(parts):
         scales = np.empty(G, np.float32)
         w = np.empty(K, np.float32)
         for r in range(p * R // parts, (p + 1) * R // parts):
             _row_scales(r, G, smant, sexp, sbase, sesc, sesc_row, scales)
-            _row_weights(r, K, group, sym, esc, esc_row, W, pb, values, scales, w)
+            _row_weights(r, K, group, sym, esc, esc_row, pb, values, scales, w)
             _dot_rows(x, w, y, r)
 
 
 @njit(cache=True, parallel=True)
-def _rows_coded(r0, sym, esc, esc_row, smant, sexp, sbase, sesc, sesc_row, K, group, W, pb, values, out):
+def _rows_coded(r0, sym, esc, esc_row, smant, sexp, sbase, sesc, sesc_row, K, group, pb, values, out):
     G = K // group
     for i in prange(out.shape[0]):
         scales = np.empty(G, np.float32)
         _row_scales(r0 + i, G, smant, sexp, sbase, sesc, sesc_row, scales)
-        _row_weights(r0 + i, K, group, sym, esc, esc_row, W, pb, values, scales, out[i])
+        _row_weights(r0 + i, K, group, sym, esc, esc_row, pb, values, scales, out[i])
 
 
 @njit(cache=True, parallel=True)
-def _gemv_coded_avx512(x, sym, esc, esc_row, smant, sexp, sbase, sesc, sesc_row, K, group, W, pb, values, y, parts):
+def _gemv_coded_avx512(x, sym, esc, esc_row, smant, sexp, sbase, sesc, sesc_row, K, group, pb, values, y, parts):
     M, R, G, B = x.shape[0], y.shape[1], K // group, K // BLOCK
     gshift = np.int64(np.log2(group))
     for p in prange(parts):
         scales = np.empty(G, np.float32)
         acc = np.empty((M, BLOCK), np.float32)
         for r in range(p * R // parts, (p + 1) * R // parts):
-            _row_scales(r, G, smant, sexp, sbase, sesc, sesc_row, scales)
+            _row_scales_avx512(r, G, smant, sexp, sbase, sesc, sesc_row, scales)
             acc[:] = 0
-            coded_dot(pb, sym, r * B * 3, B, esc, W, np.int64(esc_row[r]), values, gshift, scales, x, acc)
+            coded_dot(pb, sym, r * B * 3, B, esc, np.int64(esc_row[r]), values, gshift, scales, x, acc)
             for m in range(M):
                 y[m, r] = acc[m].sum()
 
 
 @njit(cache=True, parallel=True)
-def _rows_coded_avx512(r0, sym, esc, esc_row, smant, sexp, sbase, sesc, sesc_row, K, group, W, pb, values, out):
+def _rows_coded_avx512(r0, sym, esc, esc_row, smant, sexp, sbase, sesc, sesc_row, K, group, pb, values, out):
     G, B = K // group, K // BLOCK
     gshift = np.int64(np.log2(group))
     for i in prange(out.shape[0]):
         scales = np.empty(G, np.float32)
         r = r0 + i
-        _row_scales(r, G, smant, sexp, sbase, sesc, sesc_row, scales)
-        coded_rows(pb, sym, r * B * 3, B, esc, W, np.int64(esc_row[r]), values, gshift, scales, out[i])
+        _row_scales_avx512(r, G, smant, sexp, sbase, sesc, sesc_row, scales)
+        coded_rows(pb, sym, r * B * 3, B, esc, np.int64(esc_row[r]), values, gshift, scales, out[i])
 
 
 @njit(cache=True, inline="always")
@@ -227,7 +257,6 @@ def _args(w: Int4Weight) -> tuple:
     if w.device.type != "cpu":
         raise ValueError(f"the CPU INT4 kernels read a weight on the CPU, not on {w.device}")
     s = {role: t.numpy() for role, t in w.streams().items()}
-    words = s["esc"].size // max(w.payload_bits, 1)
     return (
         s["sym"],
         s["esc"],
@@ -239,7 +268,6 @@ def _args(w: Int4Weight) -> tuple:
         s["sesc_row"],
         w.cols,
         w.group,
-        words,
         w.payload_bits,
         _values(w),
     )

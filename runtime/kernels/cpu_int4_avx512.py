@@ -3,17 +3,20 @@ four <16 x float> and multiplied with the rows of x, or stored, as LLVM IR insid
 (simd.py).
 
 A block of the `int4` layout (int4.py) decodes without a per-column branch or scan: each of its
-three symbol planes is a mask register, so the symbols are three masked byte constants ORed; the
-escapes' index bit k comes from index plane k by one `pdep` (the plane's next bits, from the
-block's first escape, deposited over the escape mask p0 & p1 & p2); a two-table `vpermi2ps` turns
-symbol s, or 8 + index, into the value nibble - 8. The uncoded baseline splits 32 bytes of packed
-words into their low and high nibbles.
+three symbol planes is a mask register, so the symbols are three masked ORs of a byte constant;
+the block's escape indices are cut out of their packed bits at once (a constant byte permute puts
+each run of eight in a qword, `vpmultishiftqb` shifts each to its byte), `vpexpandb` spreads them
+over the escape mask p0 & p1 & p2 and a XOR puts each into its escape's symbol 7; a masked OR of
+8 (16 at 4 index bits) puts the escapes past the short symbols, and a two-table `vpermi2ps` turns
+each byte into the value nibble - 8 (cpu_int4._slot). The uncoded baseline splits 32 bytes of
+packed words into their low and high nibbles.
 
 Each intrinsic takes a whole row (its blocks in a loop), for one `payload_bits` (made per value,
-picked by `coded_row`): `dot` adds value * scale * x[m, c] to acc[m, c % 64] for every row m of x
-(acc (M, 64) fp32), `rows` writes value * scale to out[c]. They need AVX-512 (F, BW), BMI2, 64 | K
-and a power-of-two group of 32 or more (cpu_int4._fast). The portable kernels of cpu_int4.py are
-their oracle in the tests.
+picked by `coded_dot` and `coded_rows`): `dot` adds value * scale * x[m, c] to acc[m, c % 64] for
+every row m of x (acc (M, 64) fp32), `rows` writes value * scale to out[c]; `row_scales` decodes a
+row's scales 16 at a time. They need AVX-512 (F, BW, VBMI, VBMI2), 64 | K and a power-of-two
+group of 32 or more (cpu_int4._fast). The portable kernels of cpu_int4.py are their oracle in the
+tests.
 """
 
 from __future__ import annotations
@@ -25,18 +28,19 @@ from numba.extending import intrinsic
 
 from unweight.codec import simd
 
-_I1, _I8, _I32, _I64, _I128 = simd.I1, simd.I8, simd.I32, simd.I64, ir.IntType(128)
+_I1, _I8, _I32, _I64 = simd.I1, simd.I8, simd.I32, simd.I64
 _V16F32, _V16I32 = simd.V16F32, simd.V16I32
 _V64I8, _V64I1, _V32I8 = ir.VectorType(_I8, 64), ir.VectorType(_I1, 64), ir.VectorType(_I8, 32)
 _V64I32 = ir.VectorType(_I32, 64)
 _const, _vconst = simd.const, simd.vconst
-FAST_PATH = simd.has("avx512f", "avx512bw", "bmi2")
+FAST_PATH = simd.has("avx512f", "avx512bw", "avx512vbmi", "avx512vbmi2")
 MODES = ("dot", "rows")
 
 
-def _bytes_where(b, bits, value):
-    """<64 x i8>: `value` where bit j of the i64 `bits` is set, else 0."""
-    return b.select(b.bitcast(bits, _V64I1), _vconst([value] * 64, _V64I8), _vconst([0] * 64, _V64I8))
+def _with_bits(b, t, bits, value, op):
+    """<64 x i8> `t` with byte j replaced by op(t[j], value) where bit j of the i64 `bits` is set
+    (a masked OR or XOR)."""
+    return b.select(b.bitcast(bits, _V64I1), op(t, _vconst([value] * 64, _V64I8)), t)
 
 
 def _quarters(b, t):
@@ -46,20 +50,25 @@ def _quarters(b, t):
     ]
 
 
-def _coded_block(b, symp, escp, plane_bytes, at, e, tables, pb):
+def _coded_block(b, symp, escp, at, e, tables, pb):
     """The block at sym[at] (first escape e): its four <16 x float> values (nibble - 8, unscaled) and
     the next block's first escape."""
     planes = [simd.load(b, symp, b.shl(b.add(at, _const(k)), _const(3)), _I64, align=8) for k in range(3)]
     mask = b.and_(b.and_(planes[0], planes[1]), planes[2])
-    s = b.or_(b.or_(_bytes_where(b, planes[0], 1), _bytes_where(b, planes[1], 2)), _bytes_where(b, planes[2], 4))
     t = _vconst([0] * 64, _V64I8)
-    pdep = simd.function(b, "llvm.x86.bmi.pdep.64", _I64, [_I64, _I64])
-    byte, shift = b.ashr(e, _const(3)), b.zext(b.and_(e, _const(7)), _I128)
-    for k in range(pb):
-        pair = simd.load(b, escp, b.add(b.mul(plane_bytes, _const(k)), byte), _I128, align=1)
-        window = b.trunc(b.lshr(pair, shift), _I64)
-        t = b.or_(t, _bytes_where(b, b.call(pdep, [window, mask]), 1 << k))
-    t = b.select(b.bitcast(mask, _V64I1), b.add(t, _vconst([8] * 64, _V64I8)), s)
+    for k in range(3):
+        t = _with_bits(b, t, planes[k], 1 << k, b.or_)
+    if pb:  # the block's indices, pb bits each from bit pb * e: qword q of `fields` holds the 8 from index 8q
+        bit = b.mul(e, _const(pb))
+        raw = simd.load(b, escp, b.ashr(bit, _const(3)), _V64I8, align=1)
+        src = b.shuffle_vector(raw, raw, _vconst([pb * q + i for q in range(8) for i in range(8)], _V64I32))
+        shift = b.trunc(b.and_(bit, _const(7)), _I8)
+        ctrl = b.add(_vconst([pb * i for _ in range(8) for i in range(8)], _V64I8), simd.splat(b, shift, _V64I8))
+        multishift = simd.function(b, "llvm.x86.avx512.pmultishift.qb.512", _V64I8, [_V64I8, _V64I8])
+        fields = b.and_(b.call(multishift, [ctrl, src]), _vconst([(1 << pb) - 1] * 64, _V64I8))
+        expand = simd.function(b, "llvm.x86.avx512.mask.expand.v64i8", _V64I8, [_V64I8, _V64I8, _V64I1])
+        t = b.xor(t, b.call(expand, [fields, _vconst([0] * 64, _V64I8), b.bitcast(mask, _V64I1)]))
+    t = _with_bits(b, t, mask, 16 if pb == 4 else 8, b.or_)  # escapes past the short symbols (cpu_int4._slot)
     permi2 = simd.function(b, "llvm.x86.avx512.vpermi2var.ps.512", _V16F32, [_V16F32, _V16I32, _V16F32])
     values = [b.call(permi2, [tables[0], q, tables[1]]) for q in _quarters(b, t)]
     return values, b.add(e, simd.ctpop64(b, mask))
@@ -85,60 +94,77 @@ def _scaled(b, values, scalesp, c0, gshift):
     return out
 
 
-def _emit(b, context, sig, args, mode, values, c0, out_at):
-    """Mode `dot`: acc[m, 0:64] += values * x[m, c0:c0 + 64] for every row m of x (args[out_at],
-    args[out_at + 1]); `rows`: out[c0:c0 + 64] = values (args[out_at])."""
+def _row_loop(b, context, sig, args, mode, blocks, block, out_at):
+    """For each of the row's blocks, block(index) -> (its four scaled <16 x float> values, its first
+    column c0), then mode `rows`: out[c0:c0 + 64] = values (out: args[out_at]); mode `dot`:
+    acc[m, 0:64] += values * x[m, c0:c0 + 64] for every row m of x (x, acc: args[out_at],
+    args[out_at + 1]), the sums of a single row of x kept in registers over the row."""
     if mode == "rows":
         op = simd.data_ptr(context, b, sig.args[out_at], args[out_at])
-        for q in range(4):
-            simd.store(b, values[q], op, b.add(b.shl(c0, _const(2)), _const(64 * q)), align=4)
+        with cgutils.for_range(b, blocks) as loop:
+            values, c0 = block(loop.index)
+            for q in range(4):
+                simd.store(b, values[q], op, b.add(b.shl(c0, _const(2)), _const(64 * q)), align=4)
         return
     xp, (xstride, _), (rows, _) = simd.array_parts(context, b, sig.args[out_at], args[out_at])
     ap, (astride, _), _ = simd.array_parts(context, b, sig.args[out_at + 1], args[out_at + 1])
     fma = simd.function(b, "llvm.fma.v16f32", _V16F32, [_V16F32] * 3)
-    with cgutils.for_range(b, rows) as loop:
-        m = loop.index
-        xrow = b.gep(xp, [b.add(b.mul(m, xstride), b.shl(c0, _const(2)))])
-        arow = b.gep(ap, [b.mul(m, astride)])
-        for q in range(4):
-            av = simd.load(b, arow, _const(64 * q), _V16F32, align=4)
-            xv = simd.load(b, xrow, _const(64 * q), _V16F32, align=4)
-            simd.store(b, b.call(fma, [values[q], xv, av]), arow, _const(64 * q), align=4)
+    with b.if_else(b.icmp_signed("==", rows, _const(1))) as (single, many):
+        with single:
+            sums = [cgutils.alloca_once_value(b, simd.load(b, ap, _const(64 * q), _V16F32, align=4)) for q in range(4)]
+            with cgutils.for_range(b, blocks) as loop:
+                values, c0 = block(loop.index)
+                for q in range(4):
+                    xv = simd.load(b, xp, b.add(b.shl(c0, _const(2)), _const(64 * q)), _V16F32, align=4)
+                    b.store(b.call(fma, [values[q], xv, b.load(sums[q])]), sums[q])
+            for q in range(4):
+                simd.store(b, b.load(sums[q]), ap, _const(64 * q), align=4)
+        with many:
+            with cgutils.for_range(b, blocks) as loop:
+                values, c0 = block(loop.index)
+                with cgutils.for_range(b, rows) as inner:
+                    m = inner.index
+                    xrow = b.gep(xp, [b.add(b.mul(m, xstride), b.shl(c0, _const(2)))])
+                    arow = b.gep(ap, [b.mul(m, astride)])
+                    for q in range(4):
+                        av = simd.load(b, arow, _const(64 * q), _V16F32, align=4)
+                        xv = simd.load(b, xrow, _const(64 * q), _V16F32, align=4)
+                        simd.store(b, b.call(fma, [values[q], xv, av]), arow, _const(64 * q), align=4)
 
 
 def _make_coded(pb: int, mode: str):
-    """Intrinsic (sym, at0, blocks, esc, plane_words, e, values, gshift, scales, x, acc) for `dot`,
+    """Intrinsic (sym, at0, blocks, esc, e, values, gshift, scales, x, acc) for `dot`,
     (..., scales, out) for `rows`: the row whose first block's planes are at sym[at0] and whose
     first escape is e, for weights of `pb` payload bits."""
 
     def codegen(context, builder, signature, args):
         b = builder
-        symp, escp, tabp, scalesp = (simd.data_ptr(context, b, signature.args[i], args[i]) for i in (0, 3, 6, 8))
+        symp, escp, tabp, scalesp = (simd.data_ptr(context, b, signature.args[i], args[i]) for i in (0, 3, 5, 7))
         tables = [simd.load(b, tabp, _const(64 * h), _V16F32, align=4) for h in range(2)]
-        e = cgutils.alloca_once_value(b, args[5])
-        plane_bytes = b.shl(args[4], _const(2))
-        with cgutils.for_range(b, args[2]) as loop:
-            blk = loop.index
-            at = b.add(args[1], b.mul(blk, _const(3)))
-            values, e_next = _coded_block(b, symp, escp, plane_bytes, at, b.load(e), tables, pb)
+        e = cgutils.alloca_once_value(b, args[4])
+
+        def block(blk):
+            values, e_next = _coded_block(b, symp, escp, b.add(args[1], b.mul(blk, _const(3))), b.load(e), tables, pb)
             b.store(e_next, e)
             c0 = b.shl(blk, _const(6))
-            _emit(b, context, signature, args, mode, _scaled(b, values, scalesp, c0, args[7]), c0, 9)
+            return _scaled(b, values, scalesp, c0, args[6]), c0
+
+        _row_loop(b, context, signature, args, mode, args[2], block, 8)
         return context.get_dummy_value()
 
     def head(sym, esc, values, scales):
-        return (sym, types.int64, types.int64, esc, types.int64, types.int64, values, types.int64, scales)
+        return (sym, types.int64, types.int64, esc, types.int64, values, types.int64, scales)
 
     if mode == "dot":
 
         @intrinsic
-        def row(typingctx, sym, at0, blocks, esc, plane_words, e, values, gshift, scales, x, acc):
+        def row(typingctx, sym, at0, blocks, esc, e, values, gshift, scales, x, acc):
             return types.void(*head(sym, esc, values, scales), x, acc), codegen
 
     else:
 
         @intrinsic
-        def row(typingctx, sym, at0, blocks, esc, plane_words, e, values, gshift, scales, out):
+        def row(typingctx, sym, at0, blocks, esc, e, values, gshift, scales, out):
             return types.void(*head(sym, esc, values, scales), out), codegen
 
     return row
@@ -151,10 +177,13 @@ def _make_plain(mode: str):
     def codegen(context, builder, signature, args):
         b = builder
         packedp, scalesp = (simd.data_ptr(context, b, signature.args[i], args[i]) for i in (0, 4))
-        with cgutils.for_range(b, args[2]) as loop:
-            c0 = b.shl(loop.index, _const(6))
-            values = _plain_block(b, packedp, b.add(args[1], b.shl(loop.index, _const(3))))
-            _emit(b, context, signature, args, mode, _scaled(b, values, scalesp, c0, args[3]), c0, 5)
+
+        def block(blk):
+            c0 = b.shl(blk, _const(6))
+            values = _plain_block(b, packedp, b.add(args[1], b.shl(blk, _const(3))))
+            return _scaled(b, values, scalesp, c0, args[3]), c0
+
+        _row_loop(b, context, signature, args, mode, args[2], block, 5)
         return context.get_dummy_value()
 
     if mode == "dot":
@@ -172,36 +201,69 @@ def _make_plain(mode: str):
     return row
 
 
+@intrinsic
+def row_scales(typingctx, smant, sexp, at, word0, G, base, out):
+    """out[g] = the window scale of group g of the row whose mantissa bytes start at smant[at] and
+    exponent-bit words at sexp[word0] (base exponent `base`), 16 groups a step (a listed scale's
+    group gets a wrong value here: the caller puts the listed ones in)."""
+    sig = types.void(smant, sexp, types.int64, types.int64, types.int64, types.int64, out)
+
+    def codegen(context, builder, signature, args):
+        b = builder
+        mp, ep, op = (simd.data_ptr(context, b, signature.args[i], args[i]) for i in (0, 1, 6))
+        at, word0, G, base = args[2:6]
+        v16i8, v16i1 = ir.VectorType(_I8, 16), ir.VectorType(_I1, 16)
+        base_v = simd.splat(b, b.trunc(base, _I32), _V16I32)
+        with cgutils.for_range(b, b.ashr(b.add(G, _const(15)), _const(4))) as loop:
+            g0 = b.shl(loop.index, _const(4))
+            lanes = b.sub(G, g0)
+            lanes = b.select(b.icmp_signed(">", lanes, _const(16)), _const(16), lanes)
+            mask = simd.mask_of(b, b.sub(b.shl(_const(1), lanes), _const(1)), 16)
+            m = b.zext(simd.masked_load(b, b.gep(mp, [b.add(at, g0)]), mask, v16i8), _V16I32)
+            word = simd.load(b, ep, b.shl(b.add(word0, b.ashr(g0, _const(5))), _const(2)), _I32, align=4)
+            high = b.trunc(b.lshr(word, b.trunc(b.and_(g0, _const(31)), _I32)), ir.IntType(16))
+            two = b.select(b.bitcast(high, v16i1), _vconst([2] * 16, _V16I32), _vconst([0] * 16, _V16I32))
+            code = b.or_(b.lshr(m, _vconst([7] * 16, _V16I32)), two)
+            bits = b.or_(
+                b.shl(b.add(base_v, code), _vconst([23] * 16, _V16I32)),
+                b.shl(b.and_(m, _vconst([0x7F] * 16, _V16I32)), _vconst([16] * 16, _V16I32)),
+            )
+            simd.masked_store(b, b.bitcast(bits, _V16F32), b.gep(op, [b.shl(g0, _const(2))]), mask)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 _dot0, _dot1, _dot2, _dot3, _dot4 = (_make_coded(pb, "dot") for pb in range(5))
 _rows0, _rows1, _rows2, _rows3, _rows4 = (_make_coded(pb, "rows") for pb in range(5))
 plain_dot, plain_rows = _make_plain("dot"), _make_plain("rows")
 
 
 @njit(cache=True, inline="always")
-def coded_dot(pb, sym, at0, blocks, esc, words, e, values, gshift, scales, x, acc):
+def coded_dot(pb, sym, at0, blocks, esc, e, values, gshift, scales, x, acc):
     """acc[m, c % 64] += W[r, c] * x[m, c] over the row (the intrinsic of its payload bits)."""
     if pb == 3:
-        _dot3(sym, at0, blocks, esc, words, e, values, gshift, scales, x, acc)
+        _dot3(sym, at0, blocks, esc, e, values, gshift, scales, x, acc)
     elif pb == 4:
-        _dot4(sym, at0, blocks, esc, words, e, values, gshift, scales, x, acc)
+        _dot4(sym, at0, blocks, esc, e, values, gshift, scales, x, acc)
     elif pb == 2:
-        _dot2(sym, at0, blocks, esc, words, e, values, gshift, scales, x, acc)
+        _dot2(sym, at0, blocks, esc, e, values, gshift, scales, x, acc)
     elif pb == 1:
-        _dot1(sym, at0, blocks, esc, words, e, values, gshift, scales, x, acc)
+        _dot1(sym, at0, blocks, esc, e, values, gshift, scales, x, acc)
     else:
-        _dot0(sym, at0, blocks, esc, words, e, values, gshift, scales, x, acc)
+        _dot0(sym, at0, blocks, esc, e, values, gshift, scales, x, acc)
 
 
 @njit(cache=True, inline="always")
-def coded_rows(pb, sym, at0, blocks, esc, words, e, values, gshift, scales, out):
+def coded_rows(pb, sym, at0, blocks, esc, e, values, gshift, scales, out):
     """out[c] = W[r, c] over the row."""
     if pb == 3:
-        _rows3(sym, at0, blocks, esc, words, e, values, gshift, scales, out)
+        _rows3(sym, at0, blocks, esc, e, values, gshift, scales, out)
     elif pb == 4:
-        _rows4(sym, at0, blocks, esc, words, e, values, gshift, scales, out)
+        _rows4(sym, at0, blocks, esc, e, values, gshift, scales, out)
     elif pb == 2:
-        _rows2(sym, at0, blocks, esc, words, e, values, gshift, scales, out)
+        _rows2(sym, at0, blocks, esc, e, values, gshift, scales, out)
     elif pb == 1:
-        _rows1(sym, at0, blocks, esc, words, e, values, gshift, scales, out)
+        _rows1(sym, at0, blocks, esc, e, values, gshift, scales, out)
     else:
-        _rows0(sym, at0, blocks, esc, words, e, values, gshift, scales, out)
+        _rows0(sym, at0, blocks, esc, e, values, gshift, scales, out)

@@ -14,10 +14,10 @@ Every other nibble is an escape: symbol 7, and an index into the `long` nibbles 
 it uses one; a matrix that uses more than 8 long nibbles (all 16) lists the nibble itself, in 4
 bits. The symbols lie in blocks of 64 columns as three bit planes (64-bit word k of block b has
 bit j = bit k of column 64b + j's symbol), so `p0 & p1 & p2` is a block's escape mask, and a
-block's escape count is its popcount. The escapes' indices lie apart in `payload_bits` bit
-streams (stream k holds bit k of each index), in row-major order; a row's first escape is
-`esc_row[r]`, so a kernel walking a row keeps one running count and reads each index at a known
-bit. Symmetric codes (absmax / 7) use 15 nibbles: 7 short, 8 long, 3-bit indices.
+block's escape count is its popcount. The escapes' indices lie apart, `payload_bits` bits each,
+packed LSB first in row-major order; a row's first escape is `esc_row[r]`, so a kernel walking a
+row keeps one running count and finds a block's indices at a known bit. Symmetric codes
+(absmax / 7) use 15 nibbles: 7 short, 8 long, 3-bit indices.
 
 Scales. Each row keeps a base exponent; a scale whose sign is 0 and whose exponent lies in
 base .. base + 2 is stored as its 7 mantissa bits and a 2-bit exponent code (e - base), anything
@@ -28,7 +28,7 @@ a plane of 32 groups a word.
 | stream | dtype, length | content |
 | --- | --- | --- |
 | `sym` | int64, R*B*3 (B = ceil(K/64)) | three plane words per (row, block); padding columns are symbol 0 |
-| `esc` | int32, max(payload_bits, 1)*W | escape index bit planes, W = ceil(E/32) + 4 words each (E escapes) |
+| `esc` | int32, ceil(E*payload_bits/32) + 16 | E escapes' indices: bit payload_bits*i + k is bit k of the i-th |
 | `esc_row` | int32, R+1 | escapes of rows < r |
 | `smant` | uint8, R*G | (exponent code & 1) << 7 \| mantissa |
 | `sexp` | int32, R*ceil(G/32) | exponent code >> 1, bit g % 32 of word g // 32 of the row |
@@ -49,7 +49,7 @@ BLOCK = 64  # columns a block of symbol planes covers
 SHORT = 7  # short symbols; symbol SHORT is the escape
 ESCAPE = SHORT
 WINDOW = 3  # exponents a row's scales code without listing (code 3 lists)
-PAD_WORDS = 4  # words after each escape plane: a kernel reads 16 bytes from the byte of a block's first escape
+PAD_WORDS = 16  # words after the escape indices: a kernel reads 64 bytes from the byte of a block's first index
 ROLES = ("sym", "esc", "esc_row", "smant", "sexp", "sbase", "sesc", "sesc_row")
 
 
@@ -167,10 +167,9 @@ def encode(packed: np.ndarray, scales: np.ndarray, cols: int, group: int) -> dic
     esc_row = np.zeros(rows + 1, dtype=np.int64)
     np.cumsum(escaped.sum(axis=1), out=esc_row[1:])
     index = to_index[nib[escaped]]  # row-major
-    words = -(-index.size // 32) + PAD_WORDS
-    esc = np.zeros((max(payload_bits, 1), words), dtype=np.uint32)  # (one plane of zeros at 0 bits)
-    for k in range(payload_bits):
-        esc[k, : -(-index.size // 32)] = _planes((index >> k) & 1)
+    fields = ((index[:, None] >> np.arange(payload_bits, dtype=np.uint8)) & 1).reshape(-1)
+    esc = np.zeros(-(-fields.size // 32) + PAD_WORDS, dtype=np.uint32)
+    esc[: -(-fields.size // 32)] = _planes(fields)
     bits = scales.view(np.uint16)
     exps = ((bits >> 7) & 0xFF).astype(np.int64)
     positive = (bits >> 15) == 0
@@ -188,7 +187,7 @@ def encode(packed: np.ndarray, scales: np.ndarray, cols: int, group: int) -> dic
     _check_count("listed scales", sesc_row[-1])
     streams = {
         "sym": planes.reshape(-1).view(np.int64),
-        "esc": esc.reshape(-1).view(np.int32),
+        "esc": esc.view(np.int32),
         "esc_row": esc_row.astype(np.int32),
         "smant": smant.reshape(-1),
         "sexp": sexp.reshape(-1).view(np.int32),
@@ -217,10 +216,8 @@ def decode_reference(streams: dict, rows: int, cols: int, group: int, lut: int, 
     nib = short[np.minimum(sym, ESCAPE)]
     escaped = sym == ESCAPE
     n = int(escaped.sum())
-    esc = streams["esc"].view(np.uint32).reshape(payload_bits, -1) if payload_bits else None
-    index = np.zeros(n, dtype=np.uint8)
-    for k in range(payload_bits):
-        index |= _unplanes(esc[k], n) << k
+    fields = _unplanes(streams["esc"].view(np.uint32), n * payload_bits).reshape(n, payload_bits)
+    index = (fields << np.arange(payload_bits, dtype=np.uint8)).sum(axis=1, dtype=np.uint8)
     nib[escaped] = long[index]
     code = (streams["smant"].reshape(rows, g) >> 7) | (
         _unplanes(streams["sexp"].view(np.uint32).reshape(rows, -1), g) << 1

@@ -245,7 +245,7 @@ class Int4Weight(_Streams):
     bit planes, escaped nibbles' indices apart, scales as a mantissa byte and a 2-bit exponent code."""
 
     sym: torch.Tensor  # (rows * B * 3,) int64, B = ceil(cols / 64): three symbol planes per block
-    esc: torch.Tensor  # (max(payload_bits, 1) * W,) int32: escape index planes
+    esc: torch.Tensor  # (ceil(E * payload_bits / 32) + 16,) int32: escapes' indices, packed
     esc_row: torch.Tensor  # (rows + 1,) int32: escapes of the rows before
     smant: torch.Tensor  # (rows * G,) uint8, G = cols / group: exponent code bit 0, mantissa
     sexp: torch.Tensor  # (rows * ceil(G / 32),) int32: exponent code bit 1
@@ -289,11 +289,10 @@ class Int4Weight(_Streams):
                     f"int4 stream {role!r} holds {getattr(self, role).numel()} entries; a ({self.rows}, {self.cols}) "
                     f"weight in groups of {self.group} needs {length}"
                 )
-        planes = max(self.payload_bits, 1)
-        if self.esc.numel() % planes or self.esc.numel() // planes < 4 or self.sesc.numel() < 1:
+        if self.esc.numel() < 16 or self.sesc.numel() < 1:
             raise ValueError(
-                f"int4 streams 'esc' ({self.esc.numel()} words) and 'sesc' ({self.sesc.numel()}) do not hold "
-                f"{planes} index planes of four words or more and at least one listed scale"
+                f"int4 streams 'esc' ({self.esc.numel()} words) and 'sesc' ({self.sesc.numel()}) do not hold the "
+                "escapes' indices and 16 words after them, and at least one listed scale"
             )
         object.__setattr__(self, "device", device)
 
