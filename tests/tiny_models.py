@@ -217,6 +217,39 @@ def w4a16(src: Path, dst: Path, quantize=lambda name: ".layers." in name, group:
     return dst
 
 
+def dequantized(src: Path, dst: Path) -> Path:
+    """`src` (a compressed-tensors W4A16 folder made by `w4a16`) with every quantized linear's codes
+    and scales multiplied back into a BF16 `weight` ((code - 8) * scale in fp32, rounded to BF16)
+    and its quantization_config dropped: what vLLM runs unquantized as the reference of the INT4
+    kernels."""
+    from safetensors.torch import load_file, save_file
+
+    if dst.exists():
+        return dst
+    tmp = dst.with_name(dst.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp)
+    config = json.loads((tmp / "config.json").read_text())
+    group = config.pop("quantization_config")["config_groups"]["group_0"]["weights"]["group_size"]
+    tensors = load_file(tmp / "model.safetensors")
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith((".weight_scale", ".weight_shape")):
+            continue
+        if not name.endswith(".weight_packed"):
+            out[name] = t
+            continue
+        base = name[: -len(".weight_packed")]
+        words = t.to(torch.int64) & 0xFFFFFFFF
+        codes = torch.stack([(words >> (4 * i)) & 15 for i in range(8)], dim=-1).reshape(t.shape[0], -1) - 8
+        scale = tensors[base + ".weight_scale"].float().repeat_interleave(group, dim=1)
+        out[base + ".weight"] = (codes.float() * scale).to(torch.bfloat16)
+    save_file(out, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    tmp.rename(dst)
+    return dst
+
+
 # Tiny random models of the architectures the transformers quantizer is tested on (tests/test_hf.py):
 # model_type -> (config class, causal LM class, config overrides). Each has a vocabulary of 512, no
 # tokenizer, two or three layers, and the family's own parts (MoE experts, MLA, qk-norm, sliding and

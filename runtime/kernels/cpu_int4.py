@@ -142,15 +142,16 @@ def _dot_rows(x, w, y, r):
 
 
 @njit(cache=True, parallel=True)
-def _gemv_coded(x, sym, esc, esc_row, smant, sexp, sbase, sesc, sesc_row, K, group, pb, values, y, parts):
+def _gemv_coded(x, r0, sym, esc, esc_row, smant, sexp, sbase, sesc, sesc_row, K, group, pb, values, y, parts):
+    """y[:, i] = x @ W[r0 + i] for every column i of y."""
     R, G = y.shape[1], K // group
     for p in prange(parts):
         scales = np.empty(G, np.float32)
         w = np.empty(K, np.float32)
-        for r in range(p * R // parts, (p + 1) * R // parts):
-            _row_scales(r, G, smant, sexp, sbase, sesc, sesc_row, scales)
-            _row_weights(r, K, group, sym, esc, esc_row, pb, values, scales, w)
-            _dot_rows(x, w, y, r)
+        for i in range(p * R // parts, (p + 1) * R // parts):
+            _row_scales(r0 + i, G, smant, sexp, sbase, sesc, sesc_row, scales)
+            _row_weights(r0 + i, K, group, sym, esc, esc_row, pb, values, scales, w)
+            _dot_rows(x, w, y, i)
 
 
 @njit(cache=True, parallel=True)
@@ -163,18 +164,20 @@ def _rows_coded(r0, sym, esc, esc_row, smant, sexp, sbase, sesc, sesc_row, K, gr
 
 
 @njit(cache=True, parallel=True)
-def _gemv_coded_avx512(x, sym, esc, esc_row, smant, sexp, sbase, sesc, sesc_row, K, group, pb, values, y, parts):
+def _gemv_coded_avx512(x, r0, sym, esc, esc_row, smant, sexp, sbase, sesc, sesc_row, K, group, pb, values, y, parts):
+    """_gemv_coded by the AVX-512 rows."""
     M, R, G, B = x.shape[0], y.shape[1], K // group, K // BLOCK
     gshift = np.int64(np.log2(group))
     for p in prange(parts):
         scales = np.empty(G, np.float32)
         acc = np.empty((M, BLOCK), np.float32)
-        for r in range(p * R // parts, (p + 1) * R // parts):
+        for i in range(p * R // parts, (p + 1) * R // parts):
+            r = r0 + i
             _row_scales_avx512(r, G, smant, sexp, sbase, sesc, sesc_row, scales)
             acc[:] = 0
             coded_dot(pb, sym, r * B * 3, B, esc, np.int64(esc_row[r]), values, gshift, scales, x, acc)
             for m in range(M):
-                y[m, r] = acc[m].sum()
+                y[m, i] = acc[m].sum()
 
 
 @njit(cache=True, parallel=True)
@@ -300,15 +303,21 @@ def int4_rows_cpu(w: Int4Weight, r0: int, r1: int, fast: bool | None = None) -> 
     return torch.from_numpy(out)
 
 
-def int4_linear_cpu(x: torch.Tensor, w: Int4Weight, fast: bool | None = None) -> torch.Tensor:
+def int4_linear_cpu(
+    x: torch.Tensor, w: Int4Weight, fast: bool | None = None, rows: tuple[int, int] | None = None
+) -> torch.Tensor:
     """x @ W.T in fp32, (M, rows), for fp32 or BF16 x (M, cols) on the CPU: fused up to GEMV_ROWS
-    rows of x, else BLOCK_ROWS rows of W decoded at a time and multiplied by torch."""
+    rows of x, else BLOCK_ROWS rows of W decoded at a time and multiplied by torch. With `rows`
+    (r0, r1), only W's rows r0 .. r1 (an expert of a stacked experts weight): (M, r1 - r0)."""
+    r0, r1 = (0, w.rows) if rows is None else rows
+    if not 0 <= r0 <= r1 <= w.rows:
+        raise ValueError(f"rows {r0}..{r1} are not within the weight's {w.rows}")
     xs, args, on = _check_x(x, w.cols), _args(w), _fast(fast, w.cols, w.group)
     if xs.shape[0] > GEMV_ROWS:
-        rows = _rows_coded_avx512 if on else _rows_coded
-        return _gemm(xs, w.rows, lambda r0, out: rows(r0, *args, out))
-    y = np.empty((xs.shape[0], w.rows), np.float32)
-    (_gemv_coded_avx512 if on else _gemv_coded)(xs, *args, y, _parts(w.rows))
+        decode = _rows_coded_avx512 if on else _rows_coded
+        return _gemm(xs, r1 - r0, lambda i0, out: decode(r0 + i0, *args, out))
+    y = np.empty((xs.shape[0], r1 - r0), np.float32)
+    (_gemv_coded_avx512 if on else _gemv_coded)(xs, r0, *args, y, _parts(r1 - r0))
     return torch.from_numpy(y)
 
 

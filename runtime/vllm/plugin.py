@@ -5,9 +5,11 @@ process; the classes live at module level because vLLM pickles the config into i
 
 - `UnweightConfig` is what `quantization_config: {"quant_method": "unweight"}` in config.json
   selects. A folder compressed from a compressed-tensors checkpoint (Kimi K2.5's INT4 experts)
-  keeps the source's config in it (`source_quantization_config`): the layers that config quantizes
-  get vLLM's compressed-tensors methods, their packed codes and scales decoded at load to the
-  source's bytes; the rest is as below. Linear layers get `UnweightLinearMethod` (a weight that is
+  keeps the source's config in it (`source_quantization_config`): on the CPU, MoE experts it
+  quantizes W4A16 get `UnweightInt4MoEMethod` (runtime/vllm/int4_experts.py: kept coded in the
+  int4 layout, run by unweight's INT4 kernels); the other layers it quantizes get vLLM's
+  compressed-tensors methods, their packed codes and scales decoded at load to the source's bytes;
+  the rest is as below. Linear layers get `UnweightLinearMethod` (a weight that is
   not BF16 stays dense there, logged once); MoE experts get `UnweightMoEMethod`
   (runtime/vllm/experts.py; vLLM's own unquantized method where it cannot hold them, logged once);
   the embedding and the lm_head get `UnweightEmbeddingMethod`: the rank's rows of the vocabulary
@@ -58,7 +60,7 @@ from vllm.model_executor.utils import set_weight_attrs
 
 from unweight.hf_config import SOURCE_KEY  # (json only: no codec)
 
-from . import experts, shards
+from . import experts, int4_experts, shards
 from .registry import Registry, log, warn_once
 
 # unweight's codec (numba, llvmlite) is imported only when a model loads: vLLM's CPU worker scans every
@@ -127,6 +129,11 @@ class UnweightConfig(QuantizationConfig):
 
     def get_quant_method(self, layer: nn.Module, prefix: str):
         if self.source is not None:
+            if isinstance(layer, RoutedExperts) and (group := int4_experts.w4a16_group(self.source, layer, prefix)):
+                why = int4_experts.unsupported(layer.moe_config)
+                if why is None:  # INT4 experts kept coded, on unweight's own kernels
+                    return int4_experts.UnweightInt4MoEMethod(layer.moe_config, group, prefix)
+                warn_once(f"INT4 experts of {prefix!r} keep vLLM's compressed-tensors method: {why}")
             method = self.source.get_quant_method(layer, prefix)
             if method is not None and not isinstance(method, (UnquantizedLinearMethod, UnquantizedFusedMoEMethod)):
                 # quantized in the source (INT4 codes and scales): its own method, the tensors decoded at load
@@ -480,6 +487,9 @@ class UnweightModelLoader(default_loader.DefaultModelLoader):
                     f"({', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}); refusing to serve a model with "
                     f"weights left unset"
                 )
+        for m in model.modules():  # INT4 experts coded now, so that what this rank holds is logged whole
+            if isinstance(getattr(m, "quant_method", None), int4_experts.UnweightInt4MoEMethod):
+                m.quant_method.code(m)
         log.info(
             "unweight: %s: %d tensors checked, %d by the CRC-32 of their bytes decoded whole, the others by their "
             "streams' CRC-32s (%.2f s in stream checks)",
@@ -503,6 +513,16 @@ class UnweightModelLoader(default_loader.DefaultModelLoader):
             100 * held["stored_bytes"] / max(1, held["bf16_bytes"]),
             held["source"],
         )
+        if held["int4_experts"]:
+            log.info(
+                "unweight: tensor-parallel rank %d holds %d INT4 experts layers coded: %d bytes resident, %d as the "
+                "source stores them (%.1f %%)",
+                _tp_rank(),
+                held["int4_experts"],
+                held["int4_bytes"],
+                held["int4_source_bytes"],
+                100 * held["int4_bytes"] / max(1, held["int4_source_bytes"]),
+            )
 
     def _folder(self, model_config) -> str:
         """The local folder of the checkpoint: the path given, or the Hub snapshot vLLM downloads."""
@@ -566,8 +586,9 @@ def _largest_weight(model: nn.Module) -> int:
 def resident(model: nn.Module) -> dict:
     """What the plugin built in `model` (this rank's): its compressed linears, embeddings (a tied
     lm_head counted once, with its embedding) and experts layers, their resident bytes and what the
-    same weights take in BF16, and how many layers kept the source's quantization
-    (compressed-tensors' INT4, decoded at load to the source's tensors)."""
+    same weights take in BF16, how many layers kept the source's quantization (compressed-tensors'
+    INT4, decoded at load to the source's tensors), and the INT4 experts layers it holds coded
+    (their resident bytes, and what the source's codes and BF16 scales of them take)."""
     built: dict[int, tuple[str, nn.Module]] = {}
     for m in model.modules():
         uw = getattr(m, "uw", None)
@@ -576,7 +597,13 @@ def resident(model: nn.Module) -> dict:
             built.setdefault(id(uw), (kind, uw))
     matrices = [uw for _, uw in built.values()]
     layers = [m.uw_experts for m in model.modules() if hasattr(m, "uw_experts")]
+    int4 = [m.uw_int4 for m in model.modules() if hasattr(m, "uw_int4")]
     return {
+        "int4_experts": len(int4),
+        "int4_bytes": sum(e.stored_bytes for e in int4),
+        "int4_source_bytes": sum(
+            w.rows * w.cols // 2 + w.rows * (w.cols // w.group) * 2 for e in int4 for w in (e.w13, e.w2)
+        ),
         "linears": sum(kind == "linears" for kind, _ in built.values()),
         "embeddings": sum(kind == "embeddings" for kind, _ in built.values()),
         "experts": len(layers),

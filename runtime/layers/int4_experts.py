@@ -1,0 +1,127 @@
+"""`Int4Experts`: a mixture-of-experts layer's routed experts in INT4 (compressed-tensors W4A16:
+symmetric codes, BF16 group scales), kept in the resident `int4` layout (../kernels/int4.py).
+
+E experts, each a gated MLP y = w2 @ act_and_mul(w13 @ x), w13 (2I, H) (the gate's I rows, then the
+up projection's) and w2 (H, I). Each of the two weights is one `Int4Weight` for all experts,
+stacked by rows (w13: (E * 2I, H), w2: (E * H, I)): the layout keeps rows independent, so expert e
+is a row range, read alone by the CPU kernels (cpu_int4.int4_linear_cpu's `rows`).
+
+`forward(x, topk_weights, topk_ids)` runs each routed expert on the tokens routed to it: the
+fused GEMV for a few tokens, decoded rows and torch's GEMM for more (the launcher picks). Only
+the routed experts' coded bytes are read. The intermediate activation is rounded to x's dtype, as
+a BF16 model's MLP rounds it. `reference_int4_experts` is the plain computation on the weights
+decoded back to dense, the tests' oracle.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..kernels.cpu_int4 import int4_linear_cpu
+from ..kernels.weight import Int4Weight
+from .experts_kernels import ACTIVATIONS, act_and_mul
+
+
+def _stacked(packed: torch.Tensor, scales: torch.Tensor, group: int) -> Int4Weight:
+    """One Int4Weight of (E, N, K / 8) packed codes and (E, N, K / group) BF16 scales, rows stacked."""
+    e, n, words = packed.shape
+    if scales.shape[:2] != (e, n) or scales.shape[2] * group != words * 8:
+        raise ValueError(
+            f"INT4 experts: scales {list(scales.shape)} do not fit codes {list(packed.shape)} in groups of {group}"
+        )
+    bf16 = scales.to(torch.bfloat16)
+    if not torch.equal(bf16.float(), scales.float()):
+        raise ValueError("INT4 experts: their scales are not BF16 values (the int4 layout holds BF16 scales)")
+    p = packed.detach().cpu().contiguous().numpy().reshape(e * n, words)
+    s = bf16.detach().cpu().contiguous().view(torch.int16).numpy().reshape(e * n, -1)
+    return Int4Weight.encode(p, s, words * 8, group)
+
+
+class Int4Experts(nn.Module):
+    """A layer's routed INT4 experts, coded (see the module docstring)."""
+
+    def __init__(self, w13: Int4Weight, w2: Int4Weight, experts: int):
+        super().__init__()
+        hidden, inter = w13.cols, w2.cols
+        if w13.rows != experts * 2 * inter or w2.rows != experts * hidden:
+            raise ValueError(
+                f"INT4 experts: w13 ({w13.rows} x {w13.cols}) and w2 ({w2.rows} x {w2.cols}) are not {experts} "
+                "experts' stacked weights"
+            )
+        self.experts, self.hidden, self.intermediate = experts, hidden, inter
+        self.w13, self.w2 = w13, w2
+        for name, w in (("w13", w13), ("w2", w2)):  # buffers: counted as the layer's memory, moved with it
+            for role, t in w.streams().items():
+                self.register_buffer(f"{name}_{role}", t, persistent=False)
+
+    @classmethod
+    def from_packed(cls, w13_packed, w13_scale, w2_packed, w2_scale, group: int) -> Int4Experts:
+        """From compressed-tensors' per-expert tensors stacked as vLLM holds them: w13 (E, 2I, H / 8)
+        int32 codes and (E, 2I, H / group) scales, w2 (E, H, I / 8) and (E, H, I / group)."""
+        return cls(_stacked(w13_packed, w13_scale, group), _stacked(w2_packed, w2_scale, group), w13_packed.shape[0])
+
+    @property
+    def stored_bytes(self) -> int:
+        return self.w13.stored_bytes + self.w2.stored_bytes
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        activation: str = "silu",
+        weights_on_input: bool = False,
+    ) -> torch.Tensor:
+        """(T, H) -> (T, H), x's dtype: sum over j of topk_weights[:, j] * expert topk_ids[:, j](x)
+        (with `weights_on_input`, vLLM's apply_router_weight_on_input: the weight scales the
+        expert's input instead), summed in fp32."""
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation {activation!r} is not one of {', '.join(ACTIVATIONS)}")
+        if x.dim() != 2 or x.shape[1] != self.hidden or topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2:
+            raise ValueError(
+                f"x {list(x.shape)}, topk_weights {list(topk_weights.shape)} and topk_ids {list(topk_ids.shape)} "
+                f"do not fit experts of hidden size {self.hidden}"
+            )
+        ids = topk_ids.to(torch.int64)
+        if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < self.experts):
+            raise ValueError(f"expert ids {int(ids.min())}..{int(ids.max())} are not within the {self.experts} experts")
+        out = torch.zeros(x.shape[0], self.hidden, dtype=torch.float32)
+        two_i, h = 2 * self.intermediate, self.hidden
+        for e in torch.unique(ids).tolist():
+            tokens, slots = (ids == e).nonzero(as_tuple=True)
+            weight = topk_weights[tokens, slots].float()[:, None]
+            xe = x[tokens]
+            if weights_on_input:
+                xe = (xe.float() * weight).to(x.dtype)
+            gate_up = int4_linear_cpu(xe, self.w13, rows=(e * two_i, (e + 1) * two_i)).to(x.dtype)
+            y = int4_linear_cpu(act_and_mul(gate_up, activation), self.w2, rows=(e * h, (e + 1) * h))
+            out.index_add_(0, tokens, y if weights_on_input else y * weight)
+        return out.to(x.dtype)
+
+    def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13 (E, 2I, H), w2 (E, H, I)) fp32, decoded back (int4.decode_reference) and dequantized."""
+        from ..kernels import int4
+
+        out = []
+        for w, n in ((self.w13, 2 * self.intermediate), (self.w2, self.hidden)):
+            packed, scales = w.decode()
+            s = torch.from_numpy((scales.astype(np.uint32) << 16).view(np.float32))
+            codes = torch.from_numpy(int4.unpack_nibbles(packed, w.cols).astype(np.float32) - 8)
+            out.append((codes * s.repeat_interleave(w.group, dim=1)).reshape(self.experts, n, w.cols))
+        return out[0], out[1]
+
+
+def reference_int4_experts(experts: Int4Experts, x, topk_weights, topk_ids, activation="silu", weights_on_input=False):
+    """The oracle: each token and slot in fp32 on the dense weights, the intermediate rounded to x's dtype."""
+    w13, w2 = experts.dense()
+    out = torch.zeros(x.shape[0], experts.hidden, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(topk_ids.shape[1]):
+            e, w = int(topk_ids[t, j]), float(topk_weights[t, j])
+            xt = (x[t].float() * w).to(x.dtype) if weights_on_input else x[t]
+            h = (w13[e].double() @ xt.double()).to(x.dtype)
+            y = w2[e].double() @ act_and_mul(h[None], activation)[0].double()
+            out[t] += y if weights_on_input else w * y
+    return out

@@ -1,0 +1,154 @@
+"""The plugin's method for MoE experts that a compressed-tensors source quantized W4A16 (Kimi
+K2.5's routed experts: symmetric INT4 codes, BF16 group scales), on the CPU: the experts stay
+coded in the resident `int4` layout and run through unweight's own INT4 kernels.
+
+vLLM-CPU's own compressed-tensors MoE method needs a WNA16 MoE kernel that not every CPU has (none
+without AMX on an AVX2 AMD EPYC: "No WNA16 MoE backend supports the deployment configuration").
+`UnweightInt4MoEMethod` registers the parameters that method registers (`w13_weight_packed`,
+`w13_weight_scale`, `w13_weight_shape` and w2's), so vLLM's own expert loader fills them and narrows
+them per tensor-parallel rank as it does for that method; once the layer is loaded it codes them
+into an `Int4Experts` (runtime/layers/int4_experts.py: w13 and w2 each one stacked `Int4Weight`)
+and frees them. `apply` runs the custom op `unweight::int4_experts` on the router's choice.
+
+While the model loads, the layer holds its experts uncoded (as the source stores them) until it is
+coded: the most memory the load takes is the uncoded model's. On CUDA (Marlin's kernels exist, and
+the int4 layout has no GPU kernel yet), layers with expert parallelism, biases or another
+activation, vLLM's own compressed-tensors method keeps the layer.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from vllm.model_executor.layers.fused_moe.config import FUSED_MOE_UNQUANTIZED_CONFIG
+from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
+from vllm.model_executor.utils import set_weight_attrs
+
+from .experts import ACTIVATIONS, _activation
+from .registry import Registry
+
+PARAMETERS = ("w13_weight_packed", "w2_weight_packed", "w13_weight_scale", "w2_weight_scale")
+SHAPES = ("w13_weight_shape", "w2_weight_shape")
+
+
+def _value(v) -> str:
+    return str(getattr(v, "value", v)).lower()
+
+
+def w4a16_group(source, layer: nn.Module, prefix: str) -> int | None:
+    """The group size where the compressed-tensors config `source` quantizes this experts layer as
+    the int4 layout holds it (pack-quantized, 4-bit symmetric integers in groups of a power of two
+    of 32 or more, activations unquantized, no activation order), else None."""
+    source._add_fused_moe_to_target_scheme_map()  # as vLLM's get_moe_method asks: experts are fused linears
+    names = [f"{prefix}.0.{p}" for p in (layer.ckpt_gate_proj_name, layer.ckpt_up_proj_name, layer.ckpt_down_proj_name)]
+    schemes = [source.get_scheme_dict(layer, name) for name in names]
+    scheme = schemes[0]
+    if scheme is None or any(s != scheme for s in schemes) or scheme.get("input_activations") is not None:
+        return None
+    w = scheme.get("weights")
+    if w is None or scheme.get("format") != "pack-quantized" or getattr(w, "actorder", None):
+        return None
+    group = w.group_size or 0
+    plain = w.num_bits == 4 and _value(w.type) == "int" and w.symmetric and _value(w.strategy) == "group"
+    return group if plain and group >= 32 and group & (group - 1) == 0 else None
+
+
+def unsupported(moe) -> str | None:
+    """Why a layer of this FusedMoEConfig keeps vLLM's own compressed-tensors method, or None."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return "the int4 layout's kernels run on the CPU only"
+    if moe.has_bias:
+        return "its experts have biases"
+    if not moe.is_act_and_mul:
+        return "its experts have no gated activation"
+    if moe.moe_parallel_config.use_ep:
+        return "expert parallelism is on"
+    if _activation(moe.activation) not in ACTIVATIONS:
+        return f"its activation is {moe.activation}"
+    return None
+
+
+class UnweightInt4MoEMethod(FusedMoEMethodBase):
+    """vLLM's FusedMoEMethodBase over INT4 experts kept coded (see the module docstring)."""
+
+    def __init__(self, moe, group: int, prefix: str = ""):
+        super().__init__(moe)
+        self.group, self.prefix = group, prefix
+
+    def create_weights(
+        self,
+        layer: nn.Module,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size_per_partition: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs,
+    ) -> None:
+        e, h, i, g = num_experts, hidden_size, intermediate_size_per_partition, self.group
+        if h % g or i % g:
+            raise ValueError(
+                f"layer {self.prefix!r}: INT4 groups of {g} do not divide the hidden size {h} and the rank's "
+                f"intermediate size {i} (use a tensor-parallel size that keeps whole groups)"
+            )
+        shapes = {
+            "w13_weight_packed": ((e, 2 * i, h // 8), torch.int32),
+            "w2_weight_packed": ((e, h, i // 8), torch.int32),
+            "w13_weight_scale": ((e, 2 * i, h // g), params_dtype),
+            "w2_weight_scale": ((e, h, i // g), params_dtype),
+            "w13_weight_shape": ((e, 2), torch.float32),
+            "w2_weight_shape": ((e, 2), torch.float32),
+        }
+        attrs = {**extra_weight_attrs, "is_transposed": False, "quant_method": "group"}
+        for name, (shape, dtype) in shapes.items():  # as vLLM's compressed-tensors WNA16 method registers them
+            param = nn.Parameter(torch.zeros(shape, dtype=dtype), requires_grad=False)
+            layer.register_parameter(name, param)
+            set_weight_attrs(param, attrs)
+        layer.uw_index = -1
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        self.code(layer)
+
+    def code(self, layer: nn.Module) -> None:
+        """The layer's loaded experts coded into an Int4Experts, the uncoded tensors freed (once: the
+        plugin's loader codes every such layer as soon as the checkpoint is read, before vLLM's
+        process_weights_after_loading)."""
+        from unweight.runtime.layers.int4_experts import Int4Experts
+
+        if layer.uw_index >= 0:
+            return
+        experts = Int4Experts.from_packed(
+            layer.w13_weight_packed.data,
+            layer.w13_weight_scale.data,
+            layer.w2_weight_packed.data,
+            layer.w2_weight_scale.data,
+            self.group,
+        )
+        for name in PARAMETERS + SHAPES:  # the uncoded tensors go
+            setattr(layer, name, nn.Parameter(torch.empty(0, dtype=getattr(layer, name).dtype), requires_grad=False))
+        experts.uw_activation = _activation(layer.activation)
+        experts.uw_on_input = bool(layer.apply_router_weight_on_input)
+        layer.uw_int4 = experts  # a submodule: vLLM counts its buffers as the layer's weight
+        layer.uw_index = _INT4.add(experts)
+
+    def get_fused_moe_quant_config(self, layer: nn.Module):
+        return FUSED_MOE_UNQUANTIZED_CONFIG  # the activations stay unquantized; the experts are the op's own
+
+    def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input) -> torch.Tensor:
+        return torch.ops.unweight.int4_experts(x, topk_weights, topk_ids, layer.uw_index)
+
+
+_INT4 = Registry()  # the live coded INT4 experts layers of this process, by uw_index
+
+
+@torch.library.custom_op("unweight::int4_experts", mutates_args=())
+def _int4_experts_op(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer: int) -> torch.Tensor:
+    """The routed experts' output (T, H) for the process's INT4 experts layer number `layer`."""
+    e = _INT4[layer]
+    return e(x, topk_weights, topk_ids, e.uw_activation, e.uw_on_input)
+
+
+@_int4_experts_op.register_fake
+def _(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer: int) -> torch.Tensor:
+    return x.new_empty((x.shape[0], _INT4[layer].hidden))
