@@ -36,7 +36,17 @@ def dense(packed: np.ndarray, scales: np.ndarray, cols: int, group: int) -> np.n
     return (int4.unpack_nibbles(packed, cols).astype(np.float64) - 8) * np.repeat(s, group, axis=1)
 
 
+def same_streams(a: dict, b: dict) -> bool:
+    """Two encodings' parameters equal and streams identical, byte for byte."""
+    return (a["lut"], a["payload_bits"]) == (b["lut"], b["payload_bits"]) and all(
+        x.dtype == y.dtype and x.shape == y.shape and np.array_equal(x.view(np.uint8), y.view(np.uint8))
+        for x, y in zip(a["streams"].values(), b["streams"].values(), strict=True)
+    )
+
+
 def round_trip(packed, scales, cols, group) -> Int4Weight:
+    """The weight coded on threads: the reference encoder's streams, and decoded, the source's bits."""
+    assert same_streams(int4.encode(packed, scales, cols, group), int4.encode_reference(packed, scales, cols, group))
     w = Int4Weight.encode(packed, scales, cols, group)
     back_p, back_s = w.decode()
     assert np.array_equal(back_p.view(np.uint32), packed.view(np.uint32))
@@ -59,9 +69,10 @@ def test_quantized_weights_round_trip_and_shrink(heavy):
 @pytest.mark.parametrize("used", [1, 6, 7, 8, 9, 12, 15, 16])
 def test_any_nibbles_round_trip(used):
     """From one used nibble (no escapes) to all 16 (the nibbles themselves listed in 4 bits), with
-    columns that are not whole blocks and groups that are not 32."""
+    columns that are not whole blocks, groups that are not 32, and more rows than the encoder's
+    threads take ranges of (the ranges share index words)."""
     rng = np.random.default_rng(used)
-    for rows, cols, group in ((5, 40, 8), (3, 200, 40), (1, 64, 64), (7, 8, 8)):
+    for rows, cols, group in ((5, 40, 8), (3, 200, 40), (1, 64, 64), (7, 8, 8), (130, 96, 32)):
         nib = rng.choice(rng.permutation(16)[:used], size=(rows, cols), p=None).astype(np.uint8)
         scales = rng.integers(0x3C00, 0x3E00, (rows, cols // group)).astype(np.uint16)
         w = round_trip(int4.pack_nibbles(nib), scales, cols, group)

@@ -80,9 +80,13 @@ def pack_nibbles(nib: np.ndarray) -> np.ndarray:
 
 
 def choose_lut(nib: np.ndarray) -> tuple[int, int]:
-    """(lut, payload_bits) for a matrix's nibbles: the SHORT most used (ties to the lower nibble)
-    short, the other used ones long, in nibble order."""
-    counts = np.bincount(nib.reshape(-1), minlength=16)
+    """(lut, payload_bits) for a matrix's nibbles (lut_of_counts of their histogram)."""
+    return lut_of_counts(np.bincount(nib.reshape(-1), minlength=16))
+
+
+def lut_of_counts(counts: np.ndarray) -> tuple[int, int]:
+    """(lut, payload_bits) for nibbles of these counts (16): the SHORT most used (ties to the lower
+    nibble) short, the other used ones long, in nibble order."""
     order = sorted(range(16), key=lambda v: (-counts[v], v))
     short = order[:SHORT]
     long = sorted(v for v in order[SHORT:] if counts[v])
@@ -94,6 +98,18 @@ def choose_lut(nib: np.ndarray) -> tuple[int, int]:
     for i, v in enumerate(long):
         lut |= v << (4 * (8 + i))
     return lut, payload_bits(len(long)) if long else 0
+
+
+def symbol_tables(lut: int, payload_bits: int, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(nibble -> symbol, nibble -> escape index) (16 each, uint8) of a lut chosen for `counts`."""
+    short, _ = lut_tables(lut, payload_bits)
+    to_sym = np.full(16, ESCAPE, dtype=np.uint8)
+    to_sym[short[:SHORT]] = np.arange(SHORT, dtype=np.uint8)
+    to_index = np.arange(16, dtype=np.uint8)  # (at 4 payload bits, the nibble itself)
+    if payload_bits < 4:
+        longs = np.setdiff1d(np.flatnonzero(counts), short[:SHORT])  # in nibble order, as lut_of_counts lists them
+        to_index[longs] = np.arange(longs.size, dtype=np.uint8)
+    return to_sym, to_index
 
 
 def payload_bits(longs: int) -> int:
@@ -136,11 +152,7 @@ def _row_bases(exps: np.ndarray, plain: np.ndarray) -> np.ndarray:
     return held.argmax(axis=1).astype(np.uint8)
 
 
-def encode(packed: np.ndarray, scales: np.ndarray, cols: int, group: int) -> dict:
-    """The streams of W from compressed-tensors' `weight_packed` (R, ceil(cols / 8)) int32 and
-    `weight_scale` (R, cols / group) BF16 bits (uint16 or int16), and its parameters `lut` and
-    `payload_bits`. ValueError names what does not fit."""
-    packed, scales = np.asarray(packed), np.asarray(scales)
+def _check(packed: np.ndarray, scales: np.ndarray, cols: int, group: int) -> None:
     if packed.ndim != 2 or packed.dtype not in (np.int32, np.uint32):
         raise ValueError(f"int4 codes must be a 2-D int32 array, not {packed.dtype}{list(packed.shape)}")
     rows = packed.shape[0]
@@ -151,15 +163,28 @@ def encode(packed: np.ndarray, scales: np.ndarray, cols: int, group: int) -> dic
     g = cols // group
     if scales.dtype not in (np.uint16, np.int16) or scales.shape != (rows, g):
         raise ValueError(f"int4 scales must be ({rows}, {g}) BF16 bits, not {scales.dtype}{list(scales.shape)}")
+
+
+def encode(packed: np.ndarray, scales: np.ndarray, cols: int, group: int) -> dict:
+    """The streams of W from compressed-tensors' `weight_packed` (R, ceil(cols / 8)) int32 and
+    `weight_scale` (R, cols / group) BF16 bits (uint16 or int16), and its parameters `lut` and
+    `payload_bits`, coded on threads (int4_encode.py). ValueError names what does not fit."""
+    from .int4_encode import encode as encode_threads
+
+    packed, scales = np.asarray(packed), np.asarray(scales)
+    _check(packed, scales, cols, group)
+    return encode_threads(packed, scales, cols, group)
+
+
+def encode_reference(packed: np.ndarray, scales: np.ndarray, cols: int, group: int) -> dict:
+    """What `encode` returns, the plain way (numpy, whole arrays): its oracle."""
+    packed, scales = np.asarray(packed), np.asarray(scales)
+    _check(packed, scales, cols, group)
+    rows = packed.shape[0]
     nib = unpack_nibbles(packed, cols)
-    lut, payload_bits = choose_lut(nib)
-    short, long = lut_tables(lut, payload_bits)
-    to_sym = np.full(16, ESCAPE, dtype=np.uint8)
-    to_sym[short[:SHORT]] = np.arange(SHORT, dtype=np.uint8)
-    to_index = np.arange(16, dtype=np.uint8)  # (at 4 payload bits, the nibble itself)
-    if payload_bits < 4:
-        longs = np.setdiff1d(np.unique(nib), short[:SHORT])  # in nibble order, as choose_lut lists them
-        to_index[longs] = np.arange(longs.size, dtype=np.uint8)
+    counts = np.bincount(nib.reshape(-1), minlength=16)
+    lut, payload_bits = lut_of_counts(counts)
+    to_sym, to_index = symbol_tables(lut, payload_bits, counts)
     sym = np.zeros((rows, blocks(cols) * BLOCK), dtype=np.uint8)
     sym[:, :cols] = to_sym[nib]
     planes = np.stack([_planes((sym.reshape(rows, -1, BLOCK) >> k) & 1).view(np.uint64) for k in range(3)], axis=-1)
@@ -183,8 +208,8 @@ def encode(packed: np.ndarray, scales: np.ndarray, cols: int, group: int) -> dic
     sesc_row = np.zeros(rows + 1, dtype=np.int64)
     np.cumsum(listed.sum(axis=1), out=sesc_row[1:])
     sesc = bits[listed]
-    _check_count("escapes", esc_row[-1])
-    _check_count("listed scales", sesc_row[-1])
+    check_count("escapes", esc_row[-1])
+    check_count("listed scales", sesc_row[-1])
     streams = {
         "sym": planes.reshape(-1).view(np.int64),
         "esc": esc.view(np.int32),
@@ -198,7 +223,7 @@ def encode(packed: np.ndarray, scales: np.ndarray, cols: int, group: int) -> dic
     return {"streams": streams, "lut": lut, "payload_bits": payload_bits}
 
 
-def _check_count(what: str, n: int) -> None:
+def check_count(what: str, n: int) -> None:
     if n >= 1 << 31:
         raise ValueError(f"int4: {n} {what} are more than an int32 index holds; split the matrix")
 
