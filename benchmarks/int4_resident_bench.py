@@ -5,7 +5,8 @@ Sizes: Kimi-shaped experts (gate and up 2048 x 7168, down 7168 x 2048; compresse
 `pack-quantized`, symmetric, group 32) made as int4_bench.py makes them, from Gaussian and
 Student-t(5) weights. For the codes and the scales apart, the layout's bytes (every stream, its
 row tables and padding included) against the source's, beside the order-0 bounds (of single 4-bit
-codes; of whole 16-bit scales). Each matrix is decoded back and compared bit for bit first.
+codes; of whole 16-bit scales), and the encoder's speed (source MB/s, on threads). Each matrix is
+decoded back and compared bit for bit first.
 
 Speed: y = x @ W.T for each matrix of --experts experts (Gaussian codes, the ones with more
 escapes), fp32 x of 1, 16 and 256 rows, by `int4_linear_cpu` on the coded weight and by
@@ -48,6 +49,7 @@ def sizes(mats: list[tuple[np.ndarray, np.ndarray, int]]) -> dict:
     got = {"codes": 0, "scales": 0, "codes_stored": 0, "scales_stored": 0, "listed_scales": 0, "escapes": 0}
     nibbles, scale_counts = np.zeros(16, np.int64), np.zeros(1 << 16, np.int64)
     seconds = 0.0
+    Int4Weight.encode(*mats[0][:2], mats[0][2], GROUP)  # the encoder compiled (or loaded from numba's cache)
     for packed, scales, cols in mats:
         t0 = time.perf_counter()
         w = Int4Weight.encode(packed, scales, cols, GROUP)
