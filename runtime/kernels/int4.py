@@ -152,7 +152,8 @@ def _row_bases(exps: np.ndarray, plain: np.ndarray) -> np.ndarray:
     return held.argmax(axis=1).astype(np.uint8)
 
 
-def _check(packed: np.ndarray, scales: np.ndarray, cols: int, group: int) -> None:
+def check_source(packed: np.ndarray, scales: np.ndarray, cols: int, group: int) -> None:
+    """ValueError naming what of compressed-tensors' packed words and BF16 scale bits does not fit."""
     if packed.ndim != 2 or packed.dtype not in (np.int32, np.uint32):
         raise ValueError(f"int4 codes must be a 2-D int32 array, not {packed.dtype}{list(packed.shape)}")
     rows = packed.shape[0]
@@ -165,21 +166,13 @@ def _check(packed: np.ndarray, scales: np.ndarray, cols: int, group: int) -> Non
         raise ValueError(f"int4 scales must be ({rows}, {g}) BF16 bits, not {scales.dtype}{list(scales.shape)}")
 
 
-def encode(packed: np.ndarray, scales: np.ndarray, cols: int, group: int) -> dict:
+def encode_reference(packed: np.ndarray, scales: np.ndarray, cols: int, group: int) -> dict:
     """The streams of W from compressed-tensors' `weight_packed` (R, ceil(cols / 8)) int32 and
     `weight_scale` (R, cols / group) BF16 bits (uint16 or int16), and its parameters `lut` and
-    `payload_bits`, coded on threads (int4_encode.py). ValueError names what does not fit."""
-    from .int4_encode import encode as encode_threads
-
+    `payload_bits`, the plain way (numpy, whole arrays): the oracle of int4_encode.encode, which
+    codes on threads. ValueError names what does not fit."""
     packed, scales = np.asarray(packed), np.asarray(scales)
-    _check(packed, scales, cols, group)
-    return encode_threads(packed, scales, cols, group)
-
-
-def encode_reference(packed: np.ndarray, scales: np.ndarray, cols: int, group: int) -> dict:
-    """What `encode` returns, the plain way (numpy, whole arrays): its oracle."""
-    packed, scales = np.asarray(packed), np.asarray(scales)
-    _check(packed, scales, cols, group)
+    check_source(packed, scales, cols, group)
     rows = packed.shape[0]
     nib = unpack_nibbles(packed, cols)
     counts = np.bincount(nib.reshape(-1), minlength=16)

@@ -1,6 +1,6 @@
 """The numba encoder of the resident `int4` layout (int4.py), row ranges on threads: what a layer
-runs when it codes INT4 weights at load. It writes the streams `int4.encode_reference` writes, bit
-for bit (the tests hold it to that), from compressed-tensors' packed words and BF16 scale bits.
+runs when it codes INT4 weights at load (`encode`). It writes the streams `int4.encode_reference`
+writes, bit for bit (the tests hold it to that), from compressed-tensors' packed words and BF16 scale bits.
 
 Codes: a histogram of the nibbles (the lut), each row's escape count (its first escape by a prefix
 sum), then each range of rows writes its symbol planes and its escapes' index bits. A range owns
@@ -128,7 +128,10 @@ def _code_scales(bits, sbase, sesc_row, smant, sexp, sesc):
 
 
 def encode(packed: np.ndarray, scales: np.ndarray, cols: int, group: int) -> dict:
-    """int4.encode's streams and parameters, on threads (arguments checked there)."""
+    """int4.encode_reference's streams and parameters, coded on threads. ValueError names what of
+    the packed words and scales does not fit."""
+    packed, scales = np.asarray(packed), np.asarray(scales)
+    int4.check_source(packed, scales, cols, group)
     words = np.ascontiguousarray(packed).view(np.uint32)
     rows, g = words.shape[0], cols // group
     parts = _parts(rows)

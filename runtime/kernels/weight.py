@@ -302,10 +302,10 @@ class Int4Weight(_Streams):
     @classmethod
     def encode(cls, packed: np.ndarray, scales: np.ndarray, cols: int, group: int) -> Int4Weight:
         """W coded from compressed-tensors' `weight_packed` (rows, ceil(cols / 8)) int32 and
-        `weight_scale` (rows, cols / group) BF16 bits (int4.encode), on the CPU."""
-        from . import int4
+        `weight_scale` (rows, cols / group) BF16 bits (int4_encode.encode), on the CPU."""
+        from .int4_encode import encode
 
-        coded = int4.encode(packed, scales, cols, group)
+        coded = encode(packed, scales, cols, group)
         tensors = {role: torch.from_numpy(np.ascontiguousarray(a)) for role, a in coded["streams"].items()}
         return cls(
             **tensors,
