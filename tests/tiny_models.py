@@ -219,9 +219,9 @@ def w4a16(src: Path, dst: Path, quantize=lambda name: ".layers." in name, group:
 
 def dequantized(src: Path, dst: Path) -> Path:
     """`src` (a compressed-tensors W4A16 folder made by `w4a16`) with every quantized linear's codes
-    and scales multiplied back into a BF16 `weight` ((code - 8) * scale in fp32, rounded to BF16)
-    and its quantization_config dropped: what vLLM runs unquantized as the reference of the INT4
-    kernels."""
+    and scales multiplied back into an FP32 `weight` ((code - 8) * scale: exact, where BF16 would
+    round it) and its quantization_config dropped: what vLLM runs unquantized as the reference of
+    the INT4 kernels."""
     from safetensors.torch import load_file, save_file
 
     if dst.exists():
@@ -243,7 +243,7 @@ def dequantized(src: Path, dst: Path) -> Path:
         words = t.to(torch.int64) & 0xFFFFFFFF
         codes = torch.stack([(words >> (4 * i)) & 15 for i in range(8)], dim=-1).reshape(t.shape[0], -1) - 8
         scale = tensors[base + ".weight_scale"].float().repeat_interleave(group, dim=1)
-        out[base + ".weight"] = (codes.float() * scale).to(torch.bfloat16)
+        out[base + ".weight"] = codes.float() * scale
     save_file(out, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     tmp.rename(dst)

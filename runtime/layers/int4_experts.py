@@ -24,7 +24,7 @@ from ..kernels.weight import Int4Weight
 from .experts_kernels import ACTIVATIONS, act_and_mul
 
 
-def _stacked(packed: torch.Tensor, scales: torch.Tensor, group: int) -> Int4Weight:
+def stacked(packed: torch.Tensor, scales: torch.Tensor, group: int) -> Int4Weight:
     """One Int4Weight of (E, N, K / 8) packed codes and (E, N, K / group) BF16 scales, rows stacked."""
     e, n, words = packed.shape
     if scales.shape[:2] != (e, n) or scales.shape[2] * group != words * 8:
@@ -60,7 +60,7 @@ class Int4Experts(nn.Module):
     def from_packed(cls, w13_packed, w13_scale, w2_packed, w2_scale, group: int) -> Int4Experts:
         """From compressed-tensors' per-expert tensors stacked as vLLM holds them: w13 (E, 2I, H / 8)
         int32 codes and (E, 2I, H / group) scales, w2 (E, H, I / 8) and (E, H, I / group)."""
-        return cls(_stacked(w13_packed, w13_scale, group), _stacked(w2_packed, w2_scale, group), w13_packed.shape[0])
+        return cls(stacked(w13_packed, w13_scale, group), stacked(w2_packed, w2_scale, group), w13_packed.shape[0])
 
     @property
     def stored_bytes(self) -> int:

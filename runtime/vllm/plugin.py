@@ -5,9 +5,10 @@ process; the classes live at module level because vLLM pickles the config into i
 
 - `UnweightConfig` is what `quantization_config: {"quant_method": "unweight"}` in config.json
   selects. A folder compressed from a compressed-tensors checkpoint (Kimi K2.5's INT4 experts)
-  keeps the source's config in it (`source_quantization_config`): on the CPU, MoE experts it
-  quantizes W4A16 get `UnweightInt4MoEMethod` (runtime/vllm/int4_experts.py: kept coded in the
-  int4 layout, run by unweight's INT4 kernels); the other layers it quantizes get vLLM's
+  keeps the source's config in it (`source_quantization_config`): on the CPU, MoE experts and
+  linears it quantizes W4A16 get `UnweightInt4MoEMethod` and `UnweightInt4LinearMethod`
+  (runtime/vllm/int4.py: kept coded in the int4 layout, run by unweight's INT4 kernels); the
+  other layers it quantizes get vLLM's
   compressed-tensors methods, their packed codes and scales decoded at load to the source's bytes;
   the rest is as below. Linear layers get `UnweightLinearMethod` (a weight that is
   not BF16 stays dense there, logged once); MoE experts get `UnweightMoEMethod`
@@ -60,7 +61,7 @@ from vllm.model_executor.utils import set_weight_attrs
 
 from unweight.hf_config import SOURCE_KEY  # (json only: no codec)
 
-from . import experts, int4_experts, shards
+from . import experts, int4, shards
 from .registry import Registry, log, warn_once
 
 # unweight's codec (numba, llvmlite) is imported only when a model loads: vLLM's CPU worker scans every
@@ -129,12 +130,14 @@ class UnweightConfig(QuantizationConfig):
 
     def get_quant_method(self, layer: nn.Module, prefix: str):
         if self.source is not None:
-            if isinstance(layer, RoutedExperts) and (group := int4_experts.w4a16_group(self.source, layer, prefix)):
-                why = int4_experts.unsupported(layer.moe_config)
+            if isinstance(layer, RoutedExperts) and (group := int4.w4a16_group(self.source, layer, prefix)):
+                why = int4.unsupported(layer.moe_config)
                 if why is None:  # INT4 experts kept coded, on unweight's own kernels
-                    return int4_experts.UnweightInt4MoEMethod(layer.moe_config, group, prefix)
+                    return int4.UnweightInt4MoEMethod(layer.moe_config, group, prefix)
                 warn_once(f"INT4 experts of {prefix!r} keep vLLM's compressed-tensors method: {why}")
             method = self.source.get_quant_method(layer, prefix)
+            if isinstance(layer, LinearBase) and (group := int4.linear_group(method, layer)):
+                return int4.UnweightInt4LinearMethod(method, group, prefix)  # a W4A16 weight kept coded
             if method is not None and not isinstance(method, (UnquantizedLinearMethod, UnquantizedFusedMoEMethod)):
                 # quantized in the source (INT4 codes and scales): its own method, the tensors decoded at load
                 layer.uw_source = isinstance(layer, (LinearBase, RoutedExperts))  # (attention gets its KV-cache scales)
@@ -487,8 +490,10 @@ class UnweightModelLoader(default_loader.DefaultModelLoader):
                     f"({', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}); refusing to serve a model with "
                     f"weights left unset"
                 )
-        for m in model.modules():  # INT4 experts coded now, so that what this rank holds is logged whole
-            if isinstance(getattr(m, "quant_method", None), int4_experts.UnweightInt4MoEMethod):
+        for m in model.modules():  # INT4 layers coded now, so that what this rank holds is logged whole
+            if isinstance(
+                getattr(m, "quant_method", None), (int4.UnweightInt4MoEMethod, int4.UnweightInt4LinearMethod)
+            ):
                 m.quant_method.code(m)
         log.info(
             "unweight: %s: %d tensors checked, %d by the CRC-32 of their bytes decoded whole, the others by their "
@@ -513,12 +518,13 @@ class UnweightModelLoader(default_loader.DefaultModelLoader):
             100 * held["stored_bytes"] / max(1, held["bf16_bytes"]),
             held["source"],
         )
-        if held["int4_experts"]:
+        if held["int4_experts"] or held["int4_linears"]:
             log.info(
-                "unweight: tensor-parallel rank %d holds %d INT4 experts layers coded: %d bytes resident, %d as the "
-                "source stores them (%.1f %%)",
+                "unweight: tensor-parallel rank %d holds %d INT4 experts layers and %d INT4 linears coded: %d bytes "
+                "resident, %d as the source stores them (%.1f %%)",
                 _tp_rank(),
                 held["int4_experts"],
+                held["int4_linears"],
                 held["int4_bytes"],
                 held["int4_source_bytes"],
                 100 * held["int4_bytes"] / max(1, held["int4_source_bytes"]),
@@ -597,13 +603,13 @@ def resident(model: nn.Module) -> dict:
             built.setdefault(id(uw), (kind, uw))
     matrices = [uw for _, uw in built.values()]
     layers = [m.uw_experts for m in model.modules() if hasattr(m, "uw_experts")]
-    int4 = [m.uw_int4 for m in model.modules() if hasattr(m, "uw_int4")]
+    coded = [m.uw_int4 for m in model.modules() if hasattr(m, "uw_int4")]  # Int4Experts and Int4Linear layers
+    weights = [w for c in coded for w in ((c.w13, c.w2) if hasattr(c, "w13") else (c.weight_int4,))]
     return {
-        "int4_experts": len(int4),
-        "int4_bytes": sum(e.stored_bytes for e in int4),
-        "int4_source_bytes": sum(
-            w.rows * w.cols // 2 + w.rows * (w.cols // w.group) * 2 for e in int4 for w in (e.w13, e.w2)
-        ),
+        "int4_experts": sum(hasattr(c, "w13") for c in coded),
+        "int4_linears": sum(not hasattr(c, "w13") for c in coded),
+        "int4_bytes": sum(c.stored_bytes for c in coded),
+        "int4_source_bytes": sum(w.rows * w.cols // 2 + w.rows * (w.cols // w.group) * 2 for w in weights),
         "linears": sum(kind == "linears" for kind, _ in built.values()),
         "embeddings": sum(kind == "embeddings" for kind, _ in built.values()),
         "experts": len(layers),

