@@ -457,6 +457,14 @@ def test_int4_experts_stay_coded_and_generate_as_vllm_on_their_weights_at_tp_1_a
     assert [r[:3] for r in ranks] == [(0, 2, 0), (1, 2, 0)] and all(2 * r[4] == whole[4] for r in ranks)
     int4_match(driver, q, tmp_path, "--dtype", "bfloat16", bound=BF16_LOGPROB_BOUND)
 
+    narrow = shutil.copytree(q.with_name(q.name + "-uw"), tmp_path / "narrow-uw")  # experts the config narrows
+    text = (narrow / "config.json").read_text()
+    (narrow / "config.json").write_text(text.replace('"moe_intermediate_size": 128', '"moe_intermediate_size": 96'))
+    rc, out = driver.run(tmp_path / "narrow.log", str(narrow), str(tmp_path / "narrow.json"), "--load-only")
+    # the first of the layer's tensors to reach it is refused: its weight_shape, or its codes or scales
+    named = re.search(r"layer 'model\.layers\.\d\.mlp\.experts': .*(weight_shape says \[\d+, \d+\]|has shape)", out)
+    assert rc != 0 and named and "the layer needs" in out, out[-3000:]
+
 
 def test_int4_experts_of_kimi_k2_5s_architecture(driver, smollm2_dir, tmp_path):
     """The tiny DeepSeek-V3 (Kimi K2.5's language model: MLA, a shared expert, sigmoid routing with a

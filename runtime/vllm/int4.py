@@ -16,11 +16,12 @@ the resident `int4` layout and run on unweight's own INT4 kernels.
   an `Int4Linear` (runtime/layers/int4_linear.py) and freed, and `apply` runs the custom op
   `unweight::int4_linear` instead of vLLM's W4A16 GEMM.
 
-The plugin's loader codes every such layer as soon as the checkpoint is read (`code`); until then
-the layer holds its weights uncoded, as the source stores them: the most memory the load takes is
-the uncoded model's. On CUDA (vLLM has Marlin's kernels, and the int4 layout no GPU kernel yet),
-and for experts under expert parallelism, with biases or another activation, vLLM's own
-compressed-tensors method keeps the layer.
+An experts layer is coded as soon as its last expert tensor is loaded (its loader keeps the rank's
+parts of the others until then), so the load holds one layer's uncoded experts at a time; a
+linear layer holds its weight uncoded (vLLM's scheme allocates it when the model is built) until
+the plugin's loader has read the checkpoint and codes it (`code`). On CUDA (vLLM has Marlin's
+kernels, and the int4 layout no GPU kernel yet), and for experts under expert parallelism, with
+biases or another activation, vLLM's own compressed-tensors method keeps the layer.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ from vllm.model_executor.utils import set_weight_attrs
 from .experts import ACTIVATIONS, _activation
 from .registry import Registry
 
+# the experts' parameters as vLLM's compressed-tensors WNA16 MoE method names them (its loader maps
+# each expert's weight_packed, weight_scale and weight_shape to them)
 PARAMETERS = ("w13_weight_packed", "w2_weight_packed", "w13_weight_scale", "w2_weight_scale")
 SHAPES = ("w13_weight_shape", "w2_weight_shape")
 
@@ -120,41 +123,38 @@ class UnweightInt4MoEMethod(FusedMoEMethodBase):
                 f"layer {self.prefix!r}: INT4 groups of {g} do not divide the hidden size {h} and the rank's "
                 f"intermediate size {i} (use a tensor-parallel size that keeps whole groups)"
             )
-        shapes = {
-            "w13_weight_packed": ((e, 2 * i, h // 8), torch.int32),
-            "w2_weight_packed": ((e, h, i // 8), torch.int32),
-            "w13_weight_scale": ((e, 2 * i, h // g), params_dtype),
-            "w2_weight_scale": ((e, h, i // g), params_dtype),
-            "w13_weight_shape": ((e, 2), torch.float32),
-            "w2_weight_shape": ((e, 2), torch.float32),
-        }
-        attrs = {**extra_weight_attrs, "is_transposed": False, "quant_method": "group"}
-        for name, (shape, dtype) in shapes.items():  # as vLLM's compressed-tensors WNA16 method registers them
-            param = nn.Parameter(torch.zeros(shape, dtype=dtype), requires_grad=False)
+        extra_weight_attrs.pop("weight_loader", None)
+        loader = _Int4Loader(layer, self)
+        for name in PARAMETERS + SHAPES:  # vLLM's compressed-tensors WNA16 names; no memory: the loader fills pending
+            param = nn.Parameter(torch.empty(0, dtype=torch.int32), requires_grad=False)
             layer.register_parameter(name, param)
-            set_weight_attrs(param, attrs)
+            set_weight_attrs(param, {**extra_weight_attrs, "weight_loader": loader, "uw_kind": name.split("_")[-1]})
+        layer.uw_pending = _Int4Pending(e, h, i, g)
         layer.uw_index = -1
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         self.code(layer)
 
     def code(self, layer: nn.Module) -> None:
-        """The layer's loaded experts coded into an Int4Experts, the uncoded tensors freed (once: the
-        plugin's loader codes every such layer as soon as the checkpoint is read, before vLLM's
-        process_weights_after_loading)."""
+        """The layer's experts coded into an Int4Experts and their uncoded tensors dropped, once: as
+        soon as the last of them is loaded (so the load holds one layer's uncoded experts at a
+        time), else when the loader has read the checkpoint (ValueError naming a missing one)."""
         from unweight.runtime.layers.int4_experts import Int4Experts
 
-        if layer.uw_index >= 0:
+        pending = layer.uw_pending
+        if pending is None:
             return
+        missing = pending.missing()
+        if missing:
+            e, shard, kind = missing[0]
+            raise ValueError(
+                f"layer {self.prefix!r}: the checkpoint gave no INT4 {kind} for {len(missing)} expert shard(s), "
+                f"the first expert {e}'s {shard}"
+            )
         experts = Int4Experts.from_packed(
-            layer.w13_weight_packed.data,
-            layer.w13_weight_scale.data,
-            layer.w2_weight_packed.data,
-            layer.w2_weight_scale.data,
-            self.group,
+            pending.w13_packed, pending.w13_scale, pending.w2_packed, pending.w2_scale, self.group
         )
-        for name in PARAMETERS + SHAPES:  # the uncoded tensors go
-            setattr(layer, name, nn.Parameter(torch.empty(0, dtype=getattr(layer, name).dtype), requires_grad=False))
+        layer.uw_pending = None
         experts.uw_activation = _activation(layer.activation)
         experts.uw_on_input = bool(layer.apply_router_weight_on_input)
         layer.uw_int4 = experts  # a submodule: vLLM counts its buffers as the layer's weight
@@ -165,6 +165,90 @@ class UnweightInt4MoEMethod(FusedMoEMethodBase):
 
     def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input) -> torch.Tensor:
         return torch.ops.unweight.int4_experts(x, topk_weights, topk_ids, layer.uw_index)
+
+
+class _Int4Pending:
+    """A layer's rank-local experts while their tensors come in, as the source stores them: w13's
+    and w2's packed codes and scales, allocated when the first of each arrives."""
+
+    def __init__(self, experts: int, hidden: int, intermediate: int, group: int):
+        self.experts, self.hidden, self.intermediate, self.group = experts, hidden, intermediate, group
+        self.w13_packed = self.w2_packed = self.w13_scale = self.w2_scale = None
+        self.seen: set[tuple[int, str, str]] = set()
+
+    @property
+    def numel(self) -> int:  # the int32 words of all the layer's codes (the loader's bound on a tensor)
+        return 3 * self.experts * self.hidden * self.intermediate // 8
+
+    def shape(self, shard: str, kind: str, ranks: int) -> tuple[int, int]:
+        """A whole expert tensor's shape (before the rank's part is taken)."""
+        h, i, per = self.hidden, self.intermediate * ranks, 8 if kind == "packed" else self.group
+        return (i, h // per) if shard != "w2" else (h, i // per)
+
+    def put(self, expert: int, shard: str, kind: str, part: torch.Tensor) -> None:
+        e, h, i = self.experts, self.hidden, self.intermediate
+        per = 8 if kind == "packed" else self.group
+        name = f"{'w2' if shard == 'w2' else 'w13'}_{kind}"
+        if getattr(self, name) is None:
+            shape = (e, h, i // per) if shard == "w2" else (e, 2 * i, h // per)
+            setattr(self, name, torch.empty(shape, dtype=torch.int32 if kind == "packed" else part.dtype))
+        whole = getattr(self, name)
+        if part.dtype != whole.dtype:
+            raise ValueError(f"INT4 experts: an expert's {kind} is {part.dtype}, the layer's others {whole.dtype}")
+        rows = whole[expert] if shard == "w2" else whole[expert, (0 if shard == "w1" else i) :][:i]
+        rows.copy_(part)
+        self.seen.add((expert, shard, kind))
+
+    def missing(self) -> list[tuple[int, str, str]]:
+        every = {(e, s, k) for e in range(self.experts) for s in ("w1", "w3", "w2") for k in ("packed", "scale")}
+        return sorted(every - self.seen)
+
+
+class _Int4Loader:
+    """The weight_loader of an INT4 experts layer's parameters: (param, tensor, weight_name,
+    shard_id, expert_id). Takes the rank's part of each expert's packed codes and scales (rows of
+    w1 and w3, columns of w2, as vLLM's compressed-tensors method narrows them: decoded only there
+    for a LazyWeight) into the layer's pending experts, checks each weight_shape, and codes the
+    layer when its last expert tensor is in."""
+
+    def __init__(self, layer: nn.Module, method: UnweightInt4MoEMethod):
+        self.layer, self.method = layer, method
+
+    def __call__(self, param, loaded_weight, weight_name, shard_id, expert_id, return_success=False):
+        from .experts import SHARDS, _block
+
+        if shard_id not in SHARDS:
+            raise ValueError(f"tensor {weight_name!r}: expert shard id {shard_id!r} is not w1, w2 or w3")
+        local = self.layer._map_global_expert_id_to_local_expert_id(expert_id)
+        if local < 0:
+            return False if return_success else None
+        pending, kind = self.layer.uw_pending, param.uw_kind
+        if pending is None:
+            raise ValueError(f"tensor {weight_name!r}: layer {self.method.prefix!r} already has all its experts")
+        par = self.layer.moe_config.moe_parallel_config
+        rank, ranks = par.tp_rank, par.tp_size
+        if kind == "shape":  # the expert weight's (rows, columns) before packing
+            got = [int(v) for v in _block(loaded_weight.reshape(1, -1), None, [(0, 1)], (0, 2)).reshape(-1)]
+            want = list(pending.shape(shard_id, "scale", ranks))
+            want[-1] *= pending.group
+            if got != want:
+                raise ValueError(f"layer {self.method.prefix!r}: {weight_name} says {got}, the layer needs {want}")
+            return True if return_success else None
+        full = pending.shape(shard_id, kind, ranks)
+        if tuple(loaded_weight.shape) != full:
+            raise ValueError(
+                f"layer {self.method.prefix!r}: expert {local}'s {shard_id} {kind} ({weight_name}) has shape "
+                f"{list(loaded_weight.shape)}, the layer needs {list(full)}"
+            )
+        part = full[0] // ranks if shard_id != "w2" else full[1] // ranks
+        if shard_id == "w2":
+            rows, cols = [(0, full[0])], (rank * part, (rank + 1) * part)
+        else:
+            rows, cols = [(rank * part, (rank + 1) * part)], (0, full[1])
+        pending.put(local, shard_id, kind, _block(loaded_weight, None, rows, cols))
+        if not pending.missing():
+            self.method.code(self.layer)
+        return True if return_success else None
 
 
 class UnweightInt4LinearMethod(LinearMethodBase):
