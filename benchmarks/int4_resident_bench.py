@@ -14,7 +14,10 @@ escapes), fp32 x of 1, 16 and 256 rows, by `int4_linear_cpu` on the coded weight
 over every matrix once (more bytes than the L3 holds, so W comes from memory), medians and ranges
 over --rounds, with the CPU's flags. Threads: numba's and torch's (both the host's cores).
 
-    python benchmarks/int4_resident_bench.py [--experts 8] [--rounds 5]
+With --vllm, vLLM-CPU's own W4A16 GEMM on the same matrices (benchmarks/vllm_wna16.py, run after
+the others in the vLLM environment), BF16 x, beside the coded kernel on BF16 x.
+
+    python benchmarks/int4_resident_bench.py [--experts 8] [--rounds 5] [--vllm]
 """
 
 from __future__ import annotations
@@ -111,6 +114,9 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=8, help="Kimi K2.5 experts a pass multiplies (it has 384 a layer)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 16, 256], help="rows of x (the batch)")
+    ap.add_argument(
+        "--vllm", action="store_true", help="and vLLM-CPU's cpu_gemm_wna16 (tests/envs.py's vLLM environment)"
+    )
     ap.add_argument("--out", default="benchmarks/results/int4_resident_bench.json")
     args = ap.parse_args()
     print(f"Kimi K2.5 experts (3 x 7168 x 2048), INT4 group {GROUP}; CPU: {cpu_flags()}")
@@ -140,7 +146,49 @@ def main() -> None:
             f"| {m} | {cells[0]} | {cells[1]} | {r['ratio']:.2f}x | "
             f"{r['gb_per_s']['coded']:.1f} / {r['gb_per_s']['plain']:.1f} |"
         )
-    write_record(args.out, {"args": vars(args), "sizes": size, "speed": timing})
+    record = {"args": vars(args), "sizes": size, "speed": timing}
+    if args.vllm:
+        record["vllm"] = vllm_table(mats, args)
+    write_record(args.out, record)
+
+
+def vllm_table(mats, args) -> dict:
+    """vLLM-CPU's cpu_gemm_wna16 on the same matrices (vllm_wna16.py, in the vLLM environment, after
+    the runs above), beside the coded kernel on BF16 x, timed again here after it."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    sys.path.insert(0, str(here.parent / "tests"))
+    from envs import vllm_env
+
+    argv = [str(vllm_env()), str(here / "vllm_wna16.py"), str(args.experts), str(args.rounds), *map(str, args.rows)]
+    r = subprocess.run(argv, capture_output=True, text=True, cwd=here, timeout=3600)
+    if r.returncode:
+        raise SystemExit(f"vllm_wna16.py failed: {r.stderr[-2000:]}")
+    theirs = {int(k): v for k, v in json.loads(r.stdout.strip().splitlines()[-1]).items()}
+    coded = [Int4Weight.encode(p, s, cols, GROUP) for p, s, cols in mats]
+    print("\nBF16 x, against vLLM-CPU's cpu_gemm_wna16 (its CPU W4A16 GEMM; uncoded INT4, repacked), ms an expert:\n")
+    print("| rows of x | coded int4 | vLLM cpu_gemm_wna16 | coded / vLLM |")
+    print("| ---: | ---: | ---: | ---: |")
+    ours = {}
+    for m in args.rows:
+        xs = {cols: torch.randn(m, cols).to(torch.bfloat16) for cols in {c for _, _, c in mats}}
+        [cpu_int4.int4_linear_cpu(xs[w.cols], w) for w in coded]
+        times = []
+        for _ in range(args.rounds):
+            t0 = time.perf_counter()
+            [cpu_int4.int4_linear_cpu(xs[w.cols], w) for w in coded]
+            times.append((time.perf_counter() - t0) / (len(mats) / 3) * 1e3)
+        ours[m] = times
+        a, b = statistics.median(times), statistics.median(theirs[m])
+        print(
+            f"| {m} | {a:.2f} ({min(times):.2f}-{max(times):.2f}) "
+            f"| {b:.2f} ({min(theirs[m]):.2f}-{max(theirs[m]):.2f}) | {a / b:.2f}x |"
+        )
+    return {"coded_bf16_ms": ours, "vllm_ms": theirs}
 
 
 if __name__ == "__main__":
