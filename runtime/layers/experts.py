@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from .autotune import DEFAULT, FORCE_ENV, Autotuner, batch_bucket, code_version, device_name
-from .experts_kernels import ACTIVATIONS, FUSED_MAX_PAIRS, KERNELS, PIPELINES, act_and_mul
+from .experts_kernels import ACTIVATIONS, FUSED_MAX_PAIRS, KERNELS, PIPELINES, act_and_mul, check_routing
 from .linear import UnweightLinear
 from .linear_kernels import kernels_for
 
@@ -152,15 +152,7 @@ class UnweightExperts(nn.Module):
         input instead of its output). Computes in BF16 for BF16 x (on the CPU too, as UnweightLinear
         does: the fused GEMV by vdpbf16ps where the CPU has it), else in compute_dtype(device);
         returns x's dtype."""
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"activation {activation!r} is not one of {', '.join(ACTIVATIONS)}")
-        if x.dim() != 2 or x.shape[1] != self.hidden or topk_ids.shape != topk_weights.shape:
-            raise ValueError(
-                f"x {list(x.shape)}, topk_weights {list(topk_weights.shape)} and topk_ids {list(topk_ids.shape)} "
-                f"do not fit experts of hidden size {self.hidden}"
-            )
-        if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
-            raise ValueError(f"topk_ids {list(topk_ids.shape)} must be (tokens, k) for {x.shape[0]} tokens")
+        check_routing(x, topk_weights, topk_ids, activation, self.hidden)
         device = self.w13.compressed_weight.device
         if x.device != device:
             raise ValueError(f"input is on {x.device}, the experts on {device}")

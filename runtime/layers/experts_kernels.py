@@ -43,6 +43,20 @@ def act_and_mul(h: torch.Tensor, activation: str) -> torch.Tensor:
     raise ValueError(f"activation {activation!r} is not one of {', '.join(ACTIVATIONS)}")
 
 
+def check_routing(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: str, hidden: int):
+    """ValueError naming what of an experts layer's call does not fit: the activation, x (T, hidden),
+    and the router's choice (T, k) ids and weights."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation {activation!r} is not one of {', '.join(ACTIVATIONS)}")
+    if x.dim() != 2 or x.shape[1] != hidden or topk_ids.shape != topk_weights.shape:
+        raise ValueError(
+            f"x {list(x.shape)}, topk_weights {list(topk_weights.shape)} and topk_ids {list(topk_ids.shape)} "
+            f"do not fit experts of hidden size {hidden}"
+        )
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"topk_ids {list(topk_ids.shape)} must be (tokens, k) for {x.shape[0]} tokens")
+
+
 def experts_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype the experts compute in: BF16 for BF16 x (on the CPU too), else compute_dtype."""
     return torch.bfloat16 if x.dtype is torch.bfloat16 else compute_dtype(x.device)

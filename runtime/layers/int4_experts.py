@@ -21,7 +21,7 @@ from torch import nn
 
 from ..kernels.cpu_int4 import int4_linear_cpu
 from ..kernels.weight import Int4Weight
-from .experts_kernels import ACTIVATIONS, act_and_mul
+from .experts_kernels import act_and_mul, check_routing
 
 
 def stacked(packed: torch.Tensor, scales: torch.Tensor, group: int) -> Int4Weight:
@@ -77,13 +77,7 @@ class Int4Experts(nn.Module):
         """(T, H) -> (T, H), x's dtype: sum over j of topk_weights[:, j] * expert topk_ids[:, j](x)
         (with `weights_on_input`, vLLM's apply_router_weight_on_input: the weight scales the
         expert's input instead), summed in fp32."""
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"activation {activation!r} is not one of {', '.join(ACTIVATIONS)}")
-        if x.dim() != 2 or x.shape[1] != self.hidden or topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2:
-            raise ValueError(
-                f"x {list(x.shape)}, topk_weights {list(topk_weights.shape)} and topk_ids {list(topk_ids.shape)} "
-                f"do not fit experts of hidden size {self.hidden}"
-            )
+        check_routing(x, topk_weights, topk_ids, activation, self.hidden)
         ids = topk_ids.to(torch.int64)
         if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < self.experts):
             raise ValueError(f"expert ids {int(ids.min())}..{int(ids.max())} are not within the {self.experts} experts")

@@ -33,7 +33,8 @@ from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEM
 from vllm.model_executor.layers.linear import LinearMethodBase
 from vllm.model_executor.utils import set_weight_attrs
 
-from .experts import ACTIVATIONS, _activation
+from . import experts
+from .experts import _activation
 from .registry import Registry
 
 # the experts' parameters as vLLM's compressed-tensors WNA16 MoE method names them (its loader maps
@@ -90,15 +91,7 @@ def unsupported(moe) -> str | None:
 
     if not current_platform.is_cpu():
         return "the int4 layout's kernels run on the CPU only"
-    if moe.has_bias:
-        return "its experts have biases"
-    if not moe.is_act_and_mul:
-        return "its experts have no gated activation"
-    if moe.moe_parallel_config.use_ep:
-        return "expert parallelism is on"
-    if _activation(moe.activation) not in ACTIVATIONS:
-        return f"its activation is {moe.activation}"
-    return None
+    return experts.unsupported(moe)  # what the BF16 experts method cannot hold, neither can this one
 
 
 class UnweightInt4MoEMethod(FusedMoEMethodBase):
@@ -151,14 +144,14 @@ class UnweightInt4MoEMethod(FusedMoEMethodBase):
                 f"layer {self.prefix!r}: the checkpoint gave no INT4 {kind} for {len(missing)} expert shard(s), "
                 f"the first expert {e}'s {shard}"
             )
-        experts = Int4Experts.from_packed(
+        coded = Int4Experts.from_packed(
             pending.w13_packed, pending.w13_scale, pending.w2_packed, pending.w2_scale, self.group
         )
         layer.uw_pending = None
-        experts.uw_activation = _activation(layer.activation)
-        experts.uw_on_input = bool(layer.apply_router_weight_on_input)
-        layer.uw_int4 = experts  # a submodule: vLLM counts its buffers as the layer's weight
-        layer.uw_index = _INT4.add(experts)
+        coded.uw_activation = _activation(layer.activation)
+        coded.uw_on_input = bool(layer.apply_router_weight_on_input)
+        layer.uw_int4 = coded  # a submodule: vLLM counts its buffers as the layer's weight
+        layer.uw_index = _INT4.add(coded)
 
     def get_fused_moe_quant_config(self, layer: nn.Module):
         return FUSED_MOE_UNQUANTIZED_CONFIG  # the activations stay unquantized; the experts are the op's own
