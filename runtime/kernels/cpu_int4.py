@@ -2,11 +2,13 @@
 reads them, from the resident `int4` layout (int4.py, an `Int4Weight`), and the same product on
 compressed-tensors' uncoded packed words (the baseline the layout is measured against).
 
-Both read W a row at a time. For up to GEMV_ROWS rows of x each thread decodes a row's scales,
-then its codes 64 columns at a time, multiplying each block with every row of x as it comes
-(never writing W). For more rows of x, BLOCK_ROWS rows of W at a time are decoded into an fp32
-workspace and multiplied by torch's GEMM. Every weight comes out exact: (nibble - 8) * scale, a
-4-bit integer times a BF16 scale, is an fp32 value.
+Both read W a row at a time and never write it. For up to GEMV_ROWS rows of x each thread decodes
+a row's scales, then its codes 64 columns at a time, multiplying each block with every row of x
+as it comes. For more rows of x, the AVX-512 product is chunked (`_chunks_coded_avx512`): x is cut
+into tiles of TILE_COLS columns and chunks of CHUNK rows, each chunk's sums held in registers while
+a row of W is decoded once for it; the portable one decodes BLOCK_ROWS rows of W at a time into an
+fp32 workspace for torch's GEMM. Every weight comes out exact: (nibble - 8) * scale, a 4-bit
+integer times a BF16 scale, is an fp32 value.
 
 The AVX-512 rows (cpu_int4_avx512.py) take the product where the CPU has them and W's shape fits
 (`_fast`); the portable numba kernels here take the rest, and are the tests' oracle for them (the
@@ -21,11 +23,14 @@ import torch
 from numba import njit, prange
 
 from . import int4
-from .cpu_int4_avx512 import FAST_PATH, coded_dot, coded_rows, plain_dot, plain_rows, row_scales
+from .cpu_int4_avx512 import CHUNK, FAST_PATH, coded_dot, coded_rows, dense_chunk, plain_dot, plain_rows, row_scales
 from .weight import Int4Weight
 
-GEMV_ROWS = 8  # rows of x up to which the product is fused; above, decoded blocks go to torch's GEMM
+GEMV_ROWS = 4  # rows of x up to which each row of W is multiplied with all of x as it is decoded;
+# above, CHUNK rows of x at a time in registers (AVX-512) or decoded blocks and torch's GEMM (portable)
 BLOCK_ROWS = 256  # rows of W decoded at a time for the GEMM
+CHUNK_W = 32  # rows of W a thread takes through a column tile of the chunked product
+TILE_COLS = 512  # columns of the chunked product's tiles
 BLOCK = int4.BLOCK
 
 
@@ -180,6 +185,56 @@ def _gemv_coded_avx512(x, r0, sym, esc, esc_row, smant, sexp, sbase, sesc, sesc_
                 y[m, i] = acc[m].sum()
 
 
+@njit(cache=True, inline="always")
+def _tile_blocks(group):
+    """Blocks of a column tile of the chunked product: 512 columns (16 rows of fp32 x fill 32 KiB, the
+    L1), or one group where groups are wider (a tile starts at a group)."""
+    return max(TILE_COLS, group) // BLOCK
+
+
+@njit(cache=True, inline="always")
+def _multiply_tile(xt, w, n, nb, acc):
+    """acc[i, m] += the 16-lane sums of w[i] * xt[m] over nb blocks, for the n decoded rows of w and
+    every chunk of xt's rows (a chunk's tile stays in the L1 while the rows pass)."""
+    for m0 in range(0, xt.shape[0], CHUNK):
+        for i in range(n):
+            dense_chunk(w[i], nb, xt[m0 : m0 + CHUNK], acc[i, m0 : m0 + CHUNK])
+
+
+@njit(cache=True, inline="always")
+def _sums(acc, n, M, y, a):
+    for i in range(n):
+        for m in range(M):
+            y[m, a + i] = acc[i, m].sum()
+
+
+@njit(cache=True, parallel=True)
+def _chunks_coded_avx512(x, r0, sym, esc, esc_row, smant, sexp, sbase, sesc, sesc_row, K, group, pb, values, y, parts):
+    """y[:, i] = x @ W[r0 + i] for x tiled by _tiled: CHUNK_W rows of W and a tile of columns at a
+    time, decoded once into an fp32 workspace, then multiplied with each chunk of x's rows."""
+    M, R, G, B = y.shape[0], y.shape[1], K // group, K // BLOCK
+    gshift, tile = np.int64(np.log2(group)), _tile_blocks(group)
+    for p in prange(parts):
+        scales = np.empty((CHUNK_W, G), np.float32)
+        e = np.empty(CHUNK_W, np.int64)
+        w = np.empty((CHUNK_W, tile * BLOCK), np.float32)
+        acc = np.empty((CHUNK_W, x.shape[1], 16), np.float32)
+        lo, hi = p * R // parts, (p + 1) * R // parts
+        for a in range(lo, hi, CHUNK_W):
+            n = min(CHUNK_W, hi - a)
+            acc[:] = 0
+            for i in range(n):
+                _row_scales_avx512(r0 + a + i, G, smant, sexp, sbase, sesc, sesc_row, scales[i])
+                e[i] = esc_row[r0 + a + i]
+            for b0 in range(0, B, tile):
+                nb, g0 = min(tile, B - b0), (b0 * BLOCK) >> gshift
+                for i in range(n):
+                    at = ((r0 + a + i) * B + b0) * 3
+                    e[i] = coded_rows(pb, sym, at, nb, esc, e[i], values, gshift, scales[i, g0:], w[i])
+                _multiply_tile(x[b0 // tile], w, n, nb, acc)
+            _sums(acc, n, M, y, a)
+
+
 @njit(cache=True, parallel=True)
 def _rows_coded_avx512(r0, sym, esc, esc_row, smant, sexp, sbase, sesc, sesc_row, K, group, pb, values, out):
     G, B = K // group, K // BLOCK
@@ -237,6 +292,40 @@ def _rows_plain_avx512(r0, packed, scales16, K, group, out):
         scales = np.empty(G, np.float32)
         _plain_scales(r0 + i, G, scales16, scales)
         plain_rows(packed, (r0 + i) * (K >> 3), K // BLOCK, gshift, scales, out[i])
+
+
+@njit(cache=True, parallel=True)
+def _chunks_plain_avx512(x, packed, scales16, K, group, y, parts):
+    """_chunks_coded_avx512 on the uncoded words."""
+    M, R, G, B = y.shape[0], y.shape[1], K // group, K // BLOCK
+    gshift, tile = np.int64(np.log2(group)), _tile_blocks(group)
+    for p in prange(parts):
+        scales = np.empty((CHUNK_W, G), np.float32)
+        w = np.empty((CHUNK_W, tile * BLOCK), np.float32)
+        acc = np.empty((CHUNK_W, x.shape[1], 16), np.float32)
+        lo, hi = p * R // parts, (p + 1) * R // parts
+        for a in range(lo, hi, CHUNK_W):
+            n = min(CHUNK_W, hi - a)
+            acc[:] = 0
+            for i in range(n):
+                _plain_scales(a + i, G, scales16, scales[i])
+            for b0 in range(0, B, tile):
+                nb, g0 = min(tile, B - b0), (b0 * BLOCK) >> gshift
+                for i in range(n):
+                    plain_rows(packed, (a + i) * (K >> 3) + b0 * 8, nb, gshift, scales[i, g0:], w[i])
+                _multiply_tile(x[b0 // tile], w, n, nb, acc)
+            _sums(acc, n, M, y, a)
+
+
+def _tiled(xs: np.ndarray, group: int) -> np.ndarray:
+    """xs as the chunked product reads it: (tiles, M', tile columns), each column tile's rows
+    contiguous (a chunk's tile then fills the L1's sets evenly: rows of x 28 KiB apart would fall
+    in the same sets and evict each other), M' a multiple of CHUNK (zero rows past xs's)."""
+    cols = _tile_blocks(group) * BLOCK
+    tiles, rows = -(-xs.shape[1] // cols), -(-xs.shape[0] // CHUNK) * CHUNK
+    out = np.zeros((rows, tiles * cols), np.float32)
+    out[: xs.shape[0], : xs.shape[1]] = xs
+    return np.ascontiguousarray(out.reshape(rows, tiles, cols).transpose(1, 0, 2))
 
 
 def _parts(rows: int) -> int:
@@ -313,10 +402,12 @@ def int4_linear_cpu(
     if not 0 <= r0 <= r1 <= w.rows:
         raise ValueError(f"rows {r0}..{r1} are not within the weight's {w.rows}")
     xs, args, on = _check_x(x, w.cols), _args(w), _fast(fast, w.cols, w.group)
-    if xs.shape[0] > GEMV_ROWS:
-        decode = _rows_coded_avx512 if on else _rows_coded
-        return _gemm(xs, r1 - r0, lambda i0, out: decode(r0 + i0, *args, out))
     y = np.empty((xs.shape[0], r1 - r0), np.float32)
+    if xs.shape[0] > GEMV_ROWS and on:
+        _chunks_coded_avx512(_tiled(xs, w.group), r0, *args, y, _parts(r1 - r0))
+        return torch.from_numpy(y)
+    if xs.shape[0] > GEMV_ROWS:
+        return _gemm(xs, r1 - r0, lambda i0, out: _rows_coded(r0 + i0, *args, out))
     (_gemv_coded_avx512 if on else _gemv_coded)(xs, r0, *args, y, _parts(r1 - r0))
     return torch.from_numpy(y)
 
@@ -329,9 +420,11 @@ def plain_int4_linear_cpu(
     rows, cols = packed.shape[0], packed.shape[1] * 8
     xs, on = _check_x(x, cols), _fast(fast, cols, group)
     p, s = packed.contiguous().numpy().reshape(-1), scales.contiguous().view(torch.int16).numpy().reshape(-1)
-    if xs.shape[0] > GEMV_ROWS:
-        decode = _rows_plain_avx512 if on else _rows_plain
-        return _gemm(xs, rows, lambda r0, out: decode(r0, p, s, cols, group, out))
     y = np.empty((xs.shape[0], rows), np.float32)
+    if xs.shape[0] > GEMV_ROWS and on:
+        _chunks_plain_avx512(_tiled(xs, group), p, s, cols, group, y, _parts(rows))
+        return torch.from_numpy(y)
+    if xs.shape[0] > GEMV_ROWS:
+        return _gemm(xs, rows, lambda r0, out: _rows_plain(r0, p, s, cols, group, out))
     (_gemv_plain_avx512 if on else _gemv_plain)(xs, p, s, cols, group, y, _parts(rows))
     return torch.from_numpy(y)

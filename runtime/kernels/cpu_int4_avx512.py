@@ -13,10 +13,11 @@ packed words into their low and high nibbles.
 
 Each intrinsic takes a whole row (its blocks in a loop), for one `payload_bits` (made per value,
 picked by `coded_dot` and `coded_rows`): `dot` adds value * scale * x[m, c] to acc[m, c % 64] for
-every row m of x (acc (M, 64) fp32), `rows` writes value * scale to out[c]; `row_scales` decodes a
-row's scales 16 at a time. They need AVX-512 (F, BW, VBMI, VBMI2), 64 | K and a power-of-two
-group of 32 or more (cpu_int4._fast). The portable kernels of cpu_int4.py are their oracle in the
-tests.
+every row m of x (acc (M, 64) fp32), `rows` writes value * scale to out[c] (and returns the first
+escape after the blocks, so a row can be decoded a tile at a time); `row_scales` decodes a row's
+scales 16 at a time. `dense_chunk` multiplies a decoded row with CHUNK rows of x in registers.
+They need AVX-512 (F, BW, VBMI, VBMI2), 64 | K and a power-of-two group of 32 or more
+(cpu_int4._fast). The portable kernels of cpu_int4.py are their oracle in the tests.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ _V64I32 = ir.VectorType(_I32, 64)
 _const, _vconst = simd.const, simd.vconst
 FAST_PATH = simd.has("avx512f", "avx512bw", "avx512vbmi", "avx512vbmi2")
 MODES = ("dot", "rows")
+CHUNK = 8  # rows of x dense_chunk holds in registers
 
 
 def _with_bits(b, t, bits, value, op):
@@ -132,10 +134,42 @@ def _row_loop(b, context, sig, args, mode, blocks, block, out_at):
                         simd.store(b, b.call(fma, [values[q], xv, av]), arow, _const(64 * q), align=4)
 
 
+@intrinsic
+def dense_chunk(typingctx, w, blocks, x, acc):
+    """acc[m, 0:16] += the 16-lane sums of w[c] * x[m, c], c < 64 * blocks, for CHUNK rows m of x
+    (w a row of W decoded to fp32): each block of w is loaded once for the CHUNK rows, each row's
+    sums held in a register over the blocks."""
+    sig = types.void(w, types.int64, x, acc)
+
+    def codegen(context, builder, signature, args):
+        b = builder
+        wp = simd.data_ptr(context, b, signature.args[0], args[0])
+        xp, (xstride, _), _ = simd.array_parts(context, b, signature.args[2], args[2])
+        ap, (astride, _), _ = simd.array_parts(context, b, signature.args[3], args[3])
+        fma = simd.function(b, "llvm.fma.v16f32", _V16F32, [_V16F32] * 3)
+        rows = [b.gep(ap, [b.mul(_const(m), astride)]) for m in range(CHUNK)]
+        sums = [cgutils.alloca_once_value(b, simd.load(b, row, _const(0), _V16F32, align=4)) for row in rows]
+        with cgutils.for_range(b, args[1]) as loop:
+            at = b.shl(loop.index, _const(8))
+            values = [simd.load(b, wp, b.add(at, _const(64 * q)), _V16F32, align=4) for q in range(4)]
+            for m in range(CHUNK):
+                xrow = b.gep(xp, [b.add(b.mul(_const(m), xstride), at)])
+                acc = b.load(sums[m])
+                for q in range(4):
+                    acc = b.call(fma, [values[q], simd.load(b, xrow, _const(64 * q), _V16F32, align=4), acc])
+                b.store(acc, sums[m])
+        for m in range(CHUNK):
+            simd.store(b, b.load(sums[m]), rows[m], _const(0), align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 def _make_coded(pb: int, mode: str):
     """Intrinsic (sym, at0, blocks, esc, e, values, gshift, scales, x, acc) for `dot`,
-    (..., scales, out) for `rows`: the row whose first block's planes are at sym[at0] and whose
-    first escape is e, for weights of `pb` payload bits."""
+    (..., scales, out) for `rows` (which returns the first escape after the blocks): the row whose
+    first block's planes are at sym[at0] and whose first escape is e, for weights of `pb` payload
+    bits."""
 
     def codegen(context, builder, signature, args):
         b = builder
@@ -150,7 +184,7 @@ def _make_coded(pb: int, mode: str):
             return _scaled(b, values, scalesp, c0, args[6]), c0
 
         _row_loop(b, context, signature, args, mode, args[2], block, 8)
-        return context.get_dummy_value()
+        return b.load(e) if mode == "rows" else context.get_dummy_value()
 
     def head(sym, esc, values, scales):
         return (sym, types.int64, types.int64, esc, types.int64, values, types.int64, scales)
@@ -165,7 +199,7 @@ def _make_coded(pb: int, mode: str):
 
         @intrinsic
         def row(typingctx, sym, at0, blocks, esc, e, values, gshift, scales, out):
-            return types.void(*head(sym, esc, values, scales), out), codegen
+            return types.int64(*head(sym, esc, values, scales), out), codegen
 
     return row
 
@@ -256,14 +290,13 @@ def coded_dot(pb, sym, at0, blocks, esc, e, values, gshift, scales, x, acc):
 
 @njit(cache=True, inline="always")
 def coded_rows(pb, sym, at0, blocks, esc, e, values, gshift, scales, out):
-    """out[c] = W[r, c] over the row."""
+    """out[c] = W[r, c] over the blocks; returns the first escape after them."""
     if pb == 3:
-        _rows3(sym, at0, blocks, esc, e, values, gshift, scales, out)
-    elif pb == 4:
-        _rows4(sym, at0, blocks, esc, e, values, gshift, scales, out)
-    elif pb == 2:
-        _rows2(sym, at0, blocks, esc, e, values, gshift, scales, out)
-    elif pb == 1:
-        _rows1(sym, at0, blocks, esc, e, values, gshift, scales, out)
-    else:
-        _rows0(sym, at0, blocks, esc, e, values, gshift, scales, out)
+        return _rows3(sym, at0, blocks, esc, e, values, gshift, scales, out)
+    if pb == 4:
+        return _rows4(sym, at0, blocks, esc, e, values, gshift, scales, out)
+    if pb == 2:
+        return _rows2(sym, at0, blocks, esc, e, values, gshift, scales, out)
+    if pb == 1:
+        return _rows1(sym, at0, blocks, esc, e, values, gshift, scales, out)
+    return _rows0(sym, at0, blocks, esc, e, values, gshift, scales, out)
