@@ -166,9 +166,9 @@ def test_rows_and_products(fast, heavy):
 @needs_avx512
 @pytest.mark.parametrize("cols, group", [(1152, 32), (2048, 1024)])
 def test_chunked_product_over_tiles(cols, group):
-    """More than GEMV_ROWS rows of x take the chunked AVX-512 product: column tiles (512 columns, or
-    a group where it is wider) whose escapes carry over, several chunks of x's rows and a last one
-    part-filled, row blocks of W and a row range; coded and uncoded, within the fp32 bound."""
+    """More than GEMV_ROWS rows of x take the chunked AVX-512 product: column tiles (a last one part
+    filled) whose escapes carry over, several chunks of x's rows and a last one part-filled, row
+    blocks of W and a row range; coded and uncoded, fp32 and BF16 x, within the fp32 bound."""
     rows = 2 * cpu_int4.CHUNK_W + 7
     packed, scales = quantized(rows, cols, group, seed=cols, heavy=True)
     w = Int4Weight.encode(packed, scales, cols, group)
@@ -183,6 +183,17 @@ def test_chunked_product_over_tiles(cols, group):
         for y in (cpu_int4.int4_linear_cpu(torch.from_numpy(x), w), plain):
             assert y.shape == (m, rows) and np.all(np.abs(y.numpy() - exact) <= bound), m
         part = cpu_int4.int4_linear_cpu(torch.from_numpy(x), w, rows=(5, rows - 3)).numpy()
+        assert np.all(np.abs(part - exact[:, 5 : rows - 3]) <= bound[:, 5 : rows - 3]), m
+        # BF16 x: integer weights and BF16 pairs (vdpbf16ps) where the CPU has AVX512_BF16
+        xb = torch.from_numpy(x).to(torch.bfloat16)
+        xf = xb.float().numpy()
+        exact, bound = xf.astype(np.float64) @ W.T, fp32_bound(xf, W)
+        plain = cpu_int4.plain_int4_linear_cpu(
+            xb, torch.from_numpy(packed), torch.from_numpy(scales).view(torch.bfloat16), group
+        )
+        for y in (cpu_int4.int4_linear_cpu(xb, w), plain):
+            assert np.all(np.abs(y.numpy() - exact) <= bound), m
+        part = cpu_int4.int4_linear_cpu(xb, w, rows=(5, rows - 3)).numpy()
         assert np.all(np.abs(part - exact[:, 5 : rows - 3]) <= bound[:, 5 : rows - 3]), m
 
 

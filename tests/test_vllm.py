@@ -389,16 +389,40 @@ def int4_folders(src: Path) -> Path:
     return q
 
 
-def int4_match(driver, folder: Path, tmp: Path, *args: str, bound: float = INT4_FP32_BOUND) -> list:
+def same_until_a_tie(ours: list[dict], base: list[dict], bound: float) -> bool:
+    """Each pair of runs gives the same tokens, their logprobs within `bound`, up to the first token
+    they part at, if any, where each engine's pick is as likely to it as the other's is to the other
+    (logprobs within `bound`): a near tie, which rounding at other points decides. In BF16 compute
+    vLLM rounds the dequantized weights to BF16 where the plugin multiplies them exactly, and the
+    tiny random models' next tokens are all near 1/vocab (logprobs about -9.5, apart by 3e-5 where
+    one parted)."""
+    for a, b in zip(ours, base, strict=True):
+        ta, tb = a["token_ids"], b["token_ids"]
+        n = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), min(len(ta), len(tb)))
+        if n < min(len(ta), len(tb)) and abs(a["logprobs"][n] - b["logprobs"][n]) >= bound:
+            return False
+        if n == min(len(ta), len(tb)) and len(ta) != len(tb):
+            return False
+        if any(abs(x - y) >= bound for x, y in zip(a["logprobs"][:n], b["logprobs"][:n])):
+            return False
+    return True
+
+
+def int4_match(driver, folder: Path, tmp: Path, *args: str, bound: float = INT4_FP32_BOUND, ties: bool = False) -> list:
     """The plugin on the compressed W4A16 folder (`folder`-uw) against vLLM on the same INT4 weights
-    dequantized into FP32 (`folder`-deq): the same greedy tokens, logprobs within `bound`. The
-    plugin's ranks' INT4 lines (rank, experts layers, linears, resident bytes, source bytes)."""
+    dequantized into FP32 (`folder`-deq): the same greedy tokens (with `ties`, up to a near tie:
+    same_until_a_tie), logprobs within `bound`. The plugin's ranks' INT4 lines (rank, experts
+    layers, linears, resident bytes, source bytes)."""
     logs: list[str] = []
     ours = one(drive(driver, folder.with_name(folder.name + "-uw"), tmp, *args, logs=logs))
     base = one(drive(driver, folder.with_name(folder.name + "-deq"), tmp, *args))
-    assert same_tokens(ours, base), [(a["text"], b["text"]) for a, b in zip(ours, base)]
-    worst = max(abs(x - y) for a, b in zip(ours, base) for x, y in zip(a["logprobs"], b["logprobs"]))
-    assert worst < bound, worst
+    texts = [(a["text"], b["text"]) for a, b in zip(ours, base)]
+    if ties:
+        assert same_until_a_tie(ours, base, bound), texts
+    else:
+        assert same_tokens(ours, base), texts
+        worst = max(abs(x - y) for a, b in zip(ours, base) for x, y in zip(a["logprobs"], b["logprobs"]))
+        assert worst < bound, worst
     return sorted(tuple(map(int, m)) for m in INT4_HOLDS.findall(logs[0]))
 
 
@@ -455,7 +479,7 @@ def test_int4_experts_stay_coded_and_generate_as_vllm_on_their_weights_at_tp_1_a
     assert whole[:3] == (0, 2, 0)  # both layers' experts, coded
     ranks = int4_match(driver, q, tmp_path, "--tp", "2")
     assert [r[:3] for r in ranks] == [(0, 2, 0), (1, 2, 0)] and all(2 * r[4] == whole[4] for r in ranks)
-    int4_match(driver, q, tmp_path, "--dtype", "bfloat16", bound=BF16_LOGPROB_BOUND)
+    int4_match(driver, q, tmp_path, "--dtype", "bfloat16", bound=BF16_LOGPROB_BOUND, ties=True)
 
     narrow = shutil.copytree(q.with_name(q.name + "-uw"), tmp_path / "narrow-uw")  # experts the config narrows
     text = (narrow / "config.json").read_text()

@@ -2,13 +2,19 @@
 reads them, from the resident `int4` layout (int4.py, an `Int4Weight`), and the same product on
 compressed-tensors' uncoded packed words (the baseline the layout is measured against).
 
-Both read W a row at a time and never write it. For up to GEMV_ROWS rows of x each thread decodes
-a row's scales, then its codes 64 columns at a time, multiplying each block with every row of x
-as it comes. For more rows of x, the AVX-512 product is chunked (`_chunks_coded_avx512`): x is cut
-into tiles of TILE_COLS columns and chunks of CHUNK rows, each chunk's sums held in registers while
-a row of W is decoded once for it; the portable one decodes BLOCK_ROWS rows of W at a time into an
-fp32 workspace for torch's GEMM. Every weight comes out exact: (nibble - 8) * scale, a 4-bit
-integer times a BF16 scale, is an fp32 value.
+For up to GEMV_ROWS rows of x each thread decodes a row's scales, then its codes 64 columns at a
+time, multiplying each block with every row of x as it comes (W is never written). For more rows
+of x the AVX-512 product works a tile of W at a time (rows by TILE_COLS columns), decoded once
+into a small workspace and multiplied with each chunk of x's rows in registers, x cut to the same
+tiles so that a chunk's tile stays in the L1:
+- fp32 x (`_chunks_coded_avx512`): CHUNK_W rows of W decoded to fp32 (nibble - 8) * scale,
+  `dense_chunk` keeping CHUNK rows' sums;
+- BF16 x where the CPU has AVX512_BF16 (`_chunks_bf16_coded_avx512`): 16 rows of W decoded to
+  nibble - 8 as BF16 pairs, interleaved so that one `vdpbf16ps` multiplies a broadcast pair of x
+  with 16 rows of W, each 32 columns' sum then scaled by one FMA (`dense_rows_bf16`).
+The portable product decodes BLOCK_ROWS rows of W at a time into an fp32 workspace for torch's
+GEMM. Every weight comes out exact: (nibble - 8) * scale, a 4-bit integer times a BF16 scale, is
+an fp32 value, and nibble - 8 a BF16 one.
 
 The AVX-512 rows (cpu_int4_avx512.py) take the product where the CPU has them and W's shape fits
 (`_fast`); the portable numba kernels here take the rest, and are the tests' oracle for them (the
@@ -23,7 +29,20 @@ import torch
 from numba import njit, prange
 
 from . import int4
-from .cpu_int4_avx512 import CHUNK, FAST_PATH, coded_dot, coded_rows, dense_chunk, plain_dot, plain_rows, row_scales
+from .cpu_int4_avx512 import (
+    BF16_PATH,
+    CHUNK,
+    CHUNK_BF16,
+    FAST_PATH,
+    coded_dot,
+    coded_rows,
+    dense_chunk,
+    dense_rows_bf16,
+    plain_dot,
+    plain_rows,
+    row_scales,
+    transpose_pairs,
+)
 from .weight import Int4Weight
 
 GEMV_ROWS = 4  # rows of x up to which each row of W is multiplied with all of x as it is decoded;
@@ -31,6 +50,7 @@ GEMV_ROWS = 4  # rows of x up to which each row of W is multiplied with all of x
 BLOCK_ROWS = 256  # rows of W decoded at a time for the GEMM
 CHUNK_W = 32  # rows of W a thread takes through a column tile of the chunked product
 TILE_COLS = 512  # columns of the chunked product's tiles
+TILE_BF16 = 512  # columns of the BF16 chunked product's tiles (16 rows of BF16 x and of W's pairs: 16 KiB each)
 BLOCK = int4.BLOCK
 
 
@@ -317,6 +337,100 @@ def _chunks_plain_avx512(x, packed, scales16, K, group, y, parts):
             _sums(acc, n, M, y, a)
 
 
+@njit(cache=True, inline="always")
+def _sub_scales(scales, gshift, K, out):
+    """out[j] = the scale of columns 32 j .. 32 j + 31 (their group's: groups are 32 or more)."""
+    for j in range(K >> 5):
+        out[j] = scales[(j << 5) >> gshift]
+
+
+@njit(cache=True, parallel=True)
+def _chunks_bf16_coded_avx512(
+    x, r0, sym, esc, esc_row, smant, sexp, sbase, sesc, sesc_row, K, group, pb, values, y, parts
+):
+    """y[:, i] = x @ W[r0 + i] for BF16 x tiled by _tiled_pairs: 16 rows of W and TILE_BF16 columns
+    at a time decoded once to their integer values (nibble - 8, exact in BF16) in transpose_pairs'
+    order, then multiplied with each chunk of x's rows by dense_rows_bf16, which applies each 32
+    columns' scale to their sum."""
+    M, R, G, B = y.shape[0], y.shape[1], K // group, K // BLOCK
+    gshift, tile, per_tile = np.int64(np.log2(group)), TILE_BF16 // BLOCK, TILE_BF16 >> 5
+    for p in prange(parts):
+        ones = np.ones(G, np.float32)
+        scales = np.empty(G, np.float32)
+        st = np.zeros((x.shape[0] * per_tile, 16), np.float32)
+        e = np.empty(16, np.int64)
+        wf = np.zeros((16, TILE_BF16), np.float32)
+        wt = np.empty((per_tile, 16, 16), np.uint32)
+        acc = np.empty((x.shape[1], 16), np.float32)
+        lo, hi = p * R // parts, (p + 1) * R // parts
+        for a in range(lo, hi, 16):
+            n = min(16, hi - a)
+            acc[:] = 0
+            for i in range(n):
+                _row_scales_avx512(r0 + a + i, G, smant, sexp, sbase, sesc, sesc_row, scales)
+                _sub_scales(scales, gshift, K, st[:, i])
+                e[i] = esc_row[r0 + a + i]
+            for b0 in range(0, B, tile):
+                nb = min(tile, B - b0)
+                for i in range(n):
+                    e[i] = coded_rows(pb, sym, ((r0 + a + i) * B + b0) * 3, nb, esc, e[i], values, gshift, ones, wf[i])
+                _multiply_tile_bf16(x[b0 // tile], wf, wt, 2 * nb, st[2 * b0 :], acc)
+            _lanes(acc, n, M, y, a)
+
+
+@njit(cache=True, inline="always")
+def _multiply_tile_bf16(xt, wf, wt, subs, st, acc):
+    """acc[m, r] += the tile's products for the 16 decoded rows r of wf and every row m of xt."""
+    transpose_pairs(wf, subs, wt)
+    for m0 in range(0, xt.shape[0], CHUNK_BF16):
+        dense_rows_bf16(wt, subs, xt[m0 : m0 + CHUNK_BF16], st, acc[m0 : m0 + CHUNK_BF16])
+
+
+@njit(cache=True, inline="always")
+def _lanes(acc, n, M, y, a):
+    for i in range(n):
+        for m in range(M):
+            y[m, a + i] = acc[m, i]
+
+
+@njit(cache=True, parallel=True)
+def _chunks_bf16_plain_avx512(x, packed, scales16, K, group, y, parts):
+    """_chunks_bf16_coded_avx512 on the uncoded words."""
+    M, R, G, B = y.shape[0], y.shape[1], K // group, K // BLOCK
+    gshift, tile, per_tile = np.int64(np.log2(group)), TILE_BF16 // BLOCK, TILE_BF16 >> 5
+    for p in prange(parts):
+        ones = np.ones(G, np.float32)
+        scales = np.empty(G, np.float32)
+        st = np.zeros((x.shape[0] * per_tile, 16), np.float32)
+        wf = np.zeros((16, TILE_BF16), np.float32)
+        wt = np.empty((per_tile, 16, 16), np.uint32)
+        acc = np.empty((x.shape[1], 16), np.float32)
+        lo, hi = p * R // parts, (p + 1) * R // parts
+        for a in range(lo, hi, 16):
+            n = min(16, hi - a)
+            acc[:] = 0
+            for i in range(n):
+                _plain_scales(a + i, G, scales16, scales)
+                _sub_scales(scales, gshift, K, st[:, i])
+            for b0 in range(0, B, tile):
+                nb = min(tile, B - b0)
+                for i in range(n):
+                    plain_rows(packed, (a + i) * (K >> 3) + b0 * 8, nb, gshift, ones, wf[i])
+                _multiply_tile_bf16(x[b0 // tile], wf, wt, 2 * nb, st[2 * b0 :], acc)
+            _lanes(acc, n, M, y, a)
+
+
+def _tiled_pairs(x: torch.Tensor) -> np.ndarray:
+    """BF16 x (M, K) as the BF16 chunked product reads it: (tiles, M', TILE_BF16 / 2) BF16 pairs
+    (uint32, column 2p in the low half), each tile's rows contiguous, M' a multiple of CHUNK_BF16
+    (zero rows and columns past x's)."""
+    m, k = x.shape
+    tiles, rows = -(-k // TILE_BF16), -(-m // CHUNK_BF16) * CHUNK_BF16
+    out = np.zeros((rows, tiles * TILE_BF16), np.uint16)
+    out[:m, :k] = x.detach().contiguous().view(torch.int16).numpy().view(np.uint16)
+    return np.ascontiguousarray(out.view(np.uint32).reshape(rows, tiles, TILE_BF16 // 2).transpose(1, 0, 2))
+
+
 def _tiled(xs: np.ndarray, group: int) -> np.ndarray:
     """xs as the chunked product reads it: (tiles, M', tile columns), each column tile's rows
     contiguous (a chunk's tile then fills the L1's sets evenly: rows of x 28 KiB apart would fall
@@ -365,6 +479,12 @@ def _args(w: Int4Weight) -> tuple:
     )
 
 
+def _bf16_x(x: torch.Tensor) -> bool:
+    """Whether the chunked product multiplies x as BF16 pairs (`vdpbf16ps`): BF16 x, where the CPU
+    has AVX512_BF16; fp32 x keeps its fp32 products."""
+    return x.dtype == torch.bfloat16 and BF16_PATH
+
+
 def _check_x(x: torch.Tensor, cols: int) -> np.ndarray:
     if x.dim() != 2 or x.shape[1] != cols or x.device.type != "cpu":
         raise ValueError(f"x must be a (M, {cols}) CPU tensor, not {tuple(x.shape)} on {x.device}")
@@ -403,6 +523,9 @@ def int4_linear_cpu(
         raise ValueError(f"rows {r0}..{r1} are not within the weight's {w.rows}")
     xs, args, on = _check_x(x, w.cols), _args(w), _fast(fast, w.cols, w.group)
     y = np.empty((xs.shape[0], r1 - r0), np.float32)
+    if xs.shape[0] > GEMV_ROWS and on and _bf16_x(x):
+        _chunks_bf16_coded_avx512(_tiled_pairs(x), r0, *args, y, _parts(r1 - r0))
+        return torch.from_numpy(y)
     if xs.shape[0] > GEMV_ROWS and on:
         _chunks_coded_avx512(_tiled(xs, w.group), r0, *args, y, _parts(r1 - r0))
         return torch.from_numpy(y)
@@ -421,6 +544,9 @@ def plain_int4_linear_cpu(
     xs, on = _check_x(x, cols), _fast(fast, cols, group)
     p, s = packed.contiguous().numpy().reshape(-1), scales.contiguous().view(torch.int16).numpy().reshape(-1)
     y = np.empty((xs.shape[0], rows), np.float32)
+    if xs.shape[0] > GEMV_ROWS and on and _bf16_x(x):
+        _chunks_bf16_plain_avx512(_tiled_pairs(x), p, s, cols, group, y, _parts(rows))
+        return torch.from_numpy(y)
     if xs.shape[0] > GEMV_ROWS and on:
         _chunks_plain_avx512(_tiled(xs, group), p, s, cols, group, y, _parts(rows))
         return torch.from_numpy(y)

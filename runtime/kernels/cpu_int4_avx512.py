@@ -15,9 +15,11 @@ Each intrinsic takes a whole row (its blocks in a loop), for one `payload_bits` 
 picked by `coded_dot` and `coded_rows`): `dot` adds value * scale * x[m, c] to acc[m, c % 64] for
 every row m of x (acc (M, 64) fp32), `rows` writes value * scale to out[c] (and returns the first
 escape after the blocks, so a row can be decoded a tile at a time); `row_scales` decodes a row's
-scales 16 at a time. `dense_chunk` multiplies a decoded row with CHUNK rows of x in registers.
-They need AVX-512 (F, BW, VBMI, VBMI2), 64 | K and a power-of-two group of 32 or more
-(cpu_int4._fast). The portable kernels of cpu_int4.py are their oracle in the tests.
+scales 16 at a time. `dense_chunk` multiplies a decoded row with CHUNK rows of x in registers;
+for BF16 x, `transpose_pairs` interleaves 16 decoded rows as BF16 pairs (a 16 x 16 transpose of
+32-bit lanes in registers) and `dense_rows_bf16` multiplies them with CHUNK_BF16 rows of x
+(AVX512_BF16). They need AVX-512 (F, BW, VBMI, VBMI2), 64 | K and a power-of-two group of 32 or
+more (cpu_int4._fast). The portable kernels of cpu_int4.py are their oracle in the tests.
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ _V64I32 = ir.VectorType(_I32, 64)
 _const, _vconst = simd.const, simd.vconst
 FAST_PATH = simd.has("avx512f", "avx512bw", "avx512vbmi", "avx512vbmi2")
 MODES = ("dot", "rows")
+BF16_PATH = FAST_PATH and simd.has("avx512bf16")  # ... and vdpbf16ps, for BF16 x
 CHUNK = 8  # rows of x dense_chunk holds in registers
+CHUNK_BF16 = 16  # rows of BF16 x dense_rows_bf16 holds in registers
 
 
 def _with_bits(b, t, bits, value, op):
@@ -300,3 +304,95 @@ def coded_rows(pb, sym, at0, blocks, esc, e, values, gshift, scales, out):
     if pb == 1:
         return _rows1(sym, at0, blocks, esc, e, values, gshift, scales, out)
     return _rows0(sym, at0, blocks, esc, e, values, gshift, scales, out)
+
+
+def _pairs(b, v0, v1):
+    """The 32 weights of two <16 x i32> fp32 bit patterns (small integers: their top 16 bits are
+    their BF16 bits, exactly) as 16 BF16 pairs, weight 2k in the low half of lane k."""
+    lo = b.lshr(b.shuffle_vector(v0, v1, _vconst(list(range(0, 32, 2)), _V16I32)), _vconst([16] * 16, _V16I32))
+    hi = b.and_(b.shuffle_vector(v0, v1, _vconst(list(range(1, 32, 2)), _V16I32)), _vconst([-65536] * 16, _V16I32))
+    return b.or_(lo, hi)
+
+
+def _transpose16(b, rows):
+    """The 16 x 16 matrix of 32-bit lanes `rows` (16 <16 x i32>) transposed: four rounds of
+    two-register shuffles, each swapping the off-diagonal h x h blocks of every 2h x 2h block."""
+    rows = list(rows)
+    for h in (8, 4, 2, 1):
+        low = _vconst([lane if lane & h == 0 else 16 + lane - h for lane in range(16)], _V16I32)
+        high = _vconst([lane + h if lane & h == 0 else 16 + lane for lane in range(16)], _V16I32)
+        for i in range(16):
+            if i & h == 0:
+                a, c = rows[i], rows[i + h]
+                rows[i], rows[i + h] = b.shuffle_vector(a, c, low), b.shuffle_vector(a, c, high)
+    return rows
+
+
+@intrinsic
+def transpose_pairs(typingctx, w, subs, out):
+    """out[j, k, r] = the BF16 pair (w[r, c], w[r, c + 1]), c = 32 j + 2 k, for the 16 rows r of w
+    (small-integer fp32 weights, (16, >= 32 subs)) and its first `subs` sub-groups j of 32 columns:
+    lane r of the 16-lane vector (j, k) is row r's pair k of sub-group j, the order
+    dense_rows_bf16 multiplies in."""
+    sig = types.void(w, types.int64, out)
+
+    def codegen(context, builder, signature, args):
+        b = builder
+        wp, (wstride, _), _ = simd.array_parts(context, b, signature.args[0], args[0])
+        op = simd.data_ptr(context, b, signature.args[2], args[2])
+        with cgutils.for_range(b, args[1]) as loop:
+            at = b.shl(loop.index, _const(7))  # 32 fp32 a sub-group
+            rows = []
+            for r in range(16):
+                row = b.add(b.mul(_const(r), wstride), at)
+                rows.append(
+                    _pairs(
+                        b,
+                        simd.load(b, wp, row, _V16I32, align=4),
+                        simd.load(b, wp, b.add(row, _const(64)), _V16I32, align=4),
+                    )
+                )
+            base = b.shl(loop.index, _const(10))  # 16 x 16 pairs a sub-group
+            for k, vec in enumerate(_transpose16(b, rows)):
+                simd.store(b, vec, op, b.add(base, _const(64 * k)), align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def dense_rows_bf16(typingctx, wt, subs, xt, scales, acc):
+    """acc[m, r] += sum over sub-groups j < subs of scales[j, r] * (row r's 32 products w * x of
+    sub-group j), for 16 rows r of W (wt in transpose_pairs' order) and CHUNK_BF16 rows m of BF16
+    x (BF16 pairs, uint32): each x pair is broadcast to a `vdpbf16ps` with 16 rows' pairs, so a
+    register holds one x row's sums for 16 rows of W, scaled by one FMA a sub-group. Each product
+    of an integer weight and a BF16 x is exact; the sums are fp32 (the instruction flushes
+    subnormal inputs and results to zero)."""
+    sig = types.void(wt, types.int64, xt, scales, acc)
+
+    def codegen(context, builder, signature, args):
+        b = builder
+        wp, sp = (simd.data_ptr(context, b, signature.args[i], args[i]) for i in (0, 3))
+        xp, (xstride, _), _ = simd.array_parts(context, b, signature.args[2], args[2])
+        ap, (astride, _), _ = simd.array_parts(context, b, signature.args[4], args[4])
+        fma = simd.function(b, "llvm.fma.v16f32", _V16F32, [_V16F32] * 3)
+        zero = ir.Constant(_V16F32, [ir.Constant(simd.F32, 0.0)] * 16)
+        sums = [cgutils.alloca_once(b, _V16F32) for _ in range(CHUNK_BF16)]
+        xrows = [b.gep(xp, [b.mul(_const(m), xstride)]) for m in range(CHUNK_BF16)]
+        with cgutils.for_range(b, args[1]) as loop:
+            for s in sums:
+                b.store(zero, s)
+            at, xat = b.shl(loop.index, _const(10)), b.shl(loop.index, _const(6))
+            for k in range(16):
+                wv = simd.load(b, wp, b.add(at, _const(64 * k)), _V16I32, align=4)
+                for m in range(CHUNK_BF16):
+                    pair = simd.load(b, xrows[m], b.add(xat, _const(4 * k)), _I32, align=4)
+                    b.store(simd.dpbf16ps(b, b.load(sums[m]), wv, simd.splat(b, pair, _V16I32)), sums[m])
+            scale = simd.load(b, sp, xat, _V16F32, align=4)  # (subs, 16) fp32
+            for m in range(CHUNK_BF16):
+                row = b.gep(ap, [b.mul(_const(m), astride)])
+                total = simd.load(b, row, _const(0), _V16F32, align=4)
+                simd.store(b, b.call(fma, [b.load(sums[m]), scale, total]), row, _const(0), align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
