@@ -2,7 +2,7 @@
 streams decode back to the source's INT32 words and BF16 scale bits exactly, whatever nibbles and
 scales they hold; the Int4Weight value checks its streams; the kernels rebuild every weight
 exactly and their products lie within the fp32 summation bound of a float64 product on the
-plainly decoded weights; the AVX-512 rows agree with the portable ones."""
+plainly decoded weights; the AVX-512 and AVX2 rows agree with the portable ones."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from unweight.runtime.kernels import cpu_int4, int4, int4_encode
+from unweight.runtime.kernels.cpu_int4_avx2 import FAST_PATH as AVX2_PATH
 from unweight.runtime.kernels.cpu_int4_avx512 import FAST_PATH
 from unweight.runtime.kernels.weight import Int4Weight
 
@@ -126,11 +127,17 @@ def fp32_bound(x: np.ndarray, W: np.ndarray) -> np.ndarray:
     return (W.shape[1] + 1) * 2.0**-24 * (np.abs(x) @ np.abs(W).T)
 
 
-def kernels(fast: bool):
+needs_avx2 = pytest.mark.skipif(not AVX2_PATH, reason="the CPU has no AVX2 and FMA")
+
+
+def kernels(fast: bool | str):
+    """The `fast` argument of the CPU kernels, skipped where the CPU lacks what it asks for."""
+    if fast == "avx2":
+        return pytest.param(fast, marks=needs_avx2, id="avx2")
     return pytest.param(fast, marks=needs_avx512 if fast else (), id="avx512" if fast else "portable")
 
 
-@pytest.mark.parametrize("fast", [kernels(False), kernels(True)])
+@pytest.mark.parametrize("fast", [kernels(False), kernels(True), kernels("avx2")])
 @pytest.mark.parametrize("heavy", [False, True])
 def test_rows_and_products(fast, heavy):
     rows, cols, group = 300, 512, 32
@@ -216,7 +223,7 @@ def test_portable_kernels_take_any_shape():
         cpu_int4.int4_rows_cpu(w, 3, 9)
 
 
-@pytest.mark.parametrize("fast", [kernels(False), kernels(True)])
+@pytest.mark.parametrize("fast", [kernels(False), kernels(True), kernels("avx2")])
 def test_rows_for_every_payload_width(fast):
     """The kernels' escapes at 0 to 4 index bits (1, 8, 9, 11, 15 and 16 nibbles used)."""
     rng = np.random.default_rng(9)
@@ -231,7 +238,7 @@ def test_rows_for_every_payload_width(fast):
         assert np.all(np.abs(y - x.astype(np.float64) @ W.T.astype(np.float64)) <= fp32_bound(x, W)), used
 
 
-@pytest.mark.parametrize("fast", [kernels(False), kernels(True)])
+@pytest.mark.parametrize("fast", [kernels(False), kernels(True), kernels("avx2")])
 def test_a_row_range_of_a_stacked_weight(fast):
     """An expert of a stacked experts weight: rows r0 .. r1 alone, for one row of x and for many."""
     packed, scales = quantized(96, 128, 32, seed=11)

@@ -29,6 +29,8 @@ import torch
 from numba import njit, prange
 
 from . import int4
+from .cpu_int4_avx2 import FAST_PATH as AVX2_PATH
+from .cpu_int4_avx2 import coded_rows_avx2
 from .cpu_int4_avx512 import (
     BF16_PATH,
     CHUNK,
@@ -266,6 +268,32 @@ def _rows_coded_avx512(r0, sym, esc, esc_row, smant, sexp, sbase, sesc, sesc_row
         coded_rows(pb, sym, r * B * 3, B, esc, np.int64(esc_row[r]), values, gshift, scales, out[i])
 
 
+@njit(cache=True, parallel=True)
+def _gemv_coded_avx2(x, r0, sym, esc, esc_row, smant, sexp, sbase, sesc, sesc_row, K, group, pb, values, y, parts):
+    """_gemv_coded with each row decoded by the AVX2 rows."""
+    R, G, B = y.shape[1], K // group, K // BLOCK
+    gshift = np.int64(np.log2(group))
+    for p in prange(parts):
+        scales = np.empty(G, np.float32)
+        w = np.empty(K, np.float32)
+        for i in range(p * R // parts, (p + 1) * R // parts):
+            r = r0 + i
+            _row_scales(r, G, smant, sexp, sbase, sesc, sesc_row, scales)
+            coded_rows_avx2(pb, sym, r * B * 3, B, esc, np.int64(esc_row[r]), values, gshift, scales, w)
+            _dot_rows(x, w, y, i)
+
+
+@njit(cache=True, parallel=True)
+def _rows_coded_avx2(r0, sym, esc, esc_row, smant, sexp, sbase, sesc, sesc_row, K, group, pb, values, out):
+    G, B = K // group, K // BLOCK
+    gshift = np.int64(np.log2(group))
+    for i in prange(out.shape[0]):
+        scales = np.empty(G, np.float32)
+        r = r0 + i
+        _row_scales(r, G, smant, sexp, sbase, sesc, sesc_row, scales)
+        coded_rows_avx2(pb, sym, r * B * 3, B, esc, np.int64(esc_row[r]), values, gshift, scales, out[i])
+
+
 @njit(cache=True, inline="always")
 def _plain_scales(r, G, scales16, out):
     raw = out.view(np.uint32)
@@ -446,17 +474,30 @@ def _parts(rows: int) -> int:
     return min(rows, 8 * numba.get_num_threads()) or 1
 
 
-def _fast(fast: bool | None, cols: int, group: int) -> bool:
-    """Whether the AVX-512 rows take the product: where the CPU has them, W's rows are whole blocks
-    and its group a power of two of 32 or more (`fast` False: the portable kernels; True: those
-    rows, or ValueError)."""
-    fits = FAST_PATH and cols % BLOCK == 0 and group >= 32 and group & (group - 1) == 0
-    if fast and not fits:
+def _path(fast: bool | str | None, cols: int, group: int) -> str:
+    """Which kernels take the product: "avx512" where the CPU has the AVX-512 rows' instructions, W's
+    rows are whole blocks and its group a power of two of 32 or more; else "avx2" where it has AVX2
+    and FMA, whole blocks and a power-of-two group of 8 or more; else "portable". `fast` False: the
+    portable kernels; True: the AVX-512 rows, "avx2": the AVX2 ones, or ValueError."""
+    pow2 = group & (group - 1) == 0
+    avx512 = FAST_PATH and cols % BLOCK == 0 and group >= 32 and pow2
+    avx2 = AVX2_PATH and cols % BLOCK == 0 and group >= 8 and pow2
+    if fast is True and not avx512:
         raise ValueError(
             f"the AVX-512 INT4 rows need AVX-512, {BLOCK} | cols ({cols}) and a power-of-two group of 32 or "
             f"more ({group})"
         )
-    return fits if fast is None else fast
+    if fast == "avx2" and not avx2:
+        raise ValueError(
+            f"the AVX2 INT4 rows need AVX2, {BLOCK} | cols ({cols}) and a power-of-two group of 8 or more ({group})"
+        )
+    if fast is None:
+        return "avx512" if avx512 else "avx2" if avx2 else "portable"
+    return "avx512" if fast is True else "avx2" if fast == "avx2" else "portable"
+
+
+_ROWS = {"avx512": _rows_coded_avx512, "avx2": _rows_coded_avx2, "portable": _rows_coded}
+_GEMV = {"avx512": _gemv_coded_avx512, "avx2": _gemv_coded_avx2, "portable": _gemv_coded}
 
 
 def _args(w: Int4Weight) -> tuple:
@@ -508,7 +549,7 @@ def int4_rows_cpu(w: Int4Weight, r0: int, r1: int, fast: bool | None = None) -> 
     if not 0 <= r0 <= r1 <= w.rows:
         raise ValueError(f"rows {r0}..{r1} are not within the weight's {w.rows}")
     out = np.empty((r1 - r0, w.cols), np.float32)
-    (_rows_coded_avx512 if _fast(fast, w.cols, w.group) else _rows_coded)(r0, *_args(w), out)
+    _ROWS[_path(fast, w.cols, w.group)](r0, *_args(w), out)
     return torch.from_numpy(out)
 
 
@@ -521,17 +562,17 @@ def int4_linear_cpu(
     r0, r1 = (0, w.rows) if rows is None else rows
     if not 0 <= r0 <= r1 <= w.rows:
         raise ValueError(f"rows {r0}..{r1} are not within the weight's {w.rows}")
-    xs, args, on = _check_x(x, w.cols), _args(w), _fast(fast, w.cols, w.group)
+    xs, args, path = _check_x(x, w.cols), _args(w), _path(fast, w.cols, w.group)
     y = np.empty((xs.shape[0], r1 - r0), np.float32)
-    if xs.shape[0] > GEMV_ROWS and on and _bf16_x(x):
+    if xs.shape[0] > GEMV_ROWS and path == "avx512" and _bf16_x(x):
         _chunks_bf16_coded_avx512(_tiled_pairs(x), r0, *args, y, _parts(r1 - r0))
         return torch.from_numpy(y)
-    if xs.shape[0] > GEMV_ROWS and on:
+    if xs.shape[0] > GEMV_ROWS and path == "avx512":
         _chunks_coded_avx512(_tiled(xs, w.group), r0, *args, y, _parts(r1 - r0))
         return torch.from_numpy(y)
     if xs.shape[0] > GEMV_ROWS:
-        return _gemm(xs, r1 - r0, lambda i0, out: _rows_coded(r0 + i0, *args, out))
-    (_gemv_coded_avx512 if on else _gemv_coded)(xs, r0, *args, y, _parts(r1 - r0))
+        return _gemm(xs, r1 - r0, lambda i0, out: _ROWS[path](r0 + i0, *args, out))
+    _GEMV[path](xs, r0, *args, y, _parts(r1 - r0))
     return torch.from_numpy(y)
 
 
@@ -541,7 +582,7 @@ def plain_int4_linear_cpu(
     """The same product from uncoded compressed-tensors tensors: `weight_packed` (rows, cols / 8)
     int32 and `weight_scale` (rows, cols / group) BF16; the baseline of the coded layout."""
     rows, cols = packed.shape[0], packed.shape[1] * 8
-    xs, on = _check_x(x, cols), _fast(fast, cols, group)
+    xs, on = _check_x(x, cols), _path(fast, cols, group) == "avx512"  # AVX2 hosts: the portable kernels
     p, s = packed.contiguous().numpy().reshape(-1), scales.contiguous().view(torch.int16).numpy().reshape(-1)
     y = np.empty((xs.shape[0], rows), np.float32)
     if xs.shape[0] > GEMV_ROWS and on and _bf16_x(x):
