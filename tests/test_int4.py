@@ -149,7 +149,7 @@ def test_rows_and_products(fast, heavy):
     assert np.array_equal(got.view(np.uint32), W.astype(np.float32).view(np.uint32))
     assert np.array_equal(cpu_int4.int4_rows_cpu(w, 10, 13, fast=fast).numpy(), got[10:13])
     rng = np.random.default_rng(1)
-    for m in (1, 3, cpu_int4.GEMV_ROWS, cpu_int4.GEMV_ROWS + 1, 40):
+    for m in (1, 3, 6, cpu_int4.GEMV_ROWS, cpu_int4.GEMV_ROWS + 1, 40):
         x = rng.standard_normal((m, cols)).astype(np.float32)
         exact, bound = x.astype(np.float64) @ W.T, fp32_bound(x, W)
         for y in (

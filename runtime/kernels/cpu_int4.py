@@ -47,7 +47,7 @@ from .cpu_int4_avx512 import (
 )
 from .weight import Int4Weight
 
-GEMV_ROWS = 4  # rows of x up to which each row of W is multiplied with all of x as it is decoded;
+GEMV_ROWS = 8  # rows of x up to which each row of W is multiplied with all of x as it is decoded;
 # above, CHUNK rows of x at a time in registers (AVX-512) or decoded blocks and torch's GEMM (portable)
 BLOCK_ROWS = 256  # rows of W decoded at a time for the GEMM
 CHUNK_W = 32  # rows of W a thread takes through a column tile of the chunked product

@@ -40,6 +40,7 @@ FAST_PATH = simd.has("avx512f", "avx512bw", "avx512vbmi", "avx512vbmi2")
 MODES = ("dot", "rows")
 BF16_PATH = FAST_PATH and simd.has("avx512bf16")  # ... and vdpbf16ps, for BF16 x
 CHUNK = 8  # rows of x dense_chunk holds in registers
+HELD_ROWS = 8  # rows of x `dot` holds in registers (4 registers a row up to 4 rows, else 1)
 CHUNK_BF16 = 16  # rows of BF16 x dense_rows_bf16 holds in registers
 
 
@@ -104,7 +105,8 @@ def _row_loop(b, context, sig, args, mode, blocks, block, out_at):
     """For each of the row's blocks, block(index) -> (its four scaled <16 x float> values, its first
     column c0), then mode `rows`: out[c0:c0 + 64] = values (out: args[out_at]); mode `dot`:
     acc[m, 0:64] += values * x[m, c0:c0 + 64] for every row m of x (x, acc: args[out_at],
-    args[out_at + 1]), the sums of a single row of x kept in registers over the row."""
+    args[out_at + 1]), the sums of up to HELD_ROWS rows of x kept in registers over the row (one
+    decoded block serves them all), more rows through acc in memory."""
     if mode == "rows":
         op = simd.data_ptr(context, b, sig.args[out_at], args[out_at])
         with cgutils.for_range(b, blocks) as loop:
@@ -115,27 +117,53 @@ def _row_loop(b, context, sig, args, mode, blocks, block, out_at):
     xp, (xstride, _), (rows, _) = simd.array_parts(context, b, sig.args[out_at], args[out_at])
     ap, (astride, _), _ = simd.array_parts(context, b, sig.args[out_at + 1], args[out_at + 1])
     fma = simd.function(b, "llvm.fma.v16f32", _V16F32, [_V16F32] * 3)
-    with b.if_else(b.icmp_signed("==", rows, _const(1))) as (single, many):
-        with single:
-            sums = [cgutils.alloca_once_value(b, simd.load(b, ap, _const(64 * q), _V16F32, align=4)) for q in range(4)]
-            with cgutils.for_range(b, blocks) as loop:
-                values, c0 = block(loop.index)
+
+    def held(count):
+        """`count` rows of x, their sums in registers over the row: four a row up to 4 rows, else
+        one (the row's four products chained into it; acc[m, 16:64] then stays as it was)."""
+        arows = [b.gep(ap, [b.mul(_const(m), astride)]) for m in range(count)]
+        regs = 4 if count <= 4 else 1
+        sums = [
+            [
+                cgutils.alloca_once_value(b, simd.load(b, arows[m], _const(64 * q), _V16F32, align=4))
+                for q in range(regs)
+            ]
+            for m in range(count)
+        ]
+        with cgutils.for_range(b, blocks) as loop:
+            values, c0 = block(loop.index)
+            for m in range(count):
+                xrow = b.gep(xp, [b.add(b.mul(_const(m), xstride), b.shl(c0, _const(2)))])
                 for q in range(4):
-                    xv = simd.load(b, xp, b.add(b.shl(c0, _const(2)), _const(64 * q)), _V16F32, align=4)
-                    b.store(b.call(fma, [values[q], xv, b.load(sums[q])]), sums[q])
-            for q in range(4):
-                simd.store(b, b.load(sums[q]), ap, _const(64 * q), align=4)
-        with many:
-            with cgutils.for_range(b, blocks) as loop:
-                values, c0 = block(loop.index)
-                with cgutils.for_range(b, rows) as inner:
-                    m = inner.index
-                    xrow = b.gep(xp, [b.add(b.mul(m, xstride), b.shl(c0, _const(2)))])
-                    arow = b.gep(ap, [b.mul(m, astride)])
-                    for q in range(4):
-                        av = simd.load(b, arow, _const(64 * q), _V16F32, align=4)
-                        xv = simd.load(b, xrow, _const(64 * q), _V16F32, align=4)
-                        simd.store(b, b.call(fma, [values[q], xv, av]), arow, _const(64 * q), align=4)
+                    xv = simd.load(b, xrow, _const(64 * q), _V16F32, align=4)
+                    b.store(b.call(fma, [values[q], xv, b.load(sums[m][q % regs])]), sums[m][q % regs])
+        for m in range(count):
+            for q in range(regs):
+                simd.store(b, b.load(sums[m][q]), arows[m], _const(64 * q), align=4)
+
+    def through_memory():
+        with cgutils.for_range(b, blocks) as loop:
+            values, c0 = block(loop.index)
+            with cgutils.for_range(b, rows) as inner:
+                m = inner.index
+                xrow = b.gep(xp, [b.add(b.mul(m, xstride), b.shl(c0, _const(2)))])
+                arow = b.gep(ap, [b.mul(m, astride)])
+                for q in range(4):
+                    av = simd.load(b, arow, _const(64 * q), _V16F32, align=4)
+                    xv = simd.load(b, xrow, _const(64 * q), _V16F32, align=4)
+                    simd.store(b, b.call(fma, [values[q], xv, av]), arow, _const(64 * q), align=4)
+
+    def pick(count):
+        if count > HELD_ROWS:
+            through_memory()
+            return
+        with b.if_else(b.icmp_signed("==", rows, _const(count))) as (this, other):
+            with this:
+                held(count)
+            with other:
+                pick(count + 1)
+
+    pick(1)
 
 
 @intrinsic
