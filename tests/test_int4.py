@@ -173,15 +173,16 @@ def test_rows_and_products(fast, heavy):
 @needs_avx512
 @pytest.mark.parametrize("cols, group", [(1152, 32), (2048, 1024)])
 def test_chunked_product_over_tiles(cols, group):
-    """More than GEMV_ROWS rows of x take the chunked AVX-512 product: column tiles (a last one part
-    filled) whose escapes carry over, several chunks of x's rows and a last one part-filled, row
-    blocks of W and a row range; coded and uncoded, fp32 and BF16 x, within the fp32 bound."""
+    """More than GEMV_ROWS rows of x (GEMV_ROWS_BF16 for BF16 x) take the chunked AVX-512 product:
+    column tiles (a last one part filled) whose escapes carry over, several chunks of x's rows and
+    a last one part-filled, row blocks of W and a row range; coded and uncoded, fp32 and BF16 x,
+    within the fp32 bound."""
     rows = 2 * cpu_int4.CHUNK_W + 7
     packed, scales = quantized(rows, cols, group, seed=cols, heavy=True)
     w = Int4Weight.encode(packed, scales, cols, group)
     W = dense(packed, scales, cols, group)
     rng = np.random.default_rng(2)
-    for m in (cpu_int4.GEMV_ROWS + 1, cpu_int4.CHUNK + 1, 3 * cpu_int4.CHUNK):
+    for m in (3, 6, cpu_int4.GEMV_ROWS + 1, 17, 3 * cpu_int4.CHUNK):  # BF16: chunks of 4, 8 and 16 rows
         x = rng.standard_normal((m, cols)).astype(np.float32)
         exact, bound = x.astype(np.float64) @ W.T, fp32_bound(x, W)
         plain = cpu_int4.plain_int4_linear_cpu(

@@ -34,13 +34,15 @@ from .cpu_int4_avx2 import coded_rows_avx2
 from .cpu_int4_avx512 import (
     BF16_PATH,
     CHUNK,
-    CHUNK_BF16,
+    CHUNKS_BF16,
     FAST_PATH,
     coded_dot,
+    coded_pairs,
     coded_rows,
     dense_chunk,
     dense_rows_bf16,
     plain_dot,
+    plain_pairs,
     plain_rows,
     row_scales,
     transpose_pairs,
@@ -49,6 +51,7 @@ from .weight import Int4Weight
 
 GEMV_ROWS = 8  # rows of x up to which each row of W is multiplied with all of x as it is decoded;
 # above, CHUNK rows of x at a time in registers (AVX-512) or decoded blocks and torch's GEMM (portable)
+GEMV_ROWS_BF16 = 2  # ... for BF16 x where the CPU has AVX512_BF16 (the BF16 chunks are cheaper from 3 rows)
 BLOCK_ROWS = 256  # rows of W decoded at a time for the GEMM
 CHUNK_W = 32  # rows of W a thread takes through a column tile of the chunked product
 TILE_COLS = 512  # columns of the chunked product's tiles
@@ -374,20 +377,19 @@ def _sub_scales(scales, gshift, K, out):
 
 @njit(cache=True, parallel=True)
 def _chunks_bf16_coded_avx512(
-    x, r0, sym, esc, esc_row, smant, sexp, sbase, sesc, sesc_row, K, group, pb, values, y, parts
+    x, chunk, r0, sym, esc, esc_row, smant, sexp, sbase, sesc, sesc_row, K, group, pb, values, y, parts
 ):
-    """y[:, i] = x @ W[r0 + i] for BF16 x tiled by _tiled_pairs: 16 rows of W and TILE_BF16 columns
-    at a time decoded once to their integer values (nibble - 8, exact in BF16) in transpose_pairs'
-    order, then multiplied with each chunk of x's rows by dense_rows_bf16, which applies each 32
-    columns' scale to their sum."""
+    """y[:, i] = x @ W[r0 + i] for BF16 x tiled by _tiled_pairs (chunks of `chunk` rows): 16 rows of
+    W and TILE_BF16 columns at a time decoded once to their integer values (nibble - 8, exact in
+    BF16) as BF16 pairs, interleaved by transpose_pairs, then multiplied with each chunk of x's rows
+    by dense_rows_bf16, which applies each 32 columns' scale to their sum."""
     M, R, G, B = y.shape[0], y.shape[1], K // group, K // BLOCK
     gshift, tile, per_tile = np.int64(np.log2(group)), TILE_BF16 // BLOCK, TILE_BF16 >> 5
     for p in prange(parts):
-        ones = np.ones(G, np.float32)
         scales = np.empty(G, np.float32)
         st = np.zeros((x.shape[0] * per_tile, 16), np.float32)
         e = np.empty(16, np.int64)
-        wf = np.zeros((16, TILE_BF16), np.float32)
+        wp = np.zeros((16, TILE_BF16 // 2), np.uint32)
         wt = np.empty((per_tile, 16, 16), np.uint32)
         acc = np.empty((x.shape[1], 16), np.float32)
         lo, hi = p * R // parts, (p + 1) * R // parts
@@ -401,17 +403,17 @@ def _chunks_bf16_coded_avx512(
             for b0 in range(0, B, tile):
                 nb = min(tile, B - b0)
                 for i in range(n):
-                    e[i] = coded_rows(pb, sym, ((r0 + a + i) * B + b0) * 3, nb, esc, e[i], values, gshift, ones, wf[i])
-                _multiply_tile_bf16(x[b0 // tile], wf, wt, 2 * nb, st[2 * b0 :], acc)
+                    e[i] = coded_pairs(pb, sym, ((r0 + a + i) * B + b0) * 3, nb, esc, e[i], values, wp[i])
+                _multiply_tile_bf16(x[b0 // tile], chunk, wp, wt, 2 * nb, st[2 * b0 :], acc)
             _lanes(acc, n, M, y, a)
 
 
 @njit(cache=True, inline="always")
-def _multiply_tile_bf16(xt, wf, wt, subs, st, acc):
-    """acc[m, r] += the tile's products for the 16 decoded rows r of wf and every row m of xt."""
-    transpose_pairs(wf, subs, wt)
-    for m0 in range(0, xt.shape[0], CHUNK_BF16):
-        dense_rows_bf16(wt, subs, xt[m0 : m0 + CHUNK_BF16], st, acc[m0 : m0 + CHUNK_BF16])
+def _multiply_tile_bf16(xt, chunk, wp, wt, subs, st, acc):
+    """acc[m, r] += the tile's products for the 16 decoded rows r of wp and every row m of xt."""
+    transpose_pairs(wp, subs, wt)
+    for m0 in range(0, xt.shape[0], chunk):
+        dense_rows_bf16(chunk, wt, subs, xt[m0 : m0 + chunk], st, acc[m0 : m0 + chunk])
 
 
 @njit(cache=True, inline="always")
@@ -422,15 +424,14 @@ def _lanes(acc, n, M, y, a):
 
 
 @njit(cache=True, parallel=True)
-def _chunks_bf16_plain_avx512(x, packed, scales16, K, group, y, parts):
+def _chunks_bf16_plain_avx512(x, chunk, packed, scales16, K, group, y, parts):
     """_chunks_bf16_coded_avx512 on the uncoded words."""
     M, R, G, B = y.shape[0], y.shape[1], K // group, K // BLOCK
     gshift, tile, per_tile = np.int64(np.log2(group)), TILE_BF16 // BLOCK, TILE_BF16 >> 5
     for p in prange(parts):
-        ones = np.ones(G, np.float32)
         scales = np.empty(G, np.float32)
         st = np.zeros((x.shape[0] * per_tile, 16), np.float32)
-        wf = np.zeros((16, TILE_BF16), np.float32)
+        wp = np.zeros((16, TILE_BF16 // 2), np.uint32)
         wt = np.empty((per_tile, 16, 16), np.uint32)
         acc = np.empty((x.shape[1], 16), np.float32)
         lo, hi = p * R // parts, (p + 1) * R // parts
@@ -443,20 +444,25 @@ def _chunks_bf16_plain_avx512(x, packed, scales16, K, group, y, parts):
             for b0 in range(0, B, tile):
                 nb = min(tile, B - b0)
                 for i in range(n):
-                    plain_rows(packed, (a + i) * (K >> 3) + b0 * 8, nb, gshift, ones, wf[i])
-                _multiply_tile_bf16(x[b0 // tile], wf, wt, 2 * nb, st[2 * b0 :], acc)
+                    plain_pairs(packed, (a + i) * (K >> 3) + b0 * 8, nb, wp[i])
+                _multiply_tile_bf16(x[b0 // tile], chunk, wp, wt, 2 * nb, st[2 * b0 :], acc)
             _lanes(acc, n, M, y, a)
 
 
-def _tiled_pairs(x: torch.Tensor) -> np.ndarray:
+def _tiled_pairs(x: torch.Tensor, chunk: int) -> np.ndarray:
     """BF16 x (M, K) as the BF16 chunked product reads it: (tiles, M', TILE_BF16 / 2) BF16 pairs
-    (uint32, column 2p in the low half), each tile's rows contiguous, M' a multiple of CHUNK_BF16
+    (uint32, column 2p in the low half), each tile's rows contiguous, M' a multiple of `chunk`
     (zero rows and columns past x's)."""
     m, k = x.shape
-    tiles, rows = -(-k // TILE_BF16), -(-m // CHUNK_BF16) * CHUNK_BF16
+    tiles, rows = -(-k // TILE_BF16), -(-m // chunk) * chunk
     out = np.zeros((rows, tiles * TILE_BF16), np.uint16)
     out[:m, :k] = x.detach().contiguous().view(torch.int16).numpy().view(np.uint16)
     return np.ascontiguousarray(out.view(np.uint32).reshape(rows, tiles, TILE_BF16 // 2).transpose(1, 0, 2))
+
+
+def _chunk_bf16(rows: int) -> int:
+    """The rows of x dense_rows_bf16 takes at a time: the fewest of CHUNKS_BF16 that hold `rows`."""
+    return next((c for c in CHUNKS_BF16 if rows <= c), CHUNKS_BF16[-1])
 
 
 def _tiled(xs: np.ndarray, group: int) -> np.ndarray:
@@ -564,8 +570,9 @@ def int4_linear_cpu(
         raise ValueError(f"rows {r0}..{r1} are not within the weight's {w.rows}")
     xs, args, path = _check_x(x, w.cols), _args(w), _path(fast, w.cols, w.group)
     y = np.empty((xs.shape[0], r1 - r0), np.float32)
-    if xs.shape[0] > GEMV_ROWS and path == "avx512" and _bf16_x(x):
-        _chunks_bf16_coded_avx512(_tiled_pairs(x), r0, *args, y, _parts(r1 - r0))
+    if xs.shape[0] > GEMV_ROWS_BF16 and path == "avx512" and _bf16_x(x):
+        chunk = _chunk_bf16(xs.shape[0])
+        _chunks_bf16_coded_avx512(_tiled_pairs(x, chunk), chunk, r0, *args, y, _parts(r1 - r0))
         return torch.from_numpy(y)
     if xs.shape[0] > GEMV_ROWS and path == "avx512":
         _chunks_coded_avx512(_tiled(xs, w.group), r0, *args, y, _parts(r1 - r0))
@@ -585,8 +592,9 @@ def plain_int4_linear_cpu(
     xs, on = _check_x(x, cols), _path(fast, cols, group) == "avx512"  # AVX2 hosts: the portable kernels
     p, s = packed.contiguous().numpy().reshape(-1), scales.contiguous().view(torch.int16).numpy().reshape(-1)
     y = np.empty((xs.shape[0], rows), np.float32)
-    if xs.shape[0] > GEMV_ROWS and on and _bf16_x(x):
-        _chunks_bf16_plain_avx512(_tiled_pairs(x), p, s, cols, group, y, _parts(rows))
+    if xs.shape[0] > GEMV_ROWS_BF16 and on and _bf16_x(x):
+        chunk = _chunk_bf16(xs.shape[0])
+        _chunks_bf16_plain_avx512(_tiled_pairs(x, chunk), chunk, p, s, cols, group, y, _parts(rows))
         return torch.from_numpy(y)
     if xs.shape[0] > GEMV_ROWS and on:
         _chunks_plain_avx512(_tiled(xs, group), p, s, cols, group, y, _parts(rows))

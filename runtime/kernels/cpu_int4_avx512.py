@@ -16,14 +16,16 @@ picked by `coded_dot` and `coded_rows`): `dot` adds value * scale * x[m, c] to a
 every row m of x (acc (M, 64) fp32), `rows` writes value * scale to out[c] (and returns the first
 escape after the blocks, so a row can be decoded a tile at a time); `row_scales` decodes a row's
 scales 16 at a time. `dense_chunk` multiplies a decoded row with CHUNK rows of x in registers;
-for BF16 x, `transpose_pairs` interleaves 16 decoded rows as BF16 pairs (a 16 x 16 transpose of
-32-bit lanes in registers) and `dense_rows_bf16` multiplies them with CHUNK_BF16 rows of x
+for BF16 x, `coded_pairs` and `plain_pairs` decode a row to nibble - 8 as BF16 pairs (a word
+permute of the slots), `transpose_pairs` interleaves 16 such rows (a 16 x 16 transpose of 32-bit
+lanes in registers) and `dense_rows_bf16` multiplies them with 4, 8 or 16 rows of x
 (AVX512_BF16). They need AVX-512 (F, BW, VBMI, VBMI2), 64 | K and a power-of-two group of 32 or
-more (cpu_int4._fast). The portable kernels of cpu_int4.py are their oracle in the tests.
+more (cpu_int4._path). The portable kernels of cpu_int4.py are their oracle in the tests.
 """
 
 from __future__ import annotations
 
+import numpy as np
 from llvmlite import ir
 from numba import njit
 from numba.core import cgutils, types
@@ -34,14 +36,15 @@ from unweight.codec import simd
 _I1, _I8, _I32, _I64 = simd.I1, simd.I8, simd.I32, simd.I64
 _V16F32, _V16I32 = simd.V16F32, simd.V16I32
 _V64I8, _V64I1, _V32I8 = ir.VectorType(_I8, 64), ir.VectorType(_I1, 64), ir.VectorType(_I8, 32)
-_V64I32 = ir.VectorType(_I32, 64)
+_V64I32, _V32I32 = ir.VectorType(_I32, 64), ir.VectorType(_I32, 32)
+_V16I16, _V32I16 = ir.VectorType(ir.IntType(16), 16), ir.VectorType(ir.IntType(16), 32)
 _const, _vconst = simd.const, simd.vconst
 FAST_PATH = simd.has("avx512f", "avx512bw", "avx512vbmi", "avx512vbmi2")
 MODES = ("dot", "rows")
 BF16_PATH = FAST_PATH and simd.has("avx512bf16")  # ... and vdpbf16ps, for BF16 x
 CHUNK = 8  # rows of x dense_chunk holds in registers
 HELD_ROWS = 8  # rows of x `dot` holds in registers (4 registers a row up to 4 rows, else 1)
-CHUNK_BF16 = 16  # rows of BF16 x dense_rows_bf16 holds in registers
+CHUNKS_BF16 = (4, 8, 16)  # rows of BF16 x dense_rows_bf16 holds in registers, by the rows of x
 
 
 def _with_bits(b, t, bits, value, op):
@@ -60,6 +63,14 @@ def _quarters(b, t):
 def _coded_block(b, symp, escp, at, e, tables, pb):
     """The block at sym[at] (first escape e): its four <16 x float> values (nibble - 8, unscaled) and
     the next block's first escape."""
+    t, e_next = _coded_slots(b, symp, escp, at, e, pb)
+    permi2 = simd.function(b, "llvm.x86.avx512.vpermi2var.ps.512", _V16F32, [_V16F32, _V16I32, _V16F32])
+    return [b.call(permi2, [tables[0], q, tables[1]]) for q in _quarters(b, t)], e_next
+
+
+def _coded_slots(b, symp, escp, at, e, pb):
+    """The block at sym[at] (first escape e): the <64 x i8> table slots of its columns
+    (cpu_int4._slot) and the next block's first escape."""
     planes = [simd.load(b, symp, b.shl(b.add(at, _const(k)), _const(3)), _I64, align=8) for k in range(3)]
     mask = b.and_(b.and_(planes[0], planes[1]), planes[2])
     t = _vconst([0] * 64, _V64I8)
@@ -76,17 +87,37 @@ def _coded_block(b, symp, escp, at, e, tables, pb):
         expand = simd.function(b, "llvm.x86.avx512.mask.expand.v64i8", _V64I8, [_V64I8, _V64I8, _V64I1])
         t = b.xor(t, b.call(expand, [fields, _vconst([0] * 64, _V64I8), b.bitcast(mask, _V64I1)]))
     t = _with_bits(b, t, mask, 16 if pb == 4 else 8, b.or_)  # escapes past the short symbols (cpu_int4._slot)
-    permi2 = simd.function(b, "llvm.x86.avx512.vpermi2var.ps.512", _V16F32, [_V16F32, _V16I32, _V16F32])
-    values = [b.call(permi2, [tables[0], q, tables[1]]) for q in _quarters(b, t)]
-    return values, b.add(e, simd.ctpop64(b, mask))
+    return t, b.add(e, simd.ctpop64(b, mask))
+
+
+def _word_table(b, tables):
+    """<32 x i16>: the BF16 bits of the 32 fp32 table values (small integers: exact)."""
+    halves = [b.trunc(b.lshr(b.bitcast(t, _V16I32), _vconst([16] * 16, _V16I32)), _V16I16) for t in tables]
+    return b.shuffle_vector(halves[0], halves[1], _vconst(list(range(32)), _V32I32))
+
+
+def _bf16_halves(b, t, words):
+    """The BF16 values words[t[c]] of a block's 64 slots, as two <16 x i32> of BF16 pairs (columns
+    0..31 and 32..63, column 2k in the low half of lane k)."""
+    permw = simd.function(b, "llvm.x86.avx512.permvar.hi.512", _V32I16, [_V32I16, _V32I16])
+    out = []
+    for h in range(2):
+        idx = b.zext(b.shuffle_vector(t, t, _vconst(list(range(32 * h, 32 * h + 32)), _V32I32)), _V32I16)
+        out.append(b.bitcast(b.call(permw, [words, idx]), _V16I32))
+    return out
+
+
+def _plain_nibbles(b, packedp, word):
+    """The <64 x i8> nibbles of the 64 columns at packed[word]."""
+    raw = simd.load(b, packedp, b.shl(word, _const(2)), _V32I8, align=4)
+    low = b.and_(raw, _vconst([15] * 32, _V32I8))
+    high = b.lshr(raw, _vconst([4] * 32, _V32I8))
+    return b.shuffle_vector(low, high, _vconst([j // 2 + 32 * (j % 2) for j in range(64)], _V64I32))
 
 
 def _plain_block(b, packedp, word):
     """The four <16 x float> values (nibble - 8) of the 64 columns at packed[word]."""
-    raw = simd.load(b, packedp, b.shl(word, _const(2)), _V32I8, align=4)
-    low = b.and_(raw, _vconst([15] * 32, _V32I8))
-    high = b.lshr(raw, _vconst([4] * 32, _V32I8))
-    t = b.shuffle_vector(low, high, _vconst([j // 2 + 32 * (j % 2) for j in range(64)], _V64I32))
+    t = _plain_nibbles(b, packedp, word)
     eight = _vconst([8] * 16, _V16I32)
     return [b.sitofp(b.sub(q, eight), _V16F32) for q in _quarters(b, t)]
 
@@ -300,7 +331,51 @@ def row_scales(typingctx, smant, sexp, at, word0, G, base, out):
     return sig, codegen
 
 
+def _make_coded_pairs(pb: int):
+    """Intrinsic (sym, at0, blocks, esc, e, values, out) -> the first escape after the blocks: the
+    row's weights nibble - 8, unscaled, as BF16 pairs (out uint32: column c in half c % 2 of word
+    c // 2), for weights of `pb` payload bits (values: cpu_int4._values' table)."""
+
+    def codegen(context, builder, signature, args):
+        b = builder
+        symp, escp, tabp, outp = (simd.data_ptr(context, b, signature.args[i], args[i]) for i in (0, 3, 5, 6))
+        words = _word_table(b, [simd.load(b, tabp, _const(64 * h), _V16F32, align=4) for h in range(2)])
+        e = cgutils.alloca_once_value(b, args[4])
+        with cgutils.for_range(b, args[2]) as loop:
+            t, e_next = _coded_slots(b, symp, escp, b.add(args[1], b.mul(loop.index, _const(3))), b.load(e), pb)
+            b.store(e_next, e)
+            for h, half in enumerate(_bf16_halves(b, t, words)):
+                simd.store(b, half, outp, b.add(b.shl(loop.index, _const(7)), _const(64 * h)), align=4)
+        return b.load(e)
+
+    @intrinsic
+    def pairs(typingctx, sym, at0, blocks, esc, e, values, out):
+        return types.int64(sym, types.int64, types.int64, esc, types.int64, values, out), codegen
+
+    return pairs
+
+
+@intrinsic
+def plain_pairs(typingctx, packed, word0, blocks, out):
+    """The uncoded row at packed[word0]: nibble - 8 as BF16 pairs, as the coded pairs intrinsics."""
+    sig = types.void(packed, types.int64, types.int64, out)
+    table = [((np.float32(n - 8).view(np.uint32) >> 16) & 0xFFFF) for n in range(16)] + [0] * 16
+
+    def codegen(context, builder, signature, args):
+        b = builder
+        packedp, outp = (simd.data_ptr(context, b, signature.args[i], args[i]) for i in (0, 3))
+        words = _vconst([int(v) - (1 << 16) if v >= 1 << 15 else int(v) for v in table], _V32I16)
+        with cgutils.for_range(b, args[2]) as loop:
+            t = _plain_nibbles(b, packedp, b.add(args[1], b.shl(loop.index, _const(3))))
+            for h, half in enumerate(_bf16_halves(b, t, words)):
+                simd.store(b, half, outp, b.add(b.shl(loop.index, _const(7)), _const(64 * h)), align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 _dot0, _dot1, _dot2, _dot3, _dot4 = (_make_coded(pb, "dot") for pb in range(5))
+_pairs0, _pairs1, _pairs2, _pairs3, _pairs4 = (_make_coded_pairs(pb) for pb in range(5))
 _rows0, _rows1, _rows2, _rows3, _rows4 = (_make_coded(pb, "rows") for pb in range(5))
 plain_dot, plain_rows = _make_plain("dot"), _make_plain("rows")
 
@@ -334,14 +409,6 @@ def coded_rows(pb, sym, at0, blocks, esc, e, values, gshift, scales, out):
     return _rows0(sym, at0, blocks, esc, e, values, gshift, scales, out)
 
 
-def _pairs(b, v0, v1):
-    """The 32 weights of two <16 x i32> fp32 bit patterns (small integers: their top 16 bits are
-    their BF16 bits, exactly) as 16 BF16 pairs, weight 2k in the low half of lane k."""
-    lo = b.lshr(b.shuffle_vector(v0, v1, _vconst(list(range(0, 32, 2)), _V16I32)), _vconst([16] * 16, _V16I32))
-    hi = b.and_(b.shuffle_vector(v0, v1, _vconst(list(range(1, 32, 2)), _V16I32)), _vconst([-65536] * 16, _V16I32))
-    return b.or_(lo, hi)
-
-
 def _transpose16(b, rows):
     """The 16 x 16 matrix of 32-bit lanes `rows` (16 <16 x i32>) transposed: four rounds of
     two-register shuffles, each swapping the off-diagonal h x h blocks of every 2h x 2h block."""
@@ -358,10 +425,9 @@ def _transpose16(b, rows):
 
 @intrinsic
 def transpose_pairs(typingctx, w, subs, out):
-    """out[j, k, r] = the BF16 pair (w[r, c], w[r, c + 1]), c = 32 j + 2 k, for the 16 rows r of w
-    (small-integer fp32 weights, (16, >= 32 subs)) and its first `subs` sub-groups j of 32 columns:
-    lane r of the 16-lane vector (j, k) is row r's pair k of sub-group j, the order
-    dense_rows_bf16 multiplies in."""
+    """out[j, k, r] = w[r, 16 j + k] for the 16 rows r of w (BF16 pairs, uint32 (16, >= 16 subs))
+    and its first `subs` sub-groups j of 32 columns: lane r of the 16-lane vector (j, k) is row r's
+    pair k of sub-group j, the order dense_rows_bf16 multiplies in."""
     sig = types.void(w, types.int64, out)
 
     def codegen(context, builder, signature, args):
@@ -369,17 +435,8 @@ def transpose_pairs(typingctx, w, subs, out):
         wp, (wstride, _), _ = simd.array_parts(context, b, signature.args[0], args[0])
         op = simd.data_ptr(context, b, signature.args[2], args[2])
         with cgutils.for_range(b, args[1]) as loop:
-            at = b.shl(loop.index, _const(7))  # 32 fp32 a sub-group
-            rows = []
-            for r in range(16):
-                row = b.add(b.mul(_const(r), wstride), at)
-                rows.append(
-                    _pairs(
-                        b,
-                        simd.load(b, wp, row, _V16I32, align=4),
-                        simd.load(b, wp, b.add(row, _const(64)), _V16I32, align=4),
-                    )
-                )
+            at = b.shl(loop.index, _const(6))  # 16 pairs a sub-group
+            rows = [simd.load(b, wp, b.add(b.mul(_const(r), wstride), at), _V16I32, align=4) for r in range(16)]
             base = b.shl(loop.index, _const(10))  # 16 x 16 pairs a sub-group
             for k, vec in enumerate(_transpose16(b, rows)):
                 simd.store(b, vec, op, b.add(base, _const(64 * k)), align=4)
@@ -388,15 +445,13 @@ def transpose_pairs(typingctx, w, subs, out):
     return sig, codegen
 
 
-@intrinsic
-def dense_rows_bf16(typingctx, wt, subs, xt, scales, acc):
-    """acc[m, r] += sum over sub-groups j < subs of scales[j, r] * (row r's 32 products w * x of
-    sub-group j), for 16 rows r of W (wt in transpose_pairs' order) and CHUNK_BF16 rows m of BF16
-    x (BF16 pairs, uint32): each x pair is broadcast to a `vdpbf16ps` with 16 rows' pairs, so a
-    register holds one x row's sums for 16 rows of W, scaled by one FMA a sub-group. Each product
-    of an integer weight and a BF16 x is exact; the sums are fp32 (the instruction flushes
-    subnormal inputs and results to zero)."""
-    sig = types.void(wt, types.int64, xt, scales, acc)
+def _make_dense_rows_bf16(chunk: int):
+    """Intrinsic (wt, subs, xt, scales, acc): acc[m, r] += sum over sub-groups j < subs of
+    scales[j, r] * (row r's 32 products w * x of sub-group j), for 16 rows r of W (wt in
+    transpose_pairs' order) and `chunk` rows m of BF16 x (BF16 pairs, uint32): each x pair is
+    broadcast to a `vdpbf16ps` with 16 rows' pairs, so a register holds one x row's sums for 16 rows
+    of W, scaled by one FMA a sub-group. Each product of an integer weight and a BF16 x is exact;
+    the sums are fp32 (the instruction flushes subnormal inputs and results to zero)."""
 
     def codegen(context, builder, signature, args):
         b = builder
@@ -405,22 +460,55 @@ def dense_rows_bf16(typingctx, wt, subs, xt, scales, acc):
         ap, (astride, _), _ = simd.array_parts(context, b, signature.args[4], args[4])
         fma = simd.function(b, "llvm.fma.v16f32", _V16F32, [_V16F32] * 3)
         zero = ir.Constant(_V16F32, [ir.Constant(simd.F32, 0.0)] * 16)
-        sums = [cgutils.alloca_once(b, _V16F32) for _ in range(CHUNK_BF16)]
-        xrows = [b.gep(xp, [b.mul(_const(m), xstride)]) for m in range(CHUNK_BF16)]
+        sums = [cgutils.alloca_once(b, _V16F32) for _ in range(chunk)]
+        xrows = [b.gep(xp, [b.mul(_const(m), xstride)]) for m in range(chunk)]
         with cgutils.for_range(b, args[1]) as loop:
             for s in sums:
                 b.store(zero, s)
             at, xat = b.shl(loop.index, _const(10)), b.shl(loop.index, _const(6))
             for k in range(16):
                 wv = simd.load(b, wp, b.add(at, _const(64 * k)), _V16I32, align=4)
-                for m in range(CHUNK_BF16):
+                for m in range(chunk):
                     pair = simd.load(b, xrows[m], b.add(xat, _const(4 * k)), _I32, align=4)
                     b.store(simd.dpbf16ps(b, b.load(sums[m]), wv, simd.splat(b, pair, _V16I32)), sums[m])
             scale = simd.load(b, sp, xat, _V16F32, align=4)  # (subs, 16) fp32
-            for m in range(CHUNK_BF16):
+            for m in range(chunk):
                 row = b.gep(ap, [b.mul(_const(m), astride)])
                 total = simd.load(b, row, _const(0), _V16F32, align=4)
                 simd.store(b, b.call(fma, [b.load(sums[m]), scale, total]), row, _const(0), align=4)
         return context.get_dummy_value()
 
-    return sig, codegen
+    @intrinsic
+    def dense_rows_bf16(typingctx, wt, subs, xt, scales, acc):
+        return types.void(wt, types.int64, xt, scales, acc), codegen
+
+    return dense_rows_bf16
+
+
+_dense4, _dense8, _dense16 = (_make_dense_rows_bf16(c) for c in (4, 8, 16))
+
+
+@njit(cache=True, inline="always")
+def dense_rows_bf16(chunk, wt, subs, xt, scales, acc):
+    """The dense rows intrinsic for `chunk` (4, 8 or 16) rows of x."""
+    if chunk == 16:
+        _dense16(wt, subs, xt, scales, acc)
+    elif chunk == 8:
+        _dense8(wt, subs, xt, scales, acc)
+    else:
+        _dense4(wt, subs, xt, scales, acc)
+
+
+@njit(cache=True, inline="always")
+def coded_pairs(pb, sym, at0, blocks, esc, e, values, out):
+    """The row's weights nibble - 8 as BF16 pairs over the blocks; returns the first escape after
+    them."""
+    if pb == 3:
+        return _pairs3(sym, at0, blocks, esc, e, values, out)
+    if pb == 4:
+        return _pairs4(sym, at0, blocks, esc, e, values, out)
+    if pb == 2:
+        return _pairs2(sym, at0, blocks, esc, e, values, out)
+    if pb == 1:
+        return _pairs1(sym, at0, blocks, esc, e, values, out)
+    return _pairs0(sym, at0, blocks, esc, e, values, out)
