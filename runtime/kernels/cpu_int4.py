@@ -384,12 +384,13 @@ def _chunks_bf16_coded_avx512(
     BF16) as BF16 pairs, interleaved by transpose_pairs, then multiplied with each chunk of x's rows
     by dense_rows_bf16, which applies each 32 columns' scale to their sum."""
     M, R, G, B = y.shape[0], y.shape[1], K // group, K // BLOCK
-    gshift, tile, per_tile = np.int64(np.log2(group)), TILE_BF16 // BLOCK, TILE_BF16 >> 5
+    cols = 2 * x.shape[2]  # the tiles' columns (_tiled_pairs)
+    gshift, tile, per_tile = np.int64(np.log2(group)), cols // BLOCK, cols >> 5
     for p in prange(parts):
         scales = np.empty(G, np.float32)
         st = np.zeros((x.shape[0] * per_tile, 16), np.float32)
         e = np.empty(16, np.int64)
-        wp = np.zeros((16, TILE_BF16 // 2), np.uint32)
+        wp = np.zeros((16, cols // 2), np.uint32)
         wt = np.empty((per_tile, 16, 16), np.uint32)
         acc = np.empty((x.shape[1], 16), np.float32)
         lo, hi = p * R // parts, (p + 1) * R // parts
@@ -427,11 +428,12 @@ def _lanes(acc, n, M, y, a):
 def _chunks_bf16_plain_avx512(x, chunk, packed, scales16, K, group, y, parts):
     """_chunks_bf16_coded_avx512 on the uncoded words."""
     M, R, G, B = y.shape[0], y.shape[1], K // group, K // BLOCK
-    gshift, tile, per_tile = np.int64(np.log2(group)), TILE_BF16 // BLOCK, TILE_BF16 >> 5
+    cols = 2 * x.shape[2]  # the tiles' columns (_tiled_pairs)
+    gshift, tile, per_tile = np.int64(np.log2(group)), cols // BLOCK, cols >> 5
     for p in prange(parts):
         scales = np.empty(G, np.float32)
         st = np.zeros((x.shape[0] * per_tile, 16), np.float32)
-        wp = np.zeros((16, TILE_BF16 // 2), np.uint32)
+        wp = np.zeros((16, cols // 2), np.uint32)
         wt = np.empty((per_tile, 16, 16), np.uint32)
         acc = np.empty((x.shape[1], 16), np.float32)
         lo, hi = p * R // parts, (p + 1) * R // parts
@@ -450,14 +452,16 @@ def _chunks_bf16_plain_avx512(x, chunk, packed, scales16, K, group, y, parts):
 
 
 def _tiled_pairs(x: torch.Tensor, chunk: int) -> np.ndarray:
-    """BF16 x (M, K) as the BF16 chunked product reads it: (tiles, M', TILE_BF16 / 2) BF16 pairs
+    """BF16 x (M, K) as the BF16 chunked product reads it: (tiles, M', columns / 2) BF16 pairs
     (uint32, column 2p in the low half), each tile's rows contiguous, M' a multiple of `chunk`
-    (zero rows and columns past x's)."""
+    (zero rows and columns past x's). Tiles of TILE_BF16 columns for chunks of 16 rows; for fewer
+    rows one tile of all the columns, so W's rows are decoded whole, one stream from memory each."""
     m, k = x.shape
-    tiles, rows = -(-k // TILE_BF16), -(-m // chunk) * chunk
-    out = np.zeros((rows, tiles * TILE_BF16), np.uint16)
+    cols = TILE_BF16 if chunk == CHUNKS_BF16[-1] else -(-k // TILE_BF16) * TILE_BF16
+    tiles, rows = -(-k // cols), -(-m // chunk) * chunk
+    out = np.zeros((rows, tiles * cols), np.uint16)
     out[:m, :k] = x.detach().contiguous().view(torch.int16).numpy().view(np.uint16)
-    return np.ascontiguousarray(out.view(np.uint32).reshape(rows, tiles, TILE_BF16 // 2).transpose(1, 0, 2))
+    return np.ascontiguousarray(out.view(np.uint32).reshape(rows, tiles, cols // 2).transpose(1, 0, 2))
 
 
 def _chunk_bf16(rows: int) -> int:
