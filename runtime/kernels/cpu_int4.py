@@ -9,9 +9,10 @@ into a small workspace and multiplied with each chunk of x's rows in registers, 
 tiles so that a chunk's tile stays in the L1:
 - fp32 x (`_chunks_coded_avx512`): CHUNK_W rows of W decoded to fp32 (nibble - 8) * scale,
   `dense_chunk` keeping CHUNK rows' sums;
-- BF16 x where the CPU has AVX512_BF16 (`_chunks_bf16_coded_avx512`): 16 rows of W decoded to
-  nibble - 8 as BF16 pairs, interleaved so that one `vdpbf16ps` multiplies a broadcast pair of x
-  with 16 rows of W, each 32 columns' sum then scaled by one FMA (`dense_rows_bf16`).
+- BF16 x past GEMV_ROWS_BF16 rows where the CPU has AVX512_BF16 (`_chunks_bf16_coded_avx512`): 16
+  rows of W decoded to nibble - 8 as BF16 pairs, interleaved so that one `vdpbf16ps` multiplies a
+  broadcast pair of x with 16 rows of W, each 32 columns' sum then scaled by one FMA
+  (`dense_rows_bf16`), in chunks of 4, 8 or 16 rows of x.
 The portable product decodes BLOCK_ROWS rows of W at a time into an fp32 workspace for torch's
 GEMM. Every weight comes out exact: (nibble - 8) * scale, a 4-bit integer times a BF16 scale, is
 an fp32 value, and nibble - 8 a BF16 one.
@@ -212,8 +213,8 @@ def _gemv_coded_avx512(x, r0, sym, esc, esc_row, smant, sexp, sbase, sesc, sesc_
 
 @njit(cache=True, inline="always")
 def _tile_blocks(group):
-    """Blocks of a column tile of the chunked product: 512 columns (16 rows of fp32 x fill 32 KiB, the
-    L1), or one group where groups are wider (a tile starts at a group)."""
+    """Blocks of a column tile of the fp32 chunked product: TILE_COLS columns (a chunk of CHUNK rows of
+    fp32 x: 16 KiB of the L1), or one group where groups are wider (a tile starts at a group)."""
     return max(TILE_COLS, group) // BLOCK
 
 
