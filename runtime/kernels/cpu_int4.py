@@ -337,16 +337,6 @@ def _gemv_plain_avx512(x, packed, scales16, K, group, y, parts):
 
 
 @njit(cache=True, parallel=True)
-def _rows_plain_avx512(r0, packed, scales16, K, group, out):
-    G = K // group
-    gshift = np.int64(np.log2(group))
-    for i in prange(out.shape[0]):
-        scales = np.empty(G, np.float32)
-        _plain_scales(r0 + i, G, scales16, scales)
-        plain_rows(packed, (r0 + i) * (K >> 3), K // BLOCK, gshift, scales, out[i])
-
-
-@njit(cache=True, parallel=True)
 def _chunks_plain_avx512(x, packed, scales16, K, group, y, parts):
     """_chunks_coded_avx512 on the uncoded words."""
     M, R, G, B = y.shape[0], y.shape[1], K // group, K // BLOCK
@@ -381,9 +371,9 @@ def _chunks_bf16_coded_avx512(
     x, chunk, r0, sym, esc, esc_row, smant, sexp, sbase, sesc, sesc_row, K, group, pb, values, y, parts
 ):
     """y[:, i] = x @ W[r0 + i] for BF16 x tiled by _tiled_pairs (chunks of `chunk` rows): 16 rows of
-    W and TILE_BF16 columns at a time decoded once to their integer values (nibble - 8, exact in
-    BF16) as BF16 pairs, interleaved by transpose_pairs, then multiplied with each chunk of x's rows
-    by dense_rows_bf16, which applies each 32 columns' scale to their sum."""
+    W and one of x's column tiles at a time decoded once to their integer values (nibble - 8, exact
+    in BF16) as BF16 pairs, interleaved by transpose_pairs, then multiplied with each chunk of x's
+    rows by dense_rows_bf16, which applies each 32 columns' scale to their sum."""
     M, R, G, B = y.shape[0], y.shape[1], K // group, K // BLOCK
     cols = 2 * x.shape[2]  # the tiles' columns (_tiled_pairs)
     gshift, tile, per_tile = np.int64(np.log2(group)), cols // BLOCK, cols >> 5
