@@ -9,6 +9,9 @@ client pulling a prompt's tokens into blocks of its own.
 - A frame altered in flight (sealed, or only checked by its CRC), a transfer cut short, a frame
   longer than the layer it claims to be, another request's blocks, and a cache laid out another
   way are refused, each with a message naming it.
+- A staged prefill (its frames coded as its forward left each layer) is served from its frames,
+  bit-exact once the blocks they came from hold something else, raw or coded as the client asks,
+  from block 0 to a client that holds the first blocks, and frames not yet coded are waited for.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ class Server:
 
     def __init__(self, key, lay, kv):
         self.key, self.layout, self.caches, self.results = key, lay, kv, []
+        self.stage: side_channel.Stage | None = None  # r1's, when a test stages it
         self.changed = threading.Condition()
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.addr = self.sock.getsockname()[:2]
@@ -63,6 +67,10 @@ class Server:
         blocks, first = ask["blocks"], ask["first_block"]
         return None if blocks == held[0][first : first + len(blocks)] else f"blocks {blocks} are not this request's"
 
+    def stage_of(self, ask: dict) -> side_channel.Stage | None:
+        st = self.stage
+        return st if st and st.covers(ask["blocks"], ask["first_block"], ask["tokens"], SIZE) else None
+
     def _run(self):
         while True:
             try:
@@ -71,7 +79,7 @@ class Server:
                 return
             with conn:
                 try:
-                    result = side_channel.serve(conn, self.key, self.check, self.layout, self.caches)
+                    result = side_channel.serve(conn, self.key, self.check, self.layout, self.caches, self.stage_of)
                 except Exception as e:  # noqa: BLE001 (what the connector logs)
                     result = e
             with self.changed:
@@ -249,7 +257,7 @@ def test_a_frame_longer_than_its_layer_is_refused_before_it_is_read():
         ch = side_channel.Channel(conn)
         ch.server_hello(KEY)
         ask = ch.recv_json(b"ask")
-        ch.send_json(b"answer", {"ok": True})
+        ch.send_json(b"answer", {"ok": True, "from_block": 0})
         header = wire.pack_header("r1", 0, lay.dtype, lay.shape(3, ask["tokens"]), True, wire.new_salt())
         ch.send_raw(header)
         conn.sendall(side_channel.LENGTH.pack(1 << 30))
@@ -277,3 +285,82 @@ def test_a_client_may_ask_for_raw_frames(server):
     _, coded_bytes = pull(s.addr)
     payload = LAYERS * 2 * 75 * HEADS * DIM * 2
     assert coded_bytes < payload < raw_bytes
+
+
+def staged(s: Server, compress: bool = True, coded: bool = True) -> side_channel.Stage:
+    """r1's stage as the connector's forward makes it: every layer gathered and (with `coded`) coded."""
+    blocks, tokens = Server.HELD["r1"]
+    stage = side_channel.Stage(LAYERS, blocks, tokens, compress)
+    for i, cache in enumerate(s.caches if coded else ()):
+        stage.put(i, wire.encode_layer(s.layout.gather(cache, blocks, tokens), compress))
+    return stage
+
+
+@pytest.mark.parametrize("staged_coded", [True, False], ids=["staged-coded", "staged-raw"])
+@pytest.mark.parametrize("asked_coded", [True, False], ids=["asked-coded", "asked-raw"])
+def test_a_staged_prefill_is_served_from_its_frames(server, staged_coded, asked_coded):
+    """Once staged, the blocks may hold another prompt: the pull is the staged one, bit-exact, raw or
+    coded as the client asks whichever way the stage was coded."""
+    s = server()
+    src = [c.clone() for c in s.caches]
+    s.stage = staged(s, compress=staged_coded)
+    for c in s.caches:
+        c.fill_(-1.0)  # the engine took the blocks back and wrote another prompt into them
+    mine, moved = pull(s.addr, ask=ASK | {"compress": asked_coded})
+    assert_pulled(src, mine, s.layout)
+    payload = LAYERS * 2 * 75 * HEADS * DIM * 2
+    assert (moved < payload) if asked_coded else (moved > payload)
+
+
+def test_a_client_holding_the_first_blocks_gets_the_stage_from_block_0(server):
+    """A decode engine whose prefix cache held the prompt's first block asks from block 1: the stage
+    holds the prompt from block 0, so all of it comes (from_block 0), and the client writes only its
+    blocks, leaving the one it held as it was."""
+    s = server()
+    s.stage = staged(s)
+    mine = caches(torch.bfloat16, fill=3.0)
+    ask = ASK | {"blocks": [2, 6], "first_block": 1, "tokens": 75 - SIZE}
+    side_channel.pull(s.addr, KEY, ask, s.layout, mine, [7, 0], timeout=120)
+    at = (s.layout.token_of < 75 - 2 * SIZE).nonzero().flatten()
+    for src, dst in zip(s.caches, mine):
+        src, dst = src.view(torch.int16), dst.view(torch.int16)
+        assert torch.equal(dst[7], src[2])
+        assert torch.equal(dst[0].view(HEADS, -1)[:, at], src[6].view(HEADS, -1)[:, at])
+        assert bool((dst[1:7] == torch.tensor(3.0, dtype=torch.bfloat16).view(torch.int16)).all())
+    assert isinstance(s.ended()[-1], dict)
+
+
+def test_frames_not_yet_coded_are_waited_for(server):
+    """A pull that comes while the stage's layers are still being coded gets each frame as it is put."""
+    s = server()
+    s.stage = stage = staged(s, coded=False)
+    blocks, tokens = Server.HELD["r1"]
+
+    def code():
+        for i, cache in enumerate(s.caches):
+            threading.Event().wait(0.3)
+            stage.put(i, wire.encode_layer(s.layout.gather(cache, blocks, tokens), True))
+
+    threading.Thread(target=code, daemon=True).start()
+    mine, _ = pull(s.addr)
+    assert_pulled(s.caches, mine, s.layout)
+
+
+def test_frames_from_a_block_the_client_did_not_ask_for_are_refused():
+    """A server whose answer says its frames start at another block than 0 or the ask's first is refused
+    before any frame is read."""
+    sock = socket.create_server(("127.0.0.1", 0))
+
+    def odd():
+        conn, _ = sock.accept()
+        ch = side_channel.Channel(conn)
+        ch.server_hello(KEY)
+        ch.recv_json(b"ask")
+        ch.send_json(b"answer", {"ok": True, "from_block": 2})
+        conn.recv(1)
+        conn.close()
+
+    threading.Thread(target=odd, daemon=True).start()
+    with pytest.raises(side_channel.Refused, match="frames from block 2"):
+        pull(sock.getsockname()[:2])
+    sock.close()

@@ -7,6 +7,9 @@ as vLLM's proxies drive it, sealed (both engines hold one secret_file).
   rank r.
 - Kimi K2.5's (DeepSeek-V3, MLA) in miniature: the latent cache moves token-exact, as one head.
 - A pull that arrives before the prefill engine's next step waits for it.
+- The prefill engine's worker stages a prompt's layers as the forward leaves them: once every one is
+  coded its blocks go back to the engine and pulls are served from the frames; a stage that missed a
+  layer keeps its blocks held, and staging stays within kv_stage_bytes.
 
 SmolLM2's hand-offs (greedy answers equal to the decode engine's own, n choices, the cache freed once
 acknowledged, strangers and bad kv_transfer_params refused, idle connections turned away, the bytes
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 
 import pytest
@@ -52,13 +56,17 @@ def handed_off(prefill, decode, prompts: list[str]) -> list[tuple[int, int, int]
     token in a step of its own where a whole prompt computes it in the prompt's batch; FP32 sums in
     another order then flip a near tie a few tokens on. SmolLM2's answers are compared whole, in
     tests/test_vllm_router.py.)
+    Each prompt's layers were coded as the prefill engine's forward left them (a log line a rank).
     Returns the pulls the decode engine logged (one per rank and prompt)."""
     for prompt in prompts:
         first = prefill.complete(prompt, 1, PREFILL_PARAMS)
         out = decode.complete(prompt, NEW_TOKENS, first["kv_transfer_params"])["choices"][0]
         assert out["token_ids"][0] == first["choices"][0]["token_ids"][0], out
         assert len(out["token_ids"]) == NEW_TOKENS
-    return decode.pulls()
+    coded = re.findall(r"request \S+: (\d+) tokens of \d+ layers coded in", prefill.text())
+    pulled = decode.pulls()
+    assert sorted(map(int, coded)) == sorted(t for t, _, _ in pulled), (coded, pulled)
+    return pulled
 
 
 def test_tensor_parallel_2_pulls_each_ranks_heads_from_the_same_rank(secret, smollm2_dir, tmp_path):
@@ -93,9 +101,9 @@ def test_mla_latent_cache_moves_as_one_head(secret, smollm2_dir, tmp_path):
 
 
 WAITS = """
-import threading, time, types
-from unweight.runtime.vllm.kv_connector import Send, _Worker
-w = _Worker(types.SimpleNamespace(block_size=16), None)
+import threading, time
+from unweight.runtime.vllm.kv_worker import KVWorker, Send, Settings
+w = KVWorker(Settings(block_size=16, producer=False), None)
 out = {}
 ask = {"request_id": "r", "blocks": [3], "first_block": 0, "tokens": 5}
 t = threading.Thread(target=lambda: out.setdefault("early", w._check(ask)))
@@ -117,3 +125,73 @@ def test_a_pull_that_comes_before_the_engines_step_waits_for_it():
     assert r.returncode == 0, r.stderr[-3000:]
     early, late = r.stdout.strip().splitlines()[-1].split(" ", 1)
     assert early == "None" and "no request r held here" in late, r.stdout
+
+
+STAGES = """
+import json, threading, time, torch
+from unweight.runtime.kv import wire
+from unweight.runtime.kv.side_channel import Layout
+from unweight.runtime.vllm.kv_worker import KVWorker, Save, Send, Settings
+
+def worker(stage_bytes):
+    w = KVWorker(Settings(block_size=4, producer=False, stage_bytes=stage_bytes), None)
+    w.layout = Layout(2, 1, 8, torch.bfloat16, 4, None)  # 2 layers of (blocks, 1 head, 4 tokens, 2 x 8)
+    g = torch.Generator().manual_seed(0)
+    w.caches = [torch.randn(6, 1, 4, 16, generator=g).to(torch.bfloat16) for _ in range(2)]
+    w.index = {"l0": 0, "l1": 1}
+    threading.Thread(target=w._code, daemon=True).start()
+    return w
+
+out = {}
+w = worker(1 << 20)
+before = [c[[3, 1]].clone() for c in w.caches]
+w.stage({"a": Save([3, 1], 7), "b": Save([2], 3)})  # the step whose forward completes a and b
+w.save("l0")
+w.save("l1")
+w.saved()
+w.stage({"c": Save([5], 2)})  # a step whose forward saves one layer of c's two
+w.save("l0")
+w.saved()
+for c in w.caches:
+    c.fill_(-1.0)  # the engine reuses the blocks
+w.hold({"a": Send([3, 1], 7, 60), "c": Send([5], 2, 60)})
+done, deadline = set(), time.monotonic() + 60
+while "a" not in done and time.monotonic() < deadline:
+    done |= w.results().finished_sending
+    time.sleep(0.05)
+out["freed"] = sorted(done)
+ask = {"request_id": "a", "blocks": [1], "first_block": 1, "tokens": 3, "release": False}
+out["check"] = w._check(ask)
+stage = w._stage_of(ask)
+ok = []
+for i in range(2):
+    layer = torch.empty(2, 8, 1, 8, dtype=torch.bfloat16)
+    wire.decode_layer(stage.frame(i), layer)
+    ok.append(torch.equal(layer.view(-1).view(torch.int16), before[i].reshape(-1).view(torch.int16)))
+out["frames"] = ok
+out["short"] = w._check(ask | {"tokens": 2})
+out["c_failed"] = w.held["c"].stage.error
+w.drop({"b"})
+w._free("a")
+w._free("c")
+out["staged_bytes"] = w.staged_bytes
+w0 = worker(0)
+w0.stage({"a": Save([3, 1], 7)})
+out["over_budget"] = sorted(w0.stages)
+print(json.dumps(out))
+"""
+
+
+def test_a_prefill_is_staged_as_its_forward_leaves_each_layer():
+    """The prefill worker's stages, without an engine: the layers saved in a step are coded from what the
+    cache held then; a request whose every layer is coded goes back to the engine (finished_sending)
+    once its hand-off is held, and a pull of its end from a later block is checked and served from the
+    frames, bit-exact though the blocks were since overwritten; a pull of fewer tokens is refused; a
+    stage that missed a layer fails and keeps its blocks; dropped and freed stages give back their
+    bytes; with kv_stage_bytes 0 nothing is staged."""
+    r = subprocess.run([str(vllm_env()), "-c", STAGES], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["freed"] == ["a"] and out["check"] is None and out["frames"] == [True, True], out
+    assert "are not their end" in out["short"] and "1 of 2 layers" in out["c_failed"], out
+    assert out["staged_bytes"] == 0 and out["over_budget"] == [], out

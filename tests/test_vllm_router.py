@@ -15,7 +15,8 @@ and raw HTTP.
 - An engine that cannot be reached is skipped for another of its role; with none of a role left,
   requests get 503 before any prefill runs and /health names the role; a prefill engine without
   the producer's half of the connector is an error naming kv_transfer_params.
-- The connector: the prefill engine frees what it held once acknowledged and neither engine warns;
+- The connector: the prefill engine codes a prompt's layers as its forward runs and takes its blocks
+  back before the pull; it frees what it held once acknowledged and neither engine warns;
   a stranger without the secret, or asking for a request not held, is refused and logged; bad
   kv_transfer_params are computed locally with a warning; 64 idle side-channel connections do not
   stop the next hand-off.
@@ -455,12 +456,39 @@ def test_serve_engine_vllm_refuses_what_it_cannot_use():
         assert r.returncode == 1 and fragment in r.stderr and r.stderr.count("\n") == 1, (args, r.stderr)
 
 
+def test_a_prefill_is_coded_as_it_runs_and_its_blocks_freed_before_the_pull(engines):
+    """The prefill engine codes each layer of a prompt for a decode engine as its forward leaves it,
+    and once every layer is coded takes the blocks back, before any decode engine asked: the lease is
+    an hour and nothing pulled, so nothing else frees them. The pull, served from the frames, moves
+    exactly the prompt's tokens and the decode engine's answer is a hand-off's."""
+    prefill, decode, _ = engines
+    body = {"prompt": DOCUMENT, "max_tokens": 1, "temperature": 0}
+    first = direct(prefill, "/v1/completions", {**body, "kv_transfer_params": PREFILL_PARAMS})
+    wait_for(lambda: prefill.kv_usage() == 0, lambda: prefill.text()[-3000:])
+    pulls = len(decode.pulls())
+    out = direct(
+        decode, "/v1/completions", {**body, "max_tokens": 8, "kv_transfer_params": first["kv_transfer_params"]}
+    )
+    assert (
+        out["choices"][0]["text"]
+        == handed_off(engines, "/v1/completions", {**body, "max_tokens": 8})["choices"][0]["text"]
+    )
+    assert out["choices"][0]["text"].startswith(first["choices"][0]["text"]), (first, out)
+    tokens = first["usage"]["prompt_tokens"]
+    assert [t for t, _, _ in decode.pulls()[pulls:]] == [tokens, tokens], decode.pulls()
+
+
 def test_the_prefill_engine_frees_what_it_held_once_acknowledged(engines):
     """Every hand-off so far was acknowledged: the prefill engine's KV cache usage is back to 0 (its
     lease is an hour), and neither engine's connector warned."""
     prefill, decode, _ = engines
     wait_for(lambda: prefill.kv_usage() == 0, lambda: prefill.text()[-3000:])
-    ours = [line for s in (prefill, decode) for line in s.text().splitlines() if "[kv_connector.py:" in line]
+    ours = [
+        line
+        for s in (prefill, decode)
+        for line in s.text().splitlines()
+        if "[kv_connector.py:" in line or "[kv_worker.py:" in line
+    ]
     assert not [line for line in ours if " WARNING " in line], ours
 
 

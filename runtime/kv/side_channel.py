@@ -8,12 +8,20 @@ A connection, in order (every message is 4 bytes of length, then its bytes):
     server  hello       {"nonce", "proof"}: its own nonce and its proof of the secret; or a refusal
     client  proof       its proof of the secret (only when both hold one)
     client  ask         which request, which of its blocks, how many tokens, coded or raw, the cache's geometry
-    server  answer      {"ok": true} or {"ok": false, "error"}
+    server  answer      {"ok": true, "from_block"} or {"ok": false, "error"}
     server  header      runtime/kv/wire.py's header: dtype, (layers, 2, tokens, kv_heads, head_dim), salt
     server  frame i     layer i's tokens, coded (wire.encode_layer), i = 0 .. layers-1
     client  ack         the frames are in its cache: the server may free the blocks
 A client that only releases the blocks (its request ended before the pull) asks with "release" and
 the connection ends at the answer.
+
+Frames come from one of two places. A `Stage`: the prefill's layers, gathered as its forward left
+each one (the connector's save_kv_layer) and coded on a thread of their own while the forward goes
+on, so a pull finds them coded and the engine may have taken the blocks back already. A stage holds
+the prompt from block 0: a pull from a later block (the decode engine held the first ones in its
+prefix cache) gets them all, `from_block` 0 in the answer, and the client skips what it holds.
+Without a stage, the server gathers and codes each layer from the blocks as it sends it
+(`from_block` is then the ask's own first block).
 
 With a secret (both engines read the same file) each side proves it on every connection, answering
 the other's fresh nonce with an HMAC under the connector key (runtime/kv/secret.py), and everything
@@ -41,6 +49,8 @@ import hmac
 import json
 import socket
 import struct
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -49,7 +59,7 @@ import torch
 from . import wire
 from .secret import new_nonce, proof
 
-VERSION = 1
+VERSION = 2  # 2: the answer says from which block the frames start
 LENGTH = struct.Struct("<I")
 MAX_MESSAGE_BYTES = 1 << 20  # a hello or an ask (the block ids of a 512k-token prompt fit)
 IO_TIMEOUT_S = 30.0
@@ -58,6 +68,52 @@ ACK = b"\x01"
 
 class Refused(wire.WireError):
     """The peer refused the pull, or the pull is not what this side expects: logged, nothing waits."""
+
+
+class Stage:
+    """A finished prefill's frames, one a layer, put by the thread that codes them as the forward
+    leaves each layer and taken by pulls (waiting for a frame not yet coded): `tokens` tokens in
+    `blocks` from block 0, coded (`compress`) or raw. A stage that could not be made whole is failed
+    (`error`), and nothing is served from it."""
+
+    def __init__(self, layers: int, blocks: list[int], tokens: int, compress: bool):
+        self.blocks, self.tokens, self.compress = list(blocks), tokens, compress
+        self.error: str | None = None
+        self.nbytes = 0  # of the frames coded so far
+        self.made, self.coded = time.monotonic(), 0.0  # when it was made, and all its frames coded
+        self._frames: list[bytes | None] = [None] * layers
+        self._changed = threading.Condition()
+
+    def put(self, index: int, frame: bytes) -> None:
+        with self._changed:
+            self._frames[index] = frame
+            self.nbytes += len(frame)
+            if all(f is not None for f in self._frames):
+                self.coded = time.monotonic()
+            self._changed.notify_all()
+
+    def fail(self, why: str) -> None:
+        with self._changed:
+            self.error = self.error or why
+            self._changed.notify_all()
+
+    @property
+    def complete(self) -> bool:
+        with self._changed:
+            return self.error is None and all(f is not None for f in self._frames)
+
+    def covers(self, blocks: list[int], first: int, tokens: int, block_size: int) -> bool:
+        """Whether a pull of `tokens` tokens in `blocks` from block `first` on is the end of this prompt."""
+        return self.blocks[first : first + len(blocks)] == blocks and first * block_size + tokens == self.tokens
+
+    def frame(self, index: int, timeout: float = IO_TIMEOUT_S) -> bytes:
+        """Frame `index`, once coded; Refused if the stage failed or it takes longer than `timeout`."""
+        with self._changed:
+            if not self._changed.wait_for(lambda: self._frames[index] is not None or self.error, timeout):
+                raise Refused(f"frame {index} of a staged prefill not coded within {timeout:.0f} s")
+            if self.error:
+                raise Refused(f"the staged prefill failed: {self.error}")
+            return self._frames[index]
 
 
 @dataclass(frozen=True, eq=False)
@@ -265,23 +321,31 @@ def pull(
         if not answer.get("ok"):
             raise Refused(f"the prefill engine refused: {answer.get('error')}")
         if not ask.get("release"):
-            _receive(ch, str(ask["request_id"]), layout, caches, blocks, int(ask["tokens"]))
+            first, start = int(ask["first_block"]), answer.get("from_block")
+            if type(start) is not int or start not in (0, first):
+                raise Refused(f"frames from block {start!r}, where the pull asked from block {first}")
+            _receive(ch, str(ask["request_id"]), layout, caches, blocks, int(ask["tokens"]), first - start)
             ch.send(b"ack", ACK)
         return ch.sent, ch.received
 
 
-def _receive(ch: Channel, rid: str, layout: Layout, caches: list[torch.Tensor], blocks: list[int], tokens: int) -> None:
-    shape = layout.shape(len(blocks), tokens)
+def _receive(
+    ch: Channel, rid: str, layout: Layout, caches: list[torch.Tensor], blocks: list[int], tokens: int, skip: int
+) -> None:
+    """The frames of `tokens` tokens into `blocks`, after `skip` whole blocks this side holds already
+    (the frames carry them too: they come from a stage)."""
+    shape = layout.shape(skip + len(blocks), skip * layout.block_size + tokens)
     sealed = ch.session is not None
     header = ch.recv_raw(wire.HEADER.size + wire.RID_MAX)
     wire.check_header(header, rid, 0, layout.dtype, shape, need_sealed=sealed)
     sealer = wire.Sealer(ch.session, header) if sealed else None
     bound = wire.max_frame_bytes(shape, layout.dtype, sealed)
     out = torch.empty(shape[1:], dtype=layout.dtype)
+    held = skip * layout.heads * layout.block_size * 2 * layout.dim  # elements of the skipped blocks
     for i, cache in enumerate(caches):
         data = ch.recv_raw(bound)
         wire.decode_layer(sealer.open(i, data) if sealed else wire.strip_check(i, data), out)
-        layout.scatter(cache, blocks, tokens, out)
+        layout.scatter(cache, blocks, tokens, out.view(-1)[held:])
 
 
 def serve(
@@ -290,11 +354,13 @@ def serve(
     check: Callable[[dict], str | None],
     layout: Layout,
     caches: list[torch.Tensor],
+    stage_of: Callable[[dict], Stage | None] = lambda ask: None,
 ) -> dict:
     """The server's answer to one connection: the proofs, the ask, `check(ask)` (None: the request
-    holds those blocks; else why not), and the frames. Returns the ask once the client acknowledged
-    the frames or released the blocks; raises (Refused, PermissionError, OSError, ...) otherwise,
-    having told the client why where it could."""
+    holds those blocks; else why not), and the frames: from `stage_of(ask)`, the request's stage if
+    it has one that covers the ask, else coded from the blocks. Returns the ask once the client
+    acknowledged the frames or released the blocks; raises (Refused, PermissionError, OSError, ...)
+    otherwise, having told the client why where it could."""
     conn.settimeout(IO_TIMEOUT_S)
     ch = Channel(conn)
     ch.server_hello(key)
@@ -303,16 +369,24 @@ def serve(
     if error:
         ch.send_json(b"answer", {"ok": False, "error": error})
         raise Refused(error)
-    ch.send_json(b"answer", {"ok": True})
     if ask.get("release"):
+        ch.send_json(b"answer", {"ok": True})
         return ask
-    blocks, tokens, rid = list(ask["blocks"]), int(ask["tokens"]), str(ask["request_id"])
+    stage = stage_of(ask)
+    blocks, tokens = (stage.blocks, stage.tokens) if stage else (list(ask["blocks"]), int(ask["tokens"]))
+    ch.send_json(b"answer", {"ok": True, "from_block": 0 if stage else ask["first_block"]})
     shape = layout.shape(len(blocks), tokens)
-    header = wire.pack_header(rid, 0, layout.dtype, shape, bool(ch.session), wire.new_salt())
+    header = wire.pack_header(str(ask["request_id"]), 0, layout.dtype, shape, bool(ch.session), wire.new_salt())
     ch.send_raw(header)
     sealer = wire.Sealer(ch.session, header) if ch.session else None
+    compress = bool(ask.get("compress", True))
     for i, cache in enumerate(caches):
-        frame = wire.encode_layer(layout.gather(cache, blocks, tokens), bool(ask.get("compress", True)))
+        if stage is None:
+            frame = wire.encode_layer(layout.gather(cache, blocks, tokens), compress)
+        elif stage.compress != compress:  # coded the other way than this decode engine asks
+            frame = wire.recode(stage.frame(i), shape[1:], layout.dtype, compress)
+        else:
+            frame = stage.frame(i)
         ch.send_raw(sealer.seal(i, frame) if sealer else wire.add_check(i, frame))
     if ch.recv(b"ack", len(ACK)) != ACK:
         raise Refused("the decode engine's acknowledgement is not one")

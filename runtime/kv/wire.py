@@ -189,6 +189,14 @@ def decode_layer(frame: memoryview | bytes, out: torch.Tensor) -> None:
     rans.decode(streams, p, len(words), threads=1, out=words)
 
 
+def recode(frame: bytes, shape: tuple[int, ...], dtype: torch.dtype, compress: bool) -> bytes:
+    """A frame of a (2, tokens, kv_heads, head_dim) layer coded again, as `encode_layer(..., compress)`
+    would code the layer it holds."""
+    layer = torch.empty(shape, dtype=dtype)
+    decode_layer(frame, layer)
+    return encode_layer(layer, compress)
+
+
 class Sealer:
     """ChaCha20-Poly1305 over the frames of one transfer (see the module's docstring)."""
 

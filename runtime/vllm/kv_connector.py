@@ -18,14 +18,23 @@ kv_connector_extra_config:
     kv_compression     "on" (default): a decode engine asks for frames coded losslessly (0.68x BF16's
                        bytes on SmolLM2), at the codec's speed (tens of MB/s a thread); "off": raw
                        frames, for a link faster than the codec.
-    kv_lease_duration  seconds a prefill engine holds a finished prefill's blocks for the decode
-                       engine to pull (default 30); then they are freed and a late pull is refused.
+    kv_lease_duration  seconds a prefill engine holds a finished prefill's blocks, or its coded
+                       frames, for the decode engine to pull (default 30); then they are freed and a
+                       late pull is refused.
+    kv_stage_bytes     the raw KV bytes of finished prefills a prefill engine's worker may hold coded
+                       in host memory at once, waiting for their pulls (default 1 GiB; 0: none, each
+                       layer is coded from the blocks as it is pulled).
 
 The hand-off, as NixlConnector's pull:
-- the prefill request carries kv_transfer_params {"do_remote_decode": true}; when it finishes
-  (max_tokens=1), `request_finished` keeps its blocks (returns True) and answers the parameters the
-  proxy gives the decode request: do_remote_prefill, remote_engine_id, remote_request_id,
-  remote_block_ids, remote_num_tokens, remote_host, remote_port;
+- the prefill request carries kv_transfer_params {"do_remote_decode": true}; in the step whose
+  forward completes its prompt, `save_kv_layer` copies each layer's share of the prompt out of the
+  cache as the forward leaves that layer, and a thread of its own codes it (runtime/kv/side_channel.py
+  `Stage`) while the forward goes on; once every layer is coded the engine gets the blocks back
+  (finished_sending), and pulls are served from the frames (within kv_stage_bytes; past it, or if
+  a layer was not saved, the blocks stay held and are coded as they are pulled);
+- when the prefill request finishes (max_tokens=1), `request_finished` keeps its blocks (returns
+  True) and answers the parameters the proxy gives the decode request: do_remote_prefill,
+  remote_engine_id, remote_request_id, remote_block_ids, remote_num_tokens, remote_host, remote_port;
 - the decode engine's scheduler counts those prompt tokens as remote (`get_num_new_matched_tokens`
   returns (n, True): the request waits in WAITING_FOR_REMOTE_KVS with its blocks allocated);
   `build_connector_meta` hands the worker which of its blocks take which remote blocks;
@@ -33,8 +42,13 @@ The hand-off, as NixlConnector's pull:
   (runtime/kv/side_channel.py: the proofs, the ask, the header and one coded frame per layer, the
   ack), writes them into its blocks, and reports the request in finished_recving (in failed_recving
   too if the pull failed: vLLM then recomputes or fails the request as kv_load_failure_policy says);
-- the prefill worker reports the request in finished_sending once the decode side acknowledged,
-  released it, or the lease ran out; vLLM's scheduler then frees its blocks.
+- the prefill worker reports the request in finished_sending once its frames are coded, or else
+  once the decode side acknowledged, released it, or the lease ran out; vLLM's scheduler then frees
+  its blocks. The frames stay until the decode side acknowledged them, or the lease ran out.
+
+The layers cross only when the decode engine pulls, after the prefill answered: the handshake is
+NixlConnector's, in which the decode engine and its blocks are not known before. What overlaps the
+prefill's forward is the coding, which on a CPU is slower than the link (tens of MB/s a thread).
 
 Several decode requests for one prefill (a request with n > 1 choices is n requests to vLLM's
 scheduler, all with the same kv_transfer_params): the first pulls, the others wait for it, then
@@ -47,7 +61,7 @@ latent cache (kv_lora_rank + rope dims a token, one row per token, replicated on
 the same way, as one head.
 
 vLLM-CPU's attention kernel packs K inside a block for its ISA: the worker learns which token each
-element of a block holds from the kernel itself (`_token_of`), so a pull moves exactly the prompt's
+element of a block holds from the kernel itself (kv_worker.py `_token_of`), so a pull moves exactly the prompt's
 tokens, and two engines whose kernels lay blocks out differently refuse to pair.
 
 A side-channel peer that fails its proof, or asks for a request, blocks or tokens the engine does
@@ -57,11 +71,7 @@ not hold for it, is refused with a WARNING and changes nothing.
 from __future__ import annotations
 
 import collections
-import logging
 import math
-import socket
-import threading
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -73,6 +83,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 
+from .kv_worker import PULLED_KEPT, KVWorker, Recv, Save, Send, Settings, log
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
@@ -82,40 +94,22 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-log = logging.getLogger("vllm.unweight.kv_connector")  # under vLLM's logger: its handler, level and format
-
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
-MAX_CONNECTIONS = 64  # side-channel connections a prefill worker answers at once
-HELD_WAIT_S = 20.0  # under the side channel's 30 s timeouts
-PULLED_KEPT = 4096  # remote requests a decode engine remembers having pulled (for their sibling requests)
-
 
 @dataclass
-class Send:
-    """A finished prefill whose blocks the producer holds for the decode side."""
+class Producing:
+    """A prefill for a decode engine, while its prompt is computed: its prompt's length and the
+    blocks allocated so far."""
 
-    block_ids: list[int]
-    tokens: int  # the prompt tokens those blocks hold, from block 0
-    lease_s: float
-
-
-@dataclass
-class Recv:
-    """A pull the consumer's worker makes: remote blocks into local ones."""
-
-    remote_request_id: str
-    host: str
-    port: int
-    first_block: int  # of the remote list: the blocks before it are already local (prefix cache)
-    remote_block_ids: list[int]
-    local_block_ids: list[int]  # empty: nothing to pull, only release the producer's blocks
-    tokens: int  # tokens to pull, from first_block * block_size
+    prompt: int
+    blocks: list[int] = field(default_factory=list)
 
 
 @dataclass
 class UnweightConnectorMetadata(KVConnectorMetadata):
     sends: dict[str, Send] = field(default_factory=dict)
     recvs: dict[str, Recv] = field(default_factory=dict)
+    saves: dict[str, Save] = field(default_factory=dict)
+    drops: set[str] = field(default_factory=set)  # staged prefills that ended without a hand-off
 
 
 @dataclass(frozen=True)
@@ -159,36 +153,22 @@ def _int(v) -> bool:
 
 class UnweightConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
-        from unweight.runtime.kv.secret import connector_key, read_secret_file
-
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.tp = vllm_config.parallel_config.tensor_parallel_size
-        cfg = self._kv_transfer_config
-        self.block_size = vllm_config.cache_config.block_size
-        self.engine_id = cfg.engine_id
-        self.host = str(cfg.get_from_extra_config("host", "127.0.0.1"))
-        self.port = int(cfg.get_from_extra_config("port", 0))
-        self.lease_s = float(cfg.get_from_extra_config("kv_lease_duration", 30))
-        self.compression = str(cfg.get_from_extra_config("kv_compression", "on"))
-        if self.compression not in ("on", "off"):
-            raise ValueError(f"UnweightConnector kv_compression {self.compression!r} is not 'on' or 'off'")
-        secret_file = cfg.get_from_extra_config("secret_file", None)
-        self.key = connector_key(read_secret_file(secret_file)) if secret_file else None
-        if cfg.is_kv_producer and not self.port:
-            raise ValueError("UnweightConnector as kv_producer needs kv_connector_extra_config 'port'")
-        if self.key is None and self.host not in LOOPBACK:
-            raise ValueError(
-                f"UnweightConnector on {self.host}, not loopback, needs kv_connector_extra_config 'secret_file': "
-                "without it every prompt's KV cache would cross the network unauthenticated and in clear"
-            )
+        self.engine_id = self._kv_transfer_config.engine_id
+        self.settings = s = Settings.of(vllm_config)  # ValueError naming a bad key
+        self.block_size = s.block_size
         # scheduler side
         self._sends: dict[str, Send] = {}
         self._recvs: dict[str, Recv] = {}
         self._matched: dict[str, int] = {}  # request id -> the local tokens get_num_new_matched_tokens saw
         self._pulling: dict[str, str] = {}  # remote request id -> the local request pulling it
         self._pulled: collections.OrderedDict[str, None] = collections.OrderedDict()  # remote ids pulled here
+        self._producing: dict[str, Producing] = {}  # prefills for a decode engine, their prompt not yet done
+        self._staged: set[str] = set()  # prefills whose layers a forward saved, not yet finished
+        self._drops: set[str] = set()
         # worker side
-        self._worker = _Worker(self, vllm_config) if role == KVConnectorRole.WORKER else None
+        self._worker = KVWorker(s, vllm_config) if role == KVConnectorRole.WORKER else None
 
     # ---- scheduler side -------------------------------------------------------------------------
 
@@ -237,6 +217,8 @@ class UnweightConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
         params = request.kv_transfer_params
+        if params and params.get("do_remote_decode") and self.settings.producer:
+            self._producing[request.request_id] = Producing(len(request.prompt_token_ids or ()))
         if not (params and params.get("do_remote_prefill")):
             return
         remote = self._remote(request)
@@ -252,9 +234,30 @@ class UnweightConnector(KVConnectorBase_V1):
             self._pulling[remote.request_id] = request.request_id
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        meta = UnweightConnectorMetadata(sends=self._sends, recvs=self._recvs)
-        self._sends, self._recvs = {}, {}
+        saves = self._saves(scheduler_output) if self._producing else {}
+        meta = UnweightConnectorMetadata(sends=self._sends, recvs=self._recvs, saves=saves, drops=self._drops)
+        self._sends, self._recvs, self._drops = {}, {}, set()
         return meta
+
+    def _saves(self, out: SchedulerOutput) -> dict[str, Save]:
+        """The prefills for a decode engine whose prompt this step completes, with their blocks (new
+        requests and resumed ones list them all, running ones the blocks added this step)."""
+        steps = [(r.req_id, r.block_ids[0], r.num_computed_tokens, True) for r in out.scheduled_new_reqs]
+        c = out.scheduled_cached_reqs
+        for i, rid in enumerate(c.req_ids):
+            ids = c.new_block_ids[i]
+            steps.append((rid, ids[0] if ids else [], c.num_computed_tokens[i], rid in c.resumed_req_ids))
+        saves = {}
+        for rid, ids, computed, whole in steps:
+            p = self._producing.get(rid)
+            if p is None:
+                continue
+            p.blocks = list(ids) if whole else p.blocks + list(ids)
+            if computed + out.num_scheduled_tokens.get(rid, 0) >= p.prompt > 0:
+                del self._producing[rid]
+                self._staged.add(rid)
+                saves[rid] = Save(p.blocks[: math.ceil(p.prompt / self.block_size)], p.prompt)
+        return saves
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         done = connector_output.finished_recving or ()
@@ -265,9 +268,18 @@ class UnweightConnector(KVConnectorBase_V1):
                 self._pulled.popitem(last=False)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._matched.pop(request.request_id, None)
+        self._producing.pop(request.request_id, None)
+        handed_off, answer = self._hand_off(request, block_ids)
+        if request.request_id in self._staged:
+            self._staged.discard(request.request_id)
+            if not handed_off:
+                self._drops.add(request.request_id)
+        return handed_off, answer
+
+    def _hand_off(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
 
-        self._matched.pop(request.request_id, None)
         params = request.kv_transfer_params
         if not params:
             return False, None
@@ -284,7 +296,7 @@ class UnweightConnector(KVConnectorBase_V1):
         if not block_ids:
             return False, None
         tokens = request.num_computed_tokens
-        self._sends[request.request_id] = Send(list(block_ids), tokens, self.lease_s)
+        self._sends[request.request_id] = Send(list(block_ids), tokens, self.settings.lease_s)
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -292,8 +304,8 @@ class UnweightConnector(KVConnectorBase_V1):
             "remote_request_id": request.request_id,
             "remote_block_ids": list(block_ids),
             "remote_num_tokens": tokens,
-            "remote_host": self.host,
-            "remote_port": self.port,
+            "remote_host": self.settings.host,
+            "remote_port": self.settings.port,
             "tp_size": self.tp,
         }
 
@@ -308,7 +320,9 @@ class UnweightConnector(KVConnectorBase_V1):
         a pull would otherwise wait for a whole forward of other prompts."""
         super().bind_connector_metadata(connector_metadata)
         assert isinstance(connector_metadata, UnweightConnectorMetadata)
+        self._worker.drop(connector_metadata.drops)
         self._worker.hold(connector_metadata.sends)
+        self._worker.stage(connector_metadata.saves)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -319,10 +333,12 @@ class UnweightConnector(KVConnectorBase_V1):
         return
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        return  # the producer serves a prefill's blocks once it finished (layer streaming: later)
+        if self._worker.saving:
+            self._worker.save(layer_name)
 
     def wait_for_save(self):
-        return
+        if self._worker.saving:
+            self._worker.saved()
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         return self._worker.results()
@@ -341,249 +357,3 @@ def _flat(block_ids) -> list:
             raise ValueError(f"{len(block_ids)} KV cache groups: UnweightConnector takes one")
         return list(block_ids[0])
     return list(block_ids)
-
-
-def _token_of(vllm_config: VllmConfig, dtype: torch.dtype, heads: int, dim: int) -> torch.Tensor | None:
-    """Which token each element of a (block, kv_head) plane holds, as vLLM-CPU's attention kernel
-    writes a block (it packs K for its ISA): learned by letting the kernel write token i's K and V as
-    the number i + 1 into a scratch block. None off the CPU platform (whole blocks move)."""
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return None
-    from vllm import _custom_ops as ops
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-    size, cache_dtype = vllm_config.cache_config.block_size, vllm_config.cache_config.cache_dtype
-    if size > 256:  # i + 1 must be exact in BF16
-        return None
-    isa = _get_attn_isa(vllm_config.model_config.dtype, size, dim, cache_dtype)
-    scratch = torch.zeros(1, 1, size, 2 * dim, dtype=dtype)
-    key_cache, value_cache = scratch.view(1, 1, 2 * size, dim).chunk(2, dim=2)
-    key = (torch.arange(size) + 1).to(dtype)[:, None, None].expand(size, 1, dim).contiguous()
-    ops.cpu_attn_reshape_and_cache(key, key.clone(), key_cache, value_cache, torch.arange(size), isa)
-    return scratch.view(-1).to(torch.int64) - 1
-
-
-class _Worker:
-    """The worker process's half: the KV caches, the side-channel server (producer) and the pulls
-    (consumer). Threads hand their results to the engine's step through `results` under a lock."""
-
-    def __init__(self, connector: UnweightConnector, vllm_config: VllmConfig):
-        self.c, self.vllm_config = connector, vllm_config
-        self.rank = 0  # of tensor parallelism, known once the caches are registered
-        self.caches: list[torch.Tensor] = []
-        self.lock = threading.Lock()
-        self.held: dict[str, tuple[Send, float]] = {}  # request id -> (what, monotonic deadline)
-        self.arrived = threading.Condition(self.lock)  # notified when the engine's step hands over sends
-        self.gone: collections.OrderedDict[str, None] = collections.OrderedDict()  # ids held, then freed
-        self.done_sending: set[str] = set()
-        self.done_recving: set[str] = set()
-        self.failed_recving: set[str] = set()
-        self.server: socket.socket | None = None
-        self.closed = threading.Event()
-
-    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Each layer one contiguous (blocks, kv_heads, block_size, 2 * head_dim) tensor, as vLLM-CPU
-        lays it out (per head, block_size rows of K then of V, in the kernel's order); or, with MLA,
-        (blocks, block_size, latent + rope) rows of one token each, taken as one head of half that
-        width. With tensor parallelism each rank holds its own heads (all of MLA's latent) and pulls
-        them from the same rank of the prefill engine, whose side channel listens on port + rank."""
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
-        from unweight.runtime.kv.side_channel import Layout
-
-        self.rank = get_tensor_model_parallel_rank()
-        mla = self.vllm_config.model_config.use_mla
-        if mla:
-            kv_caches = {
-                name: t.view(t.shape[0], 1, t.shape[1], t.shape[2]) if t.dim() == 3 and t.shape[2] % 2 == 0 else t
-                for name, t in kv_caches.items()
-            }
-        for name, t in kv_caches.items():
-            shaped = t.dim() == 4 and t.is_contiguous() and t.shape[2] == self.c.block_size and t.shape[3] % 2 == 0
-            if not shaped or t.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-                raise ValueError(
-                    f"UnweightConnector: KV cache of {name} is {list(t.shape)} (strides {t.stride()}), "
-                    f"{t.dtype}, not (blocks, kv_heads, {self.c.block_size}, 2 * head_dim) contiguous "
-                    "in BF16, FP16 or FP32"
-                )
-        self.caches = list(kv_caches.values())
-        t = self.caches[0]
-        heads, dim = t.shape[1], t.shape[3] // 2
-        if mla:  # the backend writes token i's latent as row i of the block (cpu_mla.py do_kv_cache_update)
-            token_of = torch.arange(self.c.block_size).repeat_interleave(2 * dim)
-        else:
-            token_of = _token_of(self.vllm_config, t.dtype, heads, dim)
-        self.layout = Layout(len(self.caches), heads, dim, t.dtype, self.c.block_size, token_of)
-        self._warm()
-        if self.c._kv_transfer_config.is_kv_producer:
-            self._serve()
-
-    def _warm(self) -> None:
-        """The codec's kernels compiled (or loaded from numba's cache) now, not inside the first pull's
-        timeouts."""
-        from unweight.runtime.kv import wire
-
-        sample = torch.randn(2, 64, self.layout.heads, self.layout.dim).to(self.layout.dtype)  # codes smaller: rans
-        wire.decode_layer(wire.encode_layer(sample, True), torch.empty_like(sample))
-
-    # ---- the engine's step ----
-
-    def hold(self, sends: dict[str, Send]) -> None:
-        """Finished prefills whose blocks the engine keeps for the decode side, each until its lease ends."""
-        if not sends:
-            return
-        now = time.monotonic()
-        with self.lock:
-            for rid, send in sends.items():
-                self.held[rid] = (send, now + send.lease_s)
-            self.arrived.notify_all()
-
-    def start(self, recvs: dict[str, Recv]) -> None:
-        """The pulls this step asks for, each on a thread of its own."""
-        for rid, recv in recvs.items():
-            threading.Thread(target=self._pull, args=(rid, recv), name=f"kv-pull-{rid}", daemon=True).start()
-
-    def results(self) -> KVConnectorTransferResults:
-        now = time.monotonic()
-        with self.lock:
-            for rid in [r for r, (_, deadline) in self.held.items() if now >= deadline]:
-                log.warning("request %s: no decode engine pulled its KV within its lease; its blocks are freed", rid)
-                self._free(rid)
-            out = KVConnectorTransferResults(self.done_sending, self.done_recving, self.failed_recving)
-            self.done_sending, self.done_recving, self.failed_recving = set(), set(), set()
-        return out
-
-    # ---- consumer: pull ----
-
-    def _pull(self, rid: str, r: Recv) -> None:
-        from unweight.runtime.kv import side_channel
-
-        ok = False
-        try:
-            if self.c.key is None and r.host not in LOOPBACK:
-                raise side_channel.Refused(
-                    f"the prefill engine is on {r.host}, not loopback, and this engine has no secret_file"
-                )
-            ask = {"request_id": r.remote_request_id, "blocks": r.remote_block_ids, "first_block": r.first_block}
-            ask |= {"tokens": r.tokens, "release": not r.local_block_ids, "compress": self.c.compression == "on"}
-            sent, received = side_channel.pull(
-                (r.host, r.port + self.rank), self.c.key, ask, self.layout, self.caches, r.local_block_ids
-            )
-            if r.local_block_ids:
-                raw = self.layout.layers * 2 * r.tokens * self.layout.heads * self.layout.dim * self._itemsize()
-                log.info(
-                    "UnweightConnector: pulled %d tokens of request %s in %d blocks "
-                    "(%d layers, %d bytes on the wire, %d raw, %s)",
-                    r.tokens,
-                    r.remote_request_id,
-                    len(r.local_block_ids),
-                    self.layout.layers,
-                    sent + received,
-                    raw,
-                    "sealed" if self.c.key else "unsealed (loopback)",
-                )
-            ok = True
-        except Exception as e:  # noqa: BLE001 (a thread's end: whatever went wrong, the scheduler must hear of it)
-            log.warning("UnweightConnector: pulling the KV of request %s failed: %s", r.remote_request_id, e)
-        with self.lock:
-            if r.local_block_ids:
-                self.done_recving.add(rid)
-                if not ok:
-                    self.failed_recving.add(rid)
-
-    def _itemsize(self) -> int:
-        return self.caches[0].element_size()
-
-    # ---- producer: serve ----
-
-    def _serve(self) -> None:
-        self.server = socket.create_server((self.c.host, self.c.port + self.rank), reuse_port=False)
-        threading.Thread(target=self._accept, name="kv-side-channel", daemon=True).start()
-        log.info(
-            "UnweightConnector: serving KV on %s:%d (%s)",
-            self.c.host,
-            self.c.port + self.rank,
-            "peers prove the secret, frames sealed" if self.c.key else "loopback, no secret: frames unsealed",
-        )
-
-    def _accept(self) -> None:
-        """One thread a connection, MAX_CONNECTIONS at once: a connection past them is closed at once
-        (peers that connect and say nothing would otherwise hold a thread each for the timeout)."""
-        slots, turned_away, last_said = threading.BoundedSemaphore(MAX_CONNECTIONS), 0, 0.0
-        while not self.closed.is_set():
-            try:
-                conn, peer = self.server.accept()
-            except OSError:
-                return
-            if not slots.acquire(blocking=False):
-                conn.close()
-                turned_away += 1
-                if time.monotonic() - last_said > 10:
-                    log.warning(
-                        "UnweightConnector: %d side-channel connections turned away: %d already open",
-                        turned_away,
-                        MAX_CONNECTIONS,
-                    )
-                    turned_away, last_said = 0, time.monotonic()
-                continue
-            threading.Thread(target=self._answer, args=(conn, peer, slots), name="kv-send", daemon=True).start()
-
-    def _answer(self, conn: socket.socket, peer, slots: threading.BoundedSemaphore) -> None:
-        from unweight.runtime.kv import side_channel
-
-        with conn:
-            try:
-                ask = side_channel.serve(conn, self.c.key, self._check, self.layout, self.caches)
-            except Exception as e:  # noqa: BLE001 (a peer's request, whatever it holds, ends here with a warning)
-                log.warning("UnweightConnector: refused a pull from %s: %s", peer[0], e)
-                return
-            finally:
-                slots.release()
-        rid = str(ask["request_id"])
-        with self.lock:  # acknowledged or released: the blocks go back to the engine
-            if rid in self.held:
-                self._free(rid)
-
-    def _free(self, rid: str) -> None:
-        """The request's blocks go back to the engine (under the lock)."""
-        del self.held[rid]
-        self.done_sending.add(rid)
-        self.gone[rid] = None
-        while len(self.gone) > PULLED_KEPT:
-            self.gone.popitem(last=False)
-
-    def _check(self, ask: dict) -> str | None:
-        """None if this engine holds what `ask` asks for (request, blocks, tokens), else why not. A
-        request this engine has not been told of yet is waited for (HELD_WAIT_S at most): vLLM answers
-        a prefill's kv_transfer_params when it finishes, but hands its blocks to this worker with the
-        next step's metadata (`hold`, before that step's forward)."""
-        rid = str(ask.get("request_id"))
-        deadline = time.monotonic() + HELD_WAIT_S
-        with self.lock:
-            while (held := self.held.get(rid)) is None and rid not in self.gone:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self.arrived.wait(left)
-        if held is None:
-            return f"no request {rid} held here (unknown, already pulled, or its lease ran out)"
-        if ask.get("release"):
-            return None
-        send, first, blocks = held[0], ask.get("first_block"), ask.get("blocks")
-        if not isinstance(first, int) or not isinstance(blocks, list) or not blocks or first < 0:
-            return f"request {rid}: blocks {blocks!r} at {first!r} are not a list of block ids at an index"
-        if blocks != send.block_ids[first : first + len(blocks)]:
-            return f"request {rid}: blocks {blocks} at {first} are not this request's"
-        tokens, size = ask.get("tokens"), self.c.block_size
-        if not isinstance(tokens, int) or not (
-            (len(blocks) - 1) * size < tokens <= min(len(blocks) * size, send.tokens - first * size)
-        ):
-            return f"request {rid}: {tokens!r} tokens are not what its {len(blocks)} blocks from block {first} hold"
-        return None
-
-    def close(self) -> None:
-        self.closed.set()
-        if self.server is not None:
-            self.server.close()
