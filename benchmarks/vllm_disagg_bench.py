@@ -11,6 +11,9 @@ with veth links to a bridge):
             --engine vllm`
   unweight-raw  the same with raw frames (kv_compression off: for a link faster than the codec); not
             in the default --setups
+  unweight-unstaged  the same as unweight with kv_stage_bytes 0: each layer coded from the blocks as it
+            is pulled, not as the prefill's forward leaves it (the baseline of staging); not in the default
+            --setups
   nixl      the same pair with vLLM's NixlConnector ("kv_buffer_device": "cpu", kv_both), behind the same
             router; NIXL (nixl + nixl-cu12 from PyPI, installed --no-deps into a folder of their own in the
             cache and put on the nixl engines' PYTHONPATH, never into the shared vLLM virtualenv) moves the KV
@@ -65,7 +68,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))  # test support: network namespaces, the vLLM environment
 
-SETUPS = ("agg", "unweight", "unweight-raw", "nixl", "example")
+SETUPS = ("agg", "unweight", "unweight-raw", "unweight-unstaged", "nixl", "example")
 DEFAULT_SETUPS = ("agg", "unweight", "nixl", "example")
 ROLES = ("router", "prefill", "decode", "client")
 SERVED = "uw"  # the model name every front answers to (goodput_bench's client asks for it)
@@ -73,11 +76,13 @@ ENGINE_PORT, FRONT_PORT, SIDE_PORT = 8100, 8000, 5600
 TTFT_OUTPUT_TOKENS = 4
 NIXL_REQUIREMENTS = ("nixl==1.5.1", "nixl-cu12==1.5.1")  # no nixl-cu12 1.5.2 wheel for CPython 3.11
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+CODED = re.compile(r"UnweightConnector: request \S+: (\d+) tokens of \d+ layers coded in ([\d.]+) s from the forward")
 PULLED = re.compile(r"UnweightConnector: pulled (\d+) tokens of request \S+ in \d+ blocks \(\d+ layers, (\d+) bytes")
 NOTES = {
     "agg": "one engine, all --cores; the client asks it directly",
     "unweight": "UnweightConnector, sealed, coded, behind `unweight serve --role router --engine vllm`",
     "unweight-raw": "UnweightConnector, sealed, raw frames (kv_compression off), behind the same router",
+    "unweight-unstaged": "UnweightConnector, sealed, coded, each layer coded as it is pulled (kv_stage_bytes 0)",
     "nixl": "NixlConnector, kv_buffer_device cpu, UCX over TCP (UCX_TLS=tcp), behind the same router",
     "example": "ExampleConnector: the KV goes through the shared filesystem, NOT the shaped link; whole "
     "blocks of the prompt but its last token (the decode engine computes the rest); behind this file's proxy",
@@ -135,11 +140,13 @@ def engine_command(python: Path, model: Path, host: str, args, kv: dict | None) 
 def connector(setup: str, role: str, host: str, run_dir: Path, nixl: Path | None) -> tuple[dict, dict]:
     """The --kv-transfer-config of `role`'s engine in `setup`, and the environment it adds."""
     kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
-    if setup in ("unweight", "unweight-raw"):
+    if setup.startswith("unweight"):
         from vllm_serve import CONNECTOR
 
         extra = {"secret_file": str(run_dir / "secret"), "host": host, "port": SIDE_PORT, "kv_lease_duration": 600}
         extra["kv_compression"] = "off" if setup == "unweight-raw" else "on"
+        if setup == "unweight-unstaged":
+            extra["kv_stage_bytes"] = 0
         kv = {"kv_connector": "UnweightConnector", "kv_connector_module_path": CONNECTOR, "kv_role": kv_role}
         return kv | {"kv_connector_extra_config": extra}, {}
     if setup == "nixl":
@@ -278,6 +285,13 @@ class Run:
             return []
         return [(int(a), int(b)) for a, b in PULLED.findall(self.log("decode").read_text(errors="replace"))]
 
+    def coded(self) -> list[float]:
+        """Seconds from the forward's step to the last frame coded, of each prefill the unweight prefill
+        engine staged so far."""
+        if not self.setup.startswith("unweight"):
+            return []
+        return [float(s) for _, s in CODED.findall(self.log("prefill").read_text(errors="replace"))]
+
     def stop(self) -> None:
         """SIGTERM to each process group (vLLM's engine core and worker with it), SIGKILL after 60 s."""
         for p in self.procs.values():
@@ -375,7 +389,7 @@ def measure_ttft(run: Run, args, rnd: int, per_token: int) -> list[dict]:
     for li, link in enumerate(args.link_rates):
         shape(run.hosts, link)
         for i in range(args.requests):
-            seen = len(run.pulled())
+            seen, staged = len(run.pulled()), len(run.coded())
             before = {r: run.hosts.counters(r) for r in ("prefill", "decode")}
             got = ttft_request(run, args, seed=10_000 * rnd + 100 * li + i)  # the same prompts in every set-up
             after = {r: run.hosts.counters(r) for r in ("prefill", "decode")}
@@ -394,6 +408,7 @@ def measure_ttft(run: Run, args, rnd: int, per_token: int) -> list[dict]:
             row["received_over_raw"] = d["rx_bytes"] / raw
             row["connector_bytes"] = sum(b for _, b in pulls) if pulls else None
             row["pulled_tokens"] = sum(t for t, _ in pulls) if pulls else None
+            row["staged_coding_s"] = sum(run.coded()[staged:]) or None  # none: coded as pulled, or not ours
             rows.append(row)
             print(
                 f"  {run.setup} {link}: TTFT {got['ttft'] * 1e3:.0f} ms, decode host received {d['rx_bytes']:,} B "
@@ -691,7 +706,7 @@ def settle(args) -> None:
     if bad or not args.setups:
         raise SystemExit(f"--setups: {','.join(bad) or 'none'} not among {','.join(SETUPS)}")
     args.link_rates = args.link_rates.split(",")
-    args.rates = [float(x) for x in args.rates.split(",")]
+    args.rates = [float(x) for x in args.rates.split(",") if x]  # none: no goodput cells
     args.cores = parse_ids(args.cores) if args.cores else sorted(os.sched_getaffinity(0))
     if args.vllm_python is None:
         from envs import vllm_env
