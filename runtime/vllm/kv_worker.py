@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import queue
 import socket
 import threading
@@ -150,6 +151,21 @@ class Held:
     released: bool = False  # the engine has its blocks back: pulls are served from the stage
 
 
+def _cpuset() -> list[int]:
+    """The cores this process may use: its cgroup's cpuset where there is one, else every core."""
+    try:
+        text = open("/sys/fs/cgroup/cpuset.cpus.effective").read().strip()
+        cores = []
+        for part in text.split(","):
+            lo, _, hi = part.partition("-")
+            cores += range(int(lo), int(hi or lo) + 1)
+        if cores:
+            return cores
+    except (OSError, ValueError):
+        pass
+    return list(range(os.cpu_count() or 1))
+
+
 class KVWorker:
     """The worker process's half: the KV caches, the side-channel server, the staged frames and the
     thread that codes them (producer), and the pulls (consumer). Threads hand their results to the
@@ -167,6 +183,7 @@ class KVWorker:
         self.saving: dict[str, list] = {}  # this step's stages: request id -> [stage, layers gathered]
         self.coding: queue.SimpleQueue = queue.SimpleQueue()  # (stage, layer, tensor) to code, or None: stop
         self.full_said = 0.0
+        self.kv_cores: list[int] | None = None  # the cores this process may use, once looked up
         self.arrived = threading.Condition(self.lock)  # notified when the engine's step hands over sends
         self.gone: collections.OrderedDict[str, None] = collections.OrderedDict()  # ids held, then freed
         self.done_sending: set[str] = set()
@@ -294,6 +311,7 @@ class KVWorker:
     def _code(self) -> None:
         from unweight.runtime.kv import wire
 
+        self._on_every_core()
         while (item := self.coding.get()) is not None:
             stage, i, layer = item
             if stage.error:
@@ -303,6 +321,21 @@ class KVWorker:
             except Exception as e:  # noqa: BLE001 (the stage fails; its blocks stay held and are coded when pulled)
                 stage.fail(f"coding layer {i}: {e}")
                 log.warning("UnweightConnector: a staged prefill failed: %s", stage.error)
+
+    def _on_every_core(self) -> None:
+        """The calling thread (and those it starts) free to run on every core this process may use.
+        A thread started by the worker's main thread inherits that thread's binding, one core on
+        vLLM-CPU, where the main thread busy-loops (shm_broadcast's spin) while a request waits for
+        its KV: on a 2-core host's decode engine, measured here, its pull then stalled for the 30 s
+        of the side channel's timeout mid-transfer, and a prefill engine's serving did the same. Free,
+        the kernel runs these threads where a core has time: vLLM-CPU's core kept back for a KV
+        connector, or one whose engine is idle."""
+        if self.kv_cores is None:
+            self.kv_cores = _cpuset()
+        try:
+            os.sched_setaffinity(0, self.kv_cores)
+        except OSError as e:  # the thread stays where it was
+            log.debug("UnweightConnector: cannot run KV threads on cores %s: %s", self.kv_cores, e)
 
     def _raw(self, blocks: int, tokens: int) -> int:
         """Bytes of a stage's layers, uncoded."""
@@ -351,6 +384,7 @@ class KVWorker:
     def _pull(self, rid: str, r: Recv) -> None:
         from unweight.runtime.kv import side_channel
 
+        self._on_every_core()
         ok = False
         try:
             if self.s.key is None and r.host not in LOOPBACK:
@@ -402,6 +436,7 @@ class KVWorker:
     def _accept(self) -> None:
         """One thread a connection, MAX_CONNECTIONS at once: a connection past them is closed at once
         (peers that connect and say nothing would otherwise hold a thread each for the timeout)."""
+        self._on_every_core()  # and the threads it starts
         slots, turned_away, last_said = threading.BoundedSemaphore(MAX_CONNECTIONS), 0, 0.0
         while not self.closed.is_set():
             try:
