@@ -128,7 +128,7 @@ def test_a_pull_that_comes_before_the_engines_step_waits_for_it():
 
 
 STAGES = """
-import json, threading, time, torch
+import json, os, threading, time, torch
 from unweight.runtime.kv import wire
 from unweight.runtime.kv.side_channel import Layout
 from unweight.runtime.vllm.kv_worker import KVWorker, Save, Send, Settings
@@ -139,10 +139,13 @@ def worker(stage_bytes):
     g = torch.Generator().manual_seed(0)
     w.caches = [torch.randn(6, 1, 4, 16, generator=g).to(torch.bfloat16) for _ in range(2)]
     w.index = {"l0": 0, "l1": 1}
-    threading.Thread(target=w._code, daemon=True).start()
+    w.coder = threading.Thread(target=w._code, daemon=True)
+    w.coder.start()
     return w
 
 out = {}
+every = sorted(os.sched_getaffinity(0))
+os.sched_setaffinity(0, every[:1])  # as vLLM-CPU binds a worker's main thread
 w = worker(1 << 20)
 before = [c[[3, 1]].clone() for c in w.caches]
 w.stage({"a": Save([3, 1], 7), "b": Save([2], 3)})  # the step whose forward completes a and b
@@ -178,6 +181,7 @@ out["staged_bytes"] = w.staged_bytes
 w0 = worker(0)
 w0.stage({"a": Save([3, 1], 7)})
 out["over_budget"] = sorted(w0.stages)
+out["coder_cores"] = [sorted(os.sched_getaffinity(w.coder.native_id)), every]
 print(json.dumps(out))
 """
 
@@ -188,10 +192,12 @@ def test_a_prefill_is_staged_as_its_forward_leaves_each_layer():
     once its hand-off is held, and a pull of its end from a later block is checked and served from the
     frames, bit-exact though the blocks were since overwritten; a pull of fewer tokens is refused; a
     stage that missed a layer fails and keeps its blocks; dropped and freed stages give back their
-    bytes; with kv_stage_bytes 0 nothing is staged."""
+    bytes; with kv_stage_bytes 0 nothing is staged. The coding thread, started from a main thread bound
+    to one core (as vLLM-CPU binds it), may run on every core."""
     r = subprocess.run([str(vllm_env()), "-c", STAGES], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["freed"] == ["a"] and out["check"] is None and out["frames"] == [True, True], out
     assert "are not their end" in out["short"] and "1 of 2 layers" in out["c_failed"], out
     assert out["staged_bytes"] == 0 and out["over_budget"] == [], out
+    assert out["coder_cores"][0] == out["coder_cores"][1], out
