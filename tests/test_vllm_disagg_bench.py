@@ -1,8 +1,8 @@
 """benchmarks/vllm_disagg_bench.py end to end at its --quick sizes, on the aggregated and the unweight
 set-ups only (each start of a `vllm serve` engine takes a minute or more here): its JSON holds, for both,
 a TTFT and the decode host's received bytes at each link rate and a goodput summary at its rate, and for
-unweight the side channel's bytes of a sealed pull of the whole prompt. Figures are not judged: the
-cores are shared. Needs root (network namespaces), as CI runs.
+unweight the side channel's bytes of a sealed pull of the whole prompt, coded as the prefill ran.
+Figures are not judged: the cores are shared. Needs root (network namespaces), as CI runs.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ def test_quick_run_of_aggregated_and_unweight(smollm2_uw, tmp_path):
             assert x["raw_kv_bytes"] == 300 * per_token and x["decode_rx_bytes"] > 0
             if run["setup"] == "unweight":  # the KV crossed the decode host's link, and the side channel said so
                 assert x["pulled_tokens"] == 300 and 0 < x["connector_bytes"] <= x["decode_rx_bytes"]
+                assert x["staged_coding_s"] > 0  # the prefill engine coded the prompt as its forward ran
             else:  # only the request (its 300 token ids as JSON) and the acknowledgements
                 assert x["connector_bytes"] is None and x["decode_rx_bytes"] < x["raw_kv_bytes"]
         (cell,) = run["goodput"].values()

@@ -326,10 +326,10 @@ class KVWorker:
         """The calling thread (and those it starts) free to run on every core this process may use.
         A thread started by the worker's main thread inherits that thread's binding, one core on
         vLLM-CPU, where the main thread busy-loops (shm_broadcast's spin) while a request waits for
-        its KV: on a 2-core host's decode engine, measured here, its pull then stalled for the 30 s
-        of the side channel's timeout mid-transfer, and a prefill engine's serving did the same. Free,
-        the kernel runs these threads where a core has time: vLLM-CPU's core kept back for a KV
-        connector, or one whose engine is idle."""
+        its KV. Pinned to such a core (a 2-core host, an engine on each core, 2,000-token prompts),
+        pulls stalled mid-transfer until the side channel's 30 s timeout, the pinned thread getting
+        no CPU. Free, the kernel runs these threads where a core has time: vLLM-CPU's core kept back
+        for a KV connector, or one whose engine is idle."""
         if self.kv_cores is None:
             self.kv_cores = _cpuset()
         try:
