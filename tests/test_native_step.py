@@ -139,3 +139,43 @@ def test_weights_replaced_after_a_step_make_a_new_plan(folders, monkeypatch):
         token = int(got.argmax())
     planned.to("cpu")  # a move: the plans held the weights where they lay
     assert planned._native_steps == {}
+
+
+def test_the_plan_looks_at_the_layers_again_only_after_a_change(folders, monkeypatch):
+    """A plan compares itself with the layers only once something was registered or moved since it
+    last looked: a module made elsewhere makes it look, and it stays; a norm cast (its weight given
+    new storage, with no registration) makes it look, and it is dropped; the final norm replaced too."""
+    from unweight.runtime.model import changes
+
+    monkeypatch.setenv("UNWEIGHT_PIPELINE", "fused")
+    planned, layered = pair(folders["llama3.1-rope-scaling"], "float32")
+    prompt = torch.arange(6)
+    seqs = planned.new_sequence(), layered.new_sequence()
+    token = int(planned.prefill(seqs[0], prompt).argmax())
+    layered.prefill(seqs[1], prompt)
+
+    def step() -> None:
+        nonlocal token
+        got, want = planned.decode_step([seqs[0]], [token]), layered.decode_step([seqs[1]], [token])
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+        token = int(got.argmax())
+
+    step()
+    plan = planned._native_steps[(1, torch.float32)]
+    assert plan.seen == changes.changes()
+    nn.Linear(2, 2)  # registers its parameters: counted
+    assert plan.seen != changes.changes()
+    step()
+    assert planned._native_steps[(1, torch.float32)] is plan and plan.seen == changes.changes()
+    for model in (planned, layered):  # a cast that moves the weight's storage, then back: same values
+        norm = model.model.layers[1].input_layernorm
+        norm.double().float()
+    step()
+    assert planned._native_steps[(1, torch.float32)] is not plan
+    plan = planned._native_steps[(1, torch.float32)]
+    for model in (planned, layered):
+        old = model.model.norm
+        model.model.norm = type(old)(old.weight.shape[0], old.eps)
+        model.model.norm.weight = nn.Parameter(old.weight * 0.5, requires_grad=False)
+    step()
+    assert planned._native_steps[(1, torch.float32)] is not plan

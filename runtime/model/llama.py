@@ -30,29 +30,9 @@ from ..layers.transfer import to_device
 from .config import ModelConfig
 from .kv_cache import KVCache, SeqCache
 from .native_step import NativeStep
+from .norm import RMSNorm
 from .rope import Rope
 from .sampling import token_logprobs
-
-
-class RMSNorm(nn.Module):
-    """transformers' LlamaRMSNorm. `native` is the same norm in one native call (cpu_pointwise), with
-    the residual add before it, for a CPU decode step's rows."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
-
-    def native(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """forward(x), or with `residual` forward(x + residual) with x += residual made in x's place
-        (x is the layer's own residual stream); x (rows, n) in the weight's dtype, `takes` by
-        cpu_pointwise. Within an ulp of forward's values (the sum of squares is taken another way)."""
-        return cpu_pointwise.rms_norm_cpu(x, self.weight, self.eps, residual)
 
 
 @dataclass(slots=True)
@@ -279,22 +259,25 @@ class CausalLM(nn.Module):
             cache.reserve(seq, count)
         step = Step.plan(cache, segments)
         # positions and token ids are known on the host: nothing in a step waits for the device
-        positions = to_device(torch.cat([torch.arange(s.length, s.length + c) for s, c in segments]), self.device)
+        positions = [p for s, c in segments for p in range(s.length, s.length + c)]
+        positions = to_device(torch.tensor(positions, dtype=torch.int64), self.device)
         cos, sin = self.rope.cos_sin(positions, self.compute_dtype, end=max(s.length + c for s, c in segments))
-        x = self.model.embed_tokens.rows(tokens, self.compute_dtype).to(
-            self.device
-        )  # ids checked on the host by rows()
+        # the ids were checked on the host by every caller (_check_tokens)
+        x = self.model.embed_tokens.rows(tokens, self.compute_dtype, check=False).to(self.device)
         native = self._native_step(x) if step.native and on_layer is None else None
         if native is not None:  # the same kernels as the layers' native path, their arguments made once
-            x = native.run(x, cos, sin, step, cache)
+            x = native.run(x, cos, sin, step, cache)  # the final norm's too
         else:
             for i, layer in enumerate(self.model.layers):
                 x = layer(x, cos, sin, i, cache, step)
                 if on_layer is not None:
                     on_layer(i)
+            norm = self.model.norm
+            native_norm = step.native and cpu_pointwise.takes(x) and x.dtype == norm.weight.dtype
+            x = norm.native(x) if native_norm else norm(x)
         for seq, count in segments:
             seq.length += count
-        return self.model.norm(x)
+        return x
 
     def _native_step(self, x: torch.Tensor) -> NativeStep | None:
         """The plan of a decode step of x's rows (native_step.py), made at its first step and again
@@ -322,10 +305,17 @@ class CausalLM(nn.Module):
                     f"sequence would reach {seq.length + count} tokens, over the context length {self.max_context}"
                 )
 
-    def _check_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+    def _check_tokens(self, tokens) -> torch.Tensor:
+        """Token ids (a tensor or a list of ints) as a flat int64 tensor, each in [0, vocab_size). A
+        short list is checked in Python: at a decode step the tensor reductions cost more."""
+        vocab = self.config.vocab_size
+        if type(tokens) is list and len(tokens) <= 64 and all(type(t) is int for t in tokens):
+            if not all(0 <= t < vocab for t in tokens):
+                raise ValueError(f"token ids must lie in [0, {vocab})")
+            return torch.tensor(tokens, dtype=torch.int64)
         tokens = torch.as_tensor(tokens, dtype=torch.int64).reshape(-1)
-        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.config.vocab_size):
-            raise ValueError(f"token ids must lie in [0, {self.config.vocab_size})")
+        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab):
+            raise ValueError(f"token ids must lie in [0, {vocab})")
         return tokens
 
     def prefill(

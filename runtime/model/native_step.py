@@ -16,8 +16,10 @@ equal, and that path to the torch code.
 A plan is made for a model whose layers the kernels take: each linear an `UnweightLinear` whose
 autotuned pipeline at this many rows is `fused` and whose streams the x86 kernels read (cpu_gemv.
 gemv_call), the norms, cache and activations in one dtype (fp32, or BF16 where the chunk kernels
-write BF16), no q/k norm. It is checked at every step against what the layers hold (their weight
-values, the norms' weights, the pipeline override): anything replaced makes a new plan.
+write BF16), no q/k norm. It is checked against what the layers hold (their weight values, the norms' weights,
+the pipeline override), and anything replaced makes a new plan. That check touches some ten objects
+a layer, which a step's weights have pushed out of the caches: on SmolLM2 it took 0.29 ms of a 6.4 ms
+step. So it runs only after something may have changed (changes.py).
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from ..kernels.cpu_gemv import _PARALLEL, gemv_call
 from ..kernels.cpu_pointwise import _rms_norm_at, _rope_store_at
 from ..layers.autotune import FORCE_ENV
 from ..layers.linear import UnweightLinear
+from .changes import changes, watch
+from .norm import RMSNorm
 
 
 def _linears(layer) -> list:
@@ -45,29 +49,33 @@ def _norms(layer) -> list:
     return [layer._modules["input_layernorm"], layer._modules["post_attention_layernorm"]]
 
 
-def _held(layers: list) -> list:
+def _held(layers: list, final) -> list:
     """What a plan is made from, as the layers hold it now (a linear or norm replaced holds another
-    value): each linear's weight value and bias, each norm's weight and its address (a parameter's
-    data may be swapped in place). Read through the modules' own dicts, past nn.Module's attribute
-    lookup, which costs a few percent of a small model's step: this runs every step."""
-    held = []
+    value): the final norm, each linear's weight value and bias, each norm's weight and its address
+    (a parameter's data may be swapped in place). Read through the modules' own dicts, past
+    nn.Module's attribute lookup."""
+    held = [final]
+    for norm_layers in ([final],) + tuple(_norms(layer) for layer in layers):
+        for norm in norm_layers:
+            weight = norm._parameters["weight"]
+            held += [weight, weight.data_ptr()]
     for layer in layers:
         for lin in _linears(layer):
             held += [lin.__dict__.get("compressed_weight"), lin._parameters.get("bias")]
-        for norm in _norms(layer):
-            weight = norm._parameters["weight"]
-            held += [weight, weight.data_ptr()]
     return held
 
 
 class NativeStep:
-    """The decoder layers of one model for decode steps of `rows` rows in `dtype` on the CPU."""
+    """The decoder layers and the final norm of one model for decode steps of `rows` rows in `dtype`
+    on the CPU."""
 
     def __init__(self, model, rows: int, dtype: torch.dtype):
         cfg = model.config
         layers = list(model.model.layers)
         self.rows, self.layers = rows, layers
-        self.held, self.forced = _held(layers), os.environ.get(FORCE_ENV)
+        watch()
+        final = model.model.norm
+        self.held, self.forced, self.seen = _held(layers, final), os.environ.get(FORCE_ENV), changes()
         d, nq, nkv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.nq, self.nkv, self.hd = nq, nkv, hd
         self.bf16 = dtype is torch.bfloat16
@@ -76,7 +84,7 @@ class NativeStep:
         inter = layers[0].mlp.down_proj.in_features
         # the activations, each at a fixed address: (rows, width)
         new = lambda width, dt=dtype: torch.empty(rows, width, dtype=dt)  # noqa: E731
-        self.h, self.normed = new(d), new(d)
+        self.h, self.normed, self.out = new(d), new(d), new(d)
         self.qkv = new((nq + 2 * nkv) * hd)
         self.q32, self.out32 = new(nq * hd, torch.float32), new(nq * hd, torch.float32)  # the attention's
         self.attended = self.out32 if dtype is torch.float32 else new(nq * hd)
@@ -85,8 +93,15 @@ class NativeStep:
         self.q32_heads = self.q32.view(rows, nq, hd)
         self.gate, self.up = self.gate_up[:, :inter], self.gate_up[:, inter:]
         at = lambda t: t.data_ptr()  # noqa: E731
-        self.calls = []  # per layer: (norm args, [(kernel, args, bias, y)] of the four linears, norm 2 args)
-        for layer in layers:
+
+        def norm(w, residual, out) -> tuple:  # _rms_norm_at's args: h (+= residual), then its norm into out
+            add = (at(residual), rows) if residual is not None else (0, 0)
+            return (at(self.h), *add, at(w.weight), w.eps, at(out), rows, d, self.bf16)
+
+        # per layer: (norm args, [(kernel, args, bias, y)] of the four linears, norm 2 args). Each
+        # layer's last residual add (h += down) is made by the next norm's call, in h's place.
+        self.calls = []
+        for i, layer in enumerate(layers):
             linears = []
             for lin, (x, y) in zip(
                 _linears(layer),
@@ -95,9 +110,8 @@ class NativeStep:
                 kernel, streams, parts = gemv_call(lin.compressed_weight, dtype)
                 linears.append((kernel, (at(x), rows, *streams, at(y), parts), lin.bias, y))
             w1, w2 = _norms(layer)
-            norm1 = (at(self.h), 0, 0, at(w1.weight), w1.eps, at(self.normed), rows, d, self.bf16)
-            norm2 = (at(self.h), at(self.o), rows, at(w2.weight), w2.eps, at(self.normed), rows, d, self.bf16)
-            self.calls.append((norm1, linears, norm2))
+            self.calls.append((norm(w1, self.down if i else None, self.normed), linears, norm(w2, self.o, self.normed)))
+        self.final = norm(final, self.down, self.out)
 
     @classmethod
     def make(cls, model, x: torch.Tensor) -> NativeStep | None:
@@ -115,11 +129,13 @@ class NativeStep:
         inter = linears[0][3].in_features
         # (out, in) of each layer's linears, as the plan's buffers are sized: the kernels write by address
         shapes = [((nq + 2 * nkv) * hd, d), (d, nq * hd), (2 * inter, d), (d, inter)]
-        for layer, four in zip(model.model.layers, linears, strict=True):
-            for norm in _norms(layer):
-                w = norm.weight
-                if w.dtype is not dtype or w.shape != (d,) or not w.is_contiguous() or w.device != x.device:
-                    return None
+        for norm in [model.model.norm] + [norm for layer in model.model.layers for norm in _norms(layer)]:
+            w = norm.weight
+            if type(norm) is not RMSNorm or w.dtype is not dtype or w.shape != (d,) or not w.is_contiguous():
+                return None
+            if w.device != x.device:
+                return None
+        for four in linears:
             for lin, shape in zip(four, shapes, strict=True):
                 if (lin.out_features, lin.in_features) != shape:
                     return None
@@ -135,16 +151,25 @@ class NativeStep:
 
     def holds(self, model) -> bool:
         """Whether this plan is still made of what the model's layers hold."""
-        if os.environ.get(FORCE_ENV) != self.forced or list(model.model.layers) != self.layers:
+        if os.environ.get(FORCE_ENV) != self.forced or len(model.model.layers) != len(self.layers):
             return False
-        now = _held(self.layers)
-        return len(now) == len(self.held) and all(
+        if changes() == self.seen:
+            return True
+        seen = changes()
+        if list(model.model.layers) != self.layers:
+            return False
+        now = _held(self.layers, model.model.norm)
+        same = len(now) == len(self.held) and all(
             a is b or (type(a) is int and a == b) for a, b in zip(now, self.held, strict=True)
         )
+        if same:
+            self.seen = seen  # registrations elsewhere: this plan still holds
+        return same
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step, cache) -> torch.Tensor:
-        """The decoder layers of one decode step: x (rows, hidden) the embedded tokens; returns the
-        residual stream after the last layer (the plan's own buffer: valid until the next step)."""
+        """The decoder layers and the final norm of one decode step: x (rows, hidden) the embedded
+        tokens; returns the final norm of the residual stream after the last layer (the plan's own
+        buffer: valid until the next step)."""
         nq, nkv, hd, rows, bf16 = self.nq, self.nkv, self.hd, self.rows, self.bf16
         cos, sin = cos.contiguous(), sin.contiguous()
         slots, tables, lengths = step.slots, step.tables.contiguous(), step.lengths
@@ -183,5 +208,5 @@ class NativeStep:
                 kd(*down_args)
                 if down_bias is not None:
                     down.add_(down_bias)
-                h.add_(down)
-        return h
+            _rms_norm_at(*self.final)  # h += down; the final norm of h
+        return self.out
