@@ -137,6 +137,39 @@ def test_a_greedy_choice_over_non_finite_logits_is_the_reference_one():
     assert [pick.token for pick in choose_rows(logits, seqs)] == [1, 1]
     seqs = [Sequence(SamplingParams(), [0], eos=[]) for _ in range(2)]  # all simple: the rows as they are
     assert [pick.token for pick in choose_rows(logits, seqs)] == [1, 0]
+    seqs = [Sequence(masked, [0], eos=[0])]  # EOS masked, nothing finite: the model's own argmax, NaN as -inf
+    logits = torch.tensor([[float("-inf"), float("nan"), float("nan")]])
+    assert [pick.token for pick in choose_rows(logits, seqs)] == [seqs[0].choose(logits[0]).token] == [0]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(0, 3),  # min_tokens
+            st.lists(st.integers(0, 7), max_size=3),  # stop ids
+            st.integers(0, 3),  # tokens already out
+            st.lists(st.tuples(st.integers(0, 7), st.sampled_from([math.nan, math.inf, -math.inf, 9.0])), max_size=3),
+        ),
+        min_size=1,
+        max_size=4,
+    ),
+    st.integers(0, 2**32),
+)
+def test_a_batch_of_greedy_rows_is_chosen_as_each_row_alone(rows, seed):
+    """choose_rows takes a plain greedy row's argmax as it is wherever it is no masked stop token
+    and its score is finite: the same tokens as Sequence.choose row by row, before min_tokens too,
+    whatever the stop ids and non-finite scores."""
+    logits = torch.randn(len(rows), 8, generator=torch.Generator().manual_seed(seed))
+    seqs = []
+    for r, (min_tokens, stops, out, odd) in enumerate(rows):
+        seq = Sequence(SamplingParams(min_tokens=min_tokens, stop_token_ids=stops), [1], eos=[0])
+        seq.output.extend([5] * out)
+        for t, v in odd:
+            logits[r, t] = v
+        seqs.append(seq)
+    want = [seq.choose(row.clone()).token for seq, row in zip(seqs, logits)]
+    assert [pick.token for pick in choose_rows(logits, seqs)] == want
 
 
 def test_min_p_and_top_k_cut_the_draws():

@@ -198,10 +198,16 @@ class Sequence:
         return None if seed is None else _wrap_seed(seed + index)
 
     @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing to change the logits but min_tokens, and no logprobs: the logits' own
+        argmax is the choice wherever it is no stop token (choose_rows)."""
+        p = self.params
+        return p.greedy and not p.processed and p.logprobs is None
+
+    @property
     def simple(self) -> bool:
         """Greedy with nothing to change the logits and no logprobs: an argmax on the device does."""
-        p = self.params
-        return p.greedy and not p.processed and p.logprobs is None and len(self.output) >= p.min_tokens
+        return self.plain_greedy and len(self.output) >= self.params.min_tokens
 
     # -- the choice ---------------------------------------------------------------------------
     def _scores(self, logits: torch.Tensor) -> torch.Tensor:
@@ -325,19 +331,33 @@ class Sequence:
 
 def choose_rows(logits: torch.Tensor, seqs: list[Sequence]) -> list[Pick]:
     """The next token of each sequence from fp32 logits (batch, vocab), as `Sequence.choose`
-    gives each row, with one transfer from the device for the batch: the simple greedy rows'
-    argmax on the device, the others' logits copied to the host together."""
+    gives each row, with one transfer from the device for the batch: the plain greedy rows'
+    argmax on the device (before min_tokens too, where it is no stop token and its score finite),
+    the others' logits copied to the host together."""
     out: list[Pick | None] = [None] * len(seqs)
-    simple = [i for i, s in enumerate(seqs) if s.simple]
-    rest = [i for i, s in enumerate(seqs) if not s.simple]
-    if simple:  # (no copy of the rows where they are all of them: a step's logits are cold in cache)
-        for i, t in zip(simple, argmax_rows(logits if len(simple) == len(seqs) else logits[simple])):
-            out[i] = Pick(t)
+    plain = [i for i, s in enumerate(seqs) if s.plain_greedy]
+    rest = [i for i, s in enumerate(seqs) if not s.plain_greedy]
+    if plain:  # (no copy of the rows where they are all of them: a step's logits are cold in cache)
+        for i, t in zip(plain, argmax_rows(logits if len(plain) == len(seqs) else logits[plain])):
+            seq = seqs[i]
+            # before min_tokens the stop tokens are masked out: that moves the argmax only where it
+            # is one, and a finite score is the masked logits' argmax too (a NaN anywhere would be it)
+            if seq.simple or (t not in seq.stop_ids and math.isfinite(_score(logits, i, t))):
+                out[i] = Pick(t)
+            else:
+                rest.append(i)
     if rest:
         host = (logits if len(rest) == len(seqs) else logits[rest]).float().cpu()
         for i, row in zip(rest, host):
             out[i] = seqs[i].choose(row)
     return out
+
+
+def _score(logits: torch.Tensor, row: int, token: int) -> float:
+    """logits[row, token], read through numpy on the host (a torch index costs more)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and not logits.requires_grad:
+        return float(logits.numpy()[row, token])
+    return float(logits[row, token])
 
 
 def token_logprobs(
