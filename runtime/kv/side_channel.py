@@ -82,13 +82,15 @@ class Stage:
         self.nbytes = 0  # of the frames coded so far
         self.made, self.coded = time.monotonic(), 0.0  # when it was made, and all its frames coded
         self._frames: list[bytes | None] = [None] * layers
+        self._missing = layers  # frames not coded yet
         self._changed = threading.Condition()
 
     def put(self, index: int, frame: bytes) -> None:
         with self._changed:
+            self._missing -= self._frames[index] is None
             self._frames[index] = frame
             self.nbytes += len(frame)
-            if all(f is not None for f in self._frames):
+            if not self._missing:
                 self.coded = time.monotonic()
             self._changed.notify_all()
 
@@ -100,7 +102,7 @@ class Stage:
     @property
     def complete(self) -> bool:
         with self._changed:
-            return self.error is None and all(f is not None for f in self._frames)
+            return self.error is None and not self._missing
 
     def covers(self, blocks: list[int], first: int, tokens: int, block_size: int) -> bool:
         """Whether a pull of `tokens` tokens in `blocks` from block `first` on is the end of this prompt."""
