@@ -36,6 +36,31 @@ def test_paged_decode_attention_is_torchs_over_the_gathered_blocks(dtype, heads,
     torch.testing.assert_close(got, want, rtol=0, atol=2e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("parts", [1, 2, 3, 4, 7])
+@pytest.mark.parametrize("window", [None, 40])
+def test_a_row_attended_in_parts_is_torchs(dtype, parts, window):
+    """Each (sequence, KV head) split into parts of its blocks, each with its own maximum and sum,
+    then combined: uneven parts, parts past a short row's end (which hold nothing), a window."""
+    lengths = [300, 1, 45, 17]
+    q, k, v, tables, n = _case(9, 3, lengths, dtype)
+    want = paged_attention(q, k.float(), v.float(), tables, n, n - 1, window)
+    got = paged_decode_attention_cpu(q, k, v, tables, n, window, parts=parts)
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-6)
+
+
+def test_parts_give_each_thread_two_tasks_and_none_a_short_one():
+    """One sequence of 3 KV heads on 2 threads: 2 parts a head; 4 threads: 3; never past MAX_SPLITS,
+    and no part under MIN_SPLIT_BLOCKS blocks (a short row stays whole)."""
+    from unweight.runtime.kernels.cpu_attention import MAX_SPLITS, MIN_SPLIT_BLOCKS, _splits
+
+    one = torch.tensor([300]).numpy()  # 19 blocks of 16
+    assert [_splits(one, 0, 16, 3, threads) for threads in (1, 2, 4, 64)] == [1, 2, 3, MAX_SPLITS]
+    assert _splits(torch.tensor([16 * (2 * MIN_SPLIT_BLOCKS - 1)]).numpy(), 0, 16, 1, 64) == 1  # 7 blocks
+    assert _splits(one, 32, 16, 3, 2) == 1  # a window of 32 positions: 3 blocks at most
+    assert _splits(torch.tensor([300, 300, 300]).numpy(), 0, 16, 3, 2) == 1  # 9 tasks already
+
+
 def test_a_bfloat16_query_comes_back_in_bfloat16_rounded_once():
     q, k, v, tables, n = _case(9, 3, [33, 7], torch.bfloat16)
     qb = q.to(torch.bfloat16)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import os
 
+import numba
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -180,7 +181,7 @@ class NativeStep:
         cache_slots = shape[0] * shape[1]
         rope = (self.qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), rows, nq, nkv, hd)
         attend = (self.q32.data_ptr(), tables.data_ptr(), lengths.data_ptr(), (rows, nq, hd), shape, tables.shape[1])
-        attend_tail = (self.window, self.scale, self.out32.data_ptr(), bf16)
+        attend_tail = (self.window, self.scale, self.out32.data_ptr(), bf16, numba.get_num_threads(), 0)
         h = self.h
         h.copy_(x)
         with _PARALLEL:
