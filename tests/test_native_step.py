@@ -46,6 +46,17 @@ def pair(folder, dtype: str):
     return planned, layered
 
 
+def prefilled(folder, length: int) -> tuple:
+    """pair() in fp32 with one prompt of `length` ids prefilled on both: (planned, layered, their
+    sequences, the first greedy token)."""
+    planned, layered = pair(folder, "float32")
+    prompt = torch.arange(length)
+    seqs = planned.new_sequence(), layered.new_sequence()
+    token = int(planned.prefill(seqs[0], prompt).argmax())
+    layered.prefill(seqs[1], prompt)
+    return planned, layered, seqs, token
+
+
 def steps(planned, layered, prompts, count: int) -> list[torch.Tensor]:
     """Prefill `prompts` on both, then `count` greedy decode steps of all of them and one of the
     first alone; each step's logits must be the same bits. Returns the planned model's logits."""
@@ -106,11 +117,7 @@ def test_weights_replaced_after_a_step_make_a_new_plan(folders, monkeypatch):
     """A norm's weight and a linear's weight value replaced between steps, then a whole linear: each
     next step reads the new ones (a stale plan would read the old addresses)."""
     monkeypatch.setenv("UNWEIGHT_PIPELINE", "fused")
-    planned, layered = pair(folders["llama3.1-rope-scaling"], "float32")
-    prompt = torch.arange(7)
-    seqs = planned.new_sequence(), layered.new_sequence()
-    token = int(planned.prefill(seqs[0], prompt).argmax())
-    layered.prefill(seqs[1], prompt)
+    planned, layered, seqs, token = prefilled(folders["llama3.1-rope-scaling"], 7)
 
     def replace_values(model):
         layer = model.model.layers[1]
@@ -148,11 +155,7 @@ def test_the_plan_looks_at_the_layers_again_only_after_a_change(folders, monkeyp
     from unweight.runtime.model import changes
 
     monkeypatch.setenv("UNWEIGHT_PIPELINE", "fused")
-    planned, layered = pair(folders["llama3.1-rope-scaling"], "float32")
-    prompt = torch.arange(6)
-    seqs = planned.new_sequence(), layered.new_sequence()
-    token = int(planned.prefill(seqs[0], prompt).argmax())
-    layered.prefill(seqs[1], prompt)
+    planned, layered, seqs, token = prefilled(folders["llama3.1-rope-scaling"], 6)
 
     def step() -> None:
         nonlocal token
