@@ -278,7 +278,11 @@ def bench(name: str, site: Path, args) -> dict:
 
     src = bf16_folder(name)
     uw, path = compressed(src), gguf(src, site)
-    model = unweight.load(uw, dtype=args.dtype, threads=args.threads)
+    if args.threads:  # the compute threads, torch's and numba's (load's `threads` are the decoder's)
+        from unweight.runtime.threads import set_threads
+
+        set_threads(args.threads)
+    model = unweight.load(uw, dtype=args.dtype)
     threads = torch.get_num_threads()
     g = torch.Generator().manual_seed(0)
     vocab = min(model.config.vocab_size, 49152)  # ids the tokenizer has (the 1B shape pads SmolLM2's)
