@@ -49,6 +49,18 @@ def test_a_row_attended_in_parts_is_torchs(dtype, parts, window):
     torch.testing.assert_close(got, want, rtol=0, atol=2e-6)
 
 
+@pytest.mark.parametrize("parts", [1, 3])
+def test_a_nan_key_spreads_to_its_heads_in_parts_as_whole(parts):
+    """A NaN in one key makes its KV head's outputs NaN, as torch's attention does, however the row
+    is split; the other heads stay finite."""
+    q, k, v, tables, n = _case(9, 3, [300], torch.float32)
+    k[tables[0, 2], 5, 1, 7] = float("nan")  # position 37, KV head 1
+    want = paged_attention(q, k, v, tables, n, n - 1, None)
+    got = paged_decode_attention_cpu(q, k, v, tables, n, parts=parts)
+    assert torch.equal(got.isnan(), want.isnan()) and want[0, 3:6].isnan().all() and not want[0, :3].isnan().any()
+    torch.testing.assert_close(got.nan_to_num(), want.nan_to_num(), rtol=0, atol=2e-6)
+
+
 def test_parts_give_each_thread_two_tasks_and_none_a_short_one():
     """One sequence of 3 KV heads on 2 threads: 2 parts a head; 4 threads: 3; never past MAX_SPLITS,
     and no part under MIN_SPLIT_BLOCKS blocks (a short row stays whole)."""

@@ -11,7 +11,8 @@ BF16 keys widened as they are read, in place), takes the softmax in two passes a
 Where that makes fewer than two tasks a thread (one sequence of SmolLM2's three KV heads on two
 threads left one thread idle a third of the call), each row's blocks are split into parts, each
 part attended with its own maximum and sum, and the parts combined after (flash-decoding's split):
-17.0 against 19.0 us a layer at 300 positions (SmolLM2's shapes, 2 threads, Zen 5).
+17.0 against 19.0 us a layer at 300 positions on a quiet host (SmolLM2's shapes, 2 threads, Zen 5);
+on a busy one, within its noise (-7 % to +6 % in three runs).
 
 The reference is torch's `scaled_dot_product_attention` over the gathered keys (the model's
 per-sequence path, and `graph_step.paged_attention`); tests hold this kernel to it.
@@ -73,7 +74,12 @@ def _splits(lengths, window, bs, kvh, threads) -> int:
     return max(1, min(want, MAX_SPLITS, longest // MIN_SPLIT_BLOCKS))
 
 
-@njit(nogil=True, cache=True, parallel=True, fastmath=True)
+# fast math without its no-NaN and no-inf promises: sums may be reordered (the loops over head_dim
+# vectorise), but a NaN or an infinity in the cache reaches the outputs as in torch's attention
+FAST = {"reassoc", "contract", "arcp", "nsz", "afn"}
+
+
+@njit(nogil=True, cache=True, parallel=True, fastmath=FAST)
 def _paged_decode(q, k, v, tables, lengths, window, scale, out, parts):
     """out[b, h] = softmax(q[b, h] . K_b^T * scale) V_b for q (B, H, hd) fp32, k and v (blocks,
     block_size, KVH, hd) fp32 or BF16 bits (uint16), tables (B, W) block ids, lengths (B,) the
@@ -144,24 +150,34 @@ def _paged_decode(q, k, v, tables, lengths, window, scale, out, parts):
                 for d in range(hd):
                     out[b, g * group + j, d] = a[j, d] * inv
     if split:
-        for bg in prange(nb * kvh):  # the parts of each (sequence, KV head), weighed by their maxima
-            b, g = bg // kvh, bg % kvh
-            for j in range(group):
-                top = -np.inf
-                for part in range(bg * parts, (bg + 1) * parts):
-                    top = max(top, best[part, j])
-                o = out[b, g * group + j]
-                o[:] = 0
-                norm = np.float32(0.0)
-                for part in range(bg * parts, (bg + 1) * parts):
-                    if total[part, j] > 0:  # a part past a short sequence's end holds nothing
-                        w = np.float32(math.exp(best[part, j] - top))
-                        norm += w * total[part, j]
-                        for d in range(hd):
-                            o[d] += w * acc[part, j, d]
-                inv = np.float32(1.0) / norm
-                for d in range(hd):
-                    o[d] *= inv
+        _combine(best, total, acc, out, kvh)
+
+
+@njit(nogil=True, cache=True, parallel=True)
+def _combine(best, total, acc, out, kvh):
+    """out from the parts of each (sequence, KV head): best, total (B * KVH * parts, group) each
+    part's maximum score and sum of exponentials, acc (.., group, hd) its values so weighed, parts
+    in order. Without fastmath: a NaN sum must spread to the heads' outputs, as in one part."""
+    nb, group, hd = out.shape[0], acc.shape[1], acc.shape[2]
+    parts = best.shape[0] // (nb * kvh)
+    for bg in prange(nb * kvh):  # the parts of each (sequence, KV head), weighed by their maxima
+        b, g = bg // kvh, bg % kvh
+        for j in range(group):
+            top = -np.inf
+            for part in range(bg * parts, (bg + 1) * parts):
+                top = max(top, best[part, j])
+            o = out[b, g * group + j]
+            o[:] = 0
+            norm = np.float32(0.0)
+            for part in range(bg * parts, (bg + 1) * parts):
+                if total[part, j] != 0:  # a part past a short row's end holds nothing
+                    w = np.float32(math.exp(best[part, j] - top))
+                    norm += w * total[part, j]
+                    for d in range(hd):
+                        o[d] += w * acc[part, j, d]
+            inv = np.float32(1.0) / norm
+            for d in range(hd):
+                o[d] *= inv
 
 
 @njit(nogil=True, cache=True)
