@@ -167,7 +167,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x, cos, sin, layer, cache, step):
-        if step.native and cpu_pointwise.takes(x) and x.dtype == self.input_layernorm.weight.dtype:
+        if step.native and self.input_layernorm.takes(x):
             attended = self.self_attn(self.input_layernorm.native(x), cos, sin, layer, cache, step)
             if attended.dtype == x.dtype:  # the residual add made in x's place, inside the norm's call
                 return x + self.mlp(self.post_attention_layernorm.native(x, residual=attended))
@@ -273,8 +273,7 @@ class CausalLM(nn.Module):
                 if on_layer is not None:
                     on_layer(i)
             norm = self.model.norm
-            native_norm = step.native and cpu_pointwise.takes(x) and x.dtype == norm.weight.dtype
-            x = norm.native(x) if native_norm else norm(x)
+            x = norm.native(x) if step.native and norm.takes(x) else norm(x)
         for seq, count in segments:
             seq.length += count
         return x

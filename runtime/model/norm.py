@@ -29,6 +29,10 @@ class RMSNorm(nn.Module):
         changed()
         return super()._apply(fn, recurse)
 
+    def takes(self, x: torch.Tensor) -> bool:
+        """Whether `native` takes x: cpu_pointwise's rows, in the weight's dtype."""
+        return cpu_pointwise.takes(x) and x.dtype == self.weight.dtype
+
     def native(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """forward(x), or with `residual` forward(x + residual) with x += residual made in x's place
         (x is the layer's own residual stream); x (rows, n) in the weight's dtype, `takes` by
