@@ -154,7 +154,8 @@ class Held:
 def _cpuset() -> list[int]:
     """The cores this process may use: its cgroup's cpuset where there is one, else every core."""
     try:
-        text = open("/sys/fs/cgroup/cpuset.cpus.effective").read().strip()
+        with open("/sys/fs/cgroup/cpuset.cpus.effective") as f:
+            text = f.read().strip()
         cores = []
         for part in text.split(","):
             lo, _, hi = part.partition("-")
