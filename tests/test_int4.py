@@ -1,8 +1,9 @@
 """The resident INT4 layout (runtime/kernels/int4.py) and its CPU kernels (cpu_int4.py): coded
-streams decode back to the source's INT32 words and BF16 scale bits exactly, whatever nibbles and
-scales they hold; the Int4Weight value checks its streams; the kernels rebuild every weight
-exactly and their products lie within the fp32 summation bound of a float64 product on the
-plainly decoded weights; the AVX-512 and AVX2 rows agree with the portable ones."""
+streams decode back to the source's INT32 words, BF16 scale bits and zero-point words exactly,
+whatever nibbles, scales and zero points they hold; the Int4Weight value checks its streams; the
+kernels rebuild every weight exactly and their products lie within the fp32 summation bound of a
+float64 product on the plainly decoded weights; the AVX-512 and AVX2 rows agree with the portable
+ones."""
 
 from __future__ import annotations
 
@@ -31,10 +32,28 @@ def quantized(rows: int, cols: int, group: int, seed: int = 0, heavy: bool = Fal
     return int4.pack_nibbles(codes), scale_bits.reshape(rows, cols // group)
 
 
-def dense(packed: np.ndarray, scales: np.ndarray, cols: int, group: int) -> np.ndarray:
-    """W in float64, (nibble - 8) * scale: the plain dequantization."""
+def asymmetric(rows: int, cols: int, group: int, seed: int = 0):
+    """Asymmetric min-max codes of Gaussian weights with a random offset a row, as compressed-tensors
+    packs them: (packed int32 (rows, cols / 8), BF16 scale bits (rows, cols / group), zero-point
+    words int32 (ceil(rows / 8), cols / group), packed along the rows)."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((rows, cols)) + rng.standard_normal((rows, 1))
+    g = w.astype(np.float32).reshape(rows, cols // group, group)
+    lo, hi = np.minimum(g.min(-1, keepdims=True), 0), np.maximum(g.max(-1, keepdims=True), 0)
+    scale = ((hi - lo) / 15).astype(np.float32)
+    scale_bits = (scale.view(np.uint32) >> 16).astype(np.uint16)
+    scale = (scale_bits.astype(np.uint32) << 16).view(np.float32)
+    zp = np.clip(np.rint(-lo / scale) - 8, -8, 7)
+    codes = (np.clip(np.rint(g / scale) + zp, -8, 7) + 8).astype(np.uint8).reshape(rows, cols)
+    zero = (zp[..., 0] + 8).astype(np.uint8)
+    return int4.pack_nibbles(codes), scale_bits.reshape(rows, cols // group), int4.pack_zero_points(zero)
+
+
+def dense(packed: np.ndarray, scales: np.ndarray, cols: int, group: int, zero=None) -> np.ndarray:
+    """W in float64, (nibble - zero) * scale (zero 8 without zero points): the plain dequantization."""
     s = (scales.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
-    return (int4.unpack_nibbles(packed, cols).astype(np.float64) - 8) * np.repeat(s, group, axis=1)
+    z = 8 if zero is None else np.repeat(int4.unpack_zero_points(zero, packed.shape[0]), group, axis=1)
+    return (int4.unpack_nibbles(packed, cols).astype(np.float64) - z) * np.repeat(s, group, axis=1)
 
 
 def same_streams(a: dict, b: dict) -> bool:
@@ -45,15 +64,19 @@ def same_streams(a: dict, b: dict) -> bool:
     )
 
 
-def round_trip(packed, scales, cols, group) -> Int4Weight:
+def round_trip(packed, scales, cols, group, zero=None) -> Int4Weight:
     """The weight coded on threads: the reference encoder's streams, and decoded, the source's bits."""
     assert same_streams(
-        int4_encode.encode(packed, scales, cols, group), int4.encode_reference(packed, scales, cols, group)
+        int4_encode.encode(packed, scales, cols, group, zero), int4.encode_reference(packed, scales, cols, group, zero)
     )
-    w = Int4Weight.encode(packed, scales, cols, group)
+    w = Int4Weight.encode(packed, scales, cols, group, zero)
     back_p, back_s = w.decode()
     assert np.array_equal(back_p.view(np.uint32), packed.view(np.uint32))
     assert np.array_equal(back_s.view(np.uint16), scales.view(np.uint16))
+    if zero is None:
+        assert w.symmetric and w.zero_points() is None and w.zero.numel() == 0
+    else:
+        assert not w.symmetric and np.array_equal(w.zero_points().view(np.uint32), zero.view(np.uint32))
     return w
 
 
@@ -96,6 +119,22 @@ def test_any_scales_round_trip():
     assert int(w.sesc_row[-1]) > 8
 
 
+def test_zero_points_round_trip():
+    """Asymmetric codes keep their zero points, whatever nibbles they hold, for rows that fill their
+    words and rows that leave padding (7, 13), odd group counts (a last half-filled byte) and the
+    encoder's row ranges; they cost what the source's words hold."""
+    rng = np.random.default_rng(7)
+    for rows, cols, group in ((8, 256, 32), (7, 200, 40), (13, 96, 32), (130, 64, 64), (300, 512, 32)):
+        nib = rng.integers(0, 16, (rows, cols)).astype(np.uint8)
+        scales = rng.integers(0x3C00, 0x3E00, (rows, cols // group)).astype(np.uint16)
+        zero = int4.pack_zero_points(rng.integers(0, 16, (rows, cols // group)).astype(np.uint8))
+        w = round_trip(int4.pack_nibbles(nib), scales, cols, group, zero)
+        assert w.zero.numel() == rows * -(-(cols // group) // 2)
+    packed, scales, zero = asymmetric(64, 1024, 32)
+    w = round_trip(packed, scales, 1024, 32, zero)
+    assert w.zero.numel() == zero.nbytes  # as many bytes as the source's words
+
+
 def test_bad_inputs_are_refused():
     packed, scales = quantized(4, 128, 32)
     for encode in (int4_encode.encode, int4.encode_reference):
@@ -119,12 +158,32 @@ def test_bad_inputs_are_refused():
         Int4Weight(**s, rows=4, cols=128, group=48, lut=w.lut, payload_bits=3)
     with pytest.raises(ValueError, match="16 words after them"):
         w.with_streams({"esc": s["esc"][:15]})
+    with pytest.raises(ValueError, match="'zero' holds 3 entries; .* has none \\(symmetric\\) or 8"):
+        w.with_streams({"zero": torch.zeros(3, dtype=torch.uint8)})
+    zero = int4.pack_zero_points(np.full((4, 4), 8, np.uint8))
+    for encode in (int4_encode.encode, int4.encode_reference):
+        with pytest.raises(ValueError, match=r"zero points must be \[1, 4\] int32 words, not int32\[4, 4\]"):
+            encode(packed, scales, 128, 32, np.zeros((4, 4), np.int32))
+        padded = zero.copy()
+        padded[0, 1] |= 1 << 28  # row 7 of a 4-row weight
+        with pytest.raises(ValueError, match="padding past row 4 is not zero"):
+            encode(packed, scales, 128, 32, padded)
 
 
 def fp32_bound(x: np.ndarray, W: np.ndarray) -> np.ndarray:
     """|y - exact| of an fp32 sum of K products: at most K * 2^-24 * sum |x| |w| (each product of an
     fp32 x and an exact fp32 weight rounded once, then each of K additions)."""
     return (W.shape[1] + 1) * 2.0**-24 * (np.abs(x) @ np.abs(W).T)
+
+
+def zero_bound(x: np.ndarray, packed, scales, zero, cols: int, group: int) -> np.ndarray:
+    """The bound of an asymmetric product taken as the kernels take it: the symmetric sum over
+    (nibble - 8) * scale, less the sum over groups of (zero - 8) * scale times x summed over the
+    group; each of the K + G + group additions and every product rounded once, on |terms|."""
+    sym = dense(packed, scales, cols, group)
+    s = np.repeat((scales.astype(np.uint32) << 16).view(np.float32).astype(np.float64), group, axis=1)
+    terms = np.repeat(int4.unpack_zero_points(zero, packed.shape[0]).astype(np.float64) - 8, group, axis=1) * s
+    return (cols + cols // group + group + 2) * 2.0**-24 * (np.abs(x) @ (np.abs(sym) + np.abs(terms)).T)
 
 
 needs_avx2 = pytest.mark.skipif(not AVX2_PATH, reason="the CPU has no AVX2 and FMA")
@@ -205,6 +264,35 @@ def test_chunked_product_over_tiles(cols, group):
         assert np.all(np.abs(part - exact[:, 5 : rows - 3]) <= bound[:, 5 : rows - 3]), m
 
 
+@pytest.mark.parametrize("fast", [kernels(False), kernels(True), kernels("avx2")])
+def test_asymmetric_rows_and_products(fast):
+    """Zero points through every product: rows decoded exactly as (nibble - zero) * scale, the GEMV,
+    the chunked products (fp32 and BF16 x) and the GEMM past GEMV_ROWS, a row range, within the
+    bound of the symmetric sum and the zero points' terms."""
+    rows, cols, group = 300, 512, 32
+    packed, scales, zero = asymmetric(rows, cols, group, seed=6)
+    scales[7, 3] = 0x8000 | scales[7, 3]  # a listed scale, negative
+    w = Int4Weight.encode(packed, scales, cols, group, zero)
+    W = dense(packed, scales, cols, group, zero)
+    got = cpu_int4.int4_rows_cpu(w, 0, rows, fast=fast).numpy()
+    assert np.array_equal(got.view(np.uint32), W.astype(np.float32).view(np.uint32))
+    assert np.array_equal(cpu_int4.int4_rows_cpu(w, 10, 13, fast=fast).numpy(), got[10:13])
+    rng = np.random.default_rng(3)
+    for m in (1, 3, cpu_int4.GEMV_ROWS, cpu_int4.GEMV_ROWS + 1, 40):
+        x = rng.standard_normal((m, cols)).astype(np.float32)
+        xb = torch.from_numpy(x).to(torch.bfloat16)
+        for xt in (torch.from_numpy(x), xb):
+            xf = xt.float().numpy()
+            exact, bound = xf.astype(np.float64) @ W.T, zero_bound(xf, packed, scales, zero, cols, group)
+            y = cpu_int4.int4_linear_cpu(xt, w, fast=fast).numpy()
+            assert y.shape == (m, rows) and np.all(np.abs(y - exact) <= bound), (m, xt.dtype)
+            part = cpu_int4.int4_linear_cpu(xt, w, fast=fast, rows=(5, rows - 3)).numpy()
+            assert np.all(np.abs(part - exact[:, 5 : rows - 3]) <= bound[:, 5 : rows - 3]), (m, xt.dtype)
+    sym = Int4Weight.encode(packed, scales, cols, group)  # the same codes read as symmetric: other weights
+    x = torch.from_numpy(rng.standard_normal((1, cols)).astype(np.float32))
+    assert not torch.allclose(cpu_int4.int4_linear_cpu(x, sym, fast=fast), cpu_int4.int4_linear_cpu(x, w, fast=fast))
+
+
 def test_portable_kernels_take_any_shape():
     """Columns that are not whole blocks and groups under 32 or not powers of two go to the portable
     kernels, which the AVX-512 ones refuse by name."""
@@ -282,3 +370,31 @@ def test_int4_experts_layer_runs_the_routed_experts():
         layer(x, weights, torch.full_like(ids, 4).index_fill_(0, torch.tensor([0]), 0))
     with pytest.raises(ValueError, match="not BF16 values"):
         Int4Experts.from_packed(stack(w13, 0), scales13.float() * 1.001, stack(w2, 0), scales2, group)
+
+
+def test_asymmetric_int4_experts():
+    """Experts whose codes have zero points (vLLM's w13/w2_weight_zero_point, packed along each
+    expert's rows), against the plain fp64 product on their dequantized weights."""
+    from unweight.runtime.layers.int4_experts import Int4Experts, reference_int4_experts
+
+    e, h, i, group = 3, 128, 64, 32
+    w13 = [asymmetric(2 * i, h, group, seed=s) for s in range(e)]
+    w2 = [asymmetric(h, i, group, seed=10 + s) for s in range(e)]
+
+    def stack(parts, k):
+        return torch.from_numpy(np.stack([p[k] for p in parts]))
+
+    args = (stack(w13, 0), stack(w13, 1).view(torch.bfloat16), stack(w2, 0), stack(w2, 1).view(torch.bfloat16))
+    layer = Int4Experts.from_packed(*args, group, stack(w13, 2), stack(w2, 2))
+    assert not layer.w13.symmetric and not layer.w2.symmetric
+    w13_dense, _ = layer.dense()
+    assert np.array_equal(w13_dense[1].numpy(), dense(*w13[1][:2], h, group, w13[1][2]).astype(np.float32))
+    rng = np.random.default_rng(5)
+    x = torch.from_numpy(rng.standard_normal((9, h)).astype(np.float32))
+    ids = torch.from_numpy(rng.integers(0, e, (9, 2)))
+    weights = torch.from_numpy(rng.random((9, 2)).astype(np.float32))
+    got = layer(x, weights, ids).double()
+    want = reference_int4_experts(layer, x, weights, ids)
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-4), (got - want).abs().max()
+    with pytest.raises(ValueError, match=r"zero points \[3, 128, 4\] do not fit codes"):
+        Int4Experts.from_packed(*args, group, stack(w13, 2).repeat(1, 8, 1), stack(w2, 2))

@@ -17,6 +17,14 @@ The portable product decodes BLOCK_ROWS rows of W at a time into an fp32 workspa
 GEMM. Every weight comes out exact: (nibble - 8) * scale, a 4-bit integer times a BF16 scale, is
 an fp32 value, and nibble - 8 a BF16 one.
 
+Asymmetric codes (zero points) go through the same kernels, which count every weight as
+(nibble - 8) * scale; then, for each row and group, (zero - 8) * scale (an exact fp32 value) times
+the group's sum of x is subtracted (up to GEMV_ROWS rows of x in one pass over the rows,
+`_zero_terms`; above, those terms as a matrix and torch's GEMM), so y lies within the fp32 bound
+of the two sums. The rows decoded for the portable GEMM and by `int4_rows_cpu` are corrected in
+place instead (`_zero_rows`): (nibble - 8) * scale - (zero - 8) * scale is (nibble - zero) * scale
+exactly.
+
 The AVX-512 rows (cpu_int4_avx512.py) take the product where the CPU has them and W's shape fits
 (`_fast`); the portable numba kernels here take the rest, and are the tests' oracle for them (the
 plain reference of both is int4.decode_reference, dequantized and multiplied in float64).
@@ -192,6 +200,74 @@ def _rows_coded(r0, sym, esc, esc_row, smant, sexp, sbase, sesc, sesc_row, K, gr
         scales = np.empty(G, np.float32)
         _row_scales(r0 + i, G, smant, sexp, sbase, sesc, sesc_row, scales)
         _row_weights(r0 + i, K, group, sym, esc, esc_row, pb, values, scales, out[i])
+
+
+@njit(cache=True, inline="always")
+def _zero_scaled(r, G, zero, scales):
+    """scales[g] *= zero point of row r's group g - 8 (exact: a 4-bit integer times a BF16 value)."""
+    at = r * ((G + 1) >> 1)
+    for g in range(G):
+        scales[g] *= np.float32(((np.int64(zero[at + (g >> 1)]) >> ((g & 1) << 2)) & 15) - 8)
+
+
+@njit(cache=True, inline="always")
+def _subtract_terms(xg, scales, y, i):
+    for m in range(xg.shape[0]):
+        acc = np.float32(0)
+        for g in range(scales.shape[0]):
+            acc += scales[g] * xg[m, g]
+        y[m, i] -= acc
+
+
+# the zero points' sums over a row's groups may be reordered (vectorized): no flag that assumes no NaN or inf
+REORDER = {"reassoc", "contract"}
+
+
+@njit(cache=True, parallel=True, fastmath=REORDER)
+def _zero_terms(xg, r0, smant, sexp, sbase, sesc, sesc_row, zero, y, parts):
+    """y[:, i] -= sum over g of (zero - 8) * scale of row r0 + i's group g times xg[:, g] (x summed
+    over group g): the symmetric product of asymmetric codes made theirs."""
+    R, G = y.shape[1], xg.shape[1]
+    for p in prange(parts):
+        scales = np.empty(G, np.float32)
+        for i in range(p * R // parts, (p + 1) * R // parts):
+            _row_scales(r0 + i, G, smant, sexp, sbase, sesc, sesc_row, scales)
+            _zero_scaled(r0 + i, G, zero, scales)
+            _subtract_terms(xg, scales, y, i)
+
+
+@njit(cache=True, parallel=True, fastmath=REORDER)
+def _zero_terms_avx512(xg, r0, smant, sexp, sbase, sesc, sesc_row, zero, y, parts):
+    """_zero_terms with the AVX-512 scale decode."""
+    R, G = y.shape[1], xg.shape[1]
+    for p in prange(parts):
+        scales = np.empty(G, np.float32)
+        for i in range(p * R // parts, (p + 1) * R // parts):
+            _row_scales_avx512(r0 + i, G, smant, sexp, sbase, sesc, sesc_row, scales)
+            _zero_scaled(r0 + i, G, zero, scales)
+            _subtract_terms(xg, scales, y, i)
+
+
+@njit(cache=True, parallel=True)
+def _zero_weights(r0, smant, sexp, sbase, sesc, sesc_row, zero, out):
+    """out[i, g] = (zero - 8) * scale of row r0 + i's group g (fp32, exact)."""
+    G = out.shape[1]
+    for i in prange(out.shape[0]):
+        _row_scales(r0 + i, G, smant, sexp, sbase, sesc, sesc_row, out[i])
+        _zero_scaled(r0 + i, G, zero, out[i])
+
+
+@njit(cache=True, parallel=True)
+def _zero_rows(r0, smant, sexp, sbase, sesc, sesc_row, zero, group, out):
+    """Rows r0.. of W decoded as (nibble - 8) * scale made (nibble - zero) * scale, in place."""
+    G = out.shape[1] // group
+    for i in prange(out.shape[0]):
+        scales = np.empty(G, np.float32)
+        _row_scales(r0 + i, G, smant, sexp, sbase, sesc, sesc_row, scales)
+        _zero_scaled(r0 + i, G, zero, scales)
+        for g in range(G):
+            for c in range(g * group, (g + 1) * group):
+                out[i, c] -= scales[g]
 
 
 @njit(cache=True, parallel=True)
@@ -533,7 +609,7 @@ def _check_x(x: torch.Tensor, cols: int) -> np.ndarray:
     return x.detach().to(torch.float32).contiguous().numpy()
 
 
-def _gemm(xs: np.ndarray, rows: int, decode) -> torch.Tensor:
+def _gemm(xs: np.ndarray, rows: int, decode) -> np.ndarray:
     """x @ W.T, BLOCK_ROWS rows of W at a time decoded by decode(r0, out) and multiplied by torch."""
     xt = torch.from_numpy(xs)
     y = torch.empty((xs.shape[0], rows), dtype=torch.float32)
@@ -542,7 +618,19 @@ def _gemm(xs: np.ndarray, rows: int, decode) -> torch.Tensor:
         r1 = min(r0 + BLOCK_ROWS, rows)
         decode(r0, block[: r1 - r0])
         torch.mm(xt, torch.from_numpy(block[: r1 - r0]).T, out=y[:, r0:r1])
-    return y
+    return y.numpy()
+
+
+def _zero_args(w: Int4Weight) -> tuple:
+    """The streams the zero-point kernels read: the scales' and the zero points'."""
+    return tuple(getattr(w, role).numpy() for role in ("smant", "sexp", "sbase", "sesc", "sesc_row", "zero"))
+
+
+def _decoded_rows(w: Int4Weight, path: str, r0: int, out: np.ndarray) -> None:
+    """Rows r0 .. r0 + len(out) of W dequantized into out (fp32)."""
+    _ROWS[path](r0, *_args(w), out)
+    if not w.symmetric:
+        _zero_rows(r0, *_zero_args(w), w.group, out)
 
 
 def int4_rows_cpu(w: Int4Weight, r0: int, r1: int, fast: bool | None = None) -> torch.Tensor:
@@ -550,7 +638,7 @@ def int4_rows_cpu(w: Int4Weight, r0: int, r1: int, fast: bool | None = None) -> 
     if not 0 <= r0 <= r1 <= w.rows:
         raise ValueError(f"rows {r0}..{r1} are not within the weight's {w.rows}")
     out = np.empty((r1 - r0, w.cols), np.float32)
-    _ROWS[_path(fast, w.cols, w.group)](r0, *_args(w), out)
+    _decoded_rows(w, _path(fast, w.cols, w.group), r0, out)
     return torch.from_numpy(out)
 
 
@@ -568,13 +656,21 @@ def int4_linear_cpu(
     if xs.shape[0] > GEMV_ROWS_BF16 and path == "avx512" and _bf16_x(x):
         chunk = _chunk_bf16(xs.shape[0])
         _chunks_bf16_coded_avx512(_tiled_pairs(x, chunk), chunk, r0, *args, y, _parts(r1 - r0))
-        return torch.from_numpy(y)
-    if xs.shape[0] > GEMV_ROWS and path == "avx512":
+    elif xs.shape[0] > GEMV_ROWS and path == "avx512":
         _chunks_coded_avx512(_tiled(xs, w.group), r0, *args, y, _parts(r1 - r0))
-        return torch.from_numpy(y)
-    if xs.shape[0] > GEMV_ROWS:
-        return _gemm(xs, r1 - r0, lambda i0, out: _ROWS[path](r0 + i0, *args, out))
-    _GEMV[path](xs, r0, *args, y, _parts(r1 - r0))
+    elif xs.shape[0] > GEMV_ROWS:  # rows decoded whole (their zero points in them) for torch's GEMM
+        return torch.from_numpy(_gemm(xs, r1 - r0, lambda i0, out: _decoded_rows(w, path, r0 + i0, out)))
+    else:
+        _GEMV[path](xs, r0, *args, y, _parts(r1 - r0))
+    if not w.symmetric:
+        xg = xs.reshape(xs.shape[0], -1, w.group).sum(axis=2, dtype=np.float32)  # x summed over each group
+        if xs.shape[0] > GEMV_ROWS:  # the groups' terms as a matrix, multiplied by torch's GEMM
+            terms = np.empty((r1 - r0, xg.shape[1]), np.float32)
+            _zero_weights(r0, *_zero_args(w), terms)
+            torch.from_numpy(y).sub_(torch.from_numpy(xg) @ torch.from_numpy(terms).T)
+        else:
+            fused = _zero_terms_avx512 if path == "avx512" else _zero_terms
+            fused(xg, r0, *_zero_args(w), y, _parts(r1 - r0))
     return torch.from_numpy(y)
 
 
@@ -595,6 +691,6 @@ def plain_int4_linear_cpu(
         _chunks_plain_avx512(_tiled(xs, group), p, s, cols, group, y, _parts(rows))
         return torch.from_numpy(y)
     if xs.shape[0] > GEMV_ROWS:
-        return _gemm(xs, rows, lambda r0, out: _rows_plain(r0, p, s, cols, group, out))
+        return torch.from_numpy(_gemm(xs, rows, lambda r0, out: _rows_plain(r0, p, s, cols, group, out)))
     (_gemv_plain_avx512 if on else _gemv_plain)(xs, p, s, cols, group, y, _parts(rows))
     return torch.from_numpy(y)

@@ -35,10 +35,17 @@ a plane of 32 groups a word.
 | `sbase` | uint8, R | the row's base exponent |
 | `sesc` | int16, max(S, 1) | listed scales' bits (S listed) |
 | `sesc_row` | int32, R+1 | listed scales of rows < r |
+| `zero` | uint8, R*ceil(G/2) or 0 | zero points: group g of row r in byte r*ceil(G/2) + g//2, even g low |
+
+Zero points. Symmetric codes have none (`zero` empty): w = (nibble - 8) * scale. Asymmetric ones
+(compressed-tensors' `weight_zero_point`, 4-bit and packed eight rows to an INT32 word along the
+output dimension) keep theirs as plain nibbles, two a byte, as many bytes as the source's words
+hold: w = (nibble - zero) * scale. Kernels take the symmetric product and subtract each group's
+(zero - 8) * scale times the sum of x over the group.
 
 `lut` (16 nibbles in a 64-bit integer, nibble i at bits 4i: short ones at 0..6, long ones from 8)
 and `payload_bits` are the weight's parameters (weight.Int4Weight). Decoding is bit-exact: back to
-the source's INT32 words and BF16 scale bits (`decode_reference`).
+the source's INT32 words, BF16 scale bits (`decode_reference`) and zero-point words (`zero_words`).
 """
 
 from __future__ import annotations
@@ -50,7 +57,7 @@ SHORT = 7  # short symbols; symbol SHORT is the escape
 ESCAPE = SHORT
 WINDOW = 3  # exponents a row's scales code without listing (code 3 lists)
 PAD_WORDS = 16  # words after the escape indices: a kernel reads 64 bytes from the byte of a block's first index
-ROLES = ("sym", "esc", "esc_row", "smant", "sexp", "sbase", "sesc", "sesc_row")
+ROLES = ("sym", "esc", "esc_row", "smant", "sexp", "sbase", "sesc", "sesc_row", "zero")
 
 
 def blocks(cols: int) -> int:
@@ -77,6 +84,47 @@ def pack_nibbles(nib: np.ndarray) -> np.ndarray:
     for j in range(8):
         words |= padded[:, :, j] << np.uint32(4 * j)
     return words.view(np.int32)
+
+
+def unpack_zero_points(packed: np.ndarray, rows: int) -> np.ndarray:
+    """(rows, G) uint8 zero-point nibbles of compressed-tensors' `weight_zero_point`, (ceil(rows / 8),
+    G) int32 words packed along the rows (row 8i + j of column g in bits 4j.. of word (i, g))."""
+    words = np.ascontiguousarray(packed).view(np.uint32)
+    nib = np.empty((words.shape[0], 8, words.shape[1]), dtype=np.uint8)
+    for j in range(8):
+        nib[:, j] = (words >> np.uint32(4 * j)) & np.uint32(15)
+    return nib.reshape(-1, words.shape[1])[:rows]
+
+
+def pack_zero_points(nib: np.ndarray) -> np.ndarray:
+    """The inverse of unpack_zero_points: (ceil(rows / 8), G) int32 words, padding nibbles 0."""
+    return pack_nibbles(np.ascontiguousarray(nib.T)).T.copy()
+
+
+def zero_stream(nib: np.ndarray) -> np.ndarray:
+    """The `zero` stream of (rows, G) zero-point nibbles: two a byte, even groups low."""
+    rows, g = nib.shape
+    padded = np.zeros((rows, -(-g // 2) * 2), dtype=np.uint8)
+    padded[:, :g] = nib
+    return (padded[:, 0::2] | (padded[:, 1::2] << 4)).reshape(-1)
+
+
+def zero_nibbles(stream: np.ndarray, rows: int, groups: int) -> np.ndarray:
+    """(rows, G) zero-point nibbles of a `zero` stream."""
+    b = np.asarray(stream).view(np.uint8).reshape(rows, -1)
+    return np.stack([b & 15, b >> 4], axis=-1).reshape(rows, -1)[:, :groups]
+
+
+def zero_source(zero, rows: int, groups: int) -> np.ndarray:
+    """compressed-tensors' zero-point words as (rows, G) nibbles; ValueError naming what does not fit."""
+    zero = np.asarray(zero)
+    want = (-(-rows // 8), groups)
+    if zero.ndim != 2 or zero.dtype not in (np.int32, np.uint32) or zero.shape != want:
+        raise ValueError(f"int4 zero points must be {list(want)} int32 words, not {zero.dtype}{list(zero.shape)}")
+    nib = unpack_zero_points(zero, -(-rows // 8) * 8)
+    if nib[rows:].any():
+        raise ValueError(f"int4 zero points: the words' padding past row {rows} is not zero")
+    return nib[:rows]
 
 
 def choose_lut(nib: np.ndarray) -> tuple[int, int]:
@@ -166,13 +214,15 @@ def check_source(packed: np.ndarray, scales: np.ndarray, cols: int, group: int) 
         raise ValueError(f"int4 scales must be ({rows}, {g}) BF16 bits, not {scales.dtype}{list(scales.shape)}")
 
 
-def encode_reference(packed: np.ndarray, scales: np.ndarray, cols: int, group: int) -> dict:
-    """The streams of W from compressed-tensors' `weight_packed` (R, ceil(cols / 8)) int32 and
-    `weight_scale` (R, cols / group) BF16 bits (uint16 or int16), and its parameters `lut` and
+def encode_reference(packed: np.ndarray, scales: np.ndarray, cols: int, group: int, zero=None) -> dict:
+    """The streams of W from compressed-tensors' `weight_packed` (R, ceil(cols / 8)) int32,
+    `weight_scale` (R, cols / group) BF16 bits (uint16 or int16) and, for asymmetric codes,
+    `weight_zero_point` (ceil(R / 8), cols / group) int32; and its parameters `lut` and
     `payload_bits`, the plain way (numpy, whole arrays): the oracle of int4_encode.encode, which
     codes on threads. ValueError names what does not fit."""
     packed, scales = np.asarray(packed), np.asarray(scales)
     check_source(packed, scales, cols, group)
+    zeros = np.zeros(0, np.uint8) if zero is None else zero_stream(zero_source(zero, packed.shape[0], cols // group))
     rows = packed.shape[0]
     nib = unpack_nibbles(packed, cols)
     counts = np.bincount(nib.reshape(-1), minlength=16)
@@ -212,6 +262,7 @@ def encode_reference(packed: np.ndarray, scales: np.ndarray, cols: int, group: i
         "sbase": sbase,
         "sesc": (sesc if sesc.size else np.zeros(1, np.uint16)).view(np.int16),
         "sesc_row": sesc_row.astype(np.int32),
+        "zero": zeros,
     }
     return {"streams": streams, "lut": lut, "payload_bits": payload_bits}
 
@@ -247,11 +298,19 @@ def decode_reference(streams: dict, rows: int, cols: int, group: int, lut: int, 
     return pack_nibbles(nib), scales.astype(np.uint16)
 
 
+def zero_words(streams: dict, rows: int, cols: int, group: int) -> np.ndarray | None:
+    """The source's zero-point words back (compressed-tensors' `weight_zero_point`), or None for
+    symmetric codes."""
+    z = np.asarray(streams["zero"])
+    return pack_zero_points(zero_nibbles(z, rows, cols // group)) if z.size else None
+
+
 def resident_bytes(streams: dict) -> int:
     """Bytes the streams hold, the padding words included."""
     return sum(np.asarray(s).nbytes for s in streams.values())
 
 
-def stored_bytes(rows: int, cols: int, group: int) -> int:
-    """Bytes of the source: its INT32 words and BF16 scales."""
-    return rows * -(-cols // 8) * 4 + rows * (cols // group) * 2
+def stored_bytes(rows: int, cols: int, group: int, zero: bool = False) -> int:
+    """Bytes of the source: its INT32 words and BF16 scales, and with `zero` its zero-point words."""
+    g = cols // group
+    return rows * -(-cols // 8) * 4 + rows * g * 2 + (-(-rows // 8) * g * 4 if zero else 0)

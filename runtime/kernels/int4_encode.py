@@ -127,11 +127,16 @@ def _code_scales(bits, sbase, sesc_row, smant, sexp, sesc):
             sexp[r, g >> 5] |= np.uint32((code >> 1) << (g & 31))
 
 
-def encode(packed: np.ndarray, scales: np.ndarray, cols: int, group: int) -> dict:
+def encode(packed: np.ndarray, scales: np.ndarray, cols: int, group: int, zero=None) -> dict:
     """int4.encode_reference's streams and parameters, coded on threads. ValueError names what of
-    the packed words and scales does not fit."""
+    the packed words, scales and zero points does not fit."""
     packed, scales = np.asarray(packed), np.asarray(scales)
     int4.check_source(packed, scales, cols, group)
+    zeros = (
+        np.zeros(0, np.uint8)
+        if zero is None
+        else int4.zero_stream(int4.zero_source(zero, packed.shape[0], cols // group))
+    )
     words = np.ascontiguousarray(packed).view(np.uint32)
     rows, g = words.shape[0], cols // group
     parts = _parts(rows)
@@ -167,5 +172,6 @@ def encode(packed: np.ndarray, scales: np.ndarray, cols: int, group: int) -> dic
         "sbase": sbase,
         "sesc": sesc.view(np.int16),
         "sesc_row": sesc_row.astype(np.int32),
+        "zero": zeros,
     }
     return {"streams": streams, "lut": lut, "payload_bits": payload_bits}

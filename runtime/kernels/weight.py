@@ -235,14 +235,16 @@ _INT4_DTYPES = {
     "sbase": (torch.uint8,),
     "sesc": (torch.int16,),
     "sesc_row": (torch.int32,),
+    "zero": (torch.uint8,),
 }
 
 
 @dataclass(frozen=True, slots=True, eq=False, repr=False)
 class Int4Weight(_Streams):
-    """W (rows, cols) as compressed-tensors INT4 codes (symmetric: w = (nibble - 8) * scale) and
-    one BF16 scale per `group` columns, in the resident `int4` layout (int4.py): 3-bit symbols in
-    bit planes, escaped nibbles' indices apart, scales as a mantissa byte and a 2-bit exponent code."""
+    """W (rows, cols) as compressed-tensors INT4 codes, w = (nibble - zero) * scale with one BF16
+    scale per `group` columns and, for asymmetric codes, one zero point per group (symmetric: zero
+    = 8), in the resident `int4` layout (int4.py): 3-bit symbols in bit planes, escaped nibbles'
+    indices apart, scales as a mantissa byte and a 2-bit exponent code, zero points as nibbles."""
 
     sym: torch.Tensor  # (rows * B * 3,) int64, B = ceil(cols / 64): three symbol planes per block
     esc: torch.Tensor  # (ceil(E * payload_bits / 32) + 16,) int32: escapes' indices, packed
@@ -252,6 +254,7 @@ class Int4Weight(_Streams):
     sbase: torch.Tensor  # (rows,) uint8: each row's base exponent
     sesc: torch.Tensor  # (listed scales, at least 1) int16: their bits
     sesc_row: torch.Tensor  # (rows + 1,) int32: listed scales of the rows before
+    zero: torch.Tensor  # (rows * ceil(G / 2),) uint8, or empty (symmetric): zero-point nibbles
     rows: int
     cols: int
     group: int
@@ -259,7 +262,7 @@ class Int4Weight(_Streams):
     payload_bits: int  # bits of an escape's index, 0 to 4 (`bits` in the table above)
     device: torch.device = field(init=False)
 
-    ROLES: ClassVar[tuple[str, ...]] = ("sym", "esc", "esc_row", "smant", "sexp", "sbase", "sesc", "sesc_row")
+    ROLES: ClassVar[tuple[str, ...]] = ("sym", "esc", "esc_row", "smant", "sexp", "sbase", "sesc", "sesc_row", "zero")
     layout: ClassVar[str] = "int4"
 
     def __post_init__(self) -> None:
@@ -289,6 +292,11 @@ class Int4Weight(_Streams):
                     f"int4 stream {role!r} holds {getattr(self, role).numel()} entries; a ({self.rows}, {self.cols}) "
                     f"weight in groups of {self.group} needs {length}"
                 )
+        if self.zero.numel() not in (0, self.rows * -(-g // 2)):
+            raise ValueError(
+                f"int4 stream 'zero' holds {self.zero.numel()} entries; a ({self.rows}, {self.cols}) weight in groups "
+                f"of {self.group} has none (symmetric) or {self.rows * -(-g // 2)}"
+            )
         if self.esc.numel() < 16 or self.sesc.numel() < 1:
             raise ValueError(
                 f"int4 streams 'esc' ({self.esc.numel()} words) and 'sesc' ({self.sesc.numel()}) do not hold the "
@@ -297,15 +305,29 @@ class Int4Weight(_Streams):
         object.__setattr__(self, "device", device)
 
     def _params_repr(self) -> str:
-        return f"group={self.group}, lut={self.lut:#018x}, payload_bits={self.payload_bits}"
+        kind = "symmetric" if self.symmetric else "asymmetric"
+        return f"group={self.group}, {kind}, lut={self.lut:#018x}, payload_bits={self.payload_bits}"
+
+    @property
+    def source_bytes(self) -> int:
+        """Bytes of the compressed-tensors tensors it holds: codes, scales and zero points."""
+        from . import int4
+
+        return int4.stored_bytes(self.rows, self.cols, self.group, not self.symmetric)
+
+    @property
+    def symmetric(self) -> bool:
+        """Whether the codes have no zero points (w = (nibble - 8) * scale)."""
+        return self.zero.numel() == 0
 
     @classmethod
-    def encode(cls, packed: np.ndarray, scales: np.ndarray, cols: int, group: int) -> Int4Weight:
-        """W coded from compressed-tensors' `weight_packed` (rows, ceil(cols / 8)) int32 and
-        `weight_scale` (rows, cols / group) BF16 bits (int4_encode.encode), on the CPU."""
+    def encode(cls, packed: np.ndarray, scales: np.ndarray, cols: int, group: int, zero=None) -> Int4Weight:
+        """W coded from compressed-tensors' `weight_packed` (rows, ceil(cols / 8)) int32,
+        `weight_scale` (rows, cols / group) BF16 bits and, for asymmetric codes, `weight_zero_point`
+        (ceil(rows / 8), cols / group) int32 (int4_encode.encode), on the CPU."""
         from .int4_encode import encode
 
-        coded = encode(packed, scales, cols, group)
+        coded = encode(packed, scales, cols, group, zero)
         tensors = {role: torch.from_numpy(np.ascontiguousarray(a)) for role, a in coded["streams"].items()}
         return cls(
             **tensors,
@@ -322,6 +344,13 @@ class Int4Weight(_Streams):
 
         streams = {role: t.cpu().numpy() for role, t in self.streams().items()}
         return int4.decode_reference(streams, self.rows, self.cols, self.group, self.lut, self.payload_bits)
+
+    def zero_points(self) -> np.ndarray | None:
+        """The source's zero-point words back (`weight_zero_point`, (ceil(rows / 8), G) int32), bit for
+        bit, or None for symmetric codes."""
+        from . import int4
+
+        return int4.zero_words({"zero": self.zero.cpu().numpy()}, self.rows, self.cols, self.group)
 
 
 CompressedWeight = TilesWeight | QTilesWeight | Int4Weight

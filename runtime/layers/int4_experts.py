@@ -1,5 +1,6 @@
 """`Int4Experts`: a mixture-of-experts layer's routed experts in INT4 (compressed-tensors W4A16:
-symmetric codes, BF16 group scales), kept in the resident `int4` layout (../kernels/int4.py).
+4-bit codes, BF16 group scales, and zero points where the codes are asymmetric), kept in the
+resident `int4` layout (../kernels/int4.py).
 
 E experts, each a gated MLP y = w2 @ act_and_mul(w13 @ x), w13 (2I, H) (the gate's I rows, then the
 up projection's) and w2 (H, I). Each of the two weights is one `Int4Weight` for all experts,
@@ -19,24 +20,34 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..kernels import int4
 from ..kernels.cpu_int4 import int4_linear_cpu
 from ..kernels.weight import Int4Weight
 from .experts_kernels import act_and_mul, check_routing
 
 
-def stacked(packed: torch.Tensor, scales: torch.Tensor, group: int) -> Int4Weight:
-    """One Int4Weight of (E, N, K / 8) packed codes and (E, N, K / group) BF16 scales, rows stacked."""
+def stacked(packed: torch.Tensor, scales: torch.Tensor, group: int, zero: torch.Tensor | None = None) -> Int4Weight:
+    """One Int4Weight of (E, N, K / 8) packed codes, (E, N, K / group) BF16 scales and, for
+    asymmetric codes, (E, ceil(N / 8), K / group) zero-point words packed along N; rows stacked."""
     e, n, words = packed.shape
     if scales.shape[:2] != (e, n) or scales.shape[2] * group != words * 8:
         raise ValueError(
             f"INT4 experts: scales {list(scales.shape)} do not fit codes {list(packed.shape)} in groups of {group}"
         )
+    if zero is not None:
+        if tuple(zero.shape) != (e, -(-n // 8), scales.shape[2]):
+            raise ValueError(
+                f"INT4 experts: zero points {list(zero.shape)} do not fit codes {list(packed.shape)} in groups of "
+                f"{group} (they are packed eight rows to a word)"
+            )
+        z = zero.detach().cpu().contiguous().to(torch.int32).numpy()
+        zero = int4.pack_zero_points(np.concatenate([int4.zero_source(z[i], n, z.shape[2]) for i in range(e)]))
     bf16 = scales.to(torch.bfloat16)
     if not torch.equal(bf16.float(), scales.float()):
         raise ValueError("INT4 experts: their scales are not BF16 values (the int4 layout holds BF16 scales)")
     p = packed.detach().cpu().contiguous().numpy().reshape(e * n, words)
     s = bf16.detach().cpu().contiguous().view(torch.int16).numpy().reshape(e * n, -1)
-    return Int4Weight.encode(p, s, words * 8, group)
+    return Int4Weight.encode(p, s, words * 8, group, zero)
 
 
 class Int4Experts(nn.Module):
@@ -57,10 +68,17 @@ class Int4Experts(nn.Module):
                 self.register_buffer(f"{name}_{role}", t, persistent=False)
 
     @classmethod
-    def from_packed(cls, w13_packed, w13_scale, w2_packed, w2_scale, group: int) -> Int4Experts:
+    def from_packed(
+        cls, w13_packed, w13_scale, w2_packed, w2_scale, group: int, w13_zero=None, w2_zero=None
+    ) -> Int4Experts:
         """From compressed-tensors' per-expert tensors stacked as vLLM holds them: w13 (E, 2I, H / 8)
-        int32 codes and (E, 2I, H / group) scales, w2 (E, H, I / 8) and (E, H, I / group)."""
-        return cls(stacked(w13_packed, w13_scale, group), stacked(w2_packed, w2_scale, group), w13_packed.shape[0])
+        int32 codes and (E, 2I, H / group) scales, w2 (E, H, I / 8) and (E, H, I / group); for
+        asymmetric codes their zero points, w13 (E, 2I / 8, H / group) and w2 (E, H / 8, I / group)."""
+        return cls(
+            stacked(w13_packed, w13_scale, group, w13_zero),
+            stacked(w2_packed, w2_scale, group, w2_zero),
+            w13_packed.shape[0],
+        )
 
     @property
     def stored_bytes(self) -> int:
@@ -96,15 +114,21 @@ class Int4Experts(nn.Module):
 
     def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(w13 (E, 2I, H), w2 (E, H, I)) fp32, decoded back (int4.decode_reference) and dequantized."""
-        from ..kernels import int4
-
         out = []
         for w, n in ((self.w13, 2 * self.intermediate), (self.w2, self.hidden)):
-            packed, scales = w.decode()
-            s = torch.from_numpy((scales.astype(np.uint32) << 16).view(np.float32))
-            codes = torch.from_numpy(int4.unpack_nibbles(packed, w.cols).astype(np.float32) - 8)
-            out.append((codes * s.repeat_interleave(w.group, dim=1)).reshape(self.experts, n, w.cols))
+            out.append(torch.from_numpy(dequantized(w)).reshape(self.experts, n, w.cols))
         return out[0], out[1]
+
+
+def dequantized(w: Int4Weight) -> np.ndarray:
+    """W (rows, cols) fp32, (nibble - zero) * scale from the bits decoded back (int4.decode_reference):
+    exact, and the plain reference of the kernels' rows."""
+    packed, scales = w.decode()
+    zero = w.zero_points()
+    z = 8.0 if zero is None else int4.unpack_zero_points(zero, w.rows).astype(np.float32)
+    s = (scales.astype(np.uint32) << 16).view(np.float32)
+    codes = int4.unpack_nibbles(packed, w.cols).astype(np.float32).reshape(w.rows, -1, w.group)
+    return ((codes - np.asarray(z, np.float32)[..., None]) * s[..., None]).reshape(w.rows, w.cols)
 
 
 def reference_int4_experts(experts: Int4Experts, x, topk_weights, topk_ids, activation="silu", weights_on_input=False):

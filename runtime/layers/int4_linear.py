@@ -1,5 +1,5 @@
-"""`Int4Linear`: a linear layer whose weight is compressed-tensors W4A16 (symmetric INT4 codes, BF16
-group scales) kept coded in the resident `int4` layout (../kernels/int4.py).
+"""`Int4Linear`: a linear layer whose weight is compressed-tensors W4A16 (INT4 codes, BF16 group
+scales, zero points where the codes are asymmetric) kept coded in the resident `int4` layout (../kernels/int4.py).
 
 `forward(x)` is x @ W.T by the CPU INT4 kernels (cpu_int4.int4_linear_cpu: fused for a few rows
 of x, decoded rows and torch's GEMM for more), summed in fp32 and returned in x's dtype, the bias
@@ -26,11 +26,14 @@ class Int4Linear(nn.Module):
             self.register_buffer(f"int4_{role}", t, persistent=False)
 
     @classmethod
-    def from_packed(cls, packed: torch.Tensor, scales: torch.Tensor, group: int) -> Int4Linear:
-        """From compressed-tensors' `weight_packed` (N, K / 8) int32 and `weight_scale` (N, K / group)."""
+    def from_packed(
+        cls, packed: torch.Tensor, scales: torch.Tensor, group: int, zero: torch.Tensor | None = None
+    ) -> Int4Linear:
+        """From compressed-tensors' `weight_packed` (N, K / 8) int32, `weight_scale` (N, K / group) and,
+        for asymmetric codes, `weight_zero_point` (ceil(N / 8), K / group) int32."""
         from .int4_experts import stacked
 
-        return cls(stacked(packed[None], scales[None], group))
+        return cls(stacked(packed[None], scales[None], group, None if zero is None else zero[None]))
 
     @property
     def stored_bytes(self) -> int:
