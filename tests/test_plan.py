@@ -75,6 +75,14 @@ def test_scout_and_kimi_k2_5_from_their_model_cards():
     codes, scales = experts.params // 2, experts.params // 32 * 2
     assert experts.dtype == "int4 (group 32)" and experts.stored_bytes == codes + scales
     assert experts.resident_bytes == round(codes * plan.INT4_CODES_RATIO + scales * plan.INT4_SCALES_RATIO)
+    asym = json.loads(json.dumps(kimi))  # the same experts with zero points: 4 bits more a group, counted
+    for group in asym["quantization_config"]["config_groups"].values():
+        group["weights"]["symmetric"] = False
+    zeros = {w.name: w for w in plan.weights(asym)}["experts"]
+    assert zeros.dtype == "int4 (group 32, zero points)" and zeros.stored_bytes == codes + scales + codes // 32
+    assert zeros.resident_bytes == round(
+        codes * plan.INT4_ZERO_CODES_RATIO + (scales + codes // 32) * plan.INT4_ZERO_SCALES_RATIO
+    )
     tagged, _ = hf_config.tag(json.dumps(kimi).encode())  # the compressed folder's config: the same plan
     assert plan.weights(json.loads(tagged)) == plan.weights(kimi)
     on_1 = plan.plan(scout, plan.GPUS["h200"], tp=1)

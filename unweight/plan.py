@@ -49,6 +49,12 @@ RESIDENT_RATIO = 0.71
 # for Student-t(5) (0.583 Gaussian). The larger of each is counted.
 INT4_CODES_RATIO = 0.944
 INT4_SCALES_RATIO = 0.591
+# Asymmetric codes (a zero point a group), measured the same way on min-max codes of Gaussian weights
+# (int4_resident_bench.py --zero-points, docs/compression.md): their nibbles spread over all 16
+# values, so the layout's codes come out larger than the source's; the scales and the 4-bit zero
+# points together smaller.
+INT4_ZERO_CODES_RATIO = 1.129
+INT4_ZERO_SCALES_RATIO = 0.666
 # vLLM's defaults that size its reserve: --gpu-memory-utilization, --max-num-batched-tokens,
 # --max-num-seqs; and what a CUDA context, NCCL and CUDA graphs take outside torch's allocator.
 GPU_MEMORY_UTILIZATION = 0.9
@@ -271,7 +277,7 @@ def _weights(config: dict, c: dict, resident_ratio: float) -> list[Weights]:
         counts["router"] = n_moe * experts * h
         if c.get("topk_method") == "noaux_tc":  # DeepSeek-V3's score correction bias, stored in FP32
             fp32 = n_moe * experts
-    int4 = _int4_group(config)
+    int4, symmetric = _int4_scheme(config)
     out = []
     for name in CLASSES:
         n = counts[name]
@@ -281,11 +287,16 @@ def _weights(config: dict, c: dict, resident_ratio: float) -> list[Weights]:
             w.resident_bytes = round(2 * (n - kv_b) * resident_ratio) + 2 * kv_b
         if name == "router" and fp32:
             w.params, w.stored_bytes, w.resident_bytes = n + fp32, 2 * n + 4 * fp32, w.resident_bytes + 4 * fp32
-        if name == "experts" and int4:  # 4-bit codes and one BF16 scale per group
+        if name == "experts" and int4:  # 4-bit codes and one BF16 scale per group (and a 4-bit zero point)
             codes, scales = n // 2, 2 * (n // int4)
-            w.stored_bytes = codes + scales
-            w.resident_bytes = round(codes * INT4_CODES_RATIO + scales * INT4_SCALES_RATIO)
-            w.dtype = f"int4 (group {int4})"
+            if symmetric:
+                w.stored_bytes = codes + scales
+                w.resident_bytes = round(codes * INT4_CODES_RATIO + scales * INT4_SCALES_RATIO)
+            else:
+                scales += n // int4 // 2
+                w.stored_bytes = codes + scales
+                w.resident_bytes = round(codes * INT4_ZERO_CODES_RATIO + scales * INT4_ZERO_SCALES_RATIO)
+            w.dtype = f"int4 (group {int4}{'' if symmetric else ', zero points'})"
         out.append(w)
     return out
 
@@ -382,6 +393,11 @@ def _int4_group(config: dict) -> int:
     """The group size of compressed-tensors INT4 weights (applied to the routed experts, as Kimi
     K2.5 quantizes them), or 0. A folder compressed from such a checkpoint keeps its config.
     ValueError names a part of the quantization_config that is not what it should be."""
+    return _int4_scheme(config)[0]
+
+
+def _int4_scheme(config: dict) -> tuple[int, bool]:
+    """(_int4_group, whether its codes are symmetric: no zero points)."""
     name = "quantization_config"
     q = config.get(name) or text_config(config).get(name) or {}
     if not isinstance(q, dict):
@@ -390,7 +406,7 @@ def _int4_group(config: dict) -> int:
     if not isinstance(q, dict):
         raise ValueError(f"{CONFIG_NAME}: {name}.{hf_config.SOURCE_KEY} is {_show(q)}, not an object")
     if q.get("quant_method") != "compressed-tensors":
-        return 0
+        return 0, True
     groups = q.get("config_groups") or {}
     if not isinstance(groups, dict) or not all(isinstance(g, dict) for g in groups.values()):
         raise ValueError(f"{CONFIG_NAME}: {name}.config_groups is {_show(groups)}, not an object of objects")
@@ -400,8 +416,8 @@ def _int4_group(config: dict) -> int:
             raise ValueError(f"{CONFIG_NAME}: {name}.config_groups.{key}.weights is {_show(w)}, not an object")
         _check_int(w, "group_size", 1, MAX_SIZE, f"{name}.config_groups.{key}.weights.")
         if w.get("num_bits") == 4:
-            return w.get("group_size") or 0
-    return 0
+            return w.get("group_size") or 0, w.get("symmetric", True) is not False
+    return 0, True
 
 
 def kv_bytes_per_token(config: dict, tp: int, pp: int, dtype_bytes: int = 2) -> int:
