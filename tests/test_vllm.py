@@ -378,12 +378,12 @@ INT4_FP32_BOUND = 2e-5  # FP32 compute on the same weights: the sums' order alon
 BF16_LOGPROB_BOUND = 0.03  # BF16 compute: activations rounded at other points than vLLM rounds them (0.008 seen)
 
 
-def int4_folders(src: Path) -> Path:
+def int4_folders(src: Path, symmetric: bool = True) -> Path:
     """`src` with some of its linears in compressed-tensors W4A16 (its routed experts, or for a
-    dense model its MLPs), their dequantized FP32 twin, and the W4A16 folder compressed
-    (`-w4a16`, `-w4a16-deq`, `-w4a16-uw`)."""
+    dense model its MLPs; with zero points unless `symmetric`), their dequantized FP32 twin, and
+    the W4A16 folder compressed (`-w4a16`, `-w4a16-deq`, `-w4a16-uw`)."""
     picked = ".experts." if "moe" in src.name or "deepseek" in src.name else ".mlp."
-    q = w4a16(src, src.with_name(src.name + "-w4a16"), quantize=lambda name: picked in name)
+    q = w4a16(src, src.with_name(src.name + "-w4a16"), quantize=lambda name: picked in name, symmetric=symmetric)
     dequantized(q, q.with_name(q.name + "-deq"))
     compress(q, q.with_name(q.name + "-uw"))
     return q
@@ -488,6 +488,26 @@ def test_int4_experts_stay_coded_and_generate_as_vllm_on_their_weights_at_tp_1_a
     # the first of the layer's tensors to reach it is refused: its weight_shape, or its codes or scales
     named = re.search(r"layer 'model\.layers\.\d\.mlp\.experts': .*(weight_shape says \[\d+, \d+\]|has shape)", out)
     assert rc != 0 and named and "the layer needs" in out, out[-3000:]
+
+
+def test_asymmetric_int4_codes_stay_coded_with_their_zero_points(driver, smollm2_dir, tmp_path):
+    """W4A16 with zero points (min-max codes, as llm-compressor writes asymmetric W4A16): the tiny
+    Llama's MLPs (vLLM's scheme loads their `weight_zero_point`) and the tiny Qwen3-MoE's experts
+    (the plugin's loader takes each expert's; at TP=2, the case run, each rank its rows of w1's and
+    w3's and its groups of w2's) are coded with their zero points and give the same tokens as vLLM
+    on the same weights dequantized."""
+    dense = int4_folders(tiny_llama(tmp_path / "asym-llama", smollm2_dir), symmetric=False)
+    assert (
+        json.loads((dense / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]["weights"][
+            "symmetric"
+        ]
+        is False
+    )
+    (held,) = int4_match(driver, dense, tmp_path)
+    assert held[:3] == (0, 0, 4)
+    moe = int4_folders(tiny_qwen3_moe(tmp_path / "asym-moe", smollm2_dir), symmetric=False)
+    ranks = int4_match(driver, moe, tmp_path, "--tp", "2")
+    assert [r[:3] for r in ranks] == [(0, 2, 0), (1, 2, 0)] and ranks[0][4] == ranks[1][4]
 
 
 def test_int4_experts_of_kimi_k2_5s_architecture(driver, smollm2_dir, tmp_path):

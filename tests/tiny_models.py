@@ -170,11 +170,15 @@ def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     return (word - ((word >> 31) << 32)).to(torch.int32)  # the same 32 bits, as a signed int32
 
 
-def w4a16(src: Path, dst: Path, quantize=lambda name: ".layers." in name, group: int = 32) -> Path:
+def w4a16(
+    src: Path, dst: Path, quantize=lambda name: ".layers." in name, group: int = 32, symmetric: bool = True
+) -> Path:
     """`src` (a BF16 folder) with the weights of the linear layers that `quantize(name)` picks made
     compressed-tensors W4A16, as Kimi K2.5 ships its routed experts: symmetric INT4, groups of
     `group` along the input, BF16 scales (`weight_packed`, `weight_scale`, `weight_shape`), and
-    the config's `quantization_config` naming the rest of the linears in `ignore`."""
+    the config's `quantization_config` naming the rest of the linears in `ignore`. Not `symmetric`:
+    min-max codes with a zero point a group (`weight_zero_point`, code + 8 packed eight rows to an
+    int32 along the output dimension), as llm-compressor writes asymmetric W4A16."""
     from safetensors.torch import load_file, save_file
 
     if dst.exists():
@@ -193,16 +197,23 @@ def w4a16(src: Path, dst: Path, quantize=lambda name: ".layers." in name, group:
                 continue
             rows, cols = t.shape
             g = t.float().reshape(rows, cols // group, group)
-            scale = (g.abs().amax(-1, keepdim=True) / 7).clamp(min=1e-8).to(torch.bfloat16)
-            codes = torch.round(g / scale.float()).clamp(-8, 7).reshape(rows, cols)
             base = name[: -len(".weight")]
+            if symmetric:
+                scale = (g.abs().amax(-1, keepdim=True) / 7).clamp(min=1e-8).to(torch.bfloat16)
+                codes = torch.round(g / scale.float()).clamp(-8, 7).reshape(rows, cols)
+            else:
+                lo, hi = g.amin(-1, keepdim=True).clamp(max=0), g.amax(-1, keepdim=True).clamp(min=0)
+                scale = ((hi - lo) / 15).clamp(min=1e-8).to(torch.bfloat16)
+                zero = (torch.round(-lo / scale.float()) - 8).clamp(-8, 7)
+                codes = (torch.round(g / scale.float()) + zero).clamp(-8, 7).reshape(rows, cols)
+                out[base + ".weight_zero_point"] = pack_int4(zero.reshape(rows, -1).T.contiguous()).T.contiguous()
             out[base + ".weight_packed"] = pack_int4(codes)
             out[base + ".weight_scale"] = scale.reshape(rows, cols // group)
             out[base + ".weight_shape"] = torch.tensor([rows, cols], dtype=torch.int64)
         f.unlink()
     save_file(out, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     (tmp / "model.safetensors.index.json").unlink(missing_ok=True)
-    weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": group}
+    weights = {"num_bits": 4, "type": "int", "symmetric": symmetric, "strategy": "group", "group_size": group}
     weights.update(dynamic=False, actorder=None, observer="minmax")
     config["quantization_config"] = {
         "quant_method": "compressed-tensors",
@@ -219,9 +230,9 @@ def w4a16(src: Path, dst: Path, quantize=lambda name: ".layers." in name, group:
 
 def dequantized(src: Path, dst: Path) -> Path:
     """`src` (a compressed-tensors W4A16 folder made by `w4a16`) with every quantized linear's codes
-    and scales multiplied back into an FP32 `weight` ((code - 8) * scale: exact, where BF16 would
-    round it) and its quantization_config dropped: what vLLM runs unquantized as the reference of
-    the INT4 kernels."""
+    and scales multiplied back into an FP32 `weight` ((code - zero) * scale, zero 8 where the codes
+    are symmetric: exact, where BF16 would round it) and its quantization_config dropped: what vLLM
+    runs unquantized as the reference of the INT4 kernels."""
     from safetensors.torch import load_file, save_file
 
     if dst.exists():
@@ -234,16 +245,23 @@ def dequantized(src: Path, dst: Path) -> Path:
     tensors = load_file(tmp / "model.safetensors")
     out = {}
     for name, t in tensors.items():
-        if name.endswith((".weight_scale", ".weight_shape")):
+        if name.endswith((".weight_scale", ".weight_shape", ".weight_zero_point")):
             continue
         if not name.endswith(".weight_packed"):
             out[name] = t
             continue
         base = name[: -len(".weight_packed")]
         words = t.to(torch.int64) & 0xFFFFFFFF
-        codes = torch.stack([(words >> (4 * i)) & 15 for i in range(8)], dim=-1).reshape(t.shape[0], -1) - 8
+        codes = torch.stack([(words >> (4 * i)) & 15 for i in range(8)], dim=-1).reshape(t.shape[0], -1)
+        zero = tensors.get(base + ".weight_zero_point")
+        if zero is None:
+            zero = torch.full_like(codes, 8)
+        else:  # eight rows to a word, along the output dimension
+            zw = zero.to(torch.int64) & 0xFFFFFFFF
+            zero = torch.stack([(zw >> (4 * i)) & 15 for i in range(8)], dim=1).reshape(-1, zw.shape[1])
+            zero = zero[: t.shape[0]].repeat_interleave(group, dim=1)
         scale = tensors[base + ".weight_scale"].float().repeat_interleave(group, dim=1)
-        out[base + ".weight"] = codes.float() * scale
+        out[base + ".weight"] = (codes - zero).float() * scale
     save_file(out, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     tmp.rename(dst)

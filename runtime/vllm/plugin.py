@@ -130,10 +130,10 @@ class UnweightConfig(QuantizationConfig):
 
     def get_quant_method(self, layer: nn.Module, prefix: str):
         if self.source is not None:
-            if isinstance(layer, RoutedExperts) and (group := int4.w4a16_group(self.source, layer, prefix)):
+            if isinstance(layer, RoutedExperts) and (scheme := int4.w4a16_scheme(self.source, layer, prefix)):
                 why = int4.unsupported(layer.moe_config)
                 if why is None:  # INT4 experts kept coded, on unweight's own kernels
-                    return int4.UnweightInt4MoEMethod(layer.moe_config, group, prefix)
+                    return int4.UnweightInt4MoEMethod(layer.moe_config, *scheme, prefix)
                 warn_once(f"INT4 experts of {prefix!r} keep vLLM's compressed-tensors method: {why}")
             method = self.source.get_quant_method(layer, prefix)
             if isinstance(layer, LinearBase) and (group := int4.linear_group(method, layer)):
@@ -609,7 +609,7 @@ def resident(model: nn.Module) -> dict:
         "int4_experts": sum(hasattr(c, "w13") for c in coded),
         "int4_linears": sum(not hasattr(c, "w13") for c in coded),
         "int4_bytes": sum(c.stored_bytes for c in coded),
-        "int4_source_bytes": sum(w.rows * w.cols // 2 + w.rows * (w.cols // w.group) * 2 for w in weights),
+        "int4_source_bytes": sum(w.source_bytes for w in weights),
         "linears": sum(kind == "linears" for kind, _ in built.values()),
         "embeddings": sum(kind == "embeddings" for kind, _ in built.values()),
         "experts": len(layers),
