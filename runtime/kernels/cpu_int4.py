@@ -203,19 +203,24 @@ def _rows_coded(r0, sym, esc, esc_row, smant, sexp, sbase, sesc, sesc_row, K, gr
 
 
 @njit(cache=True, inline="always")
-def _zero_scaled(r, G, zero, scales):
-    """scales[g] *= zero point of row r's group g - 8 (exact: a 4-bit integer times a BF16 value)."""
-    at = r * ((G + 1) >> 1)
-    for g in range(G):
-        scales[g] *= np.float32(((np.int64(zero[at + (g >> 1)]) >> ((g & 1) << 2)) & 15) - 8)
+def _zero_floats(zero, r, G, out):
+    """out[g] = zero point of row r's group g - 8, as fp32 (out holds 2 * ceil(G / 2)): the first
+    half of the row's groups from its bytes' low nibbles, the rest from the high ones."""
+    half = (G + 1) >> 1
+    row = zero[r * half : (r + 1) * half]
+    for j in range(half):
+        out[j] = np.float32(np.int32(row[j] & np.uint8(15))) - np.float32(8)
+        out[half + j] = np.float32(np.int32(row[j] >> np.uint8(4))) - np.float32(8)
 
 
 @njit(cache=True, inline="always")
-def _subtract_terms(xg, scales, y, i):
+def _subtract_terms(xg, scales, zf, y, i):
+    """y[:, i] -= sum over g of scales[g] * zf[g] * xg[:, g]."""
     for m in range(xg.shape[0]):
+        xm = xg[m]
         acc = np.float32(0)
         for g in range(scales.shape[0]):
-            acc += scales[g] * xg[m, g]
+            acc += scales[g] * zf[g] * xm[g]
         y[m, i] -= acc
 
 
@@ -229,11 +234,11 @@ def _zero_terms(xg, r0, smant, sexp, sbase, sesc, sesc_row, zero, y, parts):
     over group g): the symmetric product of asymmetric codes made theirs."""
     R, G = y.shape[1], xg.shape[1]
     for p in prange(parts):
-        scales = np.empty(G, np.float32)
+        scales, zf = np.empty(G, np.float32), np.empty(G + 1, np.float32)
         for i in range(p * R // parts, (p + 1) * R // parts):
             _row_scales(r0 + i, G, smant, sexp, sbase, sesc, sesc_row, scales)
-            _zero_scaled(r0 + i, G, zero, scales)
-            _subtract_terms(xg, scales, y, i)
+            _zero_floats(zero, r0 + i, G, zf)
+            _subtract_terms(xg, scales, zf, y, i)
 
 
 @njit(cache=True, parallel=True, fastmath=REORDER)
@@ -241,11 +246,11 @@ def _zero_terms_avx512(xg, r0, smant, sexp, sbase, sesc, sesc_row, zero, y, part
     """_zero_terms with the AVX-512 scale decode."""
     R, G = y.shape[1], xg.shape[1]
     for p in prange(parts):
-        scales = np.empty(G, np.float32)
+        scales, zf = np.empty(G, np.float32), np.empty(G + 1, np.float32)
         for i in range(p * R // parts, (p + 1) * R // parts):
             _row_scales_avx512(r0 + i, G, smant, sexp, sbase, sesc, sesc_row, scales)
-            _zero_scaled(r0 + i, G, zero, scales)
-            _subtract_terms(xg, scales, y, i)
+            _zero_floats(zero, r0 + i, G, zf)
+            _subtract_terms(xg, scales, zf, y, i)
 
 
 @njit(cache=True, parallel=True)
@@ -253,8 +258,11 @@ def _zero_weights(r0, smant, sexp, sbase, sesc, sesc_row, zero, out):
     """out[i, g] = (zero - 8) * scale of row r0 + i's group g (fp32, exact)."""
     G = out.shape[1]
     for i in prange(out.shape[0]):
+        zf = np.empty(G + 1, np.float32)
         _row_scales(r0 + i, G, smant, sexp, sbase, sesc, sesc_row, out[i])
-        _zero_scaled(r0 + i, G, zero, out[i])
+        _zero_floats(zero, r0 + i, G, zf)
+        for g in range(G):
+            out[i, g] *= zf[g]
 
 
 @njit(cache=True, parallel=True)
@@ -262,12 +270,13 @@ def _zero_rows(r0, smant, sexp, sbase, sesc, sesc_row, zero, group, out):
     """Rows r0.. of W decoded as (nibble - 8) * scale made (nibble - zero) * scale, in place."""
     G = out.shape[1] // group
     for i in prange(out.shape[0]):
-        scales = np.empty(G, np.float32)
+        scales, zf = np.empty(G, np.float32), np.empty(G + 1, np.float32)
         _row_scales(r0 + i, G, smant, sexp, sbase, sesc, sesc_row, scales)
-        _zero_scaled(r0 + i, G, zero, scales)
+        _zero_floats(zero, r0 + i, G, zf)
         for g in range(G):
+            term = scales[g] * zf[g]
             for c in range(g * group, (g + 1) * group):
-                out[i, c] -= scales[g]
+                out[i, c] -= term
 
 
 @njit(cache=True, parallel=True)

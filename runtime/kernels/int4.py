@@ -35,7 +35,7 @@ a plane of 32 groups a word.
 | `sbase` | uint8, R | the row's base exponent |
 | `sesc` | int16, max(S, 1) | listed scales' bits (S listed) |
 | `sesc_row` | int32, R+1 | listed scales of rows < r |
-| `zero` | uint8, R*ceil(G/2) or 0 | zero points: group g of row r in byte r*ceil(G/2) + g//2, even g low |
+| `zero` | uint8, R*H or 0 (H = ceil(G/2)) | zero points: byte r*H + j holds group j (low nibble) and H + j (high) |
 
 Zero points. Symmetric codes have none (`zero` empty): w = (nibble - 8) * scale. Asymmetric ones
 (compressed-tensors' `weight_zero_point`, 4-bit and packed eight rows to an INT32 word along the
@@ -102,17 +102,19 @@ def pack_zero_points(nib: np.ndarray) -> np.ndarray:
 
 
 def zero_stream(nib: np.ndarray) -> np.ndarray:
-    """The `zero` stream of (rows, G) zero-point nibbles: two a byte, even groups low."""
+    """The `zero` stream of (rows, G) zero-point nibbles: byte j of a row holds group j (low nibble)
+    and group ceil(G / 2) + j (high), so a kernel unpacks each half with contiguous loads."""
     rows, g = nib.shape
-    padded = np.zeros((rows, -(-g // 2) * 2), dtype=np.uint8)
+    half = -(-g // 2)
+    padded = np.zeros((rows, 2 * half), dtype=np.uint8)
     padded[:, :g] = nib
-    return (padded[:, 0::2] | (padded[:, 1::2] << 4)).reshape(-1)
+    return (padded[:, :half] | (padded[:, half:] << 4)).reshape(-1)
 
 
 def zero_nibbles(stream: np.ndarray, rows: int, groups: int) -> np.ndarray:
     """(rows, G) zero-point nibbles of a `zero` stream."""
     b = np.asarray(stream).view(np.uint8).reshape(rows, -1)
-    return np.stack([b & 15, b >> 4], axis=-1).reshape(rows, -1)[:, :groups]
+    return np.concatenate([b & 15, b >> 4], axis=1)[:, :groups]
 
 
 def zero_source(zero, rows: int, groups: int) -> np.ndarray:
