@@ -64,6 +64,7 @@ GEMV_ROWS_BF16 = 2  # ... for BF16 x where the CPU has AVX512_BF16 (the BF16 chu
 BLOCK_ROWS = 256  # rows of W decoded at a time for the GEMM
 CHUNK_W = 32  # rows of W a thread takes through a column tile of the chunked product
 TILE_COLS = 512  # columns of the chunked product's tiles
+ZERO_FUSED_ROWS = 16  # rows of x up to which the zero points' terms are summed in one pass over the rows (then a GEMM)
 TILE_BF16 = 512  # columns of the BF16 chunked product's tiles (16 rows of BF16 x and of W's pairs: 16 KiB each)
 BLOCK = int4.BLOCK
 
@@ -260,6 +261,18 @@ def _zero_weights(r0, smant, sexp, sbase, sesc, sesc_row, zero, out):
     for i in prange(out.shape[0]):
         zf = np.empty(G + 1, np.float32)
         _row_scales(r0 + i, G, smant, sexp, sbase, sesc, sesc_row, out[i])
+        _zero_floats(zero, r0 + i, G, zf)
+        for g in range(G):
+            out[i, g] *= zf[g]
+
+
+@njit(cache=True, parallel=True)
+def _zero_weights_avx512(r0, smant, sexp, sbase, sesc, sesc_row, zero, out):
+    """_zero_weights with the AVX-512 scale decode."""
+    G = out.shape[1]
+    for i in prange(out.shape[0]):
+        zf = np.empty(G + 1, np.float32)
+        _row_scales_avx512(r0 + i, G, smant, sexp, sbase, sesc, sesc_row, out[i])
         _zero_floats(zero, r0 + i, G, zf)
         for g in range(G):
             out[i, g] *= zf[g]
@@ -673,9 +686,9 @@ def int4_linear_cpu(
         _GEMV[path](xs, r0, *args, y, _parts(r1 - r0))
     if not w.symmetric:
         xg = xs.reshape(xs.shape[0], -1, w.group).sum(axis=2, dtype=np.float32)  # x summed over each group
-        if xs.shape[0] > GEMV_ROWS:  # the groups' terms as a matrix, multiplied by torch's GEMM
+        if xs.shape[0] > ZERO_FUSED_ROWS:  # the groups' terms as a matrix, multiplied by torch's GEMM
             terms = np.empty((r1 - r0, xg.shape[1]), np.float32)
-            _zero_weights(r0, *_zero_args(w), terms)
+            (_zero_weights_avx512 if path == "avx512" else _zero_weights)(r0, *_zero_args(w), terms)
             torch.from_numpy(y).sub_(torch.from_numpy(xg) @ torch.from_numpy(terms).T)
         else:
             fused = _zero_terms_avx512 if path == "avx512" else _zero_terms
