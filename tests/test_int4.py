@@ -14,7 +14,7 @@ import torch
 from unweight.runtime.kernels import cpu_int4, int4, int4_encode
 from unweight.runtime.kernels.cpu_int4_avx2 import FAST_PATH as AVX2_PATH
 from unweight.runtime.kernels.cpu_int4_avx512 import FAST_PATH
-from unweight.runtime.kernels.weight import Int4Weight
+from unweight.runtime.kernels.weight import Int4Weight, PlainInt4Weight, int4_weight
 
 needs_avx512 = pytest.mark.skipif(not FAST_PATH, reason="the CPU has no AVX-512 (BW) and BMI2")
 
@@ -293,6 +293,43 @@ def test_asymmetric_rows_and_products(fast):
     assert not torch.allclose(cpu_int4.int4_linear_cpu(x, sym, fast=fast), cpu_int4.int4_linear_cpu(x, w, fast=fast))
 
 
+@pytest.mark.parametrize("fast", [kernels(False), kernels(True), kernels("avx2")])
+@pytest.mark.parametrize("zero_points", [False, True])
+def test_codes_the_layout_would_not_shrink_are_held_as_stored(fast, zero_points):
+    """Codes spread evenly over the 16 nibbles (min-max codes come near it) would take more bytes
+    coded than stored: int4_weight holds them as the source does (PlainInt4Weight, no byte more),
+    with the same rows, products and bits back; peaked codes it codes."""
+    rows, cols, group = 96, 512, 32
+    rng = np.random.default_rng(12)
+    packed = int4.pack_nibbles(rng.integers(0, 16, (rows, cols)).astype(np.uint8))
+    scales = rng.integers(0x3C00, 0x3C80, (rows, cols // group)).astype(np.uint16)
+    zero = int4.pack_zero_points(rng.integers(0, 16, (rows, cols // group)).astype(np.uint8)) if zero_points else None
+    w = int4_weight(packed, scales, cols, group, zero)
+    assert isinstance(w, PlainInt4Weight) and w.symmetric is not zero_points
+    assert w.stored_bytes == w.source_bytes == int4.stored_bytes(rows, cols, group, zero_points)
+    assert Int4Weight.encode(packed, scales, cols, group, zero).stored_bytes > w.stored_bytes
+    back_p, back_s = w.decode()
+    assert np.array_equal(back_p.view(np.uint32), packed.view(np.uint32)) and np.array_equal(back_s, scales)
+    assert zero is None and w.zero_points() is None or np.array_equal(w.zero_points(), zero)
+    W = dense(packed, scales, cols, group, zero)
+    assert np.array_equal(cpu_int4.int4_rows_cpu(w, 0, rows).numpy(), W.astype(np.float32))
+    assert np.array_equal(cpu_int4.int4_rows_cpu(w, 7, 20).numpy(), W[7:20].astype(np.float32))
+    for m in (1, 3, cpu_int4.ZERO_FUSED_ROWS + 1, 40):
+        x = rng.standard_normal((m, cols)).astype(np.float32)
+        for xt in (torch.from_numpy(x), torch.from_numpy(x).to(torch.bfloat16)):
+            xf = xt.float().numpy()
+            exact = xf.astype(np.float64) @ W.T
+            bound = zero_bound(xf, packed, scales, zero, cols, group) if zero_points else fp32_bound(xf, W)
+            y = cpu_int4.int4_linear_cpu(xt, w, fast=fast).numpy()
+            assert np.all(np.abs(y - exact) <= bound), (m, xt.dtype)
+            part = cpu_int4.int4_linear_cpu(xt, w, fast=fast, rows=(5, rows - 3)).numpy()
+            assert np.all(np.abs(part - exact[:, 5 : rows - 3]) <= bound[:, 5 : rows - 3]), (m, xt.dtype)
+    peaked, peaked_scales = quantized(rows, cols, group)
+    assert isinstance(int4_weight(peaked, peaked_scales, cols, group), Int4Weight)
+    with pytest.raises(ValueError, match="int4-plain stream 'zero' holds 3 entries"):
+        w.with_streams({"zero": torch.zeros(3, dtype=torch.uint8)})
+
+
 def test_portable_kernels_take_any_shape():
     """Columns that are not whole blocks and groups under 32 or not powers of two go to the portable
     kernels, which the AVX-512 ones refuse by name."""
@@ -387,6 +424,7 @@ def test_asymmetric_int4_experts():
     args = (stack(w13, 0), stack(w13, 1).view(torch.bfloat16), stack(w2, 0), stack(w2, 1).view(torch.bfloat16))
     layer = Int4Experts.from_packed(*args, group, stack(w13, 2), stack(w2, 2))
     assert not layer.w13.symmetric and not layer.w2.symmetric
+    assert isinstance(layer.w13, PlainInt4Weight)  # min-max codes: held as stored (coded they would be larger)
     w13_dense, _ = layer.dense()
     assert np.array_equal(w13_dense[1].numpy(), dense(*w13[1][:2], h, group, w13[1][2]).astype(np.float32))
     rng = np.random.default_rng(5)

@@ -51,8 +51,8 @@ INT4_CODES_RATIO = 0.944
 INT4_SCALES_RATIO = 0.591
 # Asymmetric codes (a zero point a group), measured the same way on min-max codes of Gaussian weights
 # (int4_resident_bench.py --zero-points, docs/compression.md): their nibbles spread over all 16
-# values, so the layout's codes come out larger than the source's; the scales and the 4-bit zero
-# points together smaller.
+# values, so the layout's codes come out larger than the source's, the scales and the 4-bit zero
+# points together smaller; in all 1.067x, so such experts are held as stored.
 INT4_ZERO_CODES_RATIO = 1.129
 INT4_ZERO_SCALES_RATIO = 0.666
 # vLLM's defaults that size its reserve: --gpu-memory-utilization, --max-num-batched-tokens,
@@ -289,13 +289,13 @@ def _weights(config: dict, c: dict, resident_ratio: float) -> list[Weights]:
             w.params, w.stored_bytes, w.resident_bytes = n + fp32, 2 * n + 4 * fp32, w.resident_bytes + 4 * fp32
         if name == "experts" and int4:  # 4-bit codes and one BF16 scale per group (and a 4-bit zero point)
             codes, scales = n // 2, 2 * (n // int4)
-            if symmetric:
-                w.stored_bytes = codes + scales
-                w.resident_bytes = round(codes * INT4_CODES_RATIO + scales * INT4_SCALES_RATIO)
-            else:
-                scales += n // int4 // 2
-                w.stored_bytes = codes + scales
-                w.resident_bytes = round(codes * INT4_ZERO_CODES_RATIO + scales * INT4_ZERO_SCALES_RATIO)
+            ratios = (
+                (INT4_CODES_RATIO, INT4_SCALES_RATIO) if symmetric else (INT4_ZERO_CODES_RATIO, INT4_ZERO_SCALES_RATIO)
+            )
+            scales += 0 if symmetric else n // int4 // 2
+            w.stored_bytes = codes + scales
+            # a weight the layout would not shrink is held as stored (int4_weight)
+            w.resident_bytes = min(w.stored_bytes, round(codes * ratios[0] + scales * ratios[1]))
             w.dtype = f"int4 (group {int4}{'' if symmetric else ', zero points'})"
         out.append(w)
     return out

@@ -56,7 +56,7 @@ from .cpu_int4_avx512 import (
     row_scales,
     transpose_pairs,
 )
-from .weight import Int4Weight
+from .weight import Int4Weight, PlainInt4Weight
 
 GEMV_ROWS = 8  # rows of x up to which each row of W is multiplied with all of x as it is decoded;
 # above, CHUNK rows of x at a time in registers (AVX-512) or decoded blocks and torch's GEMM (portable)
@@ -419,6 +419,18 @@ def _rows_plain(r0, packed, scales16, K, group, out):
         _plain_row(r0 + i, K, group, packed, scales16, out[i])
 
 
+@njit(cache=True, parallel=True, fastmath=REORDER)
+def _zero_terms_plain(xg, r0, scales16, zero, y, parts):
+    """_zero_terms for a PlainInt4Weight: its BF16 scales as they are."""
+    R, G = y.shape[1], xg.shape[1]
+    for p in prange(parts):
+        scales, zf = np.empty(G, np.float32), np.empty(G + 1, np.float32)
+        for i in range(p * R // parts, (p + 1) * R // parts):
+            _plain_scales(r0 + i, G, scales16, scales)
+            _zero_floats(zero, r0 + i, G, zf)
+            _subtract_terms(xg, scales, zf, y, i)
+
+
 @njit(cache=True, parallel=True)
 def _gemv_plain_avx512(x, packed, scales16, K, group, y, parts):
     M, R, G = x.shape[0], y.shape[1], K // group
@@ -655,24 +667,39 @@ def _decoded_rows(w: Int4Weight, path: str, r0: int, out: np.ndarray) -> None:
         _zero_rows(r0, *_zero_args(w), w.group, out)
 
 
-def int4_rows_cpu(w: Int4Weight, r0: int, r1: int, fast: bool | None = None) -> torch.Tensor:
+def _plain_terms(w: PlainInt4Weight, r0: int, r1: int) -> np.ndarray:
+    """(r1 - r0, G) fp32: (zero - 8) * scale of each row's groups (exact)."""
+    s = (w.scales.numpy().reshape(w.rows, -1)[r0:r1].view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    z = int4.zero_nibbles(w.zero.numpy().reshape(w.rows, -1)[r0:r1], r1 - r0, s.shape[1]).astype(np.float32) - 8
+    return s * z
+
+
+def int4_rows_cpu(w: Int4Weight | PlainInt4Weight, r0: int, r1: int, fast: bool | None = None) -> torch.Tensor:
     """Rows r0 .. r1 of W dequantized, (r1 - r0, cols) fp32."""
     if not 0 <= r0 <= r1 <= w.rows:
         raise ValueError(f"rows {r0}..{r1} are not within the weight's {w.rows}")
     out = np.empty((r1 - r0, w.cols), np.float32)
+    if isinstance(w, PlainInt4Weight):
+        _rows_plain(r0, w.packed.numpy(), w.scales.numpy(), w.cols, w.group, out)
+        if not w.symmetric:
+            out.reshape(r1 - r0, -1, w.group)[...] -= _plain_terms(w, r0, r1)[:, :, None]
+        return torch.from_numpy(out)
     _decoded_rows(w, _path(fast, w.cols, w.group), r0, out)
     return torch.from_numpy(out)
 
 
 def int4_linear_cpu(
-    x: torch.Tensor, w: Int4Weight, fast: bool | None = None, rows: tuple[int, int] | None = None
+    x: torch.Tensor, w: Int4Weight | PlainInt4Weight, fast: bool | None = None, rows: tuple[int, int] | None = None
 ) -> torch.Tensor:
     """x @ W.T in fp32, (M, rows), for fp32 or BF16 x (M, cols) on the CPU: fused up to GEMV_ROWS
     rows of x, else BLOCK_ROWS rows of W decoded at a time and multiplied by torch. With `rows`
-    (r0, r1), only W's rows r0 .. r1 (an expert of a stacked experts weight): (M, r1 - r0)."""
+    (r0, r1), only W's rows r0 .. r1 (an expert of a stacked experts weight): (M, r1 - r0). A
+    PlainInt4Weight takes the uncoded kernels (plain_int4_linear_cpu)."""
     r0, r1 = (0, w.rows) if rows is None else rows
     if not 0 <= r0 <= r1 <= w.rows:
         raise ValueError(f"rows {r0}..{r1} are not within the weight's {w.rows}")
+    if isinstance(w, PlainInt4Weight):
+        return _plain_linear(x, w, fast, r0, r1)
     xs, args, path = _check_x(x, w.cols), _args(w), _path(fast, w.cols, w.group)
     y = np.empty((xs.shape[0], r1 - r0), np.float32)
     if xs.shape[0] > GEMV_ROWS_BF16 and path == "avx512" and _bf16_x(x):
@@ -694,6 +721,21 @@ def int4_linear_cpu(
             fused = _zero_terms_avx512 if path == "avx512" else _zero_terms
             fused(xg, r0, *_zero_args(w), y, _parts(r1 - r0))
     return torch.from_numpy(y)
+
+
+def _plain_linear(x: torch.Tensor, w: PlainInt4Weight, fast, r0: int, r1: int) -> torch.Tensor:
+    """int4_linear_cpu of a PlainInt4Weight's rows r0 .. r1: the uncoded product, then its zero points' terms."""
+    packed = w.packed.view(w.rows, -1)[r0:r1]
+    scales = w.scales.view(w.rows, -1)[r0:r1].view(torch.bfloat16)
+    y = plain_int4_linear_cpu(x, packed, scales, w.group, fast)
+    if not w.symmetric:
+        xs = _check_x(x, w.cols)
+        xg = xs.reshape(xs.shape[0], -1, w.group).sum(axis=2, dtype=np.float32)
+        if xs.shape[0] > ZERO_FUSED_ROWS:
+            y.sub_(torch.from_numpy(xg) @ torch.from_numpy(_plain_terms(w, r0, r1)).T)
+        else:
+            _zero_terms_plain(xg, r0, w.scales.numpy(), w.zero.numpy(), y.numpy(), _parts(r1 - r0))
+    return y
 
 
 def plain_int4_linear_cpu(

@@ -353,4 +353,86 @@ class Int4Weight(_Streams):
         return int4.zero_words({"zero": self.zero.cpu().numpy()}, self.rows, self.cols, self.group)
 
 
-CompressedWeight = TilesWeight | QTilesWeight | Int4Weight
+@dataclass(frozen=True, slots=True, eq=False, repr=False)
+class PlainInt4Weight(_Streams):
+    """W (rows, cols) as compressed-tensors stores INT4 codes, unchanged: the packed words, the BF16
+    scales and (asymmetric codes) the zero points as `Int4Weight` keeps them. What `int4_weight`
+    holds where coding would not make the weight smaller (codes spread over all 16 nibbles, as
+    min-max codes are): never more bytes than the source."""
+
+    packed: torch.Tensor  # (rows * ceil(cols / 8),) int32: eight codes a word, the first in the low bits
+    scales: torch.Tensor  # (rows * G,) int16: BF16 bits
+    zero: torch.Tensor  # (rows * ceil(G / 2),) uint8, or empty (symmetric): as Int4Weight's
+    rows: int
+    cols: int
+    group: int
+    device: torch.device = field(init=False)
+
+    ROLES: ClassVar[tuple[str, ...]] = ("packed", "scales", "zero")
+    layout: ClassVar[str] = "int4-plain"
+
+    def __post_init__(self) -> None:
+        _check_shape("int4-plain", self.rows, self.cols)
+        if not isinstance(self.group, int) or isinstance(self.group, bool) or not 1 <= self.group <= (self.cols or 1):
+            raise ValueError(f"int4-plain group {self.group!r} is not an integer in [1, {self.cols or 1}]")
+        if self.cols % self.group:
+            raise ValueError(f"int4-plain group {self.group} does not divide cols {self.cols}")
+        dtypes = {"packed": (torch.int32,), "scales": (torch.int16,), "zero": (torch.uint8,)}
+        device = _check_streams("int4-plain", self.streams(), dtypes)
+        g = self.cols // self.group
+        for role, lengths in (
+            ("packed", (self.rows * -(-self.cols // 8),)),
+            ("scales", (self.rows * g,)),
+            ("zero", (0, self.rows * -(-g // 2))),
+        ):
+            if getattr(self, role).numel() not in lengths:
+                raise ValueError(
+                    f"int4-plain stream {role!r} holds {getattr(self, role).numel()} entries; a ({self.rows}, "
+                    f"{self.cols}) weight in groups of {self.group} needs {' or '.join(map(str, lengths))}"
+                )
+        object.__setattr__(self, "device", device)
+
+    def _params_repr(self) -> str:
+        return f"group={self.group}, {'symmetric' if self.symmetric else 'asymmetric'}"
+
+    @property
+    def symmetric(self) -> bool:
+        return self.zero.numel() == 0
+
+    @property
+    def source_bytes(self) -> int:
+        from . import int4
+
+        return int4.stored_bytes(self.rows, self.cols, self.group, not self.symmetric)
+
+    def decode(self) -> tuple[np.ndarray, np.ndarray]:
+        """(weight_packed int32, weight_scale uint16 bits): the source's, as held."""
+        return (
+            self.packed.cpu().numpy().reshape(self.rows, -1).copy(),
+            self.scales.cpu().numpy().view(np.uint16).reshape(self.rows, -1).copy(),
+        )
+
+    def zero_points(self) -> np.ndarray | None:
+        """As Int4Weight.zero_points."""
+        from . import int4
+
+        return int4.zero_words({"zero": self.zero.cpu().numpy()}, self.rows, self.cols, self.group)
+
+
+def int4_weight(
+    packed: np.ndarray, scales: np.ndarray, cols: int, group: int, zero=None
+) -> Int4Weight | PlainInt4Weight:
+    """compressed-tensors INT4 (as Int4Weight.encode takes it) in the `int4` layout where that holds
+    it in fewer bytes than the source, else as a PlainInt4Weight (ValueError names what does not fit)."""
+    coded = Int4Weight.encode(packed, scales, cols, group, zero)  # checks the source
+    if coded.stored_bytes < coded.source_bytes:
+        return coded
+    streams = {
+        "packed": torch.from_numpy(np.ascontiguousarray(packed).view(np.int32).reshape(-1).copy()),
+        "scales": torch.from_numpy(np.ascontiguousarray(scales).view(np.int16).reshape(-1).copy()),
+        "zero": coded.zero,
+    }
+    return PlainInt4Weight(**streams, rows=coded.rows, cols=cols, group=group)
+
+
+CompressedWeight = TilesWeight | QTilesWeight | Int4Weight | PlainInt4Weight

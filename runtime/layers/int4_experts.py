@@ -3,7 +3,8 @@
 resident `int4` layout (../kernels/int4.py).
 
 E experts, each a gated MLP y = w2 @ act_and_mul(w13 @ x), w13 (2I, H) (the gate's I rows, then the
-up projection's) and w2 (H, I). Each of the two weights is one `Int4Weight` for all experts,
+up projection's) and w2 (H, I). Each of the two weights is one `Int4Weight` (a `PlainInt4Weight` where
+coding would not make it smaller) for all experts,
 stacked by rows (w13: (E * 2I, H), w2: (E * H, I)): the layout keeps rows independent, so expert e
 is a row range, read alone by the CPU kernels (cpu_int4.int4_linear_cpu's `rows`).
 
@@ -22,13 +23,16 @@ from torch import nn
 
 from ..kernels import int4
 from ..kernels.cpu_int4 import int4_linear_cpu
-from ..kernels.weight import Int4Weight
+from ..kernels.weight import Int4Weight, PlainInt4Weight, int4_weight
 from .experts_kernels import act_and_mul, check_routing
 
 
-def stacked(packed: torch.Tensor, scales: torch.Tensor, group: int, zero: torch.Tensor | None = None) -> Int4Weight:
-    """One Int4Weight of (E, N, K / 8) packed codes, (E, N, K / group) BF16 scales and, for
-    asymmetric codes, (E, ceil(N / 8), K / group) zero-point words packed along N; rows stacked."""
+def stacked(
+    packed: torch.Tensor, scales: torch.Tensor, group: int, zero: torch.Tensor | None = None
+) -> Int4Weight | PlainInt4Weight:
+    """One weight of (E, N, K / 8) packed codes, (E, N, K / group) BF16 scales and, for asymmetric
+    codes, (E, ceil(N / 8), K / group) zero-point words packed along N; rows stacked: in the `int4`
+    layout where that is smaller than the source, else as the source holds it (int4_weight)."""
     e, n, words = packed.shape
     if scales.shape[:2] != (e, n) or scales.shape[2] * group != words * 8:
         raise ValueError(
@@ -47,13 +51,13 @@ def stacked(packed: torch.Tensor, scales: torch.Tensor, group: int, zero: torch.
         raise ValueError("INT4 experts: their scales are not BF16 values (the int4 layout holds BF16 scales)")
     p = packed.detach().cpu().contiguous().numpy().reshape(e * n, words)
     s = bf16.detach().cpu().contiguous().view(torch.int16).numpy().reshape(e * n, -1)
-    return Int4Weight.encode(p, s, words * 8, group, zero)
+    return int4_weight(p, s, words * 8, group, zero)
 
 
 class Int4Experts(nn.Module):
     """A layer's routed INT4 experts, coded (see the module docstring)."""
 
-    def __init__(self, w13: Int4Weight, w2: Int4Weight, experts: int):
+    def __init__(self, w13: Int4Weight | PlainInt4Weight, w2: Int4Weight | PlainInt4Weight, experts: int):
         super().__init__()
         hidden, inter = w13.cols, w2.cols
         if w13.rows != experts * 2 * inter or w2.rows != experts * hidden:
@@ -120,7 +124,7 @@ class Int4Experts(nn.Module):
         return out[0], out[1]
 
 
-def dequantized(w: Int4Weight) -> np.ndarray:
+def dequantized(w: Int4Weight | PlainInt4Weight) -> np.ndarray:
     """W (rows, cols) fp32, (nibble - zero) * scale from the bits decoded back (int4.decode_reference):
     exact, and the plain reference of the kernels' rows."""
     packed, scales = w.decode()

@@ -12,13 +12,14 @@ import torch
 from torch import nn
 
 from ..kernels.cpu_int4 import int4_linear_cpu
-from ..kernels.weight import Int4Weight
+from ..kernels.weight import Int4Weight, PlainInt4Weight
 
 
 class Int4Linear(nn.Module):
-    """W (out_features, in_features) as an Int4Weight; its streams are the module's buffers."""
+    """W (out_features, in_features) as an Int4Weight (or a PlainInt4Weight where coding would not
+    make it smaller); its streams are the module's buffers."""
 
-    def __init__(self, weight: Int4Weight):
+    def __init__(self, weight: Int4Weight | PlainInt4Weight):
         super().__init__()
         self.weight_int4 = weight
         self.in_features, self.out_features = weight.cols, weight.rows

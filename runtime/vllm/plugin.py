@@ -520,8 +520,8 @@ class UnweightModelLoader(default_loader.DefaultModelLoader):
         )
         if held["int4_experts"] or held["int4_linears"]:
             log.info(
-                "unweight: tensor-parallel rank %d holds %d INT4 experts layers and %d INT4 linears coded: %d bytes "
-                "resident, %d as the source stores them (%.1f %%)",
+                "unweight: tensor-parallel rank %d holds %d INT4 experts layers and %d INT4 linears (coded where "
+                "smaller): %d bytes resident, %d as the source stores them (%.1f %%)",
                 _tp_rank(),
                 held["int4_experts"],
                 held["int4_linears"],
