@@ -239,8 +239,34 @@ _INT4_DTYPES = {
 }
 
 
+class _Int4(_Streams):
+    """What both INT4 kinds share: their zero points (a `zero` stream, empty for symmetric codes)
+    and the size of the compressed-tensors tensors they hold."""
+
+    __slots__ = ()
+
+    @property
+    def symmetric(self) -> bool:
+        """Whether the codes have no zero points (w = (nibble - 8) * scale)."""
+        return self.zero.numel() == 0
+
+    @property
+    def source_bytes(self) -> int:
+        """Bytes of the compressed-tensors tensors it holds: codes, scales and zero points."""
+        from . import int4
+
+        return int4.stored_bytes(self.rows, self.cols, self.group, not self.symmetric)
+
+    def zero_points(self) -> np.ndarray | None:
+        """The source's zero-point words back (`weight_zero_point`, (ceil(rows / 8), G) int32), bit for
+        bit, or None for symmetric codes."""
+        from . import int4
+
+        return int4.zero_words({"zero": self.zero.cpu().numpy()}, self.rows, self.cols, self.group)
+
+
 @dataclass(frozen=True, slots=True, eq=False, repr=False)
-class Int4Weight(_Streams):
+class Int4Weight(_Int4):
     """W (rows, cols) as compressed-tensors INT4 codes, w = (nibble - zero) * scale with one BF16
     scale per `group` columns and, for asymmetric codes, one zero point per group (symmetric: zero
     = 8), in the resident `int4` layout (int4.py): 3-bit symbols in bit planes, escaped nibbles'
@@ -308,18 +334,6 @@ class Int4Weight(_Streams):
         kind = "symmetric" if self.symmetric else "asymmetric"
         return f"group={self.group}, {kind}, lut={self.lut:#018x}, payload_bits={self.payload_bits}"
 
-    @property
-    def source_bytes(self) -> int:
-        """Bytes of the compressed-tensors tensors it holds: codes, scales and zero points."""
-        from . import int4
-
-        return int4.stored_bytes(self.rows, self.cols, self.group, not self.symmetric)
-
-    @property
-    def symmetric(self) -> bool:
-        """Whether the codes have no zero points (w = (nibble - 8) * scale)."""
-        return self.zero.numel() == 0
-
     @classmethod
     def encode(cls, packed: np.ndarray, scales: np.ndarray, cols: int, group: int, zero=None) -> Int4Weight:
         """W coded from compressed-tensors' `weight_packed` (rows, ceil(cols / 8)) int32,
@@ -345,16 +359,9 @@ class Int4Weight(_Streams):
         streams = {role: t.cpu().numpy() for role, t in self.streams().items()}
         return int4.decode_reference(streams, self.rows, self.cols, self.group, self.lut, self.payload_bits)
 
-    def zero_points(self) -> np.ndarray | None:
-        """The source's zero-point words back (`weight_zero_point`, (ceil(rows / 8), G) int32), bit for
-        bit, or None for symmetric codes."""
-        from . import int4
-
-        return int4.zero_words({"zero": self.zero.cpu().numpy()}, self.rows, self.cols, self.group)
-
 
 @dataclass(frozen=True, slots=True, eq=False, repr=False)
-class PlainInt4Weight(_Streams):
+class PlainInt4Weight(_Int4):
     """W (rows, cols) as compressed-tensors stores INT4 codes, unchanged: the packed words, the BF16
     scales and (asymmetric codes) the zero points as `Int4Weight` keeps them. What `int4_weight`
     holds where coding would not make the weight smaller (codes spread over all 16 nibbles, as
@@ -395,28 +402,12 @@ class PlainInt4Weight(_Streams):
     def _params_repr(self) -> str:
         return f"group={self.group}, {'symmetric' if self.symmetric else 'asymmetric'}"
 
-    @property
-    def symmetric(self) -> bool:
-        return self.zero.numel() == 0
-
-    @property
-    def source_bytes(self) -> int:
-        from . import int4
-
-        return int4.stored_bytes(self.rows, self.cols, self.group, not self.symmetric)
-
     def decode(self) -> tuple[np.ndarray, np.ndarray]:
         """(weight_packed int32, weight_scale uint16 bits): the source's, as held."""
         return (
             self.packed.cpu().numpy().reshape(self.rows, -1).copy(),
             self.scales.cpu().numpy().view(np.uint16).reshape(self.rows, -1).copy(),
         )
-
-    def zero_points(self) -> np.ndarray | None:
-        """As Int4Weight.zero_points."""
-        from . import int4
-
-        return int4.zero_words({"zero": self.zero.cpu().numpy()}, self.rows, self.cols, self.group)
 
 
 def int4_weight(
