@@ -19,11 +19,12 @@ an fp32 value, and nibble - 8 a BF16 one.
 
 Asymmetric codes (zero points) go through the same kernels, which count every weight as
 (nibble - 8) * scale; then, for each row and group, (zero - 8) * scale (an exact fp32 value) times
-the group's sum of x is subtracted (up to GEMV_ROWS rows of x in one pass over the rows,
+the group's sum of x is subtracted (up to ZERO_FUSED_ROWS rows of x in one pass over the rows,
 `_zero_terms`; above, those terms as a matrix and torch's GEMM), so y lies within the fp32 bound
 of the two sums. The rows decoded for the portable GEMM and by `int4_rows_cpu` are corrected in
 place instead (`_zero_rows`): (nibble - 8) * scale - (zero - 8) * scale is (nibble - zero) * scale
-exactly.
+exactly. A PlainInt4Weight (a weight the layout would not shrink, held as stored) takes the
+uncoded kernels and the same terms.
 
 The AVX-512 rows (cpu_int4_avx512.py) take the product where the CPU has them and W's shape fits
 (`_fast`); the portable numba kernels here take the rest, and are the tests' oracle for them (the
