@@ -22,8 +22,8 @@ Asymmetric codes (zero points) go through the same kernels, which count every we
 the group's sum of x is subtracted (up to ZERO_FUSED_ROWS rows of x in one pass over the rows,
 `_zero_terms`; above, those terms as a matrix and torch's GEMM), so y lies within the fp32 bound
 of the two sums. The rows decoded for the portable GEMM and by `int4_rows_cpu` are corrected in
-place instead (`_zero_rows`): (nibble - 8) * scale - (zero - 8) * scale is (nibble - zero) * scale
-exactly. A PlainInt4Weight (a weight the layout would not shrink, held as stored) takes the
+place instead (`_decoded_rows`): (nibble - 8) * scale - (zero - 8) * scale is (nibble - zero) *
+scale exactly. A PlainInt4Weight (a weight the layout would not shrink, held as stored) takes the
 uncoded kernels and the same terms.
 
 The AVX-512 rows (cpu_int4_avx512.py) take the product where the CPU has them and W's shape fits
@@ -277,20 +277,6 @@ def _zero_weights_avx512(r0, smant, sexp, sbase, sesc, sesc_row, zero, out):
         _zero_floats(zero, r0 + i, G, zf)
         for g in range(G):
             out[i, g] *= zf[g]
-
-
-@njit(cache=True, parallel=True)
-def _zero_rows(r0, smant, sexp, sbase, sesc, sesc_row, zero, group, out):
-    """Rows r0.. of W decoded as (nibble - 8) * scale made (nibble - zero) * scale, in place."""
-    G = out.shape[1] // group
-    for i in prange(out.shape[0]):
-        scales, zf = np.empty(G, np.float32), np.empty(G + 1, np.float32)
-        _row_scales(r0 + i, G, smant, sexp, sbase, sesc, sesc_row, scales)
-        _zero_floats(zero, r0 + i, G, zf)
-        for g in range(G):
-            term = scales[g] * zf[g]
-            for c in range(g * group, (g + 1) * group):
-                out[i, c] -= term
 
 
 @njit(cache=True, parallel=True)
@@ -661,18 +647,40 @@ def _zero_args(w: Int4Weight) -> tuple:
     return tuple(getattr(w, role).numpy() for role in ("smant", "sexp", "sbase", "sesc", "sesc_row", "zero"))
 
 
-def _decoded_rows(w: Int4Weight, path: str, r0: int, out: np.ndarray) -> None:
-    """Rows r0 .. r0 + len(out) of W dequantized into out (fp32)."""
-    _ROWS[path](r0, *_args(w), out)
+def _zero_matrix(w: Int4Weight | PlainInt4Weight, path: str, r0: int, r1: int) -> np.ndarray:
+    """(r1 - r0, G) fp32: (zero - 8) * scale of rows r0 .. r1's groups (exact)."""
+    if isinstance(w, PlainInt4Weight):
+        s = (w.scales.numpy().reshape(w.rows, -1)[r0:r1].view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+        z = int4.zero_nibbles(w.zero.numpy().reshape(w.rows, -1)[r0:r1], r1 - r0, s.shape[1]).astype(np.float32)
+        return s * (z - 8)
+    out = np.empty((r1 - r0, w.cols // w.group), np.float32)
+    (_zero_weights_avx512 if path == "avx512" else _zero_weights)(r0, *_zero_args(w), out)
+    return out
+
+
+def _subtract_zero_points(w: Int4Weight | PlainInt4Weight, path: str, xs: np.ndarray, y: np.ndarray, r0: int) -> None:
+    """y (M, rows r0..) of the symmetric product made the asymmetric one: less, for each row and
+    group, (zero - 8) * scale times x summed over the group; in one pass over the rows up to
+    ZERO_FUSED_ROWS rows of x, else as a matrix of those terms and torch's GEMM."""
+    r1 = r0 + y.shape[1]
+    xg = xs.reshape(xs.shape[0], -1, w.group).sum(axis=2, dtype=np.float32)  # x summed over each group
+    if xs.shape[0] > ZERO_FUSED_ROWS:
+        torch.from_numpy(y).sub_(torch.from_numpy(xg) @ torch.from_numpy(_zero_matrix(w, path, r0, r1)).T)
+    elif isinstance(w, PlainInt4Weight):
+        _zero_terms_plain(xg, r0, w.scales.numpy(), w.zero.numpy(), y, _parts(r1 - r0))
+    else:
+        (_zero_terms_avx512 if path == "avx512" else _zero_terms)(xg, r0, *_zero_args(w), y, _parts(r1 - r0))
+
+
+def _decoded_rows(w: Int4Weight | PlainInt4Weight, path: str, r0: int, out: np.ndarray) -> None:
+    """Rows r0 .. r0 + len(out) of W dequantized into out (fp32): decoded as (nibble - 8) * scale,
+    then each group's (zero - 8) * scale taken away, which leaves (nibble - zero) * scale exactly."""
+    if isinstance(w, PlainInt4Weight):
+        _rows_plain(r0, w.packed.numpy(), w.scales.numpy(), w.cols, w.group, out)
+    else:
+        _ROWS[path](r0, *_args(w), out)
     if not w.symmetric:
-        _zero_rows(r0, *_zero_args(w), w.group, out)
-
-
-def _plain_terms(w: PlainInt4Weight, r0: int, r1: int) -> np.ndarray:
-    """(r1 - r0, G) fp32: (zero - 8) * scale of each row's groups (exact)."""
-    s = (w.scales.numpy().reshape(w.rows, -1)[r0:r1].view(np.uint16).astype(np.uint32) << 16).view(np.float32)
-    z = int4.zero_nibbles(w.zero.numpy().reshape(w.rows, -1)[r0:r1], r1 - r0, s.shape[1]).astype(np.float32) - 8
-    return s * z
+        out.reshape(out.shape[0], -1, w.group)[...] -= _zero_matrix(w, path, r0, r0 + out.shape[0])[:, :, None]
 
 
 def int4_rows_cpu(w: Int4Weight | PlainInt4Weight, r0: int, r1: int, fast: bool | None = None) -> torch.Tensor:
@@ -680,11 +688,6 @@ def int4_rows_cpu(w: Int4Weight | PlainInt4Weight, r0: int, r1: int, fast: bool 
     if not 0 <= r0 <= r1 <= w.rows:
         raise ValueError(f"rows {r0}..{r1} are not within the weight's {w.rows}")
     out = np.empty((r1 - r0, w.cols), np.float32)
-    if isinstance(w, PlainInt4Weight):
-        _rows_plain(r0, w.packed.numpy(), w.scales.numpy(), w.cols, w.group, out)
-        if not w.symmetric:
-            out.reshape(r1 - r0, -1, w.group)[...] -= _plain_terms(w, r0, r1)[:, :, None]
-        return torch.from_numpy(out)
     _decoded_rows(w, _path(fast, w.cols, w.group), r0, out)
     return torch.from_numpy(out)
 
@@ -713,14 +716,7 @@ def int4_linear_cpu(
     else:
         _GEMV[path](xs, r0, *args, y, _parts(r1 - r0))
     if not w.symmetric:
-        xg = xs.reshape(xs.shape[0], -1, w.group).sum(axis=2, dtype=np.float32)  # x summed over each group
-        if xs.shape[0] > ZERO_FUSED_ROWS:  # the groups' terms as a matrix, multiplied by torch's GEMM
-            terms = np.empty((r1 - r0, xg.shape[1]), np.float32)
-            (_zero_weights_avx512 if path == "avx512" else _zero_weights)(r0, *_zero_args(w), terms)
-            torch.from_numpy(y).sub_(torch.from_numpy(xg) @ torch.from_numpy(terms).T)
-        else:
-            fused = _zero_terms_avx512 if path == "avx512" else _zero_terms
-            fused(xg, r0, *_zero_args(w), y, _parts(r1 - r0))
+        _subtract_zero_points(w, path, xs, y, r0)
     return torch.from_numpy(y)
 
 
@@ -730,12 +726,7 @@ def _plain_linear(x: torch.Tensor, w: PlainInt4Weight, fast, r0: int, r1: int) -
     scales = w.scales.view(w.rows, -1)[r0:r1].view(torch.bfloat16)
     y = plain_int4_linear_cpu(x, packed, scales, w.group, fast)
     if not w.symmetric:
-        xs = _check_x(x, w.cols)
-        xg = xs.reshape(xs.shape[0], -1, w.group).sum(axis=2, dtype=np.float32)
-        if xs.shape[0] > ZERO_FUSED_ROWS:
-            y.sub_(torch.from_numpy(xg) @ torch.from_numpy(_plain_terms(w, r0, r1)).T)
-        else:
-            _zero_terms_plain(xg, r0, w.scales.numpy(), w.zero.numpy(), y.numpy(), _parts(r1 - r0))
+        _subtract_zero_points(w, _path(fast, w.cols, w.group), _check_x(x, w.cols), y.numpy(), r0)
     return y
 
 
