@@ -21,13 +21,15 @@ so one that fails or runs out of time loses only itself; the run as a whole stop
                  within the fp32 bound, the GPU-only tests (a dry run: a sample)
   kernel_bench   benchmarks/kernel_bench.py: correctness again at the 8B shapes, then each kernel
                  against torch.matmul, with the speed-ups the compile-only counts predict
+  int4_bench     benchmarks/int4_gpu_bench.py: the W4A16 GEMV (codes as stored, BF16 or coded
+                 scales) within the fp32 bound, then against torch.matmul on Kimi's expert shapes
   decode         benchmarks/decode_bench.py: the runtime's decode step at batch 1, 8 and 32,
                  compressed against dense BF16 weights in the same runtime
   hf_decode      the same shape decoded by transformers (static cache, torch.compile): the anchor
 
 What comes back (at most 8 files): summary.md (a row per stage, then each stage's table),
 device_run.json (each stage's status, seconds and results), log.txt (every stage's output), and
-kernel_bench's kernel_bench.json, kernel_isa.json and kernel_isa.txt. Both summary files are
+kernel_bench's kernel_bench.json, kernel_isa.json and kernel_isa.txt, and int4_gpu_bench.json. Both summary files are
 rewritten after every stage.
 """
 
@@ -93,6 +95,7 @@ STAGES = (
     Stage("env", 30, 120, "versions, GPU, wheels, imports"),
     Stage("kernel_tests", 120, 300, "kernel tests on the device"),
     Stage("kernel_bench", 150, 900, "kernels against torch.matmul"),  # dry: ptxas and the interpreter on a busy CI host
+    Stage("int4_bench", 60, 300, "the W4A16 GEMV against torch.matmul"),
     Stage("decode", 120, 300, "the runtime's decode step, compressed against BF16"),
     Stage("hf_decode", 90, 300, "transformers' own BF16 decode (the anchor)"),
 )
@@ -166,15 +169,20 @@ def stage_command(stage: str, dry: bool, out: Path) -> list[str]:
         return [py, str(Path(__file__)), "--env-report"]
     if stage == "kernel_tests":
         tests = ["tests/test_kernels.py", "tests/test_experts_kernel.py", "tests/test_linear.py"]
+        tests.append("tests/test_int4_matmul.py")
         tests.append("tests/test_graph_step.py::test_cuda_graph_replay_equals_the_eager_step")
         pick = (
-            ["-k", "bit_exact and 16-64-0 or every_pipeline or experts_linear_matches and 2- or replay"] if dry else []
+            ["-k", "bit_exact and 16-64-0 or every_pipeline or experts_linear_matches and 2- or replay or grouped_gemv"]
+            if dry
+            else []
         )
         # -P: not the tree's root first on the path (its unweight/ is not the package as laid out)
         return [py, "-P", "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests, *pick]
     if stage == "kernel_bench":
         dry_args = ["--dry-run", "--shapes", "q/o", "--batches", "1,9,40"] if dry else []
         return [py, str(ROOT / "benchmarks" / "kernel_bench.py"), "--out", str(out), *dry_args]
+    if stage == "int4_bench":
+        return [py, str(ROOT / "benchmarks" / "int4_gpu_bench.py"), "--out", str(out), *(["--dry-run"] if dry else [])]
     bench = [py, str(ROOT / "benchmarks" / "decode_bench.py"), "--json", str(out / f".{stage}.json")]
     tiny = ["--tiny", "--device", "cpu", "--steps", "3", "--batches", "1,8", "--modes", "off,eager"]
     tiny = tiny if dry else ["--batches", "1,8,32"]
@@ -248,10 +256,10 @@ def results_of(stage: str, out: Path, lines: list[str]) -> dict:
     if stage == "kernel_tests":
         counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?)", text)}
         return {**counts, "failures": re.findall(r"^FAILED (\S+)", text, re.M)}
-    if stage == "kernel_bench":  # its table: from the header to the first blank line
+    if stage in ("kernel_bench", "int4_bench"):  # its table: from the header to the first blank line
         start = next((i for i, ln in enumerate(lines) if ln.startswith("shape ")), len(lines))
         end = next((i for i in range(start, len(lines)) if not lines[i].strip()), len(lines))
-        return {"table": [ln.rstrip() for ln in lines[start:end]]}
+        return {"table": [ln.rstrip() for ln in lines[start:end] if not ln.startswith("  ok ")]}
     f = out / f".{stage}.json"
     if f.exists():
         rec = json.loads(f.read_text())

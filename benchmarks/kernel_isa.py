@@ -57,6 +57,7 @@ MODULES = {
     "qtiles_gemv_kernel": "unweight.runtime.kernels.qtiles_matmul",
     "qtiles_dot_kernel": "unweight.runtime.kernels.qtiles_matmul",
     "qtiles_decode_kernel": "unweight.runtime.kernels.qtiles_decode",
+    "int4_gemv_kernel": "unweight.runtime.kernels.int4_matmul",
 }
 # Llama-3.1-8B (out_features, in_features); the runtime stacks q/k/v and gate/up (runtime/model/llama.py)
 SHAPES = {
@@ -78,6 +79,13 @@ EXPERT_SHAPES = {
     "kimi w13 384x4096x7168": (2 * 2048, 7168, 384, 8),  # Kimi-K2: top-8 of 384
     "kimi w2 384x7168x2048": (7168, 2048, 384, 8),
 }
+# INT4 W4A16 (compressed-tensors, group 32): Kimi-K2's routed experts, stacked as above, for the grouped
+# GEMV (int4_experts_linear), and one expert's gate/up matrix for the dense one (int4_linear)
+INT4_EXPERT_SHAPES = {k: v for k, v in EXPERT_SHAPES.items() if k.startswith("kimi")}
+INT4_SHAPES = {"kimi expert w13 4096x7168": (4096, 7168)}
+INT4_GROUP = 32
+INT4_LISTED_RATE = 0.0086  # scales the int4 layout lists, of Student-t(5) absmax codes (Kimi-shaped, group 32)
+INT4_K_STEPS = 7168 / (128 * 32)  # steps over K of a Kimi gate/up row (7168 columns): the listed pass's share
 QUICK_EXPERT_SHAPES = ("scout w13 16x16384x5120", "kimi w13 384x4096x7168")  # X_DIV 1 and 8
 EXPERT_TOKENS = (1, 2)  # decode steps of 1 and 2 tokens: P = tokens * topk pairs
 QUICK_BATCHES = (1, 2, 4, 8, 16, 32)
@@ -91,6 +99,9 @@ BUDGETS = {
     "gemv": {"per_w": 16.0},
     "dot m<=32": {"per_w": 16.0},
     "decode": {"per_w": 16.0},
+    # INT4 at 0.537 bytes a weight (4-bit codes, Kimi-shaped scales coded to 0.59 of BF16): 7.78 issue
+    # slots a byte at 4.3 TB/s (132 SMs x 1.98 GHz x 128 lanes / 4.3e12) give 4.2 a weight
+    "int4 m=1": {"per_w": 4.2},
 }
 
 
@@ -133,17 +144,46 @@ def fake_streams(rows: int, cols: int, mode: int = 0):
     )
 
 
+def fake_int4(rows: int, cols: int, scales: int, group: int = INT4_GROUP):
+    """A symmetric PlainInt4Weight (scales 0) or Int4ScalesWeight (1) of the right dtypes and lengths,
+    taking no memory."""
+    from unweight.runtime.kernels.weight import Int4ScalesWeight, PlainInt4Weight
+
+    g = cols // group
+    one = lambda dt: torch.zeros(1, dtype=dt)  # noqa: E731
+    packed, zero = one(torch.int32).expand(rows * cols // 8), one(torch.uint8).expand(0)
+    if scales == 0:
+        return PlainInt4Weight(packed, one(torch.int16).expand(rows * g), zero, rows, cols, group)
+    return Int4ScalesWeight(
+        packed,
+        one(torch.uint8).expand(rows * g),
+        one(torch.int32).expand(rows * -(-g // 32)),
+        one(torch.uint8).expand(rows),
+        one(torch.int16).expand(1),
+        one(torch.int32).expand(1),
+        one(torch.int32).expand(rows + 1),
+        zero,
+        rows,
+        cols,
+        group,
+    )
+
+
 def record_launches(
     shapes: dict[str, tuple[int, int]],
     batches: tuple[int, ...],
     gathers: tuple[int, ...],
     modes: tuple[int, ...] = (0, 1),
     experts: dict[str, tuple[int, int, int, int]] | None = None,
+    int4_shapes: dict[str, tuple[int, int]] | None = None,
+    int4_experts: dict[str, tuple[int, int, int, int]] | None = None,
 ) -> list[dict]:
     """Every launch the runtime's CUDA pipelines make on the shapes, in each qtiles mode: `fused`
     for the batches it takes (runtime.linear.UnweightLinear), `decode_matmul`'s decode, embedding
     gathers, and the grouped GEMV on the `experts` shapes (EXPERT_SHAPES' form) for EXPERT_TOKENS
-    tokens (int64 ids with top-1, int32 ones, as vLLM's router gives them, with top-k)."""
+    tokens (int64 ids with top-1, int32 ones, as vLLM's router gives them, with top-k); and the INT4
+    GEMV, plain and coded scales, on `int4_shapes` (its batches) and `int4_experts`."""
+    from unweight.runtime.kernels import int4_matmul as i4
     from unweight.runtime.kernels import qtiles_decode as qd
     from unweight.runtime.kernels import qtiles_matmul as qm
 
@@ -173,6 +213,19 @@ def record_launches(
                     ids = torch.zeros(t * topk, dtype=torch.int64 if topk == 1 else torch.int32)
                     qm.qtiles_experts_linear(torch.empty(t, k, dtype=torch.bfloat16), w, ids, n, topk)
                     cases.append(f"experts {label} pairs={t * topk}{tag}")
+        for scales, tag in ((0, " int4"), (1, " int4 coded scales")):
+            for label, (n, k) in (int4_shapes or {}).items():
+                w = fake_int4(n, k, scales)
+                for m in batches:
+                    if m <= i4.GEMV_M:
+                        i4.int4_linear(torch.empty(m, k, dtype=torch.bfloat16), w)
+                        cases.append(f"int4 {label} m={m}{tag}")
+            for label, (n, k, e, topk) in (int4_experts or {}).items():
+                w = fake_int4(e * n, k, scales)
+                for t in EXPERT_TOKENS:
+                    ids = torch.zeros(t * topk, dtype=torch.int32)
+                    i4.int4_experts_linear(torch.empty(t, k, dtype=torch.bfloat16), w, ids, n, topk)
+                    cases.append(f"int4 experts {label} pairs={t * topk}{tag}")
     finally:
         for name, mod in MODULES.items():
             setattr(sys.modules[mod], name, saved[name])
@@ -331,6 +384,14 @@ def occupancy(cc: int, regs: int, warps: int, shared: int) -> int:
 def per_weight(kernel: str, c: dict, threads: int, r: dict) -> dict:
     """Main-loop and escape-pass thread-instructions (and main-loop global loads) per weight."""
     main, esc = r["loops"][0], r["loops"][-1] if len(r["loops"]) > 1 else None
+    if kernel == "int4_gemv_kernel":  # its loops: K, then (SCALES 1) one a row over its listed scales
+        tile = c["BLOCK_N"] * c["GROUPS"] * c["GROUP"]
+        out = {"per_w": main["instrs"] * threads / tile, "ldg_per_w": main["LDG"] * threads / tile, "mma": main["mma"]}
+        if esc is not None:  # a program's listed scales, GROUPS a step: steps at INT4_LISTED_RATE
+            weights = c["BLOCK_N"] * c["GROUPS"] * c["GROUP"] * INT4_K_STEPS
+            steps = -(-round(INT4_LISTED_RATE * c["BLOCK_N"] * c["GROUPS"] * INT4_K_STEPS) // c["GROUPS"])
+            out["esc_per_w"] = esc["instrs"] * threads * steps / weights
+        return out
     tile = c["BLOCK_N"] * c["GROUPS"] * 32  # weights one iteration of the main loop streams
     out = {"per_w": main["instrs"] * threads / tile, "ldg_per_w": main["LDG"] * threads / tile, "mma": main["mma"]}
     if esc is not None:  # entries one step of the escape loop takes, and per thread
@@ -345,6 +406,8 @@ def per_weight(kernel: str, c: dict, threads: int, r: dict) -> dict:
 
 
 def budget_key(kernel: str, c: dict) -> str | None:
+    if kernel == "int4_gemv_kernel":
+        return "int4 m=1"
     if kernel == "qtiles_gemv_kernel":  # the grouped GEMV (BLOCK_M 1) takes the batch-1 budget
         return "gemv m=1" if c.get("M") == 1 or c["BLOCK_M"] == 1 else "gemv"
     if kernel == "qtiles_dot_kernel":
@@ -356,6 +419,12 @@ def int32_values(kernel: str, b: dict, grid: tuple) -> dict[str, int]:
     """The largest value of each quantity a kernel keeps in 32 bits (row and element offsets are
     64-bit in every kernel: they are not listed)."""
     m = b.get("M", 1)
+    if kernel == "int4_gemv_kernel":
+        return {
+            "column GROUP G": b["GROUP"] * b["G"],
+            "listed scale": b["sesc_ptr"].numel(),
+            "row pid * BLOCK_N + i": grid[0] * b["BLOCK_N"],
+        }
     vals = {"column 32 G": 32 * b["G"], "escape entry": b["esc_exp_ptr"].numel()}
     if kernel == "qtiles_decode_kernel":
         vals["output row pid * BLOCK_N + i"] = grid[0] * b["BLOCK_N"]
@@ -380,9 +449,12 @@ def check_launch(rec: dict) -> list[str]:
 def variant_label(kernel: str, c: dict) -> str:
     """'kind constexprs': the kind is the kernel's name, or `experts` for the grouped GEMV."""
     grouped = c.get("GROUPED") is True
-    keys = ("BLOCK_M", "BLOCK_N", "GROUPS", "ESC_BLOCK", "GATHER", "EVEN_K", "MODE") + (("X_DIV",) if grouped else ())
+    keys = ("BLOCK_M", "BLOCK_N", "GROUPS", "ESC_BLOCK", "GATHER", "EVEN_K", "MODE", "GROUP", "SCALES") + (
+        ("X_DIV",) if grouped else ()
+    )
+    kind = kernel.removeprefix("qtiles_").removesuffix("_kernel")
     return (
-        ("experts" if grouped else kernel.removeprefix("qtiles_").removesuffix("_kernel"))
+        (("int4 experts" if kernel.startswith("int4") else "experts") if grouped else kind)
         + " "
         + " ".join(f"{k.replace('BLOCK_', 'B')}={c[k]}" for k in keys if k in c)
         + (" M=1" if c.get("M") == 1 else "")
@@ -442,7 +514,14 @@ def main(argv=None) -> int:
         ap.error(f"unknown target {unknown[0]}: choose from {', '.join(map(str, TARGETS))}")
     print(f"triton {triton.__version__}, torch {torch.__version__}", flush=True)
 
-    launches = record_launches(shapes, batches, GATHER_TOKENS[::2] if args.quick else GATHER_TOKENS, experts=experts)
+    launches = record_launches(
+        shapes,
+        batches,
+        GATHER_TOKENS[::2] if args.quick else GATHER_TOKENS,
+        experts=experts,
+        int4_shapes=INT4_SHAPES,
+        int4_experts=INT4_EXPERT_SHAPES,
+    )
     jobs, recs = {}, []
     for cc in targets:
         for launch in launches:
@@ -526,7 +605,8 @@ def main(argv=None) -> int:
     print(
         "\nSASS/w, LDG/w: main-loop thread-instructions and global loads per weight streamed; esc/w: the escape pass "
         "at "
-        f"{ESCAPE_RATE:.1%} listed escapes; mma: tensor-core instructions per main-loop iteration; budgets (sm_90a): "
+        f"{ESCAPE_RATE:.1%} listed escapes (INT4: listed scales at {INT4_LISTED_RATE:.2%}); mma: tensor-core "
+        "instructions per main-loop iteration; budgets (sm_90a): "
         + "; ".join(
             f"{k}: " + ", ".join(f"{a} {'>=' if a == 'warps' else '<='} {v}" for a, v in b.items())
             for k, b in budgets.items()

@@ -77,6 +77,14 @@ def test_dry_run_on_the_gpu_machines_stack(tmp_path, gpu_python):
     assert all(("fused_speedup" in r) == (r["batch"] <= 32) and r["decode_matmul_speedup"] > 0 for r in bench["rows"])
     assert all(r["predicted_fused_speedup"] for r in bench["rows"] if r["batch"] <= 32)
 
+    # int4_bench: the W4A16 GEMV, plain and coded scales, checked then timed on both shapes and weights
+    int4 = json.loads((out / "int4_gpu_bench.json").read_text())
+    assert {(r["shape"].split()[0], r["weights"]) for r in int4["rows"]} == {
+        (s, w) for s in ("w13", "w2") for w in ("gaussian", "student-t")
+    }
+    assert all(r[f"{k}_speedup"] > 0 and r[f"{k}_top8_speedup"] > 0 for r in int4["rows"] for k in ("plain", "coded"))
+    assert stages["int4_bench"]["results"]["table"][0].startswith("shape ")
+
     # the runtime's decode step, compressed and dense, and transformers' beside it
     decode = stages["decode"]["results"]
     assert {(r["variant"], r["mode"], r["batch"]) for r in decode["rows"]} == {

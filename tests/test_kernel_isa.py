@@ -34,7 +34,8 @@ def test_kernels_compile_within_budget(tmp_path, triton_cache):
     rows = json.loads(out.read_text())["rows"]
     assert {r["cc"] for r in rows} == {80, 90}
     kernels = {r["variant"].split()[1] for r in rows}
-    assert kernels == {"gemv", "dot", "decode", "experts"}  # experts: the grouped GEMV (qtiles_experts_linear)
+    # experts: the grouped GEMV (qtiles_experts_linear); int4_gemv and "int4 experts": the W4A16 GEMV
+    assert kernels == {"gemv", "dot", "decode", "experts", "int4_gemv", "int4"}
     for r in rows:
         assert r["ok"] and not r["problems"], r
         assert r["spill_st"] == 0
@@ -47,6 +48,11 @@ def test_kernels_compile_within_budget(tmp_path, triton_cache):
         assert r["per_w"] <= 10 and r["ldg_per_w"] <= 0.5 and r["warps_per_sm"] >= 16, r
     assert gemv1 and max(r["per_w"] for r in experts) <= max(r["per_w"] for r in gemv1) + 0.1
     assert all(r["mma"] > 0 for r in rows if " dot " in r["variant"])  # the tensor cores do the products
+    int4 = [r for r in rows if r["cc"] == 90 and "int4" in r["variant"]]  # BF16 and coded scales, alone and grouped
+    assert {("SCALES=1" in r["variant"], " experts " in r["variant"]) for r in int4} == {
+        (s, g) for s in (False, True) for g in (False, True)
+    }
+    assert all(r["per_w"] <= 4.2 for r in int4)  # an H200's bandwidth at 0.54 bytes a weight
 
 
 @pytest.mark.slow

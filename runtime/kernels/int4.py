@@ -240,7 +240,25 @@ def encode_reference(packed: np.ndarray, scales: np.ndarray, cols: int, group: i
     fields = ((index[:, None] >> np.arange(payload_bits, dtype=np.uint8)) & 1).reshape(-1)
     esc = np.zeros(-(-fields.size // 32) + PAD_WORDS, dtype=np.uint32)
     esc[: -(-fields.size // 32)] = _planes(fields)
-    bits = scales.view(np.uint16)
+    scale_streams = encode_scales_reference(scales)
+    check_count("escapes", esc_row[-1])
+    streams = {
+        "sym": planes.reshape(-1).view(np.int64),
+        "esc": esc.view(np.int32),
+        "esc_row": esc_row.astype(np.int32),
+        **scale_streams,
+        "zero": zeros,
+    }
+    return {"streams": streams, "lut": lut, "payload_bits": payload_bits}
+
+
+SCALE_ROLES = ("smant", "sexp", "sbase", "sesc", "sesc_row")
+
+
+def encode_scales_reference(scales: np.ndarray) -> dict:
+    """The scale streams (SCALE_ROLES) of (R, G) BF16 scale bits, the plain way."""
+    bits = np.asarray(scales).view(np.uint16)
+    rows = bits.shape[0]
     exps = ((bits >> 7) & 0xFF).astype(np.int64)
     positive = (bits >> 15) == 0
     sbase = _row_bases(exps, positive & (exps > 0))
@@ -253,20 +271,33 @@ def encode_reference(packed: np.ndarray, scales: np.ndarray, cols: int, group: i
     sesc_row = np.zeros(rows + 1, dtype=np.int64)
     np.cumsum(listed.sum(axis=1), out=sesc_row[1:])
     sesc = bits[listed]
-    check_count("escapes", esc_row[-1])
     check_count("listed scales", sesc_row[-1])
-    streams = {
-        "sym": planes.reshape(-1).view(np.int64),
-        "esc": esc.view(np.int32),
-        "esc_row": esc_row.astype(np.int32),
+    return {
         "smant": smant.reshape(-1),
         "sexp": sexp.reshape(-1).view(np.int32),
         "sbase": sbase,
         "sesc": (sesc if sesc.size else np.zeros(1, np.uint16)).view(np.int16),
         "sesc_row": sesc_row.astype(np.int32),
-        "zero": zeros,
     }
-    return {"streams": streams, "lut": lut, "payload_bits": payload_bits}
+
+
+def listed_groups(streams: dict, rows: int, groups: int) -> np.ndarray:
+    """The group of each listed scale (code 3), in `sesc`'s order (row-major), int32: what a GPU
+    kernel that counts listed scales as 0 and adds them apart needs to find them."""
+    smant = np.asarray(streams["smant"]).reshape(rows, groups)
+    code = (smant >> 7) | (_unplanes(np.asarray(streams["sexp"]).view(np.uint32).reshape(rows, -1), groups) << 1)
+    return np.nonzero(code == WINDOW)[1].astype(np.int32)
+
+
+def decode_scales_reference(streams: dict, rows: int, groups: int) -> np.ndarray:
+    """(R, G) uint16 BF16 scale bits back from the scale streams, the plain way."""
+    smant = np.asarray(streams["smant"]).reshape(rows, groups)
+    code = (smant >> 7) | (_unplanes(np.asarray(streams["sexp"]).view(np.uint32).reshape(rows, -1), groups) << 1)
+    exps = np.asarray(streams["sbase"]).astype(np.uint16)[:, None] + code
+    scales = (exps << 7) | (smant & 0x7F)
+    listed = code == WINDOW
+    scales[listed] = np.asarray(streams["sesc"]).view(np.uint16)[: int(listed.sum())]
+    return scales.astype(np.uint16)
 
 
 def check_count(what: str, n: int) -> None:
@@ -290,14 +321,7 @@ def decode_reference(streams: dict, rows: int, cols: int, group: int, lut: int, 
     fields = _unplanes(streams["esc"].view(np.uint32), n * payload_bits).reshape(n, payload_bits)
     index = (fields << np.arange(payload_bits, dtype=np.uint8)).sum(axis=1, dtype=np.uint8)
     nib[escaped] = long[index]
-    code = (streams["smant"].reshape(rows, g) >> 7) | (
-        _unplanes(streams["sexp"].view(np.uint32).reshape(rows, -1), g) << 1
-    )
-    exps = streams["sbase"].astype(np.uint16)[:, None] + code
-    scales = (exps << 7) | (streams["smant"].reshape(rows, g) & 0x7F)
-    listed = code == WINDOW
-    scales[listed] = streams["sesc"].view(np.uint16)[: int(listed.sum())]
-    return pack_nibbles(nib), scales.astype(np.uint16)
+    return pack_nibbles(nib), decode_scales_reference(streams, rows, g)
 
 
 def zero_words(streams: dict, rows: int, cols: int, group: int) -> np.ndarray | None:

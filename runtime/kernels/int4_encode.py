@@ -138,7 +138,7 @@ def encode(packed: np.ndarray, scales: np.ndarray, cols: int, group: int, zero=N
         else int4.zero_stream(int4.zero_source(zero, packed.shape[0], cols // group))
     )
     words = np.ascontiguousarray(packed).view(np.uint32)
-    rows, g = words.shape[0], cols // group
+    rows = words.shape[0]
     parts = _parts(rows)
     counts = _histogram(words, cols, parts)
     lut, payload_bits = int4.lut_of_counts(counts)
@@ -154,7 +154,20 @@ def encode(packed: np.ndarray, scales: np.ndarray, cols: int, group: int, zero=N
     _code_rows(words, cols, to_sym, to_index, payload_bits, esc_row, planes, esc, heads, parts)
     for p in range(parts):  # each range's bits in the word it shares with the range before
         esc[(payload_bits * esc_row[p * rows // parts]) >> 5] |= np.uint32(heads[p] & 0xFFFFFFFF)
+    streams = {
+        "sym": planes.reshape(-1),
+        "esc": esc.view(np.int32),
+        "esc_row": esc_row.astype(np.int32),
+        **encode_scales(scales),
+        "zero": zeros,
+    }
+    return {"streams": streams, "lut": lut, "payload_bits": payload_bits}
+
+
+def encode_scales(scales: np.ndarray) -> dict:
+    """int4.encode_scales_reference's streams of (R, G) BF16 scale bits, coded on threads."""
     bits = np.ascontiguousarray(scales).view(np.uint16)
+    rows, g = bits.shape
     sbase, listed = np.empty(rows, np.uint8), np.empty(rows, np.int64)
     _scale_bases(bits, sbase, listed)
     sesc_row = np.zeros(rows + 1, np.int64)
@@ -163,15 +176,10 @@ def encode(packed: np.ndarray, scales: np.ndarray, cols: int, group: int, zero=N
     smant, sexp = np.empty((rows, g), np.uint8), np.empty((rows, -(-g // 32)), np.uint32)
     sesc = np.zeros(max(1, int(sesc_row[-1])), np.uint16)
     _code_scales(bits, sbase, sesc_row, smant, sexp, sesc)
-    streams = {
-        "sym": planes.reshape(-1),
-        "esc": esc.view(np.int32),
-        "esc_row": esc_row.astype(np.int32),
+    return {
         "smant": smant.reshape(-1),
         "sexp": sexp.reshape(-1).view(np.int32),
         "sbase": sbase,
         "sesc": sesc.view(np.int16),
         "sesc_row": sesc_row.astype(np.int32),
-        "zero": zeros,
     }
-    return {"streams": streams, "lut": lut, "payload_bits": payload_bits}

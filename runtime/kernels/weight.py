@@ -410,6 +410,110 @@ class PlainInt4Weight(_Int4):
         )
 
 
+@dataclass(frozen=True, slots=True, eq=False, repr=False)
+class Int4ScalesWeight(_Int4):
+    """W (rows, cols) as compressed-tensors INT4 codes with only the scales coded: the packed words
+    as stored (a GPU multiplies a nibble with a mask and an add, where decoding the `int4` layout's
+    symbols and escapes costs about twice the instructions a weight that an H200's bandwidth leaves:
+    docs/kernels.md), the scales and zero points as `Int4Weight` keeps them."""
+
+    packed: torch.Tensor  # (rows * ceil(cols / 8),) int32: eight codes a word, the first in the low bits
+    smant: torch.Tensor  # (rows * G,) uint8: as Int4Weight's
+    sexp: torch.Tensor  # (rows * ceil(G / 32),) int32
+    sbase: torch.Tensor  # (rows,) uint8
+    sesc: torch.Tensor  # (listed scales, at least 1) int16
+    scol: torch.Tensor  # (as sesc) int32: each listed scale's group (a GPU adds them apart)
+    sesc_row: torch.Tensor  # (rows + 1,) int32
+    zero: torch.Tensor  # (rows * ceil(G / 2),) uint8, or empty (symmetric)
+    rows: int
+    cols: int
+    group: int
+    device: torch.device = field(init=False)
+
+    ROLES: ClassVar[tuple[str, ...]] = ("packed", "smant", "sexp", "sbase", "sesc", "scol", "sesc_row", "zero")
+    layout: ClassVar[str] = "int4-scales"
+
+    def __post_init__(self) -> None:
+        _check_shape("int4-scales", self.rows, self.cols)
+        if not isinstance(self.group, int) or isinstance(self.group, bool) or not 1 <= self.group <= (self.cols or 1):
+            raise ValueError(f"int4-scales group {self.group!r} is not an integer in [1, {self.cols or 1}]")
+        if self.cols % self.group:
+            raise ValueError(f"int4-scales group {self.group} does not divide cols {self.cols}")
+        dtypes = {"packed": (torch.int32,), "scol": (torch.int32,), **_INT4_DTYPES}
+        device = _check_streams("int4-scales", self.streams(), dtypes)
+        g = self.cols // self.group
+        for role, lengths in (
+            ("packed", (self.rows * -(-self.cols // 8),)),
+            ("smant", (self.rows * g,)),
+            ("sexp", (self.rows * -(-g // 32),)),
+            ("sbase", (self.rows,)),
+            ("sesc_row", (self.rows + 1,)),
+            ("zero", (0, self.rows * -(-g // 2))),
+        ):
+            if getattr(self, role).numel() not in lengths:
+                raise ValueError(
+                    f"int4-scales stream {role!r} holds {getattr(self, role).numel()} entries; a ({self.rows}, "
+                    f"{self.cols}) weight in groups of {self.group} needs {' or '.join(map(str, lengths))}"
+                )
+        if self.sesc.numel() < 1 or self.scol.numel() != self.sesc.numel():
+            raise ValueError(
+                f"int4-scales streams 'sesc' ({self.sesc.numel()}) and 'scol' ({self.scol.numel()}) must hold one "
+                "entry a listed scale, and at least one"
+            )
+        object.__setattr__(self, "device", device)
+
+    def _params_repr(self) -> str:
+        return f"group={self.group}, {'symmetric' if self.symmetric else 'asymmetric'}"
+
+    @classmethod
+    def encode(cls, packed: np.ndarray, scales: np.ndarray, cols: int, group: int, zero=None) -> Int4ScalesWeight:
+        """As Int4Weight.encode takes the source, the codes kept as they are (int4_encode.encode_scales)."""
+        from . import int4
+        from .int4_encode import encode_scales
+
+        packed, scales = np.asarray(packed), np.asarray(scales)
+        int4.check_source(packed, scales, cols, group)
+        rows = packed.shape[0]
+        zeros = np.zeros(0, np.uint8) if zero is None else int4.zero_stream(int4.zero_source(zero, rows, cols // group))
+        arrays = {"packed": np.ascontiguousarray(packed).view(np.int32).reshape(-1), **encode_scales(scales)}
+        arrays["scol"] = cls._scol(arrays, rows, cols // group)
+        tensors = {role: torch.from_numpy(np.ascontiguousarray(a).copy()) for role, a in arrays.items()}
+        return cls(**tensors, zero=torch.from_numpy(zeros), rows=rows, cols=cols, group=group)
+
+    @staticmethod
+    def _scol(streams: dict, rows: int, groups: int) -> np.ndarray:
+        from . import int4
+
+        cols = int4.listed_groups(streams, rows, groups)
+        return cols if cols.size else np.zeros(1, np.int32)
+
+    @classmethod
+    def from_int4(cls, w: Int4Weight | PlainInt4Weight) -> Int4ScalesWeight:
+        """The same weight with its codes as stored: an Int4Weight's scale streams kept, its codes
+        decoded (transcoding at load, on the CPU); a PlainInt4Weight's scales coded."""
+        packed, scales = w.decode()
+        if isinstance(w, PlainInt4Weight):
+            return cls.encode(packed, scales, w.cols, w.group, w.zero_points())
+        kept = {role: getattr(w, role).cpu() for role in cls.ROLES if role not in ("packed", "scol")}
+        scol = cls._scol({r: t.numpy() for r, t in kept.items()}, w.rows, w.cols // w.group)
+        return cls(
+            packed=torch.from_numpy(packed.reshape(-1)),
+            scol=torch.from_numpy(scol),
+            **kept,
+            rows=w.rows,
+            cols=w.cols,
+            group=w.group,
+        )
+
+    def decode(self) -> tuple[np.ndarray, np.ndarray]:
+        """(weight_packed int32, weight_scale uint16 bits) back, bit for bit."""
+        from . import int4
+
+        streams = {role: t.cpu().numpy() for role, t in self.streams().items()}
+        scales = int4.decode_scales_reference(streams, self.rows, self.cols // self.group)
+        return streams["packed"].reshape(self.rows, -1).copy(), scales
+
+
 def int4_weight(
     packed: np.ndarray, scales: np.ndarray, cols: int, group: int, zero=None
 ) -> Int4Weight | PlainInt4Weight:
@@ -426,4 +530,4 @@ def int4_weight(
     return PlainInt4Weight(**streams, rows=coded.rows, cols=cols, group=group)
 
 
-CompressedWeight = TilesWeight | QTilesWeight | Int4Weight | PlainInt4Weight
+CompressedWeight = TilesWeight | QTilesWeight | Int4Weight | PlainInt4Weight | Int4ScalesWeight
