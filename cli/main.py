@@ -375,8 +375,8 @@ def plan(
 
     Weights are counted by tensor class as vLLM builds the layers (INT4 experts of a
     compressed-tensors checkpoint as 4-bit codes and BF16 scales); unweight's resident layout is
-    estimated at 0.71 of the BF16 bytes it compresses, and INT4 experts at the int4 layout's
-    measured 0.944 of their codes and 0.591 of their scales; vLLM's activation reserve is
+    estimated at 0.71 of the BF16 bytes it compresses, and INT4 experts as a GPU's W4A16 GEMV
+    holds them (codes as stored, scales at a measured 0.591 of their bytes); vLLM's activation reserve is
     estimated too. With --dp, each data-parallel rank holds its own attention and KV cache and the
     experts spread over every GPU. KV tokens are counted at the model's own KV layout (MLA's
     latent cache for DeepSeek-V3 and Kimi). A config.json with a field missing, mistyped or out of

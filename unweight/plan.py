@@ -9,8 +9,9 @@ fit in the rest (MLA's latent cache for DeepSeek-V3).
 
 No weights are read. The counts follow the layers vLLM builds; the resident layout is an
 estimate at RESIDENT_RATIO of the BF16 bytes for the tensors the plugin compresses (a
-compressed folder's measured ratio depends on its weights), and INT4 experts are counted in the
-`int4` layout at the ratios it measured (INT4_CODES_RATIO, INT4_SCALES_RATIO); the activation
+compressed folder's measured ratio depends on its weights), and INT4 experts as a GPU holds them:
+their codes as stored and their scales coded (INT4_SCALES_RATIO, runtime/kernels/int4_matmul.py);
+the activation
 reserve is an estimate of what vLLM's start-up profiling finds (see `reserve_bytes`). A GPU holds
 what CUDA reports of it (GPUS), the total vLLM's --gpu-memory-utilization takes its share of.
 Data parallelism (vLLM's --data-parallel-size, attention replicated per data-parallel rank) and
@@ -43,18 +44,13 @@ GPUS = {"h100": int(79.11 * GIB), "h200": 143156 * MIB}
 # Resident tiles against BF16, measured on real weights (docs/transformers.md: SmolLM2 0.710,
 # Llama-3.1-8B's layer shapes 0.702); random weights of std 0.02 measure about 0.72.
 RESIDENT_RATIO = 0.71
-# The `int4` layout (runtime/kernels/int4.py) against compressed-tensors' INT4 codes and their BF16
-# group scales, measured on Kimi-shaped experts by benchmarks/int4_resident_bench.py
-# (docs/compression.md): codes 0.944 for Gaussian weights (0.881 for Student-t(5)), scales 0.591
-# for Student-t(5) (0.583 Gaussian). The larger of each is counted.
-INT4_CODES_RATIO = 0.944
+# INT4 experts on a GPU (runtime/kernels/int4_matmul.py, Int4ScalesWeight): the codes as stored (decoding
+# the `int4` layout's coded ones, 0.944 of them for Gaussian weights, costs about 7.5 instructions a
+# weight where an H200's bandwidth leaves 4.2: docs/kernels.md) and the BF16 group scales coded as that
+# layout codes them, 0.591 of their bytes for Student-t(5) weights (0.583 Gaussian), measured on
+# Kimi-shaped experts by benchmarks/int4_resident_bench.py (docs/compression.md). Asymmetric codes
+# (zero points) are held as stored: the GEMV takes symmetric ones.
 INT4_SCALES_RATIO = 0.591
-# Asymmetric codes (a zero point a group), measured the same way on min-max codes of Gaussian weights
-# (int4_resident_bench.py --zero-points, docs/compression.md): their nibbles spread over all 16
-# values, so the layout's codes come out larger than the source's, the scales and the 4-bit zero
-# points together smaller; in all 1.067x, so such experts are held as stored.
-INT4_ZERO_CODES_RATIO = 1.129
-INT4_ZERO_SCALES_RATIO = 0.666
 # vLLM's defaults that size its reserve: --gpu-memory-utilization, --max-num-batched-tokens,
 # --max-num-seqs; and what a CUDA context, NCCL and CUDA graphs take outside torch's allocator.
 GPU_MEMORY_UTILIZATION = 0.9
@@ -289,13 +285,8 @@ def _weights(config: dict, c: dict, resident_ratio: float) -> list[Weights]:
             w.params, w.stored_bytes, w.resident_bytes = n + fp32, 2 * n + 4 * fp32, w.resident_bytes + 4 * fp32
         if name == "experts" and int4:  # 4-bit codes and one BF16 scale per group (and a 4-bit zero point)
             codes, scales = n // 2, 2 * (n // int4)
-            ratios = (
-                (INT4_CODES_RATIO, INT4_SCALES_RATIO) if symmetric else (INT4_ZERO_CODES_RATIO, INT4_ZERO_SCALES_RATIO)
-            )
-            scales += 0 if symmetric else n // int4 // 2
-            w.stored_bytes = codes + scales
-            # a weight the layout would not shrink is held as stored (int4_weight)
-            w.resident_bytes = min(w.stored_bytes, round(codes * ratios[0] + scales * ratios[1]))
+            w.stored_bytes = codes + scales + (0 if symmetric else n // int4 // 2)
+            w.resident_bytes = codes + round(scales * INT4_SCALES_RATIO) if symmetric else w.stored_bytes
             w.dtype = f"int4 (group {int4}{'' if symmetric else ', zero points'})"
         out.append(w)
     return out
@@ -581,8 +572,8 @@ def plan(
         notes.append("the model has no experts: expert parallelism changes nothing")
     if by["experts"].dtype.startswith("int4"):
         notes.append(
-            "INT4 experts are counted in unweight's int4 layout; the vLLM plugin does not keep them in it yet "
-            "(it decodes them at load for vLLM's own INT4 kernels)"
+            "INT4 experts are counted as the W4A16 GEMV holds them (codes as stored, scales coded); the vLLM "
+            "plugin does not hold them so yet on CUDA (it hands them to vLLM's own INT4 kernels)"
         )
     if c.get("num_nextn_predict_layers"):
         notes.append("the multi-token-prediction layers are not counted (vLLM serves without them)")
