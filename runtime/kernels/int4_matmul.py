@@ -27,12 +27,12 @@ tests is a float64 product of the plainly decoded weights.
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from .interpreter import interpreted
 from .weight import Int4ScalesWeight, PlainInt4Weight
 
 GEMV_M = 1  # rows of x the GEMV takes: a second costs one FFMA a weight more, 5.3-5.6 in all (over budget)
@@ -260,10 +260,6 @@ def int4_gemv_kernel(
     tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=m_live[:, None] & n_live[None, :])
 
 
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def _block_n(n: int) -> int:
     """Rows of W a program takes: 16 (x loaded once for 16 rows: 3.8-4.1 instructions a weight, where 8
     rows took 3.9-4.3), fewer where that leaves fewer than MIN_PROGRAMS programs."""
@@ -321,7 +317,7 @@ def _launch(grid, x2, y, m, w, n, ids, x_div: int) -> None:
             GROUPED=ids is not None,
             X_DIV=x_div,
             X_KIND=X_KINDS[x2.dtype],
-            ASM=not _interpreted(),
+            ASM=not interpreted(),
         )
 
 

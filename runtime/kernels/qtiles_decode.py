@@ -10,12 +10,12 @@ escapes of its rows with their true exponents. The plain numpy decoder
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from .interpreter import interpreted
 from .qtiles_common import group_words, kernel_streams, quad_pairs, row_offsets
 from .weight import QTilesWeight
 
@@ -91,10 +91,6 @@ def qtiles_decode_kernel(
                 tl.store(out_ptr + (pid * BLOCK_N + i).to(tl.int64) * K + col, bits.to(tl.int16), mask=e_live)
 
 
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def qtiles_decode(w: QTilesWeight, ids: torch.Tensor | None = None) -> torch.Tensor:
     """The (w.rows, w.cols) BF16 matrix W, decoded on its streams' device; with `ids` (int64, on
     that device, each in [0, rows): the caller checks), only those rows, as a (len(ids), cols)
@@ -122,7 +118,7 @@ def qtiles_decode(w: QTilesWeight, ids: torch.Tensor | None = None) -> torch.Ten
                 GROUPS=32,
                 ESC_BLOCK=128,
                 GATHER=gather,
-                PRMT=not _interpreted(),
+                PRMT=not interpreted(),
                 MODE=mode,
                 EVEN_K=cols % 32 == 0,
             )

@@ -21,13 +21,13 @@ within 2^-24 of x * w, as the summation bound allows. The oracle in the tests is
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from . import interpreter
 from .qtiles_common import escape_delta, group_words, kernel_streams, pair_f32, quad_pairs, row_offsets
 from .weight import QTilesWeight
 
@@ -256,10 +256,6 @@ def qtiles_dot_kernel(
             tl.store(count_ptr + tile, 0)  # ready for the next call
 
 
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def _blocks(m: int, n: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, GROUPS) of the GEMV for m <= GEMV_M rows of x. Each thread takes one
     group of 32 columns and BLOCK_N rows, so that x is loaded once for BLOCK_N rows (8: 80
@@ -337,7 +333,7 @@ def qtiles_linear(
         in_features,
         g,
     )
-    interpreted = _interpreted()
+    interpreted = interpreter.interpreted()
     with torch.cuda.device(x.device) if x.device.type == "cuda" else _NO_GUARD:
         if m <= GEMV_M:
             block_m, block_n, groups = _blocks(m, out_features)
@@ -436,7 +432,7 @@ def qtiles_experts_linear(
     mode = w.mode
     _, block_n, groups = _blocks(1, out_features)
     chunk = MAX_PAIRS // x_div * x_div  # whole rows of x per launch: chunk c0 starts at x row c0 // x_div
-    interpreted = _interpreted()
+    interpreted = interpreter.interpreted()
     with torch.cuda.device(x.device) if x.device.type == "cuda" else _NO_GUARD:
         for p0 in range(0, pairs, chunk):
             n_pairs = min(chunk, pairs - p0)
