@@ -330,6 +330,26 @@ def test_codes_the_layout_would_not_shrink_are_held_as_stored(fast, zero_points)
         w.with_streams({"zero": torch.zeros(3, dtype=torch.uint8)})
 
 
+@pytest.mark.parametrize("case", ["gaussian", "student-t", "asymmetric", "flat", "one nibble", "odd columns"])
+def test_code_bytes_weighs_the_layout_before_coding(case):
+    """int4_weight decides from the nibbles' histogram and the coded scales (int4_encode.code_bytes):
+    those bytes are the coded weight's, exactly, whatever the codes."""
+    rows, cols, group, zero = 40, 320 if case != "odd columns" else 200, 8 if case == "odd columns" else 32, None
+    if case == "asymmetric":
+        packed, scales, zero = asymmetric(rows, cols, group, seed=4)
+    else:
+        packed, scales = quantized(rows, cols, group, seed=4, heavy=case == "student-t")
+    if case in ("flat", "one nibble"):
+        nib = np.random.default_rng(4).integers(0, 16, (rows, cols)) if case == "flat" else np.full((rows, cols), 9)
+        packed = int4.pack_nibbles(nib.astype(np.uint8))
+    coded = Int4Weight.encode(packed, scales, cols, group, zero)
+    scale_bytes = int4.resident_bytes(int4_encode.encode_scales(scales))
+    assert int4_encode.code_bytes(packed, cols) + scale_bytes + coded.zero.numel() == coded.stored_bytes
+    w = int4_weight(packed, scales, cols, group, zero)
+    assert isinstance(w, Int4Weight if coded.stored_bytes < coded.source_bytes else PlainInt4Weight)
+    assert all(np.array_equal(a, b) for a, b in zip(w.decode(), coded.decode()))
+
+
 def test_portable_kernels_take_any_shape():
     """Columns that are not whole blocks and groups under 32 or not powers of two go to the portable
     kernels, which the AVX-512 ones refuse by name."""

@@ -724,9 +724,10 @@ def _plain_linear(x: torch.Tensor, w: PlainInt4Weight, fast, r0: int, r1: int) -
     """int4_linear_cpu of a PlainInt4Weight's rows r0 .. r1: the uncoded product, then its zero points' terms."""
     packed = w.packed.view(w.rows, -1)[r0:r1]
     scales = w.scales.view(w.rows, -1)[r0:r1].view(torch.bfloat16)
-    y = plain_int4_linear_cpu(x, packed, scales, w.group, fast)
+    xs = _check_x(x, w.cols)  # x in fp32 once, for the product and the zero points' terms
+    y = _plain_product(x, xs, packed, scales, w.group, fast)
     if not w.symmetric:
-        _subtract_zero_points(w, _path(fast, w.cols, w.group), _check_x(x, w.cols), y.numpy(), r0)
+        _subtract_zero_points(w, _path(fast, w.cols, w.group), xs, y.numpy(), r0)
     return y
 
 
@@ -735,8 +736,13 @@ def plain_int4_linear_cpu(
 ) -> torch.Tensor:
     """The same product from uncoded compressed-tensors tensors: `weight_packed` (rows, cols / 8)
     int32 and `weight_scale` (rows, cols / group) BF16; the baseline of the coded layout."""
+    return _plain_product(x, _check_x(x, packed.shape[1] * 8), packed, scales, group, fast)
+
+
+def _plain_product(x, xs, packed, scales, group, fast) -> torch.Tensor:
+    """plain_int4_linear_cpu with x also as fp32 numpy (`xs`, _check_x's)."""
     rows, cols = packed.shape[0], packed.shape[1] * 8
-    xs, on = _check_x(x, cols), _path(fast, cols, group) == "avx512"  # AVX2 hosts: the portable kernels
+    on = _path(fast, cols, group) == "avx512"  # AVX2 hosts: the portable kernels
     p, s = packed.contiguous().numpy().reshape(-1), scales.contiguous().view(torch.int16).numpy().reshape(-1)
     y = np.empty((xs.shape[0], rows), np.float32)
     if xs.shape[0] > GEMV_ROWS_BF16 and on and _bf16_x(x):

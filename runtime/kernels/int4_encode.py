@@ -164,6 +164,19 @@ def encode(packed: np.ndarray, scales: np.ndarray, cols: int, group: int, zero=N
     return {"streams": streams, "lut": lut, "payload_bits": payload_bits}
 
 
+def code_bytes(packed: np.ndarray, cols: int) -> int:
+    """Bytes of the codes' streams (sym, esc, esc_row) `encode` would write, from the nibbles'
+    histogram alone: what int4_weight weighs before it codes anything."""
+    words = np.ascontiguousarray(packed).view(np.uint32)
+    rows = words.shape[0]
+    counts = _histogram(words, cols, _parts(rows))
+    lut, payload_bits = int4.lut_of_counts(counts)
+    to_sym, _ = int4.symbol_tables(lut, payload_bits, counts)
+    escapes = int(counts[to_sym == ESCAPE].sum())
+    esc_words = -(-escapes * payload_bits // 32) + int4.PAD_WORDS
+    return rows * int4.blocks(cols) * 3 * 8 + esc_words * 4 + (rows + 1) * 4
+
+
 def encode_scales(scales: np.ndarray) -> dict:
     """int4.encode_scales_reference's streams of (R, G) BF16 scale bits, coded on threads."""
     bits = np.ascontiguousarray(scales).view(np.uint16)

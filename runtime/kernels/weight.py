@@ -518,16 +518,25 @@ def int4_weight(
     packed: np.ndarray, scales: np.ndarray, cols: int, group: int, zero=None
 ) -> Int4Weight | PlainInt4Weight:
     """compressed-tensors INT4 (as Int4Weight.encode takes it) in the `int4` layout where that holds
-    it in fewer bytes than the source, else as a PlainInt4Weight (ValueError names what does not fit)."""
-    coded = Int4Weight.encode(packed, scales, cols, group, zero)  # checks the source
-    if coded.stored_bytes < coded.source_bytes:
-        return coded
+    it in fewer bytes than the source, else as a PlainInt4Weight (ValueError names what does not fit).
+    The layout's size is weighed from the nibbles' histogram and the coded scales before any code
+    is written: min-max codes, which it would not shrink, are not coded at all."""
+    from . import int4
+    from .int4_encode import code_bytes, encode_scales
+
+    packed, scales = np.asarray(packed), np.asarray(scales)
+    int4.check_source(packed, scales, cols, group)
+    rows = packed.shape[0]
+    zeros = np.zeros(0, np.uint8) if zero is None else int4.zero_stream(int4.zero_source(zero, rows, cols // group))
+    coded = code_bytes(packed, cols) + int4.resident_bytes(encode_scales(scales)) + zeros.nbytes
+    if coded < int4.stored_bytes(rows, cols, group, zero is not None):
+        return Int4Weight.encode(packed, scales, cols, group, zero)
     streams = {
         "packed": torch.from_numpy(np.ascontiguousarray(packed).view(np.int32).reshape(-1).copy()),
         "scales": torch.from_numpy(np.ascontiguousarray(scales).view(np.int16).reshape(-1).copy()),
-        "zero": coded.zero,
+        "zero": torch.from_numpy(zeros),
     }
-    return PlainInt4Weight(**streams, rows=coded.rows, cols=cols, group=group)
+    return PlainInt4Weight(**streams, rows=rows, cols=cols, group=group)
 
 
 CompressedWeight = TilesWeight | QTilesWeight | Int4Weight | PlainInt4Weight | Int4ScalesWeight
