@@ -82,7 +82,8 @@ def x_of(m: int, cols: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor
 )
 def test_products_within_the_fp32_bound(kind, rows, cols, group, dtype):
     packed, scales = quantized(rows, cols, group, seed=rows)
-    scales = with_listed(scales, [3, 4])  # the program of rows 2-3 lists scales, others do not
+    scales = with_listed(scales, [3, 4, rows - 1])  # some programs list scales, others not; the last
+    # program's rows past the matrix (21 rows) beside a listed one
     W = dense(packed, scales, cols, group)
     w = weights(kind, packed, scales, cols, group)
     if kind == "scales":
@@ -198,3 +199,43 @@ def test_on_the_gpu_the_two_weights_give_the_same_product():
     a = int4_linear(x, weights("plain", packed, scales, cols, group), torch.float32)
     b = int4_linear(x, weights("scales", packed, scales, cols, group), torch.float32)
     assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+@pytest.mark.slow  # about a minute through the interpreter: 2 x 6 pairs of 32 programs
+def test_int4_layers_in_the_gpu_layout_run_the_gemv():
+    """Int4Experts and Int4Linear moved to the GPU's layout (gpu_layout(): codes as stored, scales
+    coded) run the W4A16 GEMV, grouped over every (token, slot) pair, and give the reference's
+    products; asymmetric codes have no GPU layout."""
+    from unweight.runtime.layers.int4_experts import Int4Experts, reference_int4_experts
+    from unweight.runtime.layers.int4_linear import Int4Linear
+
+    e, h, i, group = 3, 64, 32, 32
+    w13 = [quantized(2 * i, h, group, seed=s) for s in range(e)]
+    w2 = [quantized(h, i, group, seed=10 + s) for s in range(e)]
+
+    def stack(parts, k):
+        return torch.from_numpy(np.stack([p[k] for p in parts]))
+
+    cpu = Int4Experts.from_packed(stack(w13, 0), stack(w13, 1).view(torch.bfloat16), stack(w2, 0),
+                                  stack(w2, 1).view(torch.bfloat16), group)  # fmt: skip
+    layer = cpu.gpu_layout().to(DEVICE)
+    assert layer.on_gpu_layout and layer.w13.device.type == DEVICE and not cpu.on_gpu_layout
+    rng = np.random.default_rng(4)
+    x = torch.from_numpy(rng.standard_normal((3, h)).astype(np.float32))
+    ids = torch.from_numpy(rng.integers(0, e, (3, 2)))
+    weights = torch.from_numpy(rng.random((3, 2)).astype(np.float32))
+    for on_input in (False, True):
+        got = layer(x.to(DEVICE), weights.to(DEVICE), ids.to(DEVICE), "silu", on_input).double().cpu()
+        want = reference_int4_experts(cpu, x, weights, ids, "silu", on_input)
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-4), (got - want).abs().max()
+
+    lin = Int4Linear.from_packed(torch.from_numpy(w2[0][0]), torch.from_numpy(w2[0][1]).view(torch.bfloat16), group)
+    g = lin.gpu_layout().to(DEVICE)
+    xs = torch.from_numpy(rng.standard_normal((2, 2, i)).astype(np.float32))
+    assert torch.allclose(g(xs.to(DEVICE)).cpu(), lin(xs), rtol=1e-5, atol=1e-5)
+
+    pa, sa, za = asymmetric(h, i, group)
+    asym = Int4Linear.from_packed(torch.from_numpy(pa), torch.from_numpy(sa).view(torch.bfloat16), group,
+                                  torch.from_numpy(za))  # fmt: skip
+    with pytest.raises(ValueError, match="no GPU layout"):
+        asym.gpu_layout()

@@ -41,6 +41,8 @@ MIN_PROGRAMS = 256  # about two an SM of an H200
 MAX_PAIRS = 65535  # CUDA's limit on grid dimension 1 (the grouped GEMV's pairs)
 _NO_GUARD = contextlib.nullcontext()
 X_KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+# the walk's axes (on_groups): measured with benchmarks/kernel_isa.py under 3.6 (the GPU machine's) and 3.9
+GROUPS_FIRST = tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 7)
 
 
 @triton.jit
@@ -85,6 +87,28 @@ def x_f32(bits, X_KIND: tl.constexpr):
 
 
 @triton.jit
+def on_groups(v, GF: tl.constexpr):
+    """A (GROUPS,) vector as (1, GROUPS, 1) with GF, else (1, 1, GROUPS): the groups' axis of every
+    tensor of the walk, where the threads go. Which of the two axes it must be depends on Triton:
+    its pass that lays out loads takes the vector load of a group's words over rows first where the
+    rows' axis comes first in its order, then moves x through shared memory for every weight. Triton
+    3.9 puts the groups last (GF False), 3.6 first (GROUPS_FIRST)."""
+    if GF:
+        return v[None, :, None]
+    else:
+        return v[None, None, :]
+
+
+@triton.jit
+def on_rows(v, GF: tl.constexpr):
+    """A (BLOCK_N,) vector on the rows' axis, the other one of on_groups'."""
+    if GF:
+        return v[None, None, :]
+    else:
+        return v[None, :, None]
+
+
+@triton.jit
 def _step(
     x_row,
     packed_ptr,
@@ -102,28 +126,28 @@ def _step(
     SCALES: tl.constexpr,
     X_KIND: tl.constexpr,
     ASM: tl.constexpr,
+    GF: tl.constexpr,
 ):
-    """acc (BLOCK_M, BLOCK_N, GROUPS) plus the products of the GROUPS groups from g0 (a listed scale
-    counts as 0 here)."""
+    """acc plus the products of the GROUPS groups from g0 (a listed scale counts as 0 here)."""
     gi = g0 + tl.arange(0, GROUPS)  # (GROUPS,)
-    live = n_live[None, :, None] & (gi < G)[None, None, :]  # (1, BLOCK_N, GROUPS)
-    grp = nl[None, :, None] * G + gi[None, None, :]  # int32 offsets from the program's first row
+    live = on_groups(gi < G, GF) & on_rows(n_live, GF)
+    grp = on_groups(gi, GF) + on_rows(nl, GF) * G  # int32 offsets from the program's first row
     if SCALES == 0:  # BF16 bits as stored
         bits = tl.load(scale_ptr + grp, mask=live, other=0).to(tl.uint16).to(tl.uint32) << 16
     else:
         sw = (G + 31) // 32
-        bits = scale_bits(scale_ptr, sexp_ptr, exps, grp, gi[None, None, :], nl[None, :, None], sw, live, ASM)
-    x_live = m_live[:, None, None] & (gi < G)[None, None, :]
-    part = _group_sums(x_row, packed_ptr, grp, gi[None, None, :], live, x_live, GROUP, X_KIND, ASM)
+        bits = scale_bits(scale_ptr, sexp_ptr, exps, grp, on_groups(gi, GF), on_rows(nl, GF), sw, live, ASM)
+    x_live = m_live[:, None, None] & on_groups(gi < G, GF)
+    part = _group_sums(x_row, packed_ptr, grp, on_groups(gi, GF), live, x_live, GROUP, X_KIND, ASM)
     return acc + part * bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _group_sums(x_row, packed_ptr, grp, g, live, x_live, GROUP: tl.constexpr, X_KIND: tl.constexpr, ASM: tl.constexpr):
     """sum over the GROUP columns c of group g of (nibble - 8) x[c], for groups grp (int32 offsets
-    n * G + g from packed_ptr's row, (1, A, B); `live` where they are) of every row of x (x_live
-    (BLOCK_M, 1, B) where it is): the group's words in one vector load, x's 8 columns of a word in
-    another."""
+    n * G + g from packed_ptr's row, on_groups and on_rows; `live` where they are) of every row of x
+    (x_live, BLOCK_M on groups, where it is): the group's words in one vector load, x's 8 columns of
+    a word in another."""
     W: tl.constexpr = GROUP // 8  # words a group
     lane_w = tl.arange(0, W)[None, None, None, :]
     words = tl.load(packed_ptr + grp[:, :, :, None] * W + lane_w, mask=live[:, :, :, None], other=0)
@@ -202,6 +226,7 @@ def int4_gemv_kernel(
     X_DIV: tl.constexpr,  # pairs a row of x (top-k; 1 unless GROUPED), a constant as in qtiles_gemv_kernel
     X_KIND: tl.constexpr,  # x's dtype (x_f32): 0 bf16, 1 fp16, 2 fp32
     ASM: tl.constexpr,  # inline PTX (a GPU); else its integer model (the interpreter)
+    GF: tl.constexpr,  # the walk's tensors groups before rows (on_groups): GROUPS_FIRST
 ):
     pid = tl.program_id(0)
     nl = tl.arange(0, BLOCK_N)  # (BLOCK_N,) the program's rows, from its first
@@ -230,32 +255,35 @@ def int4_gemv_kernel(
         x_bits = x_ptr.to(tl.pointer_type(tl.uint16))
     x_row = x_bits + rm.to(tl.int64)[:, None, None] * stride_xm  # (BLOCK_M, 1, 1): x's bits
     if SCALES == 1:  # each row's exponents base, base + 1, base + 2 and 0 (code 3: listed), a byte each
-        exps = (tl.load(sbase_ptr + wn64).to(tl.uint32) * 0x010101 + 0x020100)[None, :, None]
+        exps = on_rows(tl.load(sbase_ptr + wn64).to(tl.uint32) * 0x010101 + 0x020100, GF)
     else:
         exps = 0
-    acc = tl.zeros((BLOCK_M, BLOCK_N, GROUPS), dtype=tl.float32)
+    if GF:
+        acc = tl.zeros((BLOCK_M, GROUPS, BLOCK_N), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N, GROUPS), dtype=tl.float32)
     for g0 in range(0, G, GROUPS):
         acc = _step(
             x_row, packed_ptr, scale_ptr, sexp_ptr, acc, exps, g0, nl, n_live, m_live, G, GROUP, GROUPS, SCALES,
-            X_KIND, ASM,
+            X_KIND, ASM, GF,
         )  # fmt: skip
     if SCALES == 1:  # the listed scales of the program's rows (one range of sesc): each adds its scale
         # times its group's sum to its row's sums, GROUPS at a time (one a thread, as the groups of a step)
         first = tl.load(sesc_row_ptr + row0)
-        ends = tl.load(sesc_row_ptr + row0 + 1 + nl, mask=n_live, other=0)  # (BLOCK_N,) each row's last
-        last = tl.max(ends, axis=0)
+        ends = tl.load(sesc_row_ptr + row0 + 1 + nl, mask=n_live, other=0x7FFFFFFF)  # each row's end (dead: none)
+        last = tl.max(tl.where(n_live, ends, 0), axis=0)
         for e0 in tl.range(first, last, GROUPS, loop_unroll_factor=1):  # about one step a program
             ei = e0 + tl.arange(0, GROUPS)
             e_in = ei < last
             row = tl.sum((ei[None, :] >= ends[:, None]).to(tl.int32), axis=0)  # (GROUPS,) local row
-            e_live = e_in[None, None, :]
+            e_live = on_groups(e_in, GF)
             g = tl.load(scol_ptr + ei, mask=e_in, other=0)
             bits = tl.load(sesc_ptr + ei, mask=e_in, other=0).to(tl.uint16).to(tl.uint32) << 16
-            part = _group_sums(x_row, packed_ptr, (row * G + g)[None, None, :], g[None, None, :], e_live,
+            part = _group_sums(x_row, packed_ptr, on_groups(row * G + g, GF), on_groups(g, GF), e_live,
                                m_live[:, None, None] & e_live, GROUP, X_KIND, ASM)  # fmt: skip
-            fix = tl.where(e_live, part * bits.to(tl.float32, bitcast=True)[None, None, :], 0.0)  # (BM, 1, GROUPS)
-            acc += tl.where(row[None, None, :] == nl[None, :, None], fix, 0.0)  # summed with the rest below
-    out = tl.sum(acc, axis=2)  # (BLOCK_M, BLOCK_N)
+            fix = tl.where(e_live, part * on_groups(bits.to(tl.float32, bitcast=True), GF), 0.0)
+            acc += tl.where(on_groups(row, GF) == on_rows(nl, GF), fix, 0.0)  # summed with the rest below
+    out = tl.sum(acc, axis=1 if GF else 2)  # (BLOCK_M, BLOCK_N)
     y_ptrs = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn64[None, :]
     tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=m_live[:, None] & n_live[None, :])
 
@@ -318,6 +346,7 @@ def _launch(grid, x2, y, m, w, n, ids, x_div: int) -> None:
             X_DIV=x_div,
             X_KIND=X_KINDS[x2.dtype],
             ASM=not interpreted(),
+            GF=GROUPS_FIRST,
         )
 
 

@@ -10,7 +10,10 @@ is a row range, read alone by the CPU kernels (cpu_int4.int4_linear_cpu's `rows`
 
 `forward(x, topk_weights, topk_ids)` runs each routed expert on the tokens routed to it: the
 fused GEMV for a few tokens, decoded rows and torch's GEMM for more (the launcher picks). Only
-the routed experts' coded bytes are read. The intermediate activation is rounded to x's dtype, as
+the routed experts' coded bytes are read. A layer in the GPU's layout (`gpu_layout()`: the codes
+as stored, the scales coded, Int4ScalesWeight) runs the W4A16 GEMV of kernels/int4_matmul.py
+instead, every (token, expert) pair one program row of a grouped launch, w13 then w2: wherever its
+streams are (on the CPU, through Triton's interpreter). The intermediate activation is rounded to x's dtype, as
 a BF16 model's MLP rounds it. `reference_int4_experts` is the plain computation on the weights
 decoded back to dense, the tests' oracle.
 """
@@ -23,7 +26,7 @@ from torch import nn
 
 from ..kernels import int4
 from ..kernels.cpu_int4 import int4_linear_cpu
-from ..kernels.weight import Int4Weight, PlainInt4Weight, int4_weight
+from ..kernels.weight import Int4ScalesWeight, Int4Weight, PlainInt4Weight, int4_weight
 from .experts_kernels import act_and_mul, check_routing
 
 
@@ -58,6 +61,7 @@ class Int4Experts(nn.Module):
     """A layer's routed INT4 experts, coded (see the module docstring)."""
 
     def __init__(self, w13: Int4Weight | PlainInt4Weight, w2: Int4Weight | PlainInt4Weight, experts: int):
+        """w13 and w2 both in the CPU kinds, or both Int4ScalesWeight (the GPU's)."""
         super().__init__()
         hidden, inter = w13.cols, w2.cols
         if w13.rows != experts * 2 * inter or w2.rows != experts * hidden:
@@ -65,11 +69,35 @@ class Int4Experts(nn.Module):
                 f"INT4 experts: w13 ({w13.rows} x {w13.cols}) and w2 ({w2.rows} x {w2.cols}) are not {experts} "
                 "experts' stacked weights"
             )
+        if isinstance(w13, Int4ScalesWeight) != isinstance(w2, Int4ScalesWeight):
+            raise ValueError("INT4 experts: w13 and w2 must both be in the GPU's layout (Int4ScalesWeight) or neither")
         self.experts, self.hidden, self.intermediate = experts, hidden, inter
         self.w13, self.w2 = w13, w2
         for name, w in (("w13", w13), ("w2", w2)):  # buffers: counted as the layer's memory, moved with it
             for role, t in w.streams().items():
                 self.register_buffer(f"{name}_{role}", t, persistent=False)
+
+    def _apply(self, fn, *args, **kwargs):
+        """nn.Module's, then the weights over the moved buffers (`.to("cuda")` moves the streams)."""
+        super()._apply(fn, *args, **kwargs)
+        for name in ("w13", "w2"):
+            w = getattr(self, name)
+            setattr(self, name, w.with_streams({role: getattr(self, f"{name}_{role}") for role in w.ROLES}))
+        return self
+
+    @property
+    def on_gpu_layout(self) -> bool:
+        """Whether the weights are in the GPU's layout (forward runs the Triton GEMV)."""
+        return isinstance(self.w13, Int4ScalesWeight)
+
+    def gpu_layout(self) -> Int4Experts:
+        """The same experts with their codes as stored and their scales coded (Int4ScalesWeight:
+        what the W4A16 GEMV reads on a GPU), on the CPU: move it with `.to(device)`. ValueError for
+        asymmetric codes, which the GEMV does not take."""
+        ws = [Int4ScalesWeight.from_int4(w.to("cpu")) for w in (self.w13, self.w2)]
+        if not ws[0].symmetric:
+            raise ValueError("INT4 experts with zero points (asymmetric codes) have no GPU layout: the GEMV takes none")
+        return Int4Experts(ws[0], ws[1], self.experts)
 
     @classmethod
     def from_packed(
@@ -103,6 +131,8 @@ class Int4Experts(nn.Module):
         ids = topk_ids.to(torch.int64)
         if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < self.experts):
             raise ValueError(f"expert ids {int(ids.min())}..{int(ids.max())} are not within the {self.experts} experts")
+        if self.on_gpu_layout:
+            return self._grouped(x, topk_weights, ids, activation, weights_on_input)
         out = torch.zeros(x.shape[0], self.hidden, dtype=torch.float32)
         two_i, h = 2 * self.intermediate, self.hidden
         for e in torch.unique(ids).tolist():
@@ -115,6 +145,27 @@ class Int4Experts(nn.Module):
             y = int4_linear_cpu(act_and_mul(gate_up, activation), self.w2, rows=(e * h, (e + 1) * h))
             out.index_add_(0, tokens, y if weights_on_input else y * weight)
         return out.to(x.dtype)
+
+    def _grouped(self, x, topk_weights, ids, activation: str, weights_on_input: bool) -> torch.Tensor:
+        """forward in the GPU's layout: the grouped GEMV over every (token, slot) pair, w13 (each
+        token's row of x read by its k pairs) then w2, the slots' outputs weighted and summed in fp32.
+        The ids were checked (the kernel trusts them)."""
+        from ..kernels.int4_matmul import int4_experts_linear  # triton: imported where it runs
+
+        t, k = ids.shape
+        pairs = ids.reshape(-1).to(torch.int32)
+        weight = topk_weights.float().reshape(-1, 1)
+        if weights_on_input:
+            xin, x_div = (x.repeat_interleave(k, dim=0).float() * weight).to(x.dtype), 1
+        else:
+            xin, x_div = x, k
+        gate_up = int4_experts_linear(xin.contiguous(), self.w13, pairs, 2 * self.intermediate, x_div)
+        y = int4_experts_linear(
+            act_and_mul(gate_up, activation).contiguous(), self.w2, pairs, self.hidden, 1, torch.float32
+        )
+        if not weights_on_input:
+            y = y * weight
+        return y.reshape(t, k, self.hidden).sum(dim=1).to(x.dtype)
 
     def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(w13 (E, 2I, H), w2 (E, H, I)) fp32, decoded back (int4.decode_reference) and dequantized."""
