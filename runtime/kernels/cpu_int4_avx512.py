@@ -9,7 +9,9 @@ each run of eight in a qword, `vpmultishiftqb` shifts each to its byte), `vpexpa
 over the escape mask p0 & p1 & p2 and a XOR puts each into its escape's symbol 7; a masked OR of
 8 (16 at 4 index bits) puts the escapes past the short symbols, and a two-table `vpermi2ps` turns
 each byte into the value nibble - 8 (cpu_int4._slot). The uncoded baseline splits 32 bytes of
-packed words into their low and high nibbles.
+packed words into their low and high nibbles and looks each up in a 16-value table (`vpermps`). A
+byte reaches its lane's index by one `vpermb` a quarter (`_spread`: the permutes read the low bits
+only), where zero-extending it took seven instructions a block.
 
 Each intrinsic takes a whole row (its blocks in a loop), for one `payload_bits` (made per value,
 picked by `coded_dot` and `coded_rows`): `dot` adds value * scale * x[m, c] to acc[m, c % 64] for
@@ -53,11 +55,15 @@ def _with_bits(b, t, bits, value, op):
     return b.select(b.bitcast(bits, _V64I1), op(t, _vconst([value] * 64, _V64I8)), t)
 
 
-def _quarters(b, t):
-    """The <64 x i8> `t` as four <16 x i32> (zero-extended)."""
-    return [
-        b.zext(b.shuffle_vector(t, t, _vconst(list(range(16 * q, 16 * q + 16)), _V16I32)), _V16I32) for q in range(4)
-    ]
+def _spread(b, t):
+    """The <64 x i8> `t` as four <16 x i32> whose low bytes are its bytes (the other three bytes of
+    a lane are any): one `vpermb` each, for the permutes that read an index's low bits only."""
+    permb = simd.function(b, "llvm.x86.avx512.permvar.qi.512", _V64I8, [_V64I8, _V64I8])
+    out = []
+    for q in range(4):
+        idx = _vconst([16 * q + lane // 4 if lane % 4 == 0 else 0 for lane in range(64)], _V64I8)
+        out.append(b.bitcast(b.call(permb, [t, idx]), _V16I32))
+    return out
 
 
 def _coded_block(b, symp, escp, at, e, tables, pb):
@@ -65,7 +71,7 @@ def _coded_block(b, symp, escp, at, e, tables, pb):
     the next block's first escape."""
     t, e_next = _coded_slots(b, symp, escp, at, e, pb)
     permi2 = simd.function(b, "llvm.x86.avx512.vpermi2var.ps.512", _V16F32, [_V16F32, _V16I32, _V16F32])
-    return [b.call(permi2, [tables[0], q, tables[1]]) for q in _quarters(b, t)], e_next
+    return [b.call(permi2, [tables[0], q, tables[1]]) for q in _spread(b, t)], e_next
 
 
 def _coded_slots(b, symp, escp, at, e, pb):
@@ -118,8 +124,9 @@ def _plain_nibbles(b, packedp, word):
 def _plain_block(b, packedp, word):
     """The four <16 x float> values (nibble - 8) of the 64 columns at packed[word]."""
     t = _plain_nibbles(b, packedp, word)
-    eight = _vconst([8] * 16, _V16I32)
-    return [b.sitofp(b.sub(q, eight), _V16F32) for q in _quarters(b, t)]
+    permps = simd.function(b, "llvm.x86.avx512.permvar.sf.512", _V16F32, [_V16F32, _V16I32])
+    values = ir.Constant(_V16F32, [ir.Constant(simd.F32, float(n - 8)) for n in range(16)])
+    return [b.call(permps, [values, q]) for q in _spread(b, t)]
 
 
 def _scaled(b, values, scalesp, c0, gshift):
