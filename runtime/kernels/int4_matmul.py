@@ -33,12 +33,12 @@ import triton
 import triton.language as tl
 
 from .interpreter import interpreted
+from .pairs import MAX_PAIRS, check_pairs
 from .weight import Int4ScalesWeight, PlainInt4Weight
 
 GEMV_M = 1  # rows of x the GEMV takes: a second costs one FFMA a weight more, 5.3-5.6 in all (over budget)
 GROUPS = 128  # groups a step: one a thread of four warps
 MIN_PROGRAMS = 256  # about two an SM of an H200
-MAX_PAIRS = 65535  # CUDA's limit on grid dimension 1 (the grouped GEMV's pairs)
 _NO_GUARD = contextlib.nullcontext()
 X_KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 # the walk's axes (on_groups): measured with benchmarks/kernel_isa.py under 3.6 (the GPU machine's) and 3.9
@@ -382,14 +382,7 @@ def int4_experts_linear(
     _check(x, w, w.cols)
     if x.dim() != 2:
         raise ValueError(f"x must be (tokens, {w.cols}), not {tuple(x.shape)}")
-    if ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"ids must be a 1-D int32 or int64 tensor, not {ids.dtype} of shape {tuple(ids.shape)}")
-    if not isinstance(x_div, int) or not 1 <= x_div <= MAX_PAIRS:
-        raise ValueError(f"x_div must be an int in [1, {MAX_PAIRS}], not {x_div!r}")
-    if ids.shape[0] != x.shape[0] * x_div:
-        raise ValueError(f"{ids.shape[0]} ids for {x.shape[0]} rows of x with x_div {x_div}: need {x.shape[0] * x_div}")
-    if ids.device != x.device:
-        raise ValueError(f"ids are on {ids.device}, x on {x.device}")
+    check_pairs(x, ids, x_div)
     if out_features < 1 or w.rows % out_features:
         raise ValueError(f"a {w.rows}-row weight does not stack experts of {out_features} rows")
     x2 = x if x.stride(-1) == 1 else x.contiguous()

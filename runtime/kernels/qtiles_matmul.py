@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from . import interpreter
+from .pairs import MAX_PAIRS, check_pairs
 from .qtiles_common import escape_delta, group_words, kernel_streams, pair_f32, quad_pairs, row_offsets
 from .weight import QTilesWeight
 
@@ -36,9 +37,6 @@ GEMV_M = 2  # rows of x up to which the CUDA-core GEMV runs; beyond, the tensor-
 MAX_M = 32  # larger batches take decode + matmul (a 64-row tile costs 17-23 instructions a weight, and spills on sm_80)
 MIN_PROGRAMS = 256  # about two per SM of an H200: fewer leave SMs without enough loads in flight
 MAX_SPLITS = 8
-MAX_PAIRS = (
-    65535  # CUDA's limit on grid dimension 1, the grouped GEMV's pairs: beyond, a launch per MAX_PAIRS // x_div tokens
-)
 _NO_GUARD = contextlib.nullcontext()
 # Triton 3.9's interpreter multiplies bf16 tl.dot operands as their integer bit patterns, so under
 # it the kernel feeds tl.dot fp32 operands; tests that patch the interpreter's dot set this True
@@ -407,12 +405,7 @@ def qtiles_experts_linear(
     in_features = w.cols
     if x.dim() != 2 or x.shape[1] != in_features:
         raise ValueError(f"x must be (tokens, {in_features}) to match the weight's features, not {tuple(x.shape)}")
-    if ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"ids must be a 1-D int32 or int64 tensor, not {ids.dtype} of shape {tuple(ids.shape)}")
-    if not isinstance(x_div, int) or not 1 <= x_div <= MAX_PAIRS:
-        raise ValueError(f"x_div must be an int in [1, {MAX_PAIRS}], not {x_div!r}")
-    if ids.shape[0] != x.shape[0] * x_div:
-        raise ValueError(f"{ids.shape[0]} ids for {x.shape[0]} rows of x with x_div {x_div}: need {x.shape[0] * x_div}")
+    check_pairs(x, ids, x_div)
     if w.device != x.device or ids.device != x.device:
         raise ValueError(f"weight streams are on {w.device}, ids on {ids.device}, x on {x.device}")
     rows, g = w.rows, -(-in_features // 32)
