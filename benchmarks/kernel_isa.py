@@ -3,7 +3,8 @@
 The triton wheel bundles ptxas (sm_80: CUDA 12.9; sm_90a: 13.4) and cuobjdump, so
 `triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))` runs down to a cubin with no
 driver. For every launch that the runtime's launchers make on Llama-3.1-8B shapes (and the
-grouped GEMV, `qtiles_experts_linear`, on MoE expert shapes: Llama-4-Scout's and Kimi-K2's), this:
+grouped GEMV, `qtiles_experts_linear`, on MoE expert shapes: Llama-4-Scout's and Kimi-K2's; and the
+W4A16 GEMV, `int4_linear` and `int4_experts_linear`, on Kimi-K2's INT4 experts), this:
 
   1. records it: the launchers run on CPU tensors (the weight streams are expanded one-element
      views, so they take no memory) with each `@triton.jit` kernel swapped for a recorder;

@@ -10,6 +10,7 @@ a word, masked in place by one `lop3` (j < 5; the other three after one shift of
 fp32 2^23 + n 16^j, and one FADD takes away 2^23 + 8 16^j: (n - 8) 16^j exactly; one FFMA
 multiplies it by x. The five powers' sums stay apart, are scaled back at the end of the group and
 then by its scale: about 3 instructions a weight, 3.8-4.2 with the loads (benchmarks/kernel_isa.py).
+The walk's tensors put the groups' axis where the Triton at hand lays its threads (`on_groups`).
 
 A coded scale is a mantissa byte and a bit of the exponent code: one byte permute of the row's
 exponents (base, base + 1, base + 2, 0) turns the code into the exponent, so a scale the window
