@@ -281,18 +281,21 @@ def encode_scales_reference(scales: np.ndarray) -> dict:
     }
 
 
+def _scale_codes(streams: dict, rows: int, groups: int) -> tuple[np.ndarray, np.ndarray]:
+    """((R, G) mantissa bytes, (R, G) 2-bit exponent codes) of the scale streams."""
+    smant = np.asarray(streams["smant"]).reshape(rows, groups)
+    return smant, (smant >> 7) | (_unplanes(np.asarray(streams["sexp"]).view(np.uint32).reshape(rows, -1), groups) << 1)
+
+
 def listed_groups(streams: dict, rows: int, groups: int) -> np.ndarray:
     """The group of each listed scale (code 3), in `sesc`'s order (row-major), int32: what a GPU
     kernel that counts listed scales as 0 and adds them apart needs to find them."""
-    smant = np.asarray(streams["smant"]).reshape(rows, groups)
-    code = (smant >> 7) | (_unplanes(np.asarray(streams["sexp"]).view(np.uint32).reshape(rows, -1), groups) << 1)
-    return np.nonzero(code == WINDOW)[1].astype(np.int32)
+    return np.nonzero(_scale_codes(streams, rows, groups)[1] == WINDOW)[1].astype(np.int32)
 
 
 def decode_scales_reference(streams: dict, rows: int, groups: int) -> np.ndarray:
     """(R, G) uint16 BF16 scale bits back from the scale streams, the plain way."""
-    smant = np.asarray(streams["smant"]).reshape(rows, groups)
-    code = (smant >> 7) | (_unplanes(np.asarray(streams["sexp"]).view(np.uint32).reshape(rows, -1), groups) << 1)
+    smant, code = _scale_codes(streams, rows, groups)
     exps = np.asarray(streams["sbase"]).astype(np.uint16)[:, None] + code
     scales = (exps << 7) | (smant & 0x7F)
     listed = code == WINDOW

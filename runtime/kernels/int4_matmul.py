@@ -307,7 +307,7 @@ def kernel_args(w: PlainInt4Weight | Int4ScalesWeight) -> tuple:
     raise TypeError(f"the INT4 GEMV takes a PlainInt4Weight or an Int4ScalesWeight, not {type(w).__name__}")
 
 
-def _check(x: torch.Tensor, w, in_features: int) -> None:
+def _check(x: torch.Tensor, w) -> None:
     kernel_args(w)
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"x must be bfloat16, float16 or float32, not {x.dtype}")
@@ -320,12 +320,15 @@ def _check(x: torch.Tensor, w, in_features: int) -> None:
         raise ValueError(f"the INT4 GEMV takes groups of a multiple of 8 columns, not {w.group}")
     if w.device != x.device:
         raise ValueError(f"weight streams are on {w.device}, x on {x.device}")
-    if x.shape[-1] != in_features:
-        raise ValueError(f"x has {x.shape[-1]} features, the weight {in_features}")
+    if x.shape[-1] != w.cols:
+        raise ValueError(f"x has {x.shape[-1]} features, the weight {w.cols}")
 
 
-def _launch(grid, x2, y, m, w, n, ids, x_div: int) -> None:
+def _launch(x2, y, m, w, n, ids, x_div: int) -> None:
+    """One launch over n rows of W (an expert's, with ids: a grid row of programs a pair)."""
     streams, scales = kernel_args(w)
+    block_n = _block_n(n)
+    grid = (-(-n // block_n),) if ids is None else (-(-n // block_n), ids.shape[0])
     with torch.cuda.device(x2.device) if x2.device.type == "cuda" else _NO_GUARD:
         int4_gemv_kernel[grid](
             x2,
@@ -339,7 +342,7 @@ def _launch(grid, x2, y, m, w, n, ids, x_div: int) -> None:
             w.cols // w.group,
             ids,
             BLOCK_M=max(m, 1),
-            BLOCK_N=_block_n(n),
+            BLOCK_N=block_n,
             GROUPS=GROUPS,
             GROUP=w.group,
             SCALES=scales,
@@ -355,7 +358,7 @@ def int4_linear(x: torch.Tensor, w: PlainInt4Weight | Int4ScalesWeight, out_dtyp
     """y = x @ W^T for W (w.rows, w.cols): `x` (..., w.cols) with at most GEMV_M rows, on the device
     of w's streams; returns (..., w.rows) in `out_dtype` (default x's), accumulated in fp32. One
     launch; never synchronises."""
-    _check(x, w, w.cols)
+    _check(x, w)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, w.cols)
     if x2.stride(-1) != 1:
@@ -365,7 +368,7 @@ def int4_linear(x: torch.Tensor, w: PlainInt4Weight | Int4ScalesWeight, out_dtyp
         raise ValueError(f"the INT4 GEMV takes at most {GEMV_M} rows of x, not {m}")
     y = torch.empty((m, w.rows), dtype=out_dtype or x.dtype, device=x.device)
     if m:
-        _launch((-(-w.rows // _block_n(w.rows)),), x2, y, m, w, w.rows, None, 1)
+        _launch(x2, y, m, w, w.rows, None, 1)
     return y.reshape(*lead, w.rows)
 
 
@@ -380,7 +383,7 @@ def int4_experts_linear(
     """y (P, out_features): y[p] = x[p // x_div] @ W_e^T with e = ids[p], W_e rows [e out_features,
     (e + 1) out_features) of the stacked W in w, as qtiles_experts_linear (its contract on ids and
     chunks of MAX_PAIRS pairs): `x` (T, w.cols), `ids` P = T x_div int32 or int64 ids on x's device."""
-    _check(x, w, w.cols)
+    _check(x, w)
     if x.dim() != 2:
         raise ValueError(f"x must be (tokens, {w.cols}), not {tuple(x.shape)}")
     check_pairs(x, ids, x_div)
@@ -392,7 +395,5 @@ def int4_experts_linear(
     y = torch.empty((pairs, out_features), dtype=out_dtype or x.dtype, device=x.device)
     chunk = MAX_PAIRS // x_div * x_div
     for p0 in range(0, pairs, chunk):
-        n_pairs = min(chunk, pairs - p0)
-        _launch((-(-out_features // _block_n(out_features)), n_pairs), x2[p0 // x_div :], y[p0:], 1, w,
-                out_features, ids[p0:], x_div)  # fmt: skip
+        _launch(x2[p0 // x_div :], y[p0:], 1, w, out_features, ids[p0 : p0 + chunk], x_div)
     return y
