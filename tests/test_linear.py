@@ -4,7 +4,7 @@ UNWEIGHT_PIPELINE, and resident memory is the compressed size."""
 from __future__ import annotations
 
 import json
-import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -87,23 +87,29 @@ def test_the_autotune_file_keeps_the_versions_tuned_last(tmp_path, monkeypatch):
 
 
 class _Preempting:
-    """Stands in for autotune.preemptions: a preemption in every run whose candidate is `victim`
-    (in every run if None), for its first `first` runs."""
+    """Stands in for autotune.preemptions and for its clock: a run whose candidate is `victim` (every
+    run if None) is preempted for its first `first` runs, and a preempted run takes 20x its time, as a
+    parallel kernel waits out a scheduler slice. The clock is ours, not the host's: a busy CI host's
+    wake-up latency (milliseconds) must not decide which candidate is faster."""
 
     def __init__(self, victim: str | None = None, first: int = 10**9):
-        self.victim, self.first, self.running, self.count, self.runs = victim, first, None, 0, 0
+        self.victim, self.first, self.count, self.runs, self.now = victim, first, 0, 0, 0.0
 
     def __call__(self) -> int:
         return self.count
+
+    def install(self, monkeypatch) -> None:
+        monkeypatch.setattr(autotune, "preemptions", self)
+        monkeypatch.setattr(autotune, "time", SimpleNamespace(perf_counter=lambda: self.now))
 
     def candidate(self, name: str, seconds: float):
         def run():
             if self.victim in (None, name) and self.runs < self.first:
                 self.runs += 1
                 self.count += 1
-                time.sleep(seconds * 20)  # a preempted parallel kernel waits out a scheduler slice
+                self.now += seconds * 20
             else:
-                time.sleep(seconds)
+                self.now += seconds
 
         return run
 
@@ -113,7 +119,7 @@ def test_a_run_preempted_by_another_process_does_not_count(tmp_path, monkeypatch
     the fastest of its first five would lose; its clean runs from then on win, and the choice is saved."""
     monkeypatch.delenv("UNWEIGHT_PIPELINE", raising=False)
     clock = _Preempting(victim="fused", first=7)
-    monkeypatch.setattr(autotune, "preemptions", clock)
+    clock.install(monkeypatch)
     candidates = {"decode_matmul": clock.candidate("decode_matmul", 0.004), "fused": clock.candidate("fused", 0.001)}
     path, key = tmp_path / "tune.json", f"cpu-2|8x8|m1|bfloat16|{code_version()}"
     assert Autotuner(path).choose(key, candidates, torch.device("cpu"))[0] == "fused"
@@ -125,7 +131,7 @@ def test_a_choice_timed_under_load_holds_for_the_process_only(tmp_path, monkeypa
     another key), and the next process's tuner times it again."""
     monkeypatch.delenv("UNWEIGHT_PIPELINE", raising=False)
     busy = _Preempting()
-    monkeypatch.setattr(autotune, "preemptions", busy)
+    busy.install(monkeypatch)
     path, key = tmp_path / "tune.json", f"cpu-2|8x8|m1|bfloat16|{code_version()}"
     tuner = Autotuner(path)
     candidates = {"decode_matmul": busy.candidate("decode_matmul", 0.0002), "fused": busy.candidate("fused", 0.0001)}
