@@ -39,7 +39,10 @@ demo: install
 	$(BIN)/unweight verify $(DEMO)/smollm2-uw --against $(DEMO)/smollm2-bf16
 	$(BIN)/unweight generate $(DEMO)/smollm2-uw --chat --prompt "What is the capital of France? Answer in one sentence." --max-new-tokens 32
 
+# both compile the CPU kernels first where their sources changed since (runtime/warmup.py: numba's
+# cache alone would keep a kernel whose inlined helper's file changed)
 check: install
+	$(BIN)/python -m unweight.runtime.warmup
 	$(BIN)/python -m unweight.testing
 	$(PYTEST) -n $(JOBS) -m "not slow and not gpu"
 
@@ -47,6 +50,7 @@ check: install
 # the GPU machine's stack) are made once in $(UNWEIGHT_CACHE); then the whole suite
 test: install
 	@start=$$(date +%s); \
+	$(BIN)/python -m unweight.runtime.warmup && \
 	$(BIN)/python -m unweight.testing && \
 	$(BIN)/python tests/envs.py vllm && \
 	$(BIN)/python tests/envs.py transformers && \

@@ -15,6 +15,13 @@ same, with one line saying so, when it finds them not compiled yet (an install w
 `compiled()` reads a stamp kept beside numba's own cache of the codec, named for the codec's and the
 kernels' sources, numba's version and the CPU: clearing numba's cache clears the stamp with it. It
 imports neither torch nor the runtime's kernels, so a command that needs neither stays as small.
+
+Compiling starts by dropping numba's cached codec and kernels (`purge`): numba keys each cached
+function on its own file only, so a kernel that inlines a helper from another file (the INT4 rows
+inline cpu_int4_avx512's intrinsics) would load stale machine code from the cache after that
+helper's file alone changed (an edited checkout; an install rewrites every file). The stamp sees
+every source, so a change anywhere compiles everything anew. `make check` and `make test` run this
+module first for that reason.
 """
 
 from __future__ import annotations
@@ -58,6 +65,28 @@ def _stamp() -> Path | None:
     except AttributeError:  # a numba without a file cache for it
         return None
     return folder / _STAMP.format(digest.hexdigest()[:16])
+
+
+def _cache_folders() -> list[Path]:
+    """numba's cache folders of the codec and of the runtime's kernels (each holds only their files)."""
+    from unweight.codec.tiles import _decode
+
+    from .kernels.int4_encode import _histogram
+
+    return [Path(f._cache._cache_path) for f in (_decode, _histogram) if hasattr(f._cache, "_cache_path")]
+
+
+def purge() -> int:
+    """Drop numba's cached codec and kernels, and the stamps of earlier sources; returns the files removed."""
+    removed = 0
+    for folder in _cache_folders():
+        for f in [*folder.glob("*.nbi"), *folder.glob("*.nbc"), *folder.glob(_STAMP.format("*"))]:
+            try:
+                f.unlink()
+                removed += 1
+            except OSError:
+                pass  # gone already (another process purging), or a read-only cache
+    return removed
 
 
 def compiled() -> bool:
@@ -178,13 +207,14 @@ def _run_experts() -> None:
 
 
 def compile_kernels() -> float:
-    """Compile every kernel of the common paths for this CPU into numba's cache; returns the seconds
-    it took. Safe to run again (then it only loads them)."""
+    """Compile every kernel of the common paths for this CPU into numba's cache, anew (`purge` first);
+    returns the seconds it took."""
     global _busy
     import unweight
 
     t0 = time.perf_counter()
     _busy = True
+    purge()
     try:
         with tempfile.TemporaryDirectory(prefix="unweight-warmup-") as d:
             tmp = Path(d)
@@ -219,7 +249,7 @@ def ensure_compiled(say=None) -> None:
     if _busy or os.environ.get("UNWEIGHT_NO_WARMUP") or compiled():
         return
     (say or (lambda m: print(m, file=sys.stderr, flush=True)))(
-        "unweight: compiling the CPU kernels for this machine, once (about 30 s; `make install` does it ahead)"
+        "unweight: compiling the CPU kernels for this machine, once (a minute or two; `make install` does it ahead)"
     )
     compile_kernels()
 

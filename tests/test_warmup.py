@@ -31,6 +31,27 @@ def test_stamp_follows_numba_cache(tmp_path):
     assert r.stdout.split() == ["False"]
 
 
+def test_compiling_starts_from_an_empty_cache(tmp_path):
+    """Compiling drops every cached codec and kernel function and the stamps of earlier sources: numba
+    would keep a kernel whose inlined helper's file alone changed. Other files stay."""
+    script = """
+import sys
+from pathlib import Path
+from unweight.runtime import warmup
+folders = warmup._cache_folders()
+assert {f.name.split("_")[0] for f in folders} == {"codec", "kernels"}, folders
+planted = ["cpu_int4._rows-10.py311.nbi", "cpu_int4._rows-10.py311.0.nbc", "unweight-warm-0123456789abcdef.stamp"]
+for folder in folders:
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in [*planted, "keep.txt"]:
+        (folder / name).write_text("x")
+print(warmup.purge(), *sorted(p.name for f in folders for p in f.iterdir()))
+"""
+    r = _python(_cold_env(tmp_path / "numba"), "-c", script)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["6", "keep.txt", "keep.txt"]
+
+
 @pytest.mark.slow
 def test_first_command_compiles_ahead_once(tmp_path):
     cache = tmp_path / "numba"
