@@ -370,19 +370,18 @@ def plan(
     ] = 0.9,
     as_json: AsJson = False,
 ) -> None:
-    """What each GPU holds of a model, BF16 against unweight's resident layout, and the KV cache
-    that fits beside it, from the model's config.json alone (no weights are read).
+    """What each GPU holds of a model and the KV cache that fits beside it, from its config.json alone.
 
-    Weights are counted by tensor class as vLLM builds the layers (INT4 experts of a
-    compressed-tensors checkpoint as 4-bit codes and BF16 scales); unweight's resident layout is
-    estimated at 0.71 of the BF16 bytes it compresses, and INT4 experts as a GPU's W4A16 GEMV
-    holds them (codes as stored, scales at a measured 0.591 of their bytes); vLLM's activation reserve is
-    estimated too. With --dp, each data-parallel rank holds its own attention and KV cache and the
-    experts spread over every GPU. KV tokens are counted at the model's own KV layout (MLA's
-    latent cache for DeepSeek-V3 and Kimi). A config.json with a field missing, mistyped or out of
-    bounds, and sizes that vLLM would refuse (a --tp that does not divide the attention heads, the
-    kv heads or the dense MLP; experts that do not split over tp x dp GPUs), are refused with one
-    line naming the field.
+    BF16 against unweight's resident layout; no weights are read. Weights are counted by tensor class
+    as vLLM builds the layers (INT4 experts of a compressed-tensors checkpoint as 4-bit codes and
+    BF16 scales); unweight's resident layout is estimated at 0.71 of the BF16 bytes it compresses,
+    and INT4 experts as a GPU's W4A16 GEMV holds them (codes as stored, scales at a measured 0.591
+    of their bytes); vLLM's activation reserve is estimated too. With --dp, each data-parallel rank
+    holds its own attention and KV cache and the experts spread over every GPU. KV tokens are counted at
+    the model's own KV layout (MLA's latent cache for DeepSeek-V3 and Kimi). A config.json with a field
+    missing, mistyped or out of bounds, and sizes that vLLM would refuse (a --tp that does not divide
+    the attention heads, the kv heads or the dense MLP; experts that do not split over tp x dp GPUs),
+    are refused with one line naming the field.
 
     Examples:
 
