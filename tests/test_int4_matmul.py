@@ -233,6 +233,7 @@ def test_int4_layers_in_the_gpu_layout_run_the_gemv():
     g = lin.gpu_layout().to(DEVICE)
     xs = torch.from_numpy(rng.standard_normal((2, 2, i)).astype(np.float32))
     assert torch.allclose(g(xs.to(DEVICE)).cpu(), lin(xs), rtol=1e-5, atol=1e-5)
+    assert g(xs[:0].to(DEVICE)).shape == (0, 2, lin.out_features)
 
     pa, sa, za = asymmetric(h, i, group)
     asym = Int4Linear.from_packed(torch.from_numpy(pa), torch.from_numpy(sa).view(torch.bfloat16), group,

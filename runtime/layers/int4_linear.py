@@ -4,7 +4,8 @@ scales, zero points where the codes are asymmetric) kept coded in the resident `
 `forward(x)` is x @ W.T by the CPU INT4 kernels (cpu_int4.int4_linear_cpu: fused for a few rows
 of x, decoded rows and torch's GEMM for more), summed in fp32 and returned in x's dtype, the bias
 added after. A layer in the GPU's layout (`gpu_layout()`, Int4ScalesWeight) runs the W4A16 GEMV
-(kernels/int4_matmul.py) instead, a row of x a launch.
+(kernels/int4_matmul.py) instead: the rows of x as the grouped launch's pairs, all on the one
+weight, so one launch (each row reads W; no kernel takes several rows of x within the budget).
 """
 
 from __future__ import annotations
@@ -64,10 +65,11 @@ class Int4Linear(nn.Module):
             raise ValueError(f"x {list(x.shape)} does not end in the layer's {self.in_features} input features")
         x2 = x.reshape(-1, self.in_features)
         if isinstance(self.weight_int4, Int4ScalesWeight):
-            from ..kernels.int4_matmul import int4_linear  # triton: imported where it runs
+            from ..kernels.int4_matmul import int4_experts_linear  # triton: imported where it runs
 
-            rows = [int4_linear(x2[i : i + 1], self.weight_int4, torch.float32) for i in range(x2.shape[0])]
-            y = torch.cat(rows) if rows else x2.new_empty((0, self.out_features), dtype=torch.float32)
+            # every row of x a pair on the one weight (expert 0): one launch, each pair reading W
+            ids = torch.zeros(x2.shape[0], dtype=torch.int32, device=x2.device)
+            y = int4_experts_linear(x2, self.weight_int4, ids, self.out_features, out_dtype=torch.float32)
         else:
             y = int4_linear_cpu(x2, self.weight_int4)
         if bias is not None:
