@@ -15,7 +15,14 @@ host every run of one candidate can meet that, so that the fastest of five still
 processes, against 65 us alone, and the slower pipeline won). Rounds go on until every candidate
 has REPEATS clean runs, MAX_ROUNDS at most; a choice timed with fewer than CLEAN_TO_SAVE clean runs
 of some candidate holds for this process only and is not saved, so that the next process times it
-again instead of keeping a choice that the machine's load made. The file keeps the choices of the
+again instead of keeping a choice that the machine's load made. A preemption can also come from
+this process's own threads: numba's and torch's thread pools, both spinning, take turns on the cores
+(a decode + matmul run of SmolLM2's lm_head, 15 ms, met one or more in nearly every run on an idle
+2-core host, so that its choice was never saved and every process timed it again, a third of a
+second before its first token). So the rounds also read how much CPU time other processes took
+while they ran (`other_cpu`: the machine's busy time from /proc/stat less this process's own): where
+that stayed under QUIET_SHARE of the cores over a window of at least QUIET_WINDOW_S, every run counts
+as clean. The file keeps the choices of the
 KEEP_VERSIONS code versions tuned most recently (keys end with `|<code_version()>`), so that it does
 not grow with every change of the kernels. `UNWEIGHT_PIPELINE=name` forces one pipeline everywhere
 (for debugging).
@@ -51,6 +58,8 @@ MAX_ROUNDS = 2 * REPEATS  # rounds a choice takes at most while other processes 
 CLEAN_TO_SAVE = 2  # clean runs every candidate needs for the choice to be saved
 KEEP_VERSIONS = 4  # code versions whose choices the file keeps (two checkouts or installs may share it)
 VERSIONS_KEY = "versions"  # the file's list of code versions, most recently tuned first (no "|": no choice's key)
+QUIET_WINDOW_S = 0.2  # core-seconds of rounds at least, for other processes' CPU time (in 10 ms ticks) to tell
+QUIET_SHARE = 0.05  # other processes' share of the cores under which the rounds' preemptions were this process's own
 
 
 def batch_bucket(m: int) -> int:
@@ -97,6 +106,22 @@ def preemptions() -> int:
     if resource is None:
         return 0
     return resource.getrusage(resource.RUSAGE_SELF).ru_nivcsw
+
+
+def other_cpu() -> float | None:
+    """CPU seconds every process but this one has spent so far, all cores together, from /proc/stat's
+    busy ticks (user, nice, system, irq, softirq) less this process's user and system time (None
+    where there is no /proc/stat): what another process took while this one timed its runs."""
+    if resource is None:
+        return None
+    try:
+        with open("/proc/stat") as f:
+            ticks = f.readline().split()  # "cpu" user nice system idle iowait irq softirq steal ...
+        busy = sum(int(ticks[i]) for i in (1, 2, 3, 6, 7)) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    return busy - own.ru_utime - own.ru_stime
 
 
 def _evict(device: torch.device) -> None:
@@ -197,9 +222,11 @@ class Autotuner:
     def _time(self, candidates: dict[str, Callable[[], torch.Tensor]], device: torch.device) -> tuple[dict, dict]:
         """(clean, disturbed): each candidate's run times in seconds, split by whether a thread of this
         process was preempted during the run, from rounds that take the candidates in turn until each
-        has REPEATS clean runs, MAX_ROUNDS at most."""
+        has REPEATS clean runs, MAX_ROUNDS at most. Where other processes took next to no CPU time
+        over the rounds, the preemptions were this process's own threads' and every run is clean."""
         clean = {name: [] for name in candidates}
         disturbed = {name: [] for name in candidates}
+        start, others = time.perf_counter(), other_cpu()
         for _ in range(MAX_ROUNDS):
             for name, run in candidates.items():
                 _evict(device)
@@ -211,6 +238,11 @@ class Autotuner:
                 (clean if preemptions() == before else disturbed)[name].append(took)
             if min(len(runs) for runs in clean.values()) >= REPEATS:
                 break
+        if others is not None and any(disturbed.values()):
+            cores = (time.perf_counter() - start) * (os.cpu_count() or 1)
+            taken = other_cpu()
+            if taken is not None and cores >= QUIET_WINDOW_S and taken - others <= QUIET_SHARE * cores:
+                return {name: clean[name] + disturbed[name] for name in candidates}, {name: [] for name in candidates}
         return clean, disturbed
 
 
