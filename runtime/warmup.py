@@ -41,10 +41,12 @@ _busy = False  # compile_kernels runs compress and load, which must not start it
 
 
 def _sources() -> list[Path]:
-    """The codec's and the CPU kernels' source files (found without importing the kernels)."""
+    """The codec's and the CPU kernels' source files (found without importing the kernels), in an
+    order that is the same wherever they are installed (an editable checkout lists runtime/ before
+    unweight/codec/, an installed package codec/ before runtime/)."""
     codec = importlib.util.find_spec("unweight.codec").submodule_search_locations[0]
     kernels = Path(importlib.util.find_spec(__package__).submodule_search_locations[0]) / "kernels"
-    return sorted(f for d in (Path(codec), kernels) for f in d.glob("*.py"))
+    return sorted((f for d in (Path(codec), kernels) for f in d.glob("*.py")), key=lambda f: (f.parent.name, f.name))
 
 
 @functools.cache

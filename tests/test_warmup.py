@@ -31,6 +31,16 @@ def test_stamp_follows_numba_cache(tmp_path):
     assert r.stdout.split() == ["False"]
 
 
+def test_sources_are_listed_alike_wherever_installed():
+    """The stamp's digest reads the sources by folder and file name, not by path: an editable checkout
+    (runtime/ before unweight/codec/) and an installed package (codec/ before runtime/) name one stamp,
+    so that neither takes the other's compiled kernels for stale."""
+    from unweight.runtime.warmup import _sources
+
+    names = [(f.parent.name, f.name) for f in _sources()]
+    assert names == sorted(names) and {folder for folder, _ in names} == {"codec", "kernels"}
+
+
 def test_compiling_starts_from_an_empty_cache(tmp_path):
     """Compiling drops every cached codec and kernel function and the stamps of earlier sources: numba
     would keep a kernel whose inlined helper's file alone changed. Other files stay."""
