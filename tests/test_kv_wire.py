@@ -112,3 +112,17 @@ def test_unsealed_frames_carry_a_checksum_checked_before_decoding():
         for bad, index in [(sent, 4), (sent[:-1], 3), (sent[1:], 3), (sent + b"\0", 3), (b"\0" * 4, 3)]:
             with pytest.raises(wire.WireError, match="failed its checksum"):
                 wire.strip_check(index, bad)
+
+
+def test_the_codec_rate_is_timed_with_both_coders_warm(monkeypatch):
+    """codec_rate codes and decodes a small frame before it times a whole one: timed with the decoder
+    cold (its kernels loaded or compiled in the timed call), a server's first link measured the BF16
+    codec at 1 MB/s, and `--kv-compression auto` then left the KV uncoded on every link."""
+    calls = []
+    encode, decode = wire.encode_layer, wire.decode_layer
+    monkeypatch.setattr(wire, "encode_layer", lambda t, *a: calls.append(("encode", t.numel())) or encode(t, *a))
+    monkeypatch.setattr(wire, "decode_layer", lambda f, out: calls.append(("decode", out.numel())) or decode(f, out))
+    assert wire.codec_rate(torch.bfloat16, mib=1, rounds=2) > 0
+    whole = (1 << 20) // 2
+    assert calls[:2] == [("encode", calls[0][1]), ("decode", calls[0][1])] and calls[0][1] < whole
+    assert calls[2:] == [("encode", whole), ("decode", whole)] * 2
