@@ -583,7 +583,8 @@ ServeKVCompression = Annotated[
     str,
     typer.Option(
         "--kv-compression",
-        help="Code the KV hand-off losslessly: auto (when the link, measured, is slower than the codec), on, off.",
+        help="Code the KV hand-off losslessly: auto (off loopback, when the link, measured, is slower than the "
+        "codec), on, off.",
     ),
 ]
 ServeKVEncryption = Annotated[

@@ -379,7 +379,7 @@ class ServeConfig:
     kv_cache_tokens: int | None = None  # KV pool of a decode/aggregated worker; None: max_batch full contexts
     dtype: str = "auto"  # the compute dtype (vLLM's --dtype): auto (loader.auto_dtype), bfloat16, float32
     kv_cache_dtype: str = "auto"  # the KV cache's dtype (vLLM's name); auto: the compute dtype
-    kv_compression: str = "auto"  # code the KV hand-off losslessly: auto (link slower than codec), on, off
+    kv_compression: str = "auto"  # code the KV hand-off: auto (off loopback, link slower than codec), on, off
     kv_encryption: str = "auto"  # seal the KV hand-off: auto (off loopback), on, off
 
     def __post_init__(self) -> None:
