@@ -54,7 +54,7 @@ def test_dry_run_on_the_gpu_machines_stack(tmp_path, gpu_python):
     wheels = fetch(gpu_python, tmp_path / "wheels", "3.11")  # this rehearsal's python is 3.11
     out, imports = tmp_path / "out", tmp_path / "imports"
     cmd = [gpu_python, SCRIPT, "--dry-run", "--out", out, "--wheels", tmp_path / "wheels", "--record-imports", imports]
-    done = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=2400)  # past the boxes' sum
+    done = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=3000)  # past the boxes' sum
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-3000:]
 
     # what comes back: at most 8 files, each stage ok and recorded
