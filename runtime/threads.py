@@ -19,23 +19,11 @@ import math
 import os
 import time
 
+from .layers.autotune import other_cpu
+
 INTERVAL_S = 0.5
 TAKE = 0.6  # another process using this much of a core takes it from us
 RELEASE = 0.3  # ... and gives it back below this much (the gap keeps the count from flapping)
-
-
-def _proc_ticks() -> tuple[int, int] | None:
-    """(busy ticks of the machine, ticks of this process), or None without /proc."""
-    try:
-        with open("/proc/stat") as f:
-            cpu = [int(x) for x in f.readline().split()[1:]]
-        with open("/proc/self/stat") as f:
-            own = f.read().rsplit(")", 1)[1].split()
-    except (OSError, ValueError, IndexError):
-        return None
-    return sum(cpu) - cpu[3] - (cpu[4] if len(cpu) > 4 else 0), int(own[11]) + int(
-        own[12]
-    )  # less idle, iowait; utime + stime
 
 
 def threads_for(others: float, max_threads: int, current: int) -> int:
@@ -55,10 +43,9 @@ class CoreGovernor:
         self.threads = self.max_threads
         if enabled is None:
             enabled = os.environ.get("UNWEIGHT_THREAD_GOVERNOR", "1") not in ("0", "", "false")
-        self.enabled = enabled and self.max_threads > 1 and _proc_ticks() is not None
+        self.enabled = enabled and self.max_threads > 1 and other_cpu() is not None
         self._last = time.monotonic()
-        self._ticks = _proc_ticks() if self.enabled else None
-        self._hz = os.sysconf("SC_CLK_TCK") if self.enabled else 100
+        self._others_cpu = other_cpu() if self.enabled else None  # their CPU seconds so far, at the last look
         self.others = 0.0  # cores the other processes used, at the last look
 
     def step(self) -> int:
@@ -68,13 +55,11 @@ class CoreGovernor:
         now = time.monotonic()
         if now - self._last < INTERVAL_S:
             return self.threads
-        ticks = _proc_ticks()
-        if ticks is None or self._ticks is None:
+        spent = other_cpu()
+        if spent is None or self._others_cpu is None:
             return self.threads
-        self.others = max(
-            0.0, ((ticks[0] - self._ticks[0]) - (ticks[1] - self._ticks[1])) / self._hz / (now - self._last)
-        )
-        self._last, self._ticks = now, ticks
+        self.others = max(0.0, (spent - self._others_cpu) / (now - self._last))
+        self._last, self._others_cpu = now, spent
         want = threads_for(self.others, self.max_threads, self.threads)
         if want != self.threads:
             self.apply(want)

@@ -109,15 +109,16 @@ def preemptions() -> int:
 
 
 def other_cpu() -> float | None:
-    """CPU seconds every process but this one has spent so far, all cores together, from /proc/stat's
-    busy ticks (user, nice, system, irq, softirq) less this process's user and system time (None
-    where there is no /proc/stat): what another process took while this one timed its runs."""
+    """CPU seconds every process but this one has spent so far, all cores together: /proc/stat's
+    ticks less idle and iowait, less this process's user and system time (None where there is no
+    /proc/stat). What other processes took while this one timed its runs; the thread governor
+    (runtime/threads.py) reads it too."""
     if resource is None:
         return None
     try:
         with open("/proc/stat") as f:
-            ticks = f.readline().split()  # "cpu" user nice system idle iowait irq softirq steal ...
-        busy = sum(int(ticks[i]) for i in (1, 2, 3, 6, 7)) / os.sysconf("SC_CLK_TCK")
+            ticks = [int(t) for t in f.readline().split()[1:]]  # user nice system idle iowait irq softirq steal
+        busy = (sum(ticks) - ticks[3] - (ticks[4] if len(ticks) > 4 else 0)) / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError):
         return None
     own = resource.getrusage(resource.RUSAGE_SELF)
