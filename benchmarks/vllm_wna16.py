@@ -49,7 +49,13 @@ def layer_for(packed: np.ndarray, scales: np.ndarray, cols: int):
 
 
 def main() -> None:
-    experts, rounds, rows = int(sys.argv[1]), int(sys.argv[2]), [int(v) for v in sys.argv[3:]]
+    try:
+        experts, rounds, rows = int(sys.argv[1]), int(sys.argv[2]), [int(v) for v in sys.argv[3:]]
+    except (IndexError, ValueError):
+        usage = f"usage: {sys.argv[0]} EXPERTS ROUNDS ROWS... (int4_resident_bench.py --vllm runs it)"
+        raise SystemExit(usage) from None
+    if not rows:
+        raise SystemExit("vllm_wna16.py: no ROWS given")
     from vllm.platforms import current_platform
 
     current_platform.import_kernels()
