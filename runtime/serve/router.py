@@ -548,7 +548,7 @@ class Router:
     def _pick(self, role: str) -> WorkerHandle:
         ready = [w for w in self.workers.values() if w.role == role and w.state == "ready"]
         if not ready:
-            raise Unavailable(f"no {role} worker is ready")
+            raise Unavailable("no worker is ready" if role == "worker" else f"no {role} worker is ready")
         return min(ready, key=lambda w: (w.load + w.running, w.name))
 
     def room(self) -> int:
