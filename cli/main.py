@@ -595,6 +595,15 @@ ServeKVEncryption = Annotated[
         "A decode worker with it on refuses unsealed KV.",
     ),
 ]
+ServeGenerationConfig = Annotated[
+    str,
+    typer.Option(
+        "--generation-config",
+        help="Defaults for what a request leaves out of temperature, top_p, top_k, min_p and repetition_penalty: "
+        "auto (the model's generation_config.json, as vLLM takes it), vllm (OpenAI's: temperature 1, none of the "
+        "others).",
+    ),
+]
 ServeSecretFile = Annotated[
     Path | None,
     typer.Option(
@@ -690,6 +699,7 @@ def serve(
     kv_cache_dtype: ServeKVDtype = "auto",
     kv_compression: ServeKVCompression = "auto",
     kv_encryption: ServeKVEncryption = "auto",
+    generation_config: ServeGenerationConfig = "auto",
     control_secret_file: ServeSecretFile = None,
     worker_timeout: ServeWorkerTimeout = 10.0,
     engine: ServeEngine = "unweight",

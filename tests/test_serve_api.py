@@ -354,3 +354,44 @@ def test_the_openai_client_raises_bad_request_by_name(client):
         client.chat.completions.create(model="uw", messages=CHAT, response_format={"type": "json_object"})
     assert "response_format" in str(e.value)
     assert json.loads(e.value.response.text)["error"]["param"] == "response_format"
+
+
+def test_generation_config_gives_the_sampling_a_request_leaves_out(uw, tmp_path):
+    """As vLLM's `--generation-config auto`: the model's generation_config.json fills what a request
+    leaves out of temperature, top_p, top_k, min_p and repetition_penalty (values equal to
+    transformers' defaults say nothing); what the request gives wins; `--generation-config vllm`
+    keeps OpenAI's defaults. A mistyped or out-of-bounds field stops the server, named."""
+    from unweight.errors import SourceError
+    from unweight.runtime.serve.api import ChatRequest, CompletionRequest
+    from unweight.runtime.serve.protocol import ServeConfig
+    from unweight.runtime.serve.routes.state import ServerState
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (folder / f).write_bytes((uw / f).read_bytes())
+    gen = {"eos_token_id": 2, "do_sample": True, "temperature": 0.6, "top_p": 0.9, "top_k": 50, "min_p": 0.05}
+    (folder / "generation_config.json").write_text(json.dumps(gen | {"repetition_penalty": 1.1}))
+
+    state = ServerState.from_config(ServeConfig(model=str(folder)))
+    assert state.sampling == {"temperature": 0.6, "top_p": 0.9, "min_p": 0.05, "repetition_penalty": 1.1}
+    p = ChatRequest(model="uw", messages=CHAT).params(8, None, defaults=state.sampling)
+    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty) == (0.6, 0.9, 0, 0.05, 1.1)
+    p = CompletionRequest(model="uw", prompt="x", temperature=0, top_p=1, top_k=5).params(
+        8, None, defaults=state.sampling
+    )
+    assert (p.temperature, p.top_p, p.top_k, p.min_p) == (0, 1, 5, 0.05)
+    assert ServerState.from_config(ServeConfig(model=str(folder), generation_config="vllm")).sampling == {}
+    assert CompletionRequest(model="uw", prompt="x").params(8, None, defaults={}).temperature == 1.0
+
+    for bad, named in (({"temperature": "0.6"}, "temperature is '0.6', not a number"),
+                       ({"top_k": 2.5}, "top_k is 2.5, not an integer"),
+                       ({"top_p": 0}, "top_p is 0, out of bounds"),
+                       ({"temperature": float("nan")}, "temperature is nan, out of bounds")):  # fmt: skip
+        (folder / "generation_config.json").write_text(json.dumps(bad))
+        with pytest.raises(SourceError, match=named):
+            ServerState.from_config(ServeConfig(model=str(folder)))
+    (folder / "generation_config.json").unlink()
+    assert ServerState.from_config(ServeConfig(model=str(folder))).sampling == {}
+    with pytest.raises(ValueError, match="generation-config 'hf' is not one of auto, vllm"):
+        ServeConfig(model=str(folder), generation_config="hf")

@@ -163,6 +163,45 @@ def _generation_eos(path: Path) -> tuple[int, ...]:
     return tuple(i for i in ids if isinstance(i, int) and not isinstance(i, bool))
 
 
+# generation_config.json's sampling fields that a server takes as defaults (vLLM's `--generation-config
+# auto`: what its get_diff_sampling_param reads), with transformers' own defaults, which say nothing,
+# and the bounds a request's field has (serve/api.py)
+SAMPLING_FIELDS = {
+    "temperature": (1.0, 0.0, 2.0),
+    "top_p": (1.0, 0.0, 1.0),
+    "top_k": (50, -1, None),
+    "min_p": (None, 0.0, 1.0),
+    "repetition_penalty": (1.0, 0.0, 1000.0),
+}
+
+
+def sampling_defaults(path: str | os.PathLike) -> dict:
+    """The sampling settings the model's makers recommend in generation_config.json (temperature,
+    top_p, top_k, min_p, repetition_penalty), where they differ from transformers' defaults: what
+    vLLM serves a request that leaves them out. {} without the file. SourceError names a field of the
+    wrong type or out of bounds."""
+    from unweight.folder import read_json
+
+    f = Path(path) / "generation_config.json"
+    if not f.exists():
+        return {}
+    gen = read_json(f)
+    if not isinstance(gen, dict):
+        raise SourceError(f"{f}: not a JSON object")
+    out = {}
+    for name, (neutral, low, high) in SAMPLING_FIELDS.items():
+        v = gen.get(name)
+        if v is None or v == neutral:
+            continue
+        integer = name == "top_k"
+        if isinstance(v, bool) or not isinstance(v, int if integer else (int, float)):
+            raise SourceError(f"{f}: {name} is {v!r}, not {'an integer' if integer else 'a number'}")
+        if not low <= v <= (high if high is not None else v) or (name in ("top_p", "repetition_penalty") and v == 0):
+            raise SourceError(f"{f}: {name} is {v!r}, out of bounds")
+        out[name] = v
+    return out
+
+
 def _fill(
     model: CausalLM, ckpt: CompressedCheckpoint, dev: torch.device, layout: str, threads: int | None, dtype: torch.dtype
 ) -> int:

@@ -119,10 +119,13 @@ class _Sampling(BaseModel):
         """Sequences to run per prompt (best_of where it is larger than n)."""
         return max(self.n or 1, getattr(self, "best_of", None) or 1)
 
-    def params(self, max_new_tokens: int, logprobs: int | None, choice: int = 0) -> SamplingParams:
+    def params(
+        self, max_new_tokens: int, logprobs: int | None, choice: int = 0, defaults: dict | None = None
+    ) -> SamplingParams:
         """The sampling settings of one choice, with defaults for what the request left out (raises
-        ValueError). Choice i draws with seed + i."""
-        given = {
+        ValueError): `defaults`' (the model's generation_config.json, loader.sampling_defaults), else
+        OpenAI's (temperature 1, no truncation, no penalty). Choice i draws with seed + i."""
+        given = dict(defaults or {}) | {
             k: getattr(self, k)
             for k in (
                 "temperature",
@@ -146,7 +149,7 @@ class _Sampling(BaseModel):
             raise ValueError(f"min_tokens {given['min_tokens']} is more than max_tokens {max_new_tokens}")
         return SamplingParams(
             max_new_tokens=max_new_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
+            temperature=given.get("temperature", 1.0),
             stop=self.stop or [],
             logprobs=logprobs,
             **{k: v for k, v in given.items() if k != "temperature"},

@@ -25,6 +25,11 @@ log = logging.getLogger(__name__)
 
 def create_app(cfg: ServeConfig) -> FastAPI:
     state = ServerState.from_config(cfg)
+    if state.sampling:  # said once, as vLLM says it: what a request leaves out is no longer OpenAI's default
+        log.warning(
+            "sampling defaults from the model's generation_config.json (--generation-config vllm for OpenAI's): %s",
+            state.sampling,
+        )
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

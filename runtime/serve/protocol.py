@@ -381,6 +381,7 @@ class ServeConfig:
     kv_cache_dtype: str = "auto"  # the KV cache's dtype (vLLM's name); auto: the compute dtype
     kv_compression: str = "auto"  # code the KV hand-off: auto (off loopback, link slower than codec), on, off
     kv_encryption: str = "auto"  # seal the KV hand-off: auto (off loopback), on, off
+    generation_config: str = "auto"  # sampling defaults: auto (the model's generation_config.json), vllm (none)
 
     def __post_init__(self) -> None:
         for name, choices in (
@@ -388,6 +389,7 @@ class ServeConfig:
             ("kv_cache_dtype", KV_CACHE_DTYPES),
             ("kv_compression", ("auto", "on", "off")),
             ("kv_encryption", ("auto", "on", "off")),
+            ("generation_config", ("auto", "vllm")),
         ):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name.replace('_', '-')} {getattr(self, name)!r} is not one of {', '.join(choices)}")

@@ -70,7 +70,9 @@ async def _submit(s: ServerState, req, prompts: list[list[int]], chat: bool, cho
             for j in range(per_prompt):
                 try:
                     # best_of ranks by the chosen tokens' logprobs: ask for them even if the client did not
-                    params = req.params(limits[pi], top if per_prompt == n else (top or 0), choice=j)
+                    params = req.params(
+                        limits[pi], top if per_prompt == n else (top or 0), choice=j, defaults=s.sampling
+                    )
                     params.check_vocab(s.vocab_size)
                 except ValueError as e:
                     raise HTTPError(400, str(e)) from None

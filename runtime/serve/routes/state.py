@@ -11,7 +11,7 @@ from pathlib import Path
 from fastapi import Request
 
 from ...generate import eos_ids, load_tokenizer
-from ...model.loader import model_config
+from ...model.loader import model_config, sampling_defaults
 from ..logprobs import TokenText
 from ..metrics import Metrics
 from ..protocol import ServeConfig, context_limits
@@ -32,6 +32,7 @@ class ServerState:
     tokenizing: concurrent.futures.ThreadPoolExecutor  # prompts never tokenise on the event loop
     max_chars: int | None  # characters beyond which a prompt certainly has more than max_len tokens
     expected_auth: bytes | None  # the Authorization header's bytes when an API key is set
+    sampling: dict  # what a request leaves out of temperature, top_p, top_k, min_p, repetition_penalty
 
     @classmethod
     def from_config(cls, cfg: ServeConfig) -> ServerState:
@@ -55,6 +56,7 @@ class ServerState:
             tokenizing=concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="tokenize"),
             max_chars=_max_prompt_chars(tokenizer, max_len),
             expected_auth=f"Bearer {cfg.api_key}".encode() if cfg.api_key else None,
+            sampling=sampling_defaults(cfg.model) if cfg.generation_config == "auto" else {},
         )
 
     def check_key(self, request: Request) -> None:
